@@ -1,0 +1,15 @@
+"""Transfer planning: pure functions of the catalogs and the topology."""
+
+from syncd.plan.planner import DEFAULT_BUCKET_BYTES, make_plan
+from syncd.plan.types import Bucket, DestMember, LinkSummary, Plan, SourceMember, TransferUnit
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Bucket",
+    "DestMember",
+    "LinkSummary",
+    "Plan",
+    "SourceMember",
+    "TransferUnit",
+    "make_plan",
+]

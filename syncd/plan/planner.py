@@ -1,0 +1,197 @@
+"""The planner: a pure function from two sets of catalogs to transfer units packed into buckets.
+
+How it works, per canonical tensor:
+1. Cut the canonical tensor into *cells* along every boundary of every source box (coordinate
+   compression). Each cell lists the sources that hold all of it: its replicas.
+2. Intersect every destination piece with the cells it touches. A touched cell without a replica
+   is an element no source covers: an error naming the tensor, raised before anything moves.
+3. Each (cell, destination piece) intersection becomes one transfer unit from one replica, chosen
+   as the least-loaded so far, so replicated data is sent once and spread over its holders.
+Units larger than a bucket are cut into slabs; the units of each (stage, src, dst) link are
+packed greedily, in a deterministic order, into buckets of at most `bucket_bytes`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from syncd.layout import Box, CanonicalTensor, Piece, dtype_bytes
+from syncd.layout.catalog import first_overlap
+from syncd.plan.types import Bucket, DestMember, Plan, SourceMember, TransferUnit
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _Holding:
+    """One piece of one member's local tensor."""
+
+    member: int
+    tensor: str
+    piece: Piece
+
+
+def make_plan(
+    sources: Sequence[SourceMember],
+    destinations: Sequence[DestMember],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Plan:
+    """Plan a refit. Raises ValueError (naming the tensor) if the two sides disagree on a canonical
+    tensor's shape or dtype, if destination boxes overlap, or if a destination element has no source."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    ids = [m.member_id for m in sources] + [m.member_id for m in destinations]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"member ids must be unique, got {sorted(ids)}")
+    meta = _canonical_meta(sources, destinations)
+    src_holdings = _holdings_by_canonical([m.catalog for m in sources])
+    dst_holdings = _holdings_by_canonical([m.catalog for m in destinations])
+    load = [0] * len(sources)
+    links: dict[tuple[int, int], list[TransferUnit]] = defaultdict(list)
+    for name in sorted(dst_holdings):
+        holders = src_holdings.get(name)
+        if not holders:
+            raise ValueError(f"no source holds canonical tensor {name}, which a destination needs")
+        _check_destination_overlap(name, dst_holdings[name])
+        limit = max(1, bucket_bytes // dtype_bytes(meta[name].dtype))
+        for src, dst, unit in _units_for_tensor(meta[name], holders, dst_holdings[name], load, limit):
+            links[(src, dst)].append(unit)
+    return _pack(links, sources, destinations, bucket_bytes)
+
+
+def _canonical_meta(
+    sources: Sequence[SourceMember], destinations: Sequence[DestMember]
+) -> dict[str, CanonicalTensor]:
+    meta: dict[str, tuple[CanonicalTensor, str]] = {}
+    for m in [*sources, *destinations]:
+        for c in m.catalog.canonical:
+            seen = meta.setdefault(c.name, (c, m.member_id))
+            if (seen[0].shape, seen[0].dtype) != (c.shape, c.dtype):
+                raise ValueError(
+                    f"canonical tensor {c.name} disagrees: {seen[1]} has {seen[0].dtype}{list(seen[0].shape)}, "
+                    f"{m.member_id} has {c.dtype}{list(c.shape)}"
+                )
+    return {name: c for name, (c, _) in meta.items()}
+
+
+def _holdings_by_canonical(catalogs: Sequence) -> dict[str, list[_Holding]]:
+    out: dict[str, list[_Holding]] = defaultdict(list)
+    for i, catalog in enumerate(catalogs):
+        for t in catalog.tensors:
+            for p in t.pieces:
+                out[p.canonical].append(_Holding(i, t.name, p))
+    return out
+
+
+def _check_destination_overlap(name: str, holdings: list[_Holding]) -> None:
+    per_member: dict[int, list[Box]] = defaultdict(list)
+    for h in holdings:
+        per_member[h.member].append(h.piece.canon)
+    for boxes in per_member.values():
+        pair = first_overlap(boxes)
+        if pair is not None:
+            raise ValueError(f"destination boxes {pair[0]} and {pair[1]} of {name} overlap on one member")
+
+
+def _units_for_tensor(
+    meta: CanonicalTensor,
+    sources: list[_Holding],
+    dests: list[_Holding],
+    load: list[int],
+    max_elements: int,
+) -> Iterator[tuple[int, int, TransferUnit]]:
+    itemsize = dtype_bytes(meta.dtype)
+    cuts = [sorted({0, n, *(h.piece.canon.start[d] for h in sources), *(h.piece.canon.stop[d] for h in sources)})
+            for d, n in enumerate(meta.shape)]
+    replicas: dict[tuple[int, ...], list[_Holding]] = defaultdict(list)
+    for h in sources:
+        for cell in _cells(cuts, h.piece.canon):
+            replicas[cell].append(h)
+    for dst in dests:
+        for cell in _cells(cuts, dst.piece.canon):
+            holders = replicas.get(cell)
+            cell_box = Box(tuple(c[i] for c, i in zip(cuts, cell)), tuple(c[i + 1] for c, i in zip(cuts, cell)))
+            sub = cell_box.intersect(dst.piece.canon)
+            assert sub is not None  # cells come from the destination box's own range
+            if not holders:
+                raise ValueError(f"no source covers region {sub} of canonical tensor {meta.name}")
+            src = min(holders, key=lambda h: (load[h.member], h.member))
+            load[src.member] += sub.numel * itemsize
+            for slab in _slabs(sub, max_elements):
+                yield src.member, dst.member, TransferUnit(
+                    canonical=meta.name,
+                    canon=slab,
+                    dtype=meta.dtype,
+                    src_tensor=src.tensor,
+                    src_box=src.piece.local_region(slab),
+                    dst_tensor=dst.tensor,
+                    dst_box=dst.piece.local_region(slab),
+                    nbytes=slab.numel * itemsize,
+                )
+
+
+def _cells(cuts: list[list[int]], box: Box) -> Iterator[tuple[int, ...]]:
+    """Indices of the grid cells inside `box` (cut points always include the box's bounds for
+    sources; for destinations a cell may stick out and is clipped by the caller)."""
+    ranges = []
+    for c, lo, hi in zip(cuts, box.start, box.stop):
+        first = bisect.bisect_right(c, lo) - 1
+        last = bisect.bisect_left(c, hi)
+        ranges.append(range(first, last))
+    return itertools.product(*ranges)
+
+
+def _slabs(box: Box, max_elements: int) -> Iterator[Box]:
+    """Cut `box` into C-order slabs of at most `max_elements` elements (itself when it fits)."""
+    if box.numel <= max_elements:
+        yield box
+        return
+    d = next(d for d, n in enumerate(box.shape) if n > 1)
+    inner = box.numel // box.shape[d]
+    if inner <= max_elements:
+        step = max_elements // inner
+        for lo in range(box.start[d], box.stop[d], step):
+            yield _with_dim(box, d, lo, min(lo + step, box.stop[d]))
+    else:
+        for lo in range(box.start[d], box.stop[d]):
+            yield from _slabs(_with_dim(box, d, lo, lo + 1), max_elements)
+
+
+def _with_dim(box: Box, d: int, lo: int, hi: int) -> Box:
+    start, stop = list(box.start), list(box.stop)
+    start[d], stop[d] = lo, hi
+    return Box(tuple(start), tuple(stop))
+
+
+def _pack(
+    links: dict[tuple[int, int], list[TransferUnit]],
+    sources: Sequence[SourceMember],
+    destinations: Sequence[DestMember],
+    bucket_bytes: int,
+) -> Plan:
+    buckets: list[Bucket] = []
+    stage_members: dict[int, set[str]] = defaultdict(set)
+    for (s, d), units in sorted(links.items(), key=lambda kv: (sources[kv[0][0]].stage, kv[0])):
+        src, dst = sources[s], destinations[d]
+        stage_members[src.stage].update((src.member_id, dst.member_id))
+        groups: list[list[TransferUnit]] = [[]]
+        size = 0
+        for unit in units:
+            if groups[-1] and size + unit.nbytes > bucket_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(unit)
+            size += unit.nbytes
+        for index, group in enumerate(groups):
+            nbytes = sum(u.nbytes for u in group)
+            buckets.append(Bucket(src.stage, src.member_id, dst.member_id, index, tuple(group), nbytes))
+    return Plan(
+        buckets=tuple(buckets),
+        bucket_bytes=bucket_bytes,
+        stage_members={k: tuple(sorted(v)) for k, v in sorted(stage_members.items())},
+    )

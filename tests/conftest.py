@@ -1,0 +1,25 @@
+"""Suite-wide settings: GPU tests skip where there are no GPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable CUDA at all means no GPUs
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = _gpu_count()
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        needed = marker.kwargs.get("count", 1)
+        if gpus < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} GPU(s), found {gpus}"))

@@ -1,0 +1,148 @@
+"""Property tests: random canonical tensors and random source/destination layouts in, bit-exact
+arrays out (executed by the NumPy reference data plane)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from syncd.layout import (
+    CanonicalTensor,
+    Canon,
+    Catalog,
+    Concat,
+    InterleavedShard,
+    Replicate,
+    Shard,
+    Sharded,
+    local_tensor,
+)
+from syncd.plan import DestMember, SourceMember, make_plan
+from syncd.plan.simulate import execute, materialize
+
+
+@st.composite
+def tensor_groups(draw):
+    """Groups of canonical tensors that share all dims but dim 0, so they can be fused."""
+    groups = []
+    for g in range(draw(st.integers(1, 3))):
+        rank = draw(st.integers(1, 4))
+        trailing = tuple(draw(st.lists(st.integers(1, 5), min_size=rank - 1, max_size=rank - 1)))
+        sizes = draw(st.lists(st.integers(1, 8), min_size=1, max_size=3))
+        groups.append([CanonicalTensor(f"g{g}.t{i}", (n, *trailing), "float32") for i, n in enumerate(sizes)])
+    return groups
+
+
+@st.composite
+def placements(draw, rank: int, mesh: tuple[int, ...], extents: tuple[int, ...]):
+    out = []
+    used_interleave = set()
+    for _ in mesh:
+        kind = draw(st.sampled_from(["replicate", "shard", "interleave"]))
+        dim = draw(st.integers(0, rank - 1))
+        divisors = [s for s in range(2, extents[dim] + 1) if extents[dim] % s == 0]
+        if kind == "interleave" and divisors and dim not in used_interleave and not out:
+            used_interleave.add(dim)
+            out.append(InterleavedShard(dim, draw(st.sampled_from(divisors))))
+        elif kind == "replicate":
+            out.append(Replicate())
+        else:
+            out.append(Shard(dim))
+    return tuple(out)
+
+
+@st.composite
+def side(draw, groups, prefix: str):
+    """A random mesh and, for every member, a catalog built with the layout expressions."""
+    mesh = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))
+    exprs = []
+    for g, tensors in enumerate(groups):
+        rank = len(tensors[0].shape)
+        style = draw(st.sampled_from(["plain", "concat_of_shards", "shard_of_concat"]))
+        if style == "plain" or len(tensors) == 1:
+            for t in tensors:
+                exprs.append((t.name, [t], draw(placements(rank, mesh, t.shape)), "plain"))
+        else:
+            fused = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+            exprs.append((f"fused{g}", tensors, draw(placements(rank, mesh, fused)), style))
+    members = []
+    for coords in itertools.product(*(range(n) for n in mesh)):
+        locals_, canon = [], {}
+        for name, tensors, pl, style in exprs:
+            if style == "concat_of_shards":
+                per_part = tuple(p if isinstance(p, Shard) else Replicate() for p in pl)
+                parts = [Sharded(Canon(t.name, t.shape), per_part, mesh, coords) for t in tensors]
+                parts = [p for p in parts if 0 not in p.shape]
+                expr = Concat(0, tuple(parts)) if parts else None
+            else:
+                base = Canon(tensors[0].name, tensors[0].shape) if style == "plain" else Concat(0, tuple(Canon(t.name, t.shape) for t in tensors))
+                expr = Sharded(base, pl, mesh, coords)
+            if expr is None or 0 in expr.shape:
+                continue
+            locals_.append(local_tensor(name, "float32", expr))
+            for t in tensors:
+                canon[t.name] = t
+        members.append((f"{prefix}{'-'.join(map(str, coords))}", coords, Catalog(tuple(canon.values()), tuple(locals_))))
+    return members
+
+
+def _canonical_arrays(groups, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {t.name: rng.standard_normal(t.shape).astype(np.float32) for g in groups for t in g}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_layouts_reproduce_every_destination_bit_exactly(data):
+    groups = data.draw(tensor_groups())
+    srcs = data.draw(side(groups, "src"))
+    dsts = data.draw(side(groups, "dst"))
+    bucket_bytes = data.draw(st.sampled_from([4, 64, 1 << 20]))
+    for _, _, catalog in srcs + dsts:
+        catalog.validate()
+    plan = make_plan(
+        [SourceMember(m, coords[0] % 2, c) for m, coords, c in srcs],
+        [DestMember(m, c) for m, _, c in dsts],
+        bucket_bytes=bucket_bytes,
+    )
+    canonical = _canonical_arrays(groups, data.draw(st.integers(0, 2**16)))
+    src_arrays = {m: materialize(c, canonical) for m, _, c in srcs}
+    dst_arrays = {m: {t.name: np.full(t.shape, np.nan, np.float32) for t in c.tensors} for m, _, c in dsts}
+    execute(plan, src_arrays, dst_arrays)
+    for m, _, catalog in dsts:
+        expected = materialize(catalog, canonical)
+        for name, arr in dst_arrays[m].items():
+            np.testing.assert_array_equal(arr, expected[name], err_msg=f"{m}/{name}")
+
+    writes = {m: {t.name: np.zeros(t.shape, np.int32) for t in c.tensors} for m, _, c in dsts}
+    for bucket in plan.buckets:
+        assert bucket.nbytes <= bucket_bytes or len(bucket.units) == 1
+        for u in bucket.units:
+            writes[bucket.dst][u.dst_tensor][u.dst_box.slices()] += 1
+    for m, per_tensor in writes.items():
+        for name, count in per_tensor.items():
+            assert (count == 1).all(), f"{m}/{name}: an element was written {count.min()}..{count.max()} times"
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups=tensor_groups(), replicas=st.integers(2, 4), data=st.data())
+def test_replicated_sources_send_once_and_spread_the_load(groups, replicas, data):
+    full = Catalog(
+        tuple(t for g in groups for t in g),
+        tuple(local_tensor(t.name, "float32", Canon(t.name, t.shape)) for g in groups for t in g),
+    )
+    srcs = [SourceMember(f"src{r}", 0, full) for r in range(replicas)]
+    dsts = data.draw(side(groups, "dst"))
+    plan = make_plan(srcs, [DestMember(m, c) for m, _, c in dsts], bucket_bytes=1 << 30)
+    needed = sum(c.nbytes for _, _, c in dsts)
+    assert plan.total_bytes == needed, "replicated data must be sent exactly once per destination"
+    load = defaultdict(int)
+    for b in plan.buckets:
+        load[b.src] += b.nbytes
+    largest_unit = max(u.nbytes for b in plan.buckets for u in b.units)
+    loads = [load[s.member_id] for s in srcs]
+    assert max(loads) - min(loads) <= largest_unit, loads
