@@ -1,0 +1,23 @@
+"""The data plane: bucket packing, checksums, transports (gloo, NCCL) and the send/recv loops."""
+
+from syncd.dataplane.checksum import checksum, unit_key
+from syncd.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
+from syncd.dataplane.pack import TORCH_DTYPES, catalog_views, pack_into, unpack_from
+from syncd.dataplane.transport import GlooTransport, TransferError, TransferTimeout, Transport
+
+__all__ = [
+    "TORCH_DTYPES",
+    "GlooTransport",
+    "TransferAborted",
+    "TransferStats",
+    "TransferError",
+    "TransferTimeout",
+    "Transport",
+    "catalog_views",
+    "checksum",
+    "pack_into",
+    "recv_buckets",
+    "send_buckets",
+    "unit_key",
+    "unpack_from",
+]

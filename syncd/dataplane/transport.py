@@ -1,0 +1,99 @@
+"""Data-plane transports: point-to-point byte buffers inside one per-stage group.
+
+The interface is deliberately tiny (isend, irecv, wait with a timeout, abort) so NCCL (nccl4py on
+GPUs, `syncd.dataplane.nccl`) and gloo (CPU) are interchangeable under the same executor.
+
+Group setup follows syncd's negotiation: rank 0 calls `create_address()` and reports the address
+through syncd before it blocks in `connect()`; the others `connect()` with the relayed address.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class TransferError(RuntimeError):
+    """A send or receive failed: the peer died, closed the group, or the group was aborted."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A send or receive did not complete in time."""
+
+
+class Handle(Protocol):
+    def wait(self, timeout_s: float) -> None: ...
+
+
+class Transport(Protocol):
+    rank: int
+    world_size: int
+
+    def isend(self, buf: torch.Tensor, peer: int) -> Handle: ...
+    def irecv(self, buf: torch.Tensor, peer: int) -> Handle: ...
+    def abort(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class _GlooHandle:
+    def __init__(self, work, what: str):
+        self._work, self._what = work, what
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self._work.wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise TransferTimeout(f"{self._what} did not complete within {timeout_s:.0f} s") from e
+            raise TransferError(f"{self._what} failed: {str(e).splitlines()[0][:200]}") from e
+
+
+class GlooTransport:
+    """A standalone gloo process group (not torch's default group, which vLLM and the trainer
+    already use), rendezvousing on a TCPStore hosted by group rank 0."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, group_id: str, timeout_s: float):
+        self.rank, self.world_size = rank, world_size
+        self._store = store  # rank 0 hosts the store: keep it alive as long as the group
+        self._pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"weightsync/{group_id}", store), rank, world_size,
+            datetime.timedelta(seconds=timeout_s),
+        )
+
+    @staticmethod
+    def create_address(host: str, world_size: int, timeout_s: float) -> tuple[str, dist.Store]:
+        """Rank 0: host a rendezvous store on a free port; returns ("host:port", store)."""
+        store = dist.TCPStore(host, 0, world_size, is_master=True,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        return f"{host}:{store.port}", store
+
+    @classmethod
+    def connect(cls, address: str, rank: int, world_size: int, group_id: str, timeout_s: float,
+                store: dist.Store | None = None) -> GlooTransport:
+        """Join the group; blocks until every member joined or `timeout_s` passed."""
+        if store is None:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"gloo group address must be host:port, got {address!r}")
+            store = dist.TCPStore(host, int(port), world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(store, rank, world_size, group_id, timeout_s)
+
+    def isend(self, buf: torch.Tensor, peer: int) -> Handle:
+        return _GlooHandle(self._pg.send([buf], peer, 0), f"send of {buf.numel()} bytes to rank {peer}")
+
+    def irecv(self, buf: torch.Tensor, peer: int) -> Handle:
+        return _GlooHandle(self._pg.recv([buf], peer, 0), f"receive of {buf.numel()} bytes from rank {peer}")
+
+    def abort(self) -> None:
+        try:
+            self._pg.abort()
+        except RuntimeError:
+            pass  # already aborted or torn down: nothing left to unblock
+
+    def close(self) -> None:
+        self.abort()
+
