@@ -95,5 +95,7 @@ class GlooTransport:
             pass  # already aborted or torn down: nothing left to unblock
 
     def close(self) -> None:
+        """Abort and drop the group so its sockets close: peers fail fast instead of timing out."""
         self.abort()
+        self._pg = None
 

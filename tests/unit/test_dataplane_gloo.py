@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import numpy as np
@@ -101,7 +102,9 @@ def test_receiver_fails_cleanly_instead_of_hanging_when_the_sender_never_sends(s
     def silent_sender():
         transport = GlooTransport.connect(address, 0, 2, "g1", 30, store)  # joins, never sends
         if sender_dies:
-            transport.abort()
+            transport.close()
+            del transport
+            gc.collect()
         done.wait(30)
 
     def receiver():
