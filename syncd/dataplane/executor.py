@@ -4,23 +4,30 @@ Ordering rule that makes the loops deadlock-free without any coordination: every
 buckets by (dst, index) and every receiver by (src, index), both in the plan's global order, so a
 waiting chain always moves to strictly smaller members and cannot close into a cycle.
 
-Memory: each loop owns `in_flight` staging buffers of `bucket_bytes` (default 2: pack the next
-bucket while the previous one is on the wire; unpack the previous while the next one arrives).
+Memory: each loop owns `in_flight` staging buffers of the largest bucket's size (default 2: pack
+the next bucket while the previous one is on the wire; unpack the previous while the next arrives).
+On GPUs the loop packs/unpacks on a stream of its own, so concurrent stages overlap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from syncd.dataplane.checksum import checksum, unit_key
+from syncd.dataplane.checksum import Checksums, unit_key
 from syncd.dataplane.pack import pack_into, unpack_from
 from syncd.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
+
+
+# Staging buffers live as long as their transport (one group per stage, reused across refits).
+_STAGING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class TransferAborted(RuntimeError):
@@ -35,94 +42,117 @@ class TransferStats:
     seconds: float = 0.0
 
 
-def _region(t: torch.Tensor, box) -> torch.Tensor:
-    return t[tuple(slice(a, b) for a, b in zip(box.start, box.stop))]
+@dataclass
+class _Loop:
+    tensors: Mapping[str, torch.Tensor]
+    transport: Transport
+    ranks: Mapping[str, int]
+    timeout_s: float
+    in_flight: int
+    verify: bool
+    cancel: threading.Event | None
+    stats: TransferStats = field(default_factory=TransferStats)
+    sums: Checksums = field(default_factory=Checksums)
 
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors.values())).device
 
-def _buffers(count: int, nbytes: int, device: torch.device) -> list[torch.Tensor]:
-    return [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
+    def buffers(self, buckets: Sequence[Bucket]) -> list[torch.Tensor]:
+        """`in_flight` staging buffers, kept with the transport so that refits after the first
+        reuse them instead of faulting in fresh memory every time."""
+        size = max(b.nbytes for b in buckets)
+        pool = _STAGING.get(self.transport)
+        if pool is None or len(pool) != self.in_flight or pool[0].numel() < size or pool[0].device != self.device:
+            pool = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.in_flight)]
+            _STAGING[self.transport] = pool
+        return pool
 
-
-def send_buckets(
-    buckets: Sequence[Bucket],
-    tensors: Mapping[str, torch.Tensor],
-    transport: Transport,
-    ranks: Mapping[str, int],
-    *,
-    timeout_s: float,
-    in_flight: int = 2,
-    verify: bool = True,
-    cancel: threading.Event | None = None,
-) -> TransferStats:
-    """Send `buckets` (all with this member as src) reading from `tensors` (catalog views)."""
-    stats, start = TransferStats(), time.perf_counter()
-    if not buckets:
-        return stats
-    device = next(iter(tensors.values())).device
-    bufs = _buffers(in_flight, max(b.nbytes for b in buckets), device)
-    pending: list[Handle | None] = [None] * in_flight
-    for i, bucket in enumerate(sorted(buckets, key=lambda b: (b.dst, b.index))):
-        _check(cancel)
-        slot = i % in_flight
-        if pending[slot] is not None:
-            pending[slot].wait(timeout_s)  # the buffer is free only once its send completed
-        flat = pack_into(bucket, tensors, bufs[slot])
-        pending[slot] = transport.isend(flat, ranks[bucket.dst])
-        if verify:
+    def account(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """Both sides checksum the packed bytes of every unit: the same bytes in the same order."""
+        if self.verify:
+            offset = 0
             for u in bucket.units:
-                stats.checksums[unit_key(u.canonical, u.canon.start, u.canon.stop)] = checksum(_region(tensors[u.src_tensor], u.src_box))
-        stats.bytes += bucket.nbytes
-        stats.buckets += 1
-    for handle in pending:
-        if handle is not None:
-            handle.wait(timeout_s)
-    stats.seconds = time.perf_counter() - start
-    return stats
+                self.sums.add(unit_key(u.canonical, u.canon.start, u.canon.stop), flat[offset : offset + u.nbytes])
+                offset += u.nbytes
+        self.stats.bytes += bucket.nbytes
+        self.stats.buckets += 1
+
+    def check_cancel(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise TransferAborted("transfer aborted")
+
+    def send(self, buckets: Sequence[Bucket]) -> None:
+        bufs = self.buffers(buckets)
+        pending: list[Handle | None] = [None] * self.in_flight
+        for i, bucket in enumerate(sorted(buckets, key=lambda b: (b.dst, b.index))):
+            self.check_cancel()
+            slot = i % self.in_flight
+            if pending[slot] is not None:
+                pending[slot].wait(self.timeout_s)  # the buffer is free once its send completed
+            flat = pack_into(bucket, self.tensors, bufs[slot])
+            self.account(bucket, flat)
+            pending[slot] = self.transport.isend(flat, self.ranks[bucket.dst])
+        for handle in pending:
+            if handle is not None:
+                handle.wait(self.timeout_s)
+
+    def recv(self, buckets: Sequence[Bucket]) -> None:
+        ordered = sorted(buckets, key=lambda b: (b.src, b.index))
+        bufs = self.buffers(ordered)
+        posted: list[tuple[Bucket, torch.Tensor, Handle]] = []
+
+        def post(i: int) -> None:
+            flat = bufs[i % self.in_flight][: ordered[i].nbytes]
+            posted.append((ordered[i], flat, self.transport.irecv(flat, self.ranks[ordered[i].src])))
+
+        for i in range(min(self.in_flight, len(ordered))):
+            post(i)
+        for i in range(len(ordered)):
+            self.check_cancel()
+            bucket, flat, handle = posted[i]
+            handle.wait(self.timeout_s)
+            self.account(bucket, flat)
+            unpack_from(bucket, flat, self.tensors)
+            if i + self.in_flight < len(ordered):
+                post(i + self.in_flight)  # its buffer was just unpacked
 
 
-def recv_buckets(
-    buckets: Sequence[Bucket],
-    tensors: Mapping[str, torch.Tensor],
-    transport: Transport,
-    ranks: Mapping[str, int],
-    *,
-    timeout_s: float,
-    in_flight: int = 2,
-    verify: bool = True,
-    cancel: threading.Event | None = None,
-) -> TransferStats:
-    """Receive `buckets` (all with this member as dst) into `tensors` (catalog views)."""
-    stats, start = TransferStats(), time.perf_counter()
+@contextlib.contextmanager
+def _work_stream(device: torch.device) -> Iterator[None]:
+    """On GPUs: a stream of this loop's own, ordered after the tensors' last writes and finished
+    before the loop returns."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+def _run(direction: str, buckets: Sequence[Bucket], tensors, transport, ranks, *, timeout_s: float,
+         in_flight: int = 2, verify: bool = True, cancel: threading.Event | None = None) -> TransferStats:
+    loop = _Loop(tensors, transport, ranks, timeout_s, in_flight, verify, cancel)
     if not buckets:
-        return stats
-    device = next(iter(tensors.values())).device
-    ordered = sorted(buckets, key=lambda b: (b.src, b.index))
-    bufs = _buffers(in_flight, max(b.nbytes for b in ordered), device)
-    posted: list[tuple[Bucket, torch.Tensor, Handle]] = []
-
-    def post(i: int) -> None:
-        bucket = ordered[i]
-        flat = bufs[i % in_flight][: bucket.nbytes]
-        posted.append((bucket, flat, transport.irecv(flat, ranks[bucket.src])))
-
-    for i in range(min(in_flight, len(ordered))):
-        post(i)
-    for i in range(len(ordered)):
-        _check(cancel)
-        bucket, flat, handle = posted[i]
-        handle.wait(timeout_s)
-        unpack_from(bucket, flat, tensors)
-        if verify:
-            for u in bucket.units:
-                stats.checksums[unit_key(u.canonical, u.canon.start, u.canon.stop)] = checksum(_region(tensors[u.dst_tensor], u.dst_box))
-        stats.bytes += bucket.nbytes
-        stats.buckets += 1
-        if i + in_flight < len(ordered):
-            post(i + in_flight)  # its buffer was just unpacked
-    stats.seconds = time.perf_counter() - start
-    return stats
+        return loop.stats
+    start = time.perf_counter()
+    with _work_stream(loop.device):
+        loop.send(buckets) if direction == "send" else loop.recv(buckets)
+    loop.stats.checksums = loop.sums.result()
+    loop.stats.seconds = time.perf_counter() - start
+    return loop.stats
 
 
-def _check(cancel: threading.Event | None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise TransferAborted("transfer aborted")
+def send_buckets(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], transport: Transport,
+                 ranks: Mapping[str, int], **options) -> TransferStats:
+    """Send `buckets` (this member is their src), reading from `tensors` (catalog views).
+    Options: timeout_s (required), in_flight=2, verify=True, cancel=None."""
+    return _run("send", buckets, tensors, transport, ranks, **options)
+
+
+def recv_buckets(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], transport: Transport,
+                 ranks: Mapping[str, int], **options) -> TransferStats:
+    """Receive `buckets` (this member is their dst) into `tensors` (catalog views). Same options."""
+    return _run("recv", buckets, tensors, transport, ranks, **options)

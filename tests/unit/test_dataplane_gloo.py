@@ -121,3 +121,14 @@ def test_receiver_fails_cleanly_instead_of_hanging_when_the_sender_never_sends(s
     errors = _run_threads([silent_sender, receiver])
     assert not errors, errors
     assert outcome == {"clean_error": True}
+
+
+def test_checksum_catches_a_flipped_or_swapped_word():
+    from syncd.dataplane import checksum
+
+    x = torch.arange(64, dtype=torch.float32)
+    flipped, swapped = x.clone(), x.clone()
+    flipped.view(torch.int32)[10] ^= 1
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert len({checksum(x), checksum(flipped), checksum(swapped)}) == 3
+    assert checksum(x) == checksum(x.clone())

@@ -1,0 +1,112 @@
+"""NCCL transport through nccl4py's `nccl.core` API (GPU members).
+
+Streams: sends and receives run on the transport's own CUDA stream. A send first waits (on the GPU)
+for the stream that packed its buffer; a receive first waits for the stream that unpacked the
+buffer's previous contents, so a buffer is never read while in flight nor overwritten before use.
+Completion is an event the host polls with a timeout, and the communicator is created
+non-blocking, so neither a missing peer at init nor a lost one mid-transfer can hang a process:
+the caller aborts the communicator instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import torch
+
+from syncd.dataplane.transport import TransferError, TransferTimeout
+
+_POLL_S = 50e-6
+
+
+def _nccl():
+    try:
+        import nccl.core as nccl_core
+        from nccl.bindings import nccl as nccl_bindings
+    except ImportError as e:  # the GPU extra is optional: say how to get it
+        raise RuntimeError("the NCCL transport needs nccl4py: pip install 'weightsync[nccl]'") from e
+    return nccl_core, nccl_bindings
+
+
+class _EventHandle:
+    def __init__(self, event: torch.cuda.Event, transport: NcclTransport, what: str):
+        self._event, self._transport, self._what = event, transport, what
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._event.query():
+            self._transport.raise_async_error(self._what)
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"{self._what} did not complete within {timeout_s:.0f} s")
+            time.sleep(_POLL_S)
+
+
+class NcclTransport:
+    def __init__(self, comm, rank: int, world_size: int, device: torch.device):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self._comm = comm
+        self.stream = torch.cuda.Stream(device)
+
+    @staticmethod
+    def create_address() -> str:
+        """Group rank 0: a fresh NCCL unique id, as text syncd can relay."""
+        nccl_core, _ = _nccl()
+        return base64.b64encode(nccl_core.get_unique_id().as_bytes).decode()
+
+    @classmethod
+    def connect(cls, address: str, rank: int, world_size: int, device: torch.device, timeout_s: float) -> NcclTransport:
+        """Create this rank's communicator; raises TransferTimeout if the group does not form."""
+        nccl_core, bindings = _nccl()
+        uid = nccl_core.UniqueId.from_bytes(base64.b64decode(address))
+        with torch.cuda.device(device):
+            comm = nccl_core.Communicator()
+            try:
+                comm.initialize(world_size, rank, uid, nccl_core.NCCLConfig(blocking=False))
+            except bindings.NCCLError as e:
+                if "InProgress" not in str(e) and "in progress" not in str(e).lower():
+                    raise TransferError(f"NCCL init of rank {rank}/{world_size} failed: {e}") from e
+            transport = cls(comm, rank, world_size, device)
+            deadline = time.monotonic() + timeout_s
+            while transport._state() == "in_progress":
+                if time.monotonic() > deadline:
+                    transport.abort()
+                    raise TransferTimeout(f"NCCL group of {world_size} did not form within {timeout_s:.0f} s")
+                time.sleep(1e-3)
+            transport.raise_async_error(f"NCCL init of rank {rank}/{world_size}")
+        return transport
+
+    def _state(self) -> str:
+        _, bindings = _nccl()
+        result = self._comm.get_async_error()
+        if result == bindings.Result.InProgress:
+            return "in_progress"
+        return "ok" if result == bindings.Result.Success else f"error {result!r}"
+
+    def raise_async_error(self, what: str) -> None:
+        state = self._state()
+        if state.startswith("error"):
+            raise TransferError(f"{what} failed: NCCL {state}")
+
+    def _enqueue(self, op, buf: torch.Tensor, peer: int, what: str) -> _EventHandle:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        op(buf, peer, stream=self.stream.cuda_stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        # No GPU-side wait back: the executor waits for `done` on the host before it reuses `buf`,
+        # so packing the next bucket overlaps this transfer.
+        return _EventHandle(done, self, what)
+
+    def isend(self, buf: torch.Tensor, peer: int) -> _EventHandle:
+        return self._enqueue(self._comm.send, buf, peer, f"send of {buf.numel()} bytes to rank {peer}")
+
+    def irecv(self, buf: torch.Tensor, peer: int) -> _EventHandle:
+        return self._enqueue(self._comm.recv, buf, peer, f"receive of {buf.numel()} bytes from rank {peer}")
+
+    def abort(self) -> None:
+        if self._comm is not None:
+            self._comm.abort()
+            self._comm = None
+
+    def close(self) -> None:
+        self.abort()
