@@ -43,8 +43,9 @@ class _EventHandle:
 
 
 class NcclTransport:
-    def __init__(self, comm, rank: int, world_size: int, device: torch.device):
+    def __init__(self, comm, rank: int, world_size: int, device: torch.device, op_timeout_s: float = 300.0):
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.op_timeout_s = op_timeout_s
         self._comm = comm
         self.stream = torch.cuda.Stream(device)
 
@@ -64,20 +65,29 @@ class NcclTransport:
             try:
                 comm.initialize(world_size, rank, uid, nccl_core.NCCLConfig(blocking=False))
             except bindings.NCCLError as e:
-                if "InProgress" not in str(e) and "in progress" not in str(e).lower():
-                    raise TransferError(f"NCCL init of rank {rank}/{world_size} failed: {e}") from e
-            transport = cls(comm, rank, world_size, device)
-            deadline = time.monotonic() + timeout_s
-            while transport._state() == "in_progress":
-                if time.monotonic() > deadline:
-                    transport.abort()
-                    raise TransferTimeout(f"NCCL group of {world_size} did not form within {timeout_s:.0f} s")
-                time.sleep(1e-3)
-            transport.raise_async_error(f"NCCL init of rank {rank}/{world_size}")
+                raise TransferError(f"NCCL init of rank {rank}/{world_size} failed: {e}") from e
+            transport = cls(comm, rank, world_size, device, timeout_s)
+            transport.settle(f"NCCL group of {world_size} (rank {rank})", timeout_s)
         return transport
+
+    def settle(self, what: str, timeout_s: float) -> None:
+        """Wait until the last call on this non-blocking communicator completed its host-side
+        part (init, or a first send/recv that sets up connections); NCCL refuses any further call
+        before that. Aborts and raises on timeout or error."""
+        deadline = time.monotonic() + timeout_s
+        while (state := self._state()) == "in_progress":
+            if time.monotonic() > deadline:
+                self.abort()
+                raise TransferTimeout(f"{what} did not complete within {timeout_s:.0f} s")
+            time.sleep(_POLL_S)
+        if state != "ok":
+            self.abort()
+            raise TransferError(f"{what} failed: NCCL {state}")
 
     def _state(self) -> str:
         _, bindings = _nccl()
+        if self._comm is None:
+            return "error: communicator aborted"
         result = self._comm.get_async_error()
         if result == bindings.Result.InProgress:
             return "in_progress"
@@ -90,7 +100,12 @@ class NcclTransport:
 
     def _enqueue(self, op, buf: torch.Tensor, peer: int, what: str) -> _EventHandle:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        op(buf, peer, stream=self.stream.cuda_stream)
+        _, bindings = _nccl()
+        try:
+            op(buf, peer, stream=self.stream.cuda_stream)
+        except bindings.NCCLError as e:
+            raise TransferError(f"{what} failed: {e}") from e
+        self.settle(what, self.op_timeout_s)
         done = torch.cuda.Event()
         done.record(self.stream)
         # No GPU-side wait back: the executor waits for `done` on the host before it reuses `buf`,
