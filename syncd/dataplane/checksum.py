@@ -3,7 +3,8 @@
 Both ends of a group use the same device type, so each uses the fastest strong-enough check there:
 - CPU: CRC-32 of the bytes (zlib; faster than a memcpy).
 - GPU: the region's 32-bit words seen as a [rows, 1024] matrix; index-weighted sums of its column
-  sums and of its row sums (int64). Two bandwidth-bound reductions catch corrupted, dropped and
+  sums and of its row sums. The two big reductions accumulate in wrapping int32 so the data is
+  never copied to a wider type; they are bandwidth-bound and catch corrupted, dropped and
   misplaced words. The sums stay on the device and are read back once per transfer, because a
   host read per region would stall the pipeline on every unit.
 The text form starts with the algorithm, so mismatched algorithms can never compare equal.
@@ -18,23 +19,33 @@ import torch
 _COLS = 1024
 
 
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    """1..n as int64 on `device`, cached (grown on demand) to save a kernel per region."""
+    w = _WEIGHTS.get(device)
+    if w is None or w.numel() < n:
+        w = torch.arange(1, max(n, _COLS, 1 << 16) + 1, dtype=torch.int64, device=device)
+        _WEIGHTS[device] = w
+    return w[:n]
+
+
 def _gpu_sums(region_bytes: torch.Tensor) -> torch.Tensor:
     n = region_bytes.numel()
     words = region_bytes[: n - n % 4].view(torch.int32)
-    tail = region_bytes[n - n % 4 :].to(torch.int64)
     full = words.numel() - words.numel() % _COLS
     matrix = words[:full].view(-1, _COLS)
-    rest = words[full:].to(torch.int64)
+    col = matrix.sum(dim=0, dtype=torch.int32).to(torch.int64)
+    row = matrix.sum(dim=1, dtype=torch.int32).to(torch.int64)
+    rest = torch.cat([words[full:].to(torch.int64), region_bytes[n - n % 4 :].to(torch.int64)])
     dev = region_bytes.device
-    col = matrix.sum(dim=0, dtype=torch.int64)
-    row = matrix.sum(dim=1, dtype=torch.int64)
-    out = torch.stack([
+    return torch.stack([
         torch.tensor(n, dtype=torch.int64, device=dev),
-        (col * torch.arange(1, _COLS + 1, device=dev)).sum(),
-        (row * torch.arange(1, row.numel() + 1, device=dev)).sum(),
-        (rest * torch.arange(1, rest.numel() + 1, device=dev)).sum() + (tail * torch.arange(1, tail.numel() + 1, device=dev)).sum(),
+        (col * _weights(col.numel(), dev)).sum(),
+        (row * _weights(row.numel(), dev)).sum(),
+        (rest * _weights(rest.numel(), dev)).sum(),
     ])
-    return out
 
 
 def _format_gpu(row: list[int]) -> str:

@@ -132,3 +132,17 @@ def test_checksum_catches_a_flipped_or_swapped_word():
     swapped[[3, 4]] = swapped[[4, 3]]
     assert len({checksum(x), checksum(flipped), checksum(swapped)}) == 3
     assert checksum(x) == checksum(x.clone())
+
+
+def test_gpu_checksum_algorithm_catches_corruption_and_misplacement():
+    """The GPU algorithm is plain torch: exercise it on CPU tensors of awkward sizes."""
+    from syncd.dataplane.checksum import _gpu_sums
+
+    for n in (9, 4096, 4096 * 3 + 6):
+        x = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        x[0], x[4] = 1, 2  # two different 32-bit words to swap
+        flipped, swapped = x.clone(), x.clone()
+        flipped[n // 2] ^= 1
+        swapped[0:4], swapped[4:8] = x[4:8].clone(), x[0:4].clone()
+        sums = [tuple(_gpu_sums(t).tolist()) for t in (x, flipped, swapped)]
+        assert len(set(sums)) == 3 and tuple(_gpu_sums(x.clone()).tolist()) == sums[0]
