@@ -40,16 +40,15 @@ def _gpu_sums(region_bytes: torch.Tensor) -> torch.Tensor:
     row = matrix.sum(dim=1, dtype=torch.int32).to(torch.int64)
     rest = torch.cat([words[full:].to(torch.int64), region_bytes[n - n % 4 :].to(torch.int64)])
     dev = region_bytes.device
-    return torch.stack([
-        torch.tensor(n, dtype=torch.int64, device=dev),
+    return torch.stack([  # the size stays on the host: a host-to-device copy here would sync
         (col * _weights(col.numel(), dev)).sum(),
         (row * _weights(row.numel(), dev)).sum(),
         (rest * _weights(rest.numel(), dev)).sum(),
     ])
 
 
-def _format_gpu(row: list[int]) -> str:
-    return "sums:" + ":".join(f"{v & 0xFFFFFFFFFFFFFFFF:x}" for v in row)
+def _format_gpu(numel: int, row: list[int]) -> str:
+    return f"sums:{numel:x}:" + ":".join(f"{v & 0xFFFFFFFFFFFFFFFF:x}" for v in row)
 
 
 def _crc(region_bytes: torch.Tensor) -> str:
@@ -74,6 +73,7 @@ class Checksums:
     def __init__(self) -> None:
         self._done: dict[str, str] = {}
         self._keys: list[str] = []
+        self._numels: list[int] = []
         self._sums: list[torch.Tensor] = []
 
     def add(self, key: str, region_bytes: torch.Tensor) -> None:
@@ -82,11 +82,12 @@ class Checksums:
             self._done[key] = _crc(region_bytes)
         else:
             self._keys.append(key)
+            self._numels.append(region_bytes.numel())
             self._sums.append(_gpu_sums(region_bytes))
 
     def result(self) -> dict[str, str]:
         out = dict(self._done)
         if self._sums:
             rows = torch.stack(self._sums).cpu().tolist()
-            out.update({k: _format_gpu(r) for k, r in zip(self._keys, rows)})
+            out.update({k: _format_gpu(n, r) for k, n, r in zip(self._keys, self._numels, rows)})
         return out

@@ -91,8 +91,8 @@ class _Loop:
             if pending[slot] is not None:
                 pending[slot].wait(self.timeout_s)  # the buffer is free once its send completed
             flat = pack_into(bucket, self.tensors, bufs[slot])
-            self.account(bucket, flat)
             pending[slot] = self.transport.isend(flat, self.ranks[bucket.dst])
+            self.account(bucket, flat)  # after isend: the checksum overlaps the transfer
         for handle in pending:
             if handle is not None:
                 handle.wait(self.timeout_s)
