@@ -1,0 +1,167 @@
+"""Conversions between the layout/plan/command dataclasses and their protobuf messages.
+
+The only module that knows both sides. Decoding foreign input may raise ValueError (e.g. an empty
+box); callers translate that into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from syncd import commands
+from syncd.api import syncd_pb2 as pb
+from syncd.layout import Box, CanonicalTensor, Catalog, LocalTensor, Piece
+from syncd.plan.types import Bucket, TransferUnit
+
+ROLES = {"trainer": pb.ROLE_TRAINER, "generator": pb.ROLE_GENERATOR}
+ROLE_NAMES = {v: k for k, v in ROLES.items()}
+PHASES = {name: pb.Phase.Value(f"PHASE_{name}") for name in (*commands.Phase.ALL, "ANNOUNCE")}
+PHASE_NAMES = {v: k for k, v in PHASES.items()}
+
+
+def role_to_pb(role: str) -> int:
+    try:
+        return ROLES[role]
+    except KeyError:
+        raise ValueError(f"unknown role {role!r}; expected one of {sorted(ROLES)}") from None
+
+
+def phase_to_pb(phase: str) -> int:
+    try:
+        return PHASES[phase]
+    except KeyError:
+        raise ValueError(f"unknown phase {phase!r}; expected one of {sorted(PHASES)}") from None
+
+
+# ---- layout ----
+
+def box_to_pb(box: Box) -> pb.Box:
+    return pb.Box(start=box.start, stop=box.stop)
+
+
+def box_from_pb(msg: pb.Box) -> Box:
+    return Box(tuple(msg.start), tuple(msg.stop))
+
+
+def catalog_to_pb(catalog: Catalog) -> pb.Catalog:
+    return pb.Catalog(
+        canonical=[pb.CanonicalTensor(name=c.name, shape=c.shape, dtype=c.dtype) for c in catalog.canonical],
+        tensors=[
+            pb.LocalTensor(
+                name=t.name,
+                shape=t.shape,
+                dtype=t.dtype,
+                pieces=[
+                    pb.Piece(canonical=p.canonical, canon=box_to_pb(p.canon), local=box_to_pb(p.local))
+                    for p in t.pieces
+                ],
+            )
+            for t in catalog.tensors
+        ],
+    )
+
+
+def catalog_from_pb(msg: pb.Catalog) -> Catalog:
+    return Catalog(
+        canonical=tuple(CanonicalTensor(c.name, tuple(c.shape), c.dtype) for c in msg.canonical),
+        tensors=tuple(
+            LocalTensor(
+                t.name,
+                tuple(t.shape),
+                t.dtype,
+                tuple(Piece(p.canonical, box_from_pb(p.canon), box_from_pb(p.local)) for p in t.pieces),
+            )
+            for t in msg.tensors
+        ),
+    )
+
+
+# ---- plan ----
+
+def unit_to_pb(u: TransferUnit) -> pb.TransferUnit:
+    return pb.TransferUnit(
+        canonical=u.canonical,
+        canon=box_to_pb(u.canon),
+        dtype=u.dtype,
+        src_tensor=u.src_tensor,
+        src_box=box_to_pb(u.src_box),
+        dst_tensor=u.dst_tensor,
+        dst_box=box_to_pb(u.dst_box),
+        nbytes=u.nbytes,
+    )
+
+
+def unit_from_pb(m: pb.TransferUnit) -> TransferUnit:
+    return TransferUnit(
+        canonical=m.canonical,
+        canon=box_from_pb(m.canon),
+        dtype=m.dtype,
+        src_tensor=m.src_tensor,
+        src_box=box_from_pb(m.src_box),
+        dst_tensor=m.dst_tensor,
+        dst_box=box_from_pb(m.dst_box),
+        nbytes=m.nbytes,
+    )
+
+
+def bucket_to_pb(b: Bucket) -> pb.Bucket:
+    return pb.Bucket(
+        stage=b.stage, src=b.src, dst=b.dst, index=b.index,
+        units=[unit_to_pb(u) for u in b.units], nbytes=b.nbytes,
+    )
+
+
+def bucket_from_pb(m: pb.Bucket) -> Bucket:
+    return Bucket(
+        stage=m.stage, src=m.src, dst=m.dst, index=m.index,
+        units=tuple(unit_from_pb(u) for u in m.units), nbytes=m.nbytes,
+    )
+
+
+# ---- commands ----
+
+def _group_to_pb(g: commands.StageGroup) -> pb.StageGroup:
+    return pb.StageGroup(stage=g.stage, group_id=g.group_id, backend=g.backend, members=g.members)
+
+
+def command_to_pb(cmd: commands.Command) -> pb.Command:
+    match cmd:
+        case commands.JoinGroup():
+            return pb.Command(join_group=pb.JoinGroup(
+                refit_id=cmd.refit_id, group_id=cmd.group_id, stage=cmd.stage, rank=cmd.rank,
+                world_size=cmd.world_size, backend=cmd.backend, address=cmd.address,
+                members=cmd.members,
+            ))
+        case commands.ExecutePlan():
+            return pb.Command(execute_plan=pb.ExecutePlan(
+                refit_id=cmd.refit_id, weight_version=cmd.weight_version,
+                buckets=[bucket_to_pb(b) for b in cmd.buckets],
+                groups=[_group_to_pb(g) for g in cmd.groups],
+            ))
+        case commands.Verify():
+            return pb.Command(verify=pb.Verify(refit_id=cmd.refit_id, weight_version=cmd.weight_version))
+        case commands.Commit():
+            return pb.Command(commit=pb.Commit(refit_id=cmd.refit_id, weight_version=cmd.weight_version))
+        case commands.Abort():
+            return pb.Command(abort=pb.Abort(refit_id=cmd.refit_id, reason=cmd.reason))
+    raise TypeError(f"not a command: {cmd!r}")
+
+
+def command_from_pb(msg: pb.Command) -> commands.Command:
+    kind = msg.WhichOneof("kind")
+    if kind == "join_group":
+        m = msg.join_group
+        return commands.JoinGroup(
+            m.refit_id, m.group_id, m.stage, m.rank, m.world_size, m.backend, m.address, tuple(m.members)
+        )
+    if kind == "execute_plan":
+        m = msg.execute_plan
+        return commands.ExecutePlan(
+            m.refit_id, m.weight_version, tuple(bucket_from_pb(b) for b in m.buckets),
+            tuple(commands.StageGroup(g.stage, g.group_id, g.backend, tuple(g.members)) for g in m.groups),
+        )
+    if kind == "verify":
+        return commands.Verify(msg.verify.refit_id, msg.verify.weight_version)
+    if kind == "commit":
+        return commands.Commit(msg.commit.refit_id, msg.commit.weight_version)
+    if kind == "abort":
+        return commands.Abort(msg.abort.refit_id, msg.abort.reason)
+    raise ValueError(f"command without a kind: {msg!r}")

@@ -1,0 +1,189 @@
+"""syncctl: the operator's command line for syncd's HTTP API.
+
+    syncctl --url http://syncd:8470 status
+    syncctl members | plan [--json] | history | abort refit-3
+    syncctl --token T refit --wait          # exit 0 only when the refit COMMITTED
+
+Tables by default, `--json` for scripts. Exit codes: 0 success, 1 syncd refused the request or the
+refit did not commit, 2 usage error, 3 syncd unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+import httpx
+
+EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 3
+TERMINAL = ("COMMITTED", "ABORTED")
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Api:
+    def __init__(self, url: str, token: str | None, timeout: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.url = url
+        self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            r = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            reason = str(e) or type(e).__name__
+            raise CliError(f"cannot reach syncd at {self.url}: {reason}", EXIT_UNREACHABLE) from None
+        try:
+            body = r.json()
+        except ValueError:
+            raise CliError(f"{method} {path}: HTTP {r.status_code}, not JSON: {r.text[:200]}") from None
+        if r.status_code >= 400:
+            raise CliError(f"{body.get('error', body)} (HTTP {r.status_code})")
+        return body
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _duration(r: dict) -> str:
+    return "" if r["finished_at"] is None else f"{r['finished_at'] - r['created_at']:.2f}s"
+
+
+# ---- commands: each returns (json-able result, human text) ----
+
+def cmd_status(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
+    s = api.call("GET", "/v1/status")
+    r = s["readiness"]
+    counts = ", ".join(f"{r['registered'][k]}/{r['expected'][k]} {k}s" for k in r["registered"])
+    current = s["current_refit"]
+    running = f" ({current['id']}, version {current['weight_version']})" if current else ""
+    rows = [
+        ("state", s["state"] + running),
+        ("ready", ("yes" if r["ready"] else f"no: {r['reason']}") + f" [{counts}]"),
+        ("committed version", s["committed_version"]),
+        ("announced version", s["announced_version"]),
+    ]
+    return s, "\n".join(f"{k + ':':<19}{'-' if v is None else v}" for k, v in rows)
+
+
+def cmd_members(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
+    body = api.call("GET", "/v1/members")
+    rows = [(m["member_id"], m["role"], ",".join(f"{k}={v}" for k, v in m["coords"].items()), m["device"],
+             m["data_address"] or "-", m["catalog_hash"][7:19]) for m in body["members"]]
+    return body, table(("MEMBER", "ROLE", "COORDS", "DEVICE", "DATA ADDRESS", "CATALOG"), rows)
+
+
+def cmd_plan(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
+    p = api.call("GET", "/v1/plan")
+    head = (f"{human_bytes(p['total_bytes'])} in {p['buckets']} buckets, {p['units']} units "
+            f"(bucket size {human_bytes(p['bucket_bytes'])})")
+    stages = table(("STAGE", "BYTES", "MEMBERS"),
+                   [(s["stage"], human_bytes(s["bytes"]), " ".join(s["members"])) for s in p["stages"]])
+    links = table(("STAGE", "SRC", "DST", "BYTES", "BUCKETS", "UNITS"),
+                  [(k["stage"], k["src"], k["dst"], human_bytes(k["bytes"]), k["buckets"], k["units"])
+                   for k in p["links"]])
+    return p, f"{head}\n\n{stages}\n\n{links}"
+
+
+def cmd_history(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
+    body = api.call("GET", "/v1/refits", params={"limit": args.limit})
+    rows = [(r["id"], r["state"], r["weight_version"], _duration(r), human_bytes(r["bytes"]), r["error"])
+            for r in body["refits"]]
+    return body, table(("REFIT", "STATE", "VERSION", "DURATION", "BYTES", "ERROR"), rows)
+
+
+def cmd_abort(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
+    r = api.call("POST", f"/v1/refits/{args.refit_id}/abort")
+    return r, f"{r['id']} {r['state']}: {r['error']}"
+
+
+def cmd_refit(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
+    body = {} if args.version is None else {"weight_version": args.version}
+    r = api.call("POST", "/v1/refits", json=body)
+    if args.wait:
+        r = _wait(api, r, args.timeout, quiet=args.json)
+    text = f"{r['id']} {r['state']} (weight version {r['weight_version']})"
+    if r["state"] in TERMINAL:
+        text += f" in {_duration(r)}, {human_bytes(r['bytes'])}" + (f": {r['error']}" if r["error"] else "")
+    if args.wait and r["state"] != "COMMITTED":
+        raise CliError(text if not args.json else json.dumps(r))
+    return r, text
+
+
+def _wait(api: Api, refit: dict, timeout: float, quiet: bool) -> dict:
+    """Poll until the refit finishes, showing each state as it is reached (on stderr)."""
+    deadline, last = time.monotonic() + timeout, ""
+    while True:
+        if refit["state"] != last and not quiet:
+            print(f"{refit['id']}: {refit['state']}", file=sys.stderr, flush=True)
+            last = refit["state"]
+        if refit["state"] in TERMINAL:
+            return refit
+        if time.monotonic() > deadline:
+            raise CliError(f"{refit['id']} still {refit['state']} after {timeout:g}s")
+        time.sleep(0.2)
+        refit = api.call("GET", f"/v1/refits/{refit['id']}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON output")
+    parser = argparse.ArgumentParser(prog="syncctl", description="Operate syncd.", parents=[common])
+    parser.add_argument("--url", default=os.environ.get("SYNCCTL_URL", "http://127.0.0.1:8470"),
+                        help="syncd HTTP URL (env SYNCCTL_URL)")
+    parser.add_argument("--token", default=os.environ.get("SYNCD_AUTH_TOKEN"),
+                        help="bearer token for mutating calls (env SYNCD_AUTH_TOKEN)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("status", parents=[common], help="state, readiness and versions")
+    p.set_defaults(run=cmd_status)
+    sub.add_parser("members", parents=[common], help="registered members").set_defaults(run=cmd_members)
+    sub.add_parser("plan", parents=[common], help="summary of the current plan").set_defaults(run=cmd_plan)
+    p = sub.add_parser("history", parents=[common], help="past refits, newest first")
+    p.add_argument("--limit", type=int, default=20)
+    p.set_defaults(run=cmd_history)
+    p = sub.add_parser("abort", parents=[common], help="abort a running refit")
+    p.add_argument("refit_id")
+    p.set_defaults(run=cmd_abort)
+    p = sub.add_parser("refit", parents=[common], help="start a refit")
+    p.add_argument("--version", type=int, default=None, help="weight version (default: latest announced)")
+    p.add_argument("--wait", action="store_true", help="wait for the outcome; exit 0 only if COMMITTED")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait with --wait")
+    p.set_defaults(run=cmd_refit)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.json = getattr(args, "json", False)
+    api = Api(args.url.rstrip("/"), args.token)
+    try:
+        result, text = args.run(api, args)
+    except CliError as e:
+        print(f"syncctl: {e}", file=sys.stderr)
+        return e.code
+    print(json.dumps(result, indent=2) if args.json else text)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

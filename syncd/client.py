@@ -1,0 +1,196 @@
+"""The member side of syncd's protocol, used by trainer_svc ranks and generator_svc workers.
+
+    client = MemberClient("syncd:8471", role="generator", member_id="generator-0-0",
+                          coords={"replica": 0, "tp": 0}, catalog=catalog)
+    client.start(handler)            # handler(command) for JoinGroup, ExecutePlan, Verify, Commit, Abort
+    client.report(cmd.refit_id, Phase.TRANSFERRED, bytes=n, checksums=sums)
+    client.close()
+
+Lifecycle: `start` spawns a session thread that registers (catalog hash first, the full catalog
+only when syncd asks), then heartbeats every lease/3 while a Watch thread receives commands. When
+the session ends (syncd restarted, lease lost, network down) it re-registers with exponential
+backoff, forever, until `close`.
+
+Commands run on one handler thread in arrival order, so a handler may block (heartbeats go on).
+`Abort` is also delivered at once on its own thread, so it can interrupt a handler blocked in a
+collective. A handler that raises is reported to syncd as a failure of the command's phase.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+import grpc
+
+from syncd.api import MESSAGE_SIZE_OPTIONS, convert
+from syncd.api import syncd_pb2 as pb
+from syncd.api import syncd_pb2_grpc as pb_grpc
+from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase, Verify
+from syncd.layout import Catalog
+
+log = logging.getLogger(__name__)
+
+CommandHandler = Callable[[Command], None]
+
+_PHASE_OF = {
+    JoinGroup: Phase.JOINED, ExecutePlan: Phase.TRANSFERRED, Verify: Phase.VERIFIED, Commit: Phase.COMMITTED,
+}
+_RPC_TIMEOUT_S = 10.0
+_BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.1, 5.0
+
+
+class MemberClient:
+    def __init__(
+        self, target: str, *, role: str, member_id: str, coords: dict[str, int], catalog: Catalog,
+        device: str = "cpu", data_address: str = "", auth_token: str | None = None, group_size: int = 1,
+    ) -> None:
+        convert.role_to_pb(role)  # fail here, not in a background thread
+        self.target = target
+        self.role = role
+        self.member_id = member_id
+        self.coords = dict(coords)
+        self.catalog = catalog
+        self.device = device
+        self.data_address = data_address
+        self.group_size = group_size  # ranks of the member's local process group (informational)
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._channel = grpc.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
+        self._stub = pb_grpc.SyncdStub(self._channel)
+        self._closed = threading.Event()
+        self._registered = threading.Event()
+        self._session_id = ""
+        self._lease_s = 10.0
+        self._catalog_pb: pb.Catalog | None = None
+        self._commands: queue.Queue[Command | None] = queue.Queue()
+        self._handler: CommandHandler | None = None
+        self._threads: list[threading.Thread] = []
+
+    # ---- public API ----
+
+    def start(self, handler: CommandHandler) -> None:
+        self._handler = handler
+        for target, name in ((self._session_loop, "session"), (self._handle_loop, "handler")):
+            t = threading.Thread(target=target, name=f"{self.member_id}-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def wait_registered(self, timeout: float = 30.0) -> bool:
+        """True once a session is open (after `start`)."""
+        return self._registered.wait(timeout)
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    def report(
+        self, refit_id: str, phase: str, *, ok: bool = True, error: str = "", bytes: int = 0,
+        checksums: dict[str, str] | None = None, timings: dict[str, float] | None = None, address: str = "",
+    ) -> None:
+        """Answer a command. Raises grpc.RpcError when syncd cannot be reached or refuses."""
+        self._send_report(pb.ReportRequest(
+            refit_id=refit_id, phase=convert.phase_to_pb(phase), ok=ok, error=error, bytes=bytes,
+            checksums=checksums or {}, timings=timings or {}, address=address,
+        ))
+
+    def announce_version(self, version: int) -> None:
+        """Trainers: weight version `version` is ready to be moved (auto-refit may start one)."""
+        self._send_report(pb.ReportRequest(phase=pb.PHASE_ANNOUNCE, ok=True, weight_version=version))
+
+    def close(self) -> None:
+        self._closed.set()
+        self._commands.put(None)
+        self._channel.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    # ---- session ----
+
+    def _send_report(self, request: pb.ReportRequest) -> None:
+        if not self._registered.wait(_RPC_TIMEOUT_S):
+            raise RuntimeError(f"{self.member_id} is not registered with syncd at {self.target}")
+        request.member_id, request.session_id = self.member_id, self._session_id
+        self._stub.Report(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
+
+    def _session_loop(self) -> None:
+        backoff = _BACKOFF_MIN_S
+        while not self._closed.is_set():
+            try:
+                self._register()
+                backoff = _BACKOFF_MIN_S
+                self._serve()
+            except grpc.RpcError as e:
+                if not self._closed.is_set():
+                    log.warning("%s: syncd at %s: %s %s; retrying in %.1fs", self.member_id, self.target,
+                                e.code().name, e.details(), backoff)
+            except ValueError as e:  # closed channel during shutdown
+                if not self._closed.is_set():
+                    raise
+                log.debug("%s: %s", self.member_id, e)
+            self._registered.clear()
+            self._closed.wait(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    def _register(self) -> None:
+        request = pb.RegisterRequest(
+            role=convert.role_to_pb(self.role), member_id=self.member_id, coords=self.coords,
+            device=self.device, data_address=self.data_address, catalog_hash=self.catalog.content_hash,
+        )
+        response = self._stub.Register(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
+        if response.catalog_required:
+            if self._catalog_pb is None:
+                self._catalog_pb = convert.catalog_to_pb(self.catalog)
+            request.catalog.CopyFrom(self._catalog_pb)
+            response = self._stub.Register(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
+        self._session_id, self._lease_s = response.session_id, response.lease_seconds
+        self._registered.set()
+        log.info("%s registered with syncd (session %s)", self.member_id, self._session_id[:8])
+
+    def _serve(self) -> None:
+        """Heartbeat until the session ends; the Watch stream runs on its own thread."""
+        call = self._stub.Watch(pb.WatchRequest(member_id=self.member_id, session_id=self._session_id),
+                                metadata=self._metadata)
+        watcher = threading.Thread(target=self._watch, args=(call,), name=f"{self.member_id}-watch",
+                                   daemon=True)
+        watcher.start()
+        try:
+            beat = pb.HeartbeatRequest(member_id=self.member_id, session_id=self._session_id)
+            while watcher.is_alive() and not self._closed.wait(self._lease_s / 3):
+                self._stub.Heartbeat(beat, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
+        finally:
+            call.cancel()
+            watcher.join(timeout=5)
+
+    def _watch(self, call: grpc.Future) -> None:
+        try:
+            for message in call:
+                self._dispatch(convert.command_from_pb(message))
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                log.warning("%s: Watch ended: %s %s", self.member_id, e.code().name, e.details())
+
+    def _dispatch(self, command: Command) -> None:
+        if isinstance(command, Abort):
+            threading.Thread(target=self._call_handler, args=(command,), name=f"{self.member_id}-abort",
+                             daemon=True).start()
+        else:
+            self._commands.put(command)
+
+    def _handle_loop(self) -> None:
+        while (command := self._commands.get()) is not None:
+            self._call_handler(command)
+
+    def _call_handler(self, command: Command) -> None:
+        assert self._handler is not None
+        try:
+            self._handler(command)
+        except Exception as e:
+            log.exception("%s: handler failed on %s", self.member_id, type(command).__name__)
+            phase = _PHASE_OF.get(type(command))
+            if phase is not None:
+                try:
+                    self.report(command.refit_id, phase, ok=False, error=f"{type(e).__name__}: {e}")
+                except (grpc.RpcError, RuntimeError, ValueError):
+                    log.warning("%s: could not report the failure to syncd", self.member_id)

@@ -1,0 +1,100 @@
+"""Commands syncd sends to a member through its Watch stream, as typed frozen dataclasses.
+
+`MemberClient` converts each protobuf `Command` into one of these and passes it to the member's
+handler. Every command carries the refit it belongs to; the member answers with
+`MemberClient.report(refit_id, phase, ...)` using the phase names in `Phase`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from syncd.layout import Box
+from syncd.plan.types import Bucket
+
+
+class Phase:
+    """Phase names for `MemberClient.report`; each answers one command."""
+
+    GROUP_ADDRESS = "GROUP_ADDRESS"  # JoinGroup to rank 0: the address it created, before init
+    JOINED = "JOINED"  # JoinGroup: communicator initialised
+    TRANSFERRED = "TRANSFERRED"  # ExecutePlan: bytes, checksums, timings
+    VERIFIED = "VERIFIED"  # Verify: optionally more checksums
+    COMMITTED = "COMMITTED"  # Commit: the new version is live
+    ABORTED = "ABORTED"  # Abort: communicators torn down (informational)
+
+    ALL = (GROUP_ADDRESS, JOINED, TRANSFERRED, VERIFIED, COMMITTED, ABORTED)
+
+
+@dataclass(frozen=True)
+class StageGroup:
+    """The communicator of one trainer PP stage: its senders then its receivers, in rank order."""
+
+    stage: int
+    group_id: str
+    backend: str
+    members: tuple[str, ...]
+
+    def rank_of(self, member_id: str) -> int:
+        return self.members.index(member_id)
+
+
+@dataclass(frozen=True)
+class JoinGroup:
+    """Join `group_id` as `rank`. Rank 0 gets an empty `address`: it creates the rendezvous
+    address (gloo) or NCCL unique id, reports it with phase GROUP_ADDRESS *before* blocking in
+    init, and syncd relays it to the other ranks. Everyone reports JOINED once initialised."""
+
+    refit_id: str
+    group_id: str
+    stage: int
+    rank: int
+    world_size: int
+    backend: str
+    address: str
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ExecutePlan:
+    """Send or receive `buckets` (plan order) over the stage groups in `groups`, then report
+    TRANSFERRED with bytes and per-unit checksums keyed by `checksum_key`."""
+
+    refit_id: str
+    weight_version: int
+    buckets: tuple[Bucket, ...]
+    groups: tuple[StageGroup, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Transfer finished everywhere: check the staged weights and report VERIFIED."""
+
+    refit_id: str
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Switch to `weight_version` (generators apply staged weights, reset prefix caches)."""
+
+    refit_id: str
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Tear down communicators, drop staged weights, keep serving the committed version."""
+
+    refit_id: str
+    reason: str
+
+
+Command = JoinGroup | ExecutePlan | Verify | Commit | Abort
+
+
+def checksum_key(canonical: str, canon: Box) -> str:
+    """The key of a checksum report: a canonical tensor and a box of it, e.g. `w[0:8,0:16]`.
+    Senders and receivers of the same unit produce the same key. Same spelling as
+    `syncd.dataplane.checksum.unit_key` (not imported: the control plane does not need torch)."""
+    return canonical + "[" + ",".join(f"{a}:{b}" for a, b in zip(canon.start, canon.stop)) + "]"

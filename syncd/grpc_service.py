@@ -1,0 +1,139 @@
+"""The member-facing gRPC service (weightsync.v1.Syncd) plus the standard health service.
+
+Every RPC goes through `_guarded`: the bearer-token check and the one translation of SyncdError
+(and ValueError from decoding foreign messages) into a gRPC status.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+from concurrent import futures
+from typing import Any, Callable, Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from syncd.api import MESSAGE_SIZE_OPTIONS, convert
+from syncd.api import syncd_pb2 as pb
+from syncd.api import syncd_pb2_grpc as pb_grpc
+from syncd.errors import InvalidArgument, SyncdError, check_token, grpc_code
+from syncd.refit import Coordinator, MemberReport
+from syncd.registry import Registry
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Syncd"].full_name
+_WATCH_POLL_S = 0.5  # how often an idle Watch stream notices a cancelled client
+
+
+def _guarded(method: Callable) -> Callable:
+    def check(self: SyncdServicer, context: grpc.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata())
+        check_token(self.auth_token, metadata.get("authorization"))
+
+    def fail(context: grpc.ServicerContext, err: Exception) -> None:
+        if isinstance(err, ValueError):
+            err = InvalidArgument(str(err))
+        assert isinstance(err, SyncdError)
+        context.abort(grpc_code(err), str(err))
+
+    if method.__name__ == "Watch":
+        @functools.wraps(method)
+        def stream(self: SyncdServicer, request: Any, context: grpc.ServicerContext) -> Iterator:
+            try:
+                check(self, context)
+                yield from method(self, request, context)
+            except (SyncdError, ValueError) as err:
+                fail(context, err)
+        return stream
+
+    @functools.wraps(method)
+    def unary(self: SyncdServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            check(self, context)
+            return method(self, request, context)
+        except (SyncdError, ValueError) as err:
+            fail(context, err)
+    return unary
+
+
+class SyncdServicer(pb_grpc.SyncdServicer):
+    def __init__(self, registry: Registry, coordinator: Coordinator, auth_token: str | None) -> None:
+        self.registry = registry
+        self.coordinator = coordinator
+        self.auth_token = auth_token
+
+    @_guarded
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
+        role = convert.ROLE_NAMES.get(request.role)
+        if role is None:
+            raise InvalidArgument(f"member {request.member_id}: role is unspecified")
+        result = self.registry.register(
+            role=role,
+            member_id=request.member_id,
+            coords=dict(request.coords),
+            device=request.device,
+            data_address=request.data_address,
+            catalog_hash=request.catalog_hash,
+            catalog=convert.catalog_from_pb(request.catalog) if request.HasField("catalog") else None,
+        )
+        if result.catalog_required:
+            return pb.RegisterResponse(catalog_required=True)
+        assert result.member is not None
+        return pb.RegisterResponse(session_id=result.member.session_id,
+                                   lease_seconds=self.registry.lease_seconds)
+
+    @_guarded
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        self.registry.heartbeat(request.member_id, request.session_id)
+        return pb.HeartbeatResponse(lease_seconds=self.registry.lease_seconds)
+
+    @_guarded
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Command]:
+        commands = self.registry.commands(request.member_id, request.session_id)
+        while context.is_active():
+            try:
+                command = commands.get(timeout=_WATCH_POLL_S)
+            except queue.Empty:
+                continue
+            if command is None:  # session ended
+                return
+            yield convert.command_to_pb(command)
+
+    @_guarded
+    def Report(self, request: pb.ReportRequest, context: grpc.ServicerContext) -> pb.ReportResponse:
+        member = self.registry.member(request.member_id, request.session_id)
+        phase = convert.PHASE_NAMES.get(request.phase)
+        if phase is None:
+            raise InvalidArgument(f"report from {member.member_id}: phase is unspecified")
+        if phase == "ANNOUNCE":
+            self.coordinator.announce(member, request.weight_version)
+        else:
+            self.coordinator.report(MemberReport(
+                member_id=member.member_id, refit_id=request.refit_id, phase=phase, ok=request.ok,
+                error=request.error, bytes=request.bytes, checksums=dict(request.checksums),
+                timings=dict(request.timings), address=request.address,
+            ))
+        return pb.ReportResponse()
+
+
+def build_grpc_server(
+    servicer: SyncdServicer, host: str, port: int, max_workers: int
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A gRPC server with the Syncd and health services; returns it with its bound port.
+    Each open Watch stream holds a worker thread, so `max_workers` must exceed the member count."""
+    # gRPC enables SO_REUSEPORT by default: a second syncd would silently share the port.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+                         options=[("grpc.so_reuseport", 0), *MESSAGE_SIZE_OPTIONS])
+    pb_grpc.add_SyncdServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc's way of saying the address is taken
+        raise OSError(f"cannot bind gRPC on {host}:{port}: address in use or unavailable") from None
+    return server, bound, health_servicer

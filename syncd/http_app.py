@@ -1,0 +1,117 @@
+"""syncd's HTTP API (FastAPI): health, readiness, metrics and the operator's /v1 resources.
+
+Errors are JSON `{"error": "..."}`: SyncdError maps through `syncd.errors.http_status`, request
+validation is 422, anything unexpected is a 500 with a one-line message (never a stack trace).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from syncd.errors import SyncdError, check_token, http_status
+from syncd.http_models import (
+    ErrorOut, HealthOut, MemberOut, MembersOut, PlanOut, ReadinessOut, RefitIn, RefitOut, RefitsOut,
+    StatusOut,
+)
+from syncd.metrics import Metrics
+from syncd.refit import Coordinator
+from syncd.registry import ROLES, Registry
+
+log = logging.getLogger(__name__)
+
+def require_token(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    """Mutating endpoints need `Authorization: Bearer <token>` when a token is configured."""
+    check_token(request.app.state.auth_token, authorization)
+
+
+Authorized = Annotated[None, Depends(require_token)]
+_ERRORS = {code: {"model": ErrorOut} for code in (400, 401, 404, 409, 422)}
+
+
+def build_app(
+    registry: Registry, coordinator: Coordinator, metrics: Metrics, auth_token: str | None
+) -> FastAPI:
+    app = FastAPI(title="syncd", version="1", description="Weight-sync daemon: members, plans and refits.")
+    app.state.auth_token = auth_token
+    _install_error_handlers(app)
+
+    @app.get("/healthz", response_model=HealthOut, tags=["health"])
+    def healthz() -> HealthOut:
+        return HealthOut()
+
+    @app.get("/readyz", response_model=ReadinessOut, responses={503: {"model": ReadinessOut}},
+             tags=["health"])
+    def readyz() -> JSONResponse:
+        r = ReadinessOut.of(coordinator.readiness())
+        return JSONResponse(r.model_dump(), status_code=200 if r.ready else 503)
+
+    @app.get("/metrics", tags=["health"], response_class=Response)
+    def prometheus() -> Response:
+        members = registry.members()
+        for role in ROLES:
+            metrics.members.labels(role=role).set(sum(m.role == role for m in members))
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/status", response_model=StatusOut, tags=["refits"])
+    def status() -> StatusOut:
+        current = coordinator.current()
+        return StatusOut(
+            state=current.state if current else "IDLE",
+            current_refit=RefitOut.of(current) if current else None,
+            committed_version=coordinator.committed_version,
+            announced_version=coordinator.announced_version,
+            readiness=ReadinessOut.of(coordinator.readiness()),
+        )
+
+    @app.get("/v1/members", response_model=MembersOut, tags=["members"])
+    def members() -> MembersOut:
+        return MembersOut(members=[MemberOut.of(m) for m in registry.members()])
+
+    @app.get("/v1/plan", response_model=PlanOut, responses=_ERRORS, tags=["plan"])
+    def plan() -> PlanOut:
+        return PlanOut.of(coordinator.current_plan())
+
+    @app.post("/v1/refits", response_model=RefitOut, status_code=202, responses=_ERRORS, tags=["refits"])
+    def trigger(_: Authorized, body: RefitIn | None = None) -> RefitOut:
+        return RefitOut.of(coordinator.trigger(body.weight_version if body else None))
+
+    @app.get("/v1/refits", response_model=RefitsOut, tags=["refits"])
+    def history(limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> RefitsOut:
+        return RefitsOut(refits=[RefitOut.of(r) for r in coordinator.store.history(limit)])
+
+    @app.get("/v1/refits/{refit_id}", response_model=RefitOut, responses=_ERRORS, tags=["refits"])
+    def refit(refit_id: str) -> RefitOut:
+        return RefitOut.of(coordinator.get(refit_id))
+
+    @app.post("/v1/refits/{refit_id}/abort", response_model=RefitOut, responses=_ERRORS, tags=["refits"])
+    def abort(_: Authorized, refit_id: str) -> RefitOut:
+        return RefitOut.of(coordinator.abort(refit_id))
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(SyncdError)
+    async def syncd_error(_: Request, err: SyncdError) -> JSONResponse:
+        return JSONResponse({"error": str(err)}, status_code=http_status(err))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        return JSONResponse({"error": f"invalid request: {problems}"}, status_code=422)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, err: HTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(err.detail)}, status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, err: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse({"error": f"internal error: {type(err).__name__}: {err}"}, status_code=500)

@@ -1,0 +1,120 @@
+"""Request and response models of syncd's HTTP API (pydantic; they shape the OpenAPI document)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from syncd.plan import Plan
+from syncd.planning import plan_members
+from syncd.refit import Readiness
+from syncd.registry import Member
+from syncd.store import RefitRecord
+
+
+class ErrorOut(BaseModel):
+    error: str = Field(description="what was wrong, naming the field or resource")
+
+
+class HealthOut(BaseModel):
+    status: str = "ok"
+
+
+class ReadinessOut(BaseModel):
+    ready: bool
+    expected: dict[str, int] = Field(description="members needed per role")
+    registered: dict[str, int] = Field(description="members with a live lease per role")
+    reason: str = Field(description="why not ready; empty when ready")
+
+    @classmethod
+    def of(cls, r: Readiness) -> ReadinessOut:
+        return cls(ready=r.ready, expected=r.expected, registered=r.registered, reason=r.reason)
+
+
+class MemberOut(BaseModel):
+    member_id: str
+    role: str
+    coords: dict[str, int]
+    device: str
+    data_address: str
+    catalog_hash: str
+    registered_at: float
+
+    @classmethod
+    def of(cls, m: Member) -> MemberOut:
+        return cls(member_id=m.member_id, role=m.role, coords=dict(m.coords), device=m.device,
+                   data_address=m.data_address, catalog_hash=m.catalog_hash, registered_at=m.registered_at)
+
+
+class MembersOut(BaseModel):
+    members: list[MemberOut]
+
+
+class StageOut(BaseModel):
+    stage: int
+    bytes: int
+    members: list[str]
+
+
+class LinkOut(BaseModel):
+    stage: int
+    src: str
+    dst: str
+    bytes: int
+    buckets: int
+    units: int
+
+
+class PlanOut(BaseModel):
+    total_bytes: int
+    buckets: int
+    units: int
+    bucket_bytes: int
+    members: list[str]
+    stages: list[StageOut]
+    links: list[LinkOut]
+
+    @classmethod
+    def of(cls, plan: Plan) -> PlanOut:
+        stage_bytes = plan.stage_bytes()
+        return cls(
+            total_bytes=plan.total_bytes, buckets=len(plan.buckets), units=plan.num_units,
+            bucket_bytes=plan.bucket_bytes, members=list(plan_members(plan)),
+            stages=[StageOut(stage=s, bytes=n, members=list(plan.stage_members.get(s, ())))
+                    for s, n in stage_bytes.items()],
+            links=[LinkOut(stage=k.stage, src=k.src, dst=k.dst, bytes=k.bytes, buckets=k.buckets,
+                           units=k.units) for k in plan.links()],
+        )
+
+
+class RefitIn(BaseModel):
+    weight_version: int | None = Field(
+        default=None, ge=0, description="version to move; default: the latest a trainer announced"
+    )
+
+
+class RefitOut(BaseModel):
+    id: str
+    state: str = Field(description="PREPARING, TRANSFERRING, VERIFYING, COMMITTED or ABORTED")
+    weight_version: int
+    created_at: float
+    finished_at: float | None
+    error: str = Field(description="the cause when ABORTED")
+    phases: dict[str, float] = Field(description="seconds spent per phase")
+    bytes: int = Field(description="bytes received by generators")
+
+    @classmethod
+    def of(cls, r: RefitRecord) -> RefitOut:
+        return cls(id=r.id, state=r.state, weight_version=r.weight_version, created_at=r.created_at,
+                   finished_at=r.finished_at, error=r.error, phases=r.phases, bytes=r.bytes)
+
+
+class RefitsOut(BaseModel):
+    refits: list[RefitOut] = Field(description="newest first")
+
+
+class StatusOut(BaseModel):
+    state: str = Field(description="IDLE, or the running refit's state")
+    current_refit: RefitOut | None
+    committed_version: int | None
+    announced_version: int | None
+    readiness: ReadinessOut

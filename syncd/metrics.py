@@ -1,0 +1,46 @@
+"""Every Prometheus metric syncd exports, declared here and nowhere else.
+
+Each daemon owns a registry (several daemons may live in one test process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
+)
+
+# `*_created` series only double the output; nothing here needs them.
+disable_created_metrics()
+
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.members = Gauge(
+            "weightsync_members", "Registered members with a live lease", ["role"], registry=r
+        )
+        self.refits = Counter("weightsync_refits", "Finished refits by outcome", ["outcome"], registry=r)
+        self.refit_duration = Histogram(
+            "weightsync_refit_duration_seconds", "Trigger to COMMITTED/ABORTED", buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.phase_duration = Histogram(
+            "weightsync_phase_duration_seconds", "Duration of each refit phase", ["phase"],
+            buckets=DURATION_BUCKETS, registry=r,
+        )
+        self.bytes_moved = Counter(
+            "weightsync_bytes_moved", "Bytes received by generators in committed refits", registry=r
+        )
+        self.committed_version = Gauge(
+            "weightsync_committed_weight_version", "Weight version generators serve", registry=r
+        )
+        for role in ("trainer", "generator"):
+            self.members.labels(role=role)
+        for outcome in ("committed", "aborted"):
+            self.refits.labels(outcome=outcome)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,84 @@
+"""Plans for the current membership, cached by topology and catalog hashes, and the checksum
+comparison that VERIFYING runs on a plan. Pure functions plus a small cache: no I/O."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Callable, Mapping, Sequence
+
+from syncd.commands import checksum_key
+from syncd.layout import Catalog
+from syncd.plan import DestMember, Plan, SourceMember, make_plan
+from syncd.registry import Member
+
+PlanKey = tuple
+
+
+def plan_key(members: Sequence[Member], bucket_bytes: int) -> PlanKey:
+    """Everything a plan depends on: who sits where with which catalog, and the bucket size."""
+    return (bucket_bytes, tuple(sorted((m.role, m.member_id, m.stage, m.catalog_hash) for m in members)))
+
+
+class PlanCache:
+    def __init__(self, size: int = 4) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._plans: OrderedDict[PlanKey, Plan] = OrderedDict()
+
+    def get(self, members: Sequence[Member], catalog: Callable[[str], Catalog], bucket_bytes: int) -> Plan:
+        """The plan for `members`; raises ValueError (from the planner) naming the tensor."""
+        key = plan_key(members, bucket_bytes)
+        with self._lock:
+            if key in self._plans:
+                self._plans.move_to_end(key)
+                return self._plans[key]
+        sources = [SourceMember(m.member_id, m.stage, catalog(m.catalog_hash)) for m in members
+                   if m.role == "trainer"]
+        dests = [DestMember(m.member_id, catalog(m.catalog_hash)) for m in members if m.role == "generator"]
+        if not sources or not dests:
+            raise ValueError(f"a plan needs trainers and generators; have {len(sources)} and {len(dests)}")
+        plan = make_plan(sources, dests, bucket_bytes=bucket_bytes)
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self._size:
+                self._plans.popitem(last=False)
+        return plan
+
+
+def plan_members(plan: Plan) -> tuple[str, ...]:
+    return tuple(sorted({b.src for b in plan.buckets} | {b.dst for b in plan.buckets}))
+
+
+def stage_membership(plan: Plan) -> dict[int, tuple[str, ...]]:
+    """Per PP stage, the group members in rank order: the stage's senders, then its receivers.
+    Senders first makes a trainer the group's rank 0 (it creates the rendezvous address)."""
+    senders: dict[int, set[str]] = {}
+    receivers: dict[int, set[str]] = {}
+    for b in plan.buckets:
+        senders.setdefault(b.stage, set()).add(b.src)
+        receivers.setdefault(b.stage, set()).add(b.dst)
+    return {s: tuple(sorted(senders[s])) + tuple(sorted(receivers[s])) for s in sorted(senders)}
+
+
+def checksum_mismatch(plan: Plan, checksums: Mapping[str, Mapping[str, str]]) -> str | None:
+    """Compare, unit by unit, what each receiver reported with what its sender reported.
+    `checksums[member][key]`. Returns an error naming the first bad tensor region, or None."""
+    problems = []
+    for b in plan.buckets:
+        sent, got = checksums.get(b.src, {}), checksums.get(b.dst, {})
+        for u in b.units:
+            key = checksum_key(u.canonical, u.canon)
+            if key not in sent:
+                problems.append(f"sender {b.src} reported no checksum for {key} (tensor {u.canonical})")
+            elif key not in got:
+                problems.append(f"receiver {b.dst} reported no checksum for {key} (tensor {u.canonical})")
+            elif sent[key] != got[key]:
+                problems.append(
+                    f"checksum mismatch for tensor {u.canonical} region {u.canon}: sender {b.src} "
+                    f"{sent[key]}, receiver {b.dst} {got[key]}"
+                )
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return problems[0] + more

@@ -1,0 +1,186 @@
+"""Members, their catalogs, leases and command queues.
+
+Lifecycle of a member: `register` (hash first; the full catalog only when syncd lacks it) opens a
+session; `heartbeat` renews its lease; `expire` (called by the daemon's reaper) ends sessions whose
+lease ran out; a new registration under the same member id replaces the old session. Ending a
+session closes its command queue, which ends its Watch stream, and tells `on_lost` listeners.
+
+Catalogs are kept by content hash for the daemon's lifetime: identical layouts are stored once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from syncd.commands import Command
+from syncd.errors import AlreadyExists, InvalidArgument, NotFound
+from syncd.layout import Catalog
+
+log = logging.getLogger(__name__)
+
+ROLES = ("trainer", "generator")
+# Display order of mesh dims (protobuf maps are unordered); other dims follow alphabetically.
+DIM_ORDER = ("replica", "pp", "dp", "ep", "tp")
+
+
+@dataclass(frozen=True)
+class Member:
+    member_id: str
+    role: str
+    coords: Mapping[str, int]
+    device: str
+    data_address: str
+    catalog_hash: str
+    session_id: str
+    registered_at: float
+
+    @property
+    def stage(self) -> int:
+        """Trainer pipeline stage (the `pp` coordinate); 0 when the mesh has no pp dim."""
+        return int(self.coords.get("pp", 0))
+
+
+@dataclass
+class _Session:
+    member: Member
+    lease_deadline: float
+    commands: queue.Queue[Command | None] = field(default_factory=queue.Queue)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """`catalog_required`: syncd lacks the catalog and registered nothing; send it in full."""
+
+    catalog_required: bool
+    member: Member | None = None
+
+
+LostListener = Callable[[Member, str], None]
+
+
+class Registry:
+    def __init__(self, lease_seconds: float) -> None:
+        self.lease_seconds = lease_seconds
+        self._lock = threading.Lock()
+        self._catalogs: dict[str, Catalog] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._listeners: list[LostListener] = []
+
+    def on_lost(self, listener: LostListener) -> None:
+        self._listeners.append(listener)
+
+    def register(
+        self, *, role: str, member_id: str, coords: Mapping[str, int], device: str, data_address: str,
+        catalog_hash: str, catalog: Catalog | None,
+    ) -> Registration:
+        """Validate and open a session; raises InvalidArgument / AlreadyExists and changes nothing."""
+        if role not in ROLES:
+            raise InvalidArgument(f"unknown role {role!r}; expected one of {list(ROLES)}")
+        if not member_id:
+            raise InvalidArgument("member_id is empty")
+        if role == "trainer" and "pp" not in coords:
+            raise InvalidArgument(f"trainer {member_id}: coords {dict(coords)} lack the 'pp' dim")
+        if catalog is not None:
+            _check_catalog(member_id, catalog, catalog_hash)
+        with self._lock:
+            if catalog is None and catalog_hash not in self._catalogs:
+                return Registration(catalog_required=True)
+            self._check_coords(role, member_id, coords)
+            if catalog is not None:
+                self._catalogs.setdefault(catalog_hash, catalog)
+            member = Member(member_id, role, _ordered(coords), device, data_address, catalog_hash,
+                            uuid.uuid4().hex, time.time())
+            old = self._sessions.get(member_id)
+            self._sessions[member_id] = _Session(member, time.monotonic() + self.lease_seconds)
+        if old is not None:
+            self._end(old, "re-registered (new session)")
+        log.info("registered %s %s coords=%s catalog=%s", role, member_id, dict(coords), catalog_hash[:19])
+        return Registration(catalog_required=False, member=member)
+
+    def _check_coords(self, role: str, member_id: str, coords: Mapping[str, int]) -> None:
+        for s in self._sessions.values():
+            m = s.member
+            if m.role == role and m.member_id != member_id and dict(m.coords) == dict(coords):
+                raise AlreadyExists(
+                    f"{role} coordinates {dict(coords)} are already held by live member {m.member_id}; "
+                    f"{member_id} cannot claim them"
+                )
+
+    def heartbeat(self, member_id: str, session_id: str) -> None:
+        with self._lock:
+            self._session(member_id, session_id).lease_deadline = time.monotonic() + self.lease_seconds
+
+    def commands(self, member_id: str, session_id: str) -> queue.Queue[Command | None]:
+        with self._lock:
+            return self._session(member_id, session_id).commands
+
+    def member(self, member_id: str, session_id: str) -> Member:
+        with self._lock:
+            return self._session(member_id, session_id).member
+
+    def _session(self, member_id: str, session_id: str) -> _Session:
+        s = self._sessions.get(member_id)
+        if s is None or s.member.session_id != session_id:
+            raise NotFound(f"member {member_id} has no session {session_id[:8]}: register again")
+        return s
+
+    def send(self, member_id: str, command: Command) -> bool:
+        """Queue `command` for the member's Watch stream; False if it has no session."""
+        with self._lock:
+            s = self._sessions.get(member_id)
+        if s is None:
+            return False
+        s.commands.put(command)
+        return True
+
+    def members(self) -> list[Member]:
+        with self._lock:
+            return sorted((s.member for s in self._sessions.values()), key=lambda m: (m.role, m.member_id))
+
+    def catalog(self, catalog_hash: str) -> Catalog:
+        with self._lock:
+            return self._catalogs[catalog_hash]
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            gone = [s for s in self._sessions.values() if s.lease_deadline < now]
+            for s in gone:
+                del self._sessions[s.member.member_id]
+        for s in gone:
+            self._end(s, f"lease expired (no heartbeat for {self.lease_seconds:g}s)")
+
+    def close_all(self) -> None:
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for s in sessions:
+            s.commands.put(None)
+
+    def _end(self, s: _Session, reason: str) -> None:
+        log.warning("member %s lost: %s", s.member.member_id, reason)
+        s.commands.put(None)
+        for listener in self._listeners:
+            listener(s.member, reason)
+
+
+def _ordered(coords: Mapping[str, int]) -> dict[str, int]:
+    rank = {d: i for i, d in enumerate(DIM_ORDER)}
+    return {d: coords[d] for d in sorted(coords, key=lambda d: (rank.get(d, len(rank)), d))}
+
+
+def _check_catalog(member_id: str, catalog: Catalog, claimed_hash: str) -> None:
+    try:
+        catalog.validate()
+    except ValueError as e:
+        raise InvalidArgument(f"catalog of {member_id}: {e}") from None
+    if catalog.content_hash != claimed_hash:
+        raise InvalidArgument(
+            f"catalog of {member_id}: claimed hash {claimed_hash} but its content hashes to "
+            f"{catalog.content_hash}"
+        )

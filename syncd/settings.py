@@ -1,0 +1,104 @@
+"""syncd's one settings object. Every setting is declared once below, with its flag, environment
+variable and default; precedence is flag > environment > default.
+
+    python -m syncd --http-port 8470 --grpc-port 8471 --db /var/lib/syncd/syncd.db
+    SYNCD_AUTH_TOKEN=secret python -m syncd
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+
+def _setting(default: Any, env: str, help: str) -> Any:
+    return field(default=default, metadata={"env": env, "help": help})
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = _setting("0.0.0.0", "SYNCD_HOST", "address both servers bind")
+    http_port: int = _setting(8470, "SYNCD_HTTP_PORT", "HTTP (operator API, /metrics) port")
+    grpc_port: int = _setting(8471, "SYNCD_GRPC_PORT", "gRPC (member API) port")
+    db: str = _setting("syncd.db", "SYNCD_DB", "SQLite file holding refit history and committed version")
+    auth_token: str | None = _setting(
+        None, "SYNCD_AUTH_TOKEN", "when set, mutating HTTP calls and all member RPCs need 'Bearer <token>'"
+    )
+    lease_seconds: float = _setting(10.0, "SYNCD_LEASE_SECONDS", "member lease; renewed by heartbeats")
+    prepare_timeout: float = _setting(120.0, "SYNCD_PREPARE_TIMEOUT", "seconds for PREPARING (plan + groups)")
+    transfer_timeout: float = _setting(600.0, "SYNCD_TRANSFER_TIMEOUT", "seconds for TRANSFERRING")
+    verify_timeout: float = _setting(60.0, "SYNCD_VERIFY_TIMEOUT", "seconds for VERIFYING")
+    commit_timeout: float = _setting(60.0, "SYNCD_COMMIT_TIMEOUT", "seconds for committing")
+    bucket_bytes: int = _setting(256 << 20, "SYNCD_BUCKET_BYTES", "planner bucket size in bytes")
+    expected_trainers: int = _setting(1, "SYNCD_EXPECTED_TRAINERS", "trainer ranks needed to be ready")
+    expected_generators: int = _setting(
+        1, "SYNCD_EXPECTED_GENERATORS", "generator workers needed to be ready"
+    )
+    backend: str = _setting(
+        "auto", "SYNCD_BACKEND", "data-plane backend: auto (nccl if all cuda), gloo, nccl"
+    )
+    auto_refit: bool = _setting(
+        False, "SYNCD_AUTO_REFIT", "start a refit whenever a trainer announces a version"
+    )
+    log_level: str = _setting("INFO", "SYNCD_LOG_LEVEL", "logging level")
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be auto, gloo or nccl, not {self.backend!r}")
+        for name in ("lease_seconds", "prepare_timeout", "transfer_timeout", "verify_timeout",
+                     "commit_timeout", "bucket_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+        if self.expected_trainers < 1 or self.expected_generators < 1:
+            raise ValueError(
+                f"expected_trainers and expected_generators must be >= 1, not "
+                f"{self.expected_trainers} and {self.expected_generators}"
+            )
+
+    @classmethod
+    def load(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+        environ = os.environ if environ is None else environ
+        parser = argparse.ArgumentParser(prog="syncd", description="weight-sync daemon")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type == "bool":
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                    help=f"{f.metadata['help']} (env {f.metadata['env']})")
+            else:
+                parser.add_argument(
+                    flag, default=None,
+                    help=f"{f.metadata['help']} (env {f.metadata['env']}, default {f.default})",
+                )
+        args = vars(parser.parse_args(argv))
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = args[f.name] if args[f.name] is not None else environ.get(f.metadata["env"])
+            if raw is not None:
+                values[f.name] = _parse(f.name, f.type, raw)
+        return cls(**values)
+
+    @staticmethod
+    def env_vars() -> dict[str, str]:
+        return {f.name: f.metadata["env"] for f in dataclasses.fields(Settings)}
+
+
+def _parse(name: str, kind: str, raw: Any) -> Any:
+    if isinstance(raw, bool):
+        return raw
+    try:
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"setting {name}: {raw!r} is not a {kind}") from None
+    if kind == "bool":
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"setting {name}: {raw!r} is not a boolean")
+    return raw or None if name == "auth_token" else raw

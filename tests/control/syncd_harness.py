@@ -1,0 +1,239 @@
+"""Harness for the control-plane tests: a real syncd (gRPC + HTTP + SQLite on loopback) and
+simulated members that speak the real protocol through MemberClient but move no tensors: their
+handlers report the bytes of their plan part and a checksum derived from each unit's key, so
+senders and receivers agree unless a test corrupts one."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import httpx
+from syncd.client import MemberClient
+from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase, Verify, checksum_key
+from syncd.daemon import Daemon
+from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, local_tensor
+from syncd.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+TOKEN = "s3cret"
+
+# A toy model: stage 0 holds the embedding, stage 1 the grouped experts and the head.
+EMBED = CanonicalTensor("model.embed_tokens.weight", (16, 8), "float32")
+GATE = CanonicalTensor("model.layers.0.mlp.experts.gate_proj.weight", (4, 6, 8), "bfloat16")
+HEAD = CanonicalTensor("lm_head.weight", (16, 8), "float32")
+STAGES = {0: (EMBED,), 1: (GATE, HEAD)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
+    """Poll `predicate` until truthy; generous timeouts keep speed out of the assertions."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def trainer_catalog(stage: int) -> Catalog:
+    tensors = tuple(local_tensor(c.name, c.dtype, Canon(c.name, c.shape)) for c in STAGES[stage])
+    return Catalog(STAGES[stage], tensors)
+
+
+def generator_catalog(tp: int, tp_size: int = 2) -> Catalog:
+    canon = (EMBED, GATE, HEAD)
+    tensors = tuple(
+        local_tensor(c.name, c.dtype,
+                     Sharded(Canon(c.name, c.shape), (Shard(len(c.shape) - 2),), (tp_size,), (tp,)))
+        for c in canon
+    )
+    return Catalog(canon, tensors)
+
+
+def fake_checksum(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Behaviour:
+    """What a simulated member does besides following the protocol."""
+
+    corrupt: frozenset[str] = frozenset()  # canonical tensors whose received checksum is wrong
+    on_execute: Callable[[ExecutePlan], None] | None = None  # called before reporting TRANSFERRED
+    fail_verify: str = ""  # error text to report instead of VERIFIED
+    die_on_execute: bool = False  # on ExecutePlan: stop heartbeating and never answer (a crash)
+
+
+@dataclass
+class FakeMember:
+    client: MemberClient
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    received: list[Command] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)
+
+    @property
+    def member_id(self) -> str:
+        return self.client.member_id
+
+    def of_type(self, kind: type) -> list:
+        return [c for c in self.received if isinstance(c, kind)]
+
+    def handle(self, cmd: Command) -> None:
+        self.received.append(cmd)
+        c = self.client
+        match cmd:
+            case JoinGroup(rank=0, address=""):
+                c.report(cmd.refit_id, Phase.GROUP_ADDRESS, address=f"127.0.0.1:{29500 + cmd.stage}")
+                c.report(cmd.refit_id, Phase.JOINED)
+            case JoinGroup():
+                assert cmd.address, "non-root ranks get the relayed address"
+                c.report(cmd.refit_id, Phase.JOINED)
+            case ExecutePlan() if self.behaviour.die_on_execute:
+                threading.Thread(target=c.close).start()
+            case ExecutePlan():
+                if self.behaviour.on_execute is not None:
+                    self.behaviour.on_execute(cmd)
+                self._transfer(cmd)
+            case Verify():
+                if self.behaviour.fail_verify:
+                    c.report(cmd.refit_id, Phase.VERIFIED, ok=False, error=self.behaviour.fail_verify)
+                else:
+                    c.report(cmd.refit_id, Phase.VERIFIED)
+            case Commit():
+                self.committed.append(cmd.weight_version)
+                c.report(cmd.refit_id, Phase.COMMITTED)
+            case Abort():
+                pass
+
+    def _transfer(self, cmd: ExecutePlan) -> None:
+        sums, nbytes = {}, 0
+        for b in cmd.buckets:
+            nbytes += b.nbytes
+            for u in b.units:
+                key = checksum_key(u.canonical, u.canon)
+                bad = b.dst == self.member_id and u.canonical in self.behaviour.corrupt
+                sums[key] = fake_checksum(key + ("flipped" if bad else ""))
+        self.client.report(cmd.refit_id, Phase.TRANSFERRED, bytes=nbytes, checksums=sums,
+                           timings={"transfer_s": 0.001})
+
+
+MEMBERS = {
+    "trainer-0": ("trainer", {"pp": 0, "dp": 0, "ep": 0, "tp": 0}, lambda: trainer_catalog(0)),
+    "trainer-1": ("trainer", {"pp": 1, "dp": 0, "ep": 0, "tp": 0}, lambda: trainer_catalog(1)),
+    "generator-0-0": ("generator", {"replica": 0, "tp": 0}, lambda: generator_catalog(0)),
+    "generator-0-1": ("generator", {"replica": 0, "tp": 1}, lambda: generator_catalog(1)),
+}
+
+
+def make_member(target: str, member_id: str, token: str | None = None, **behaviour: object) -> FakeMember:
+    role, coords, catalog = MEMBERS[member_id]
+    client = MemberClient(target, role=role, member_id=member_id, coords=coords, catalog=catalog(),
+                          auth_token=token)
+    return FakeMember(client, Behaviour(**behaviour))  # type: ignore[arg-type]
+
+
+def base_settings(tmp_path: Path, **overrides: object) -> Settings:
+    return replace(Settings(
+        host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), db=str(tmp_path / "syncd.db"),
+        lease_seconds=5.0, prepare_timeout=20, transfer_timeout=20, verify_timeout=20, commit_timeout=20,
+        bucket_bytes=256, expected_trainers=2, expected_generators=2,
+    ), **overrides)
+
+
+@dataclass
+class Cluster:
+    """A running syncd plus HTTP access and the members started against it."""
+
+    daemon: Daemon
+    http: httpx.Client
+    members: dict[str, FakeMember] = field(default_factory=dict)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.daemon.grpc_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.daemon.settings.http_port}"
+
+    def start_member(self, member_id: str, **behaviour: object) -> FakeMember:
+        m = make_member(self.target, member_id, self.daemon.settings.auth_token, **behaviour)
+        m.client.start(m.handle)
+        self.members[member_id] = m
+        return m
+
+    def start_all(self, **behaviour_by_member: dict) -> None:
+        for member_id in MEMBERS:
+            self.start_member(member_id, **behaviour_by_member.get(member_id, {}))
+        wait_until(lambda: self.http.get("/readyz").status_code == 200, what="syncd ready")
+
+    def announce(self, version: int) -> None:
+        self.members["trainer-0"].client.announce_version(version)
+
+    def refit(self, **body: object) -> dict:
+        token = self.daemon.settings.auth_token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        r = self.http.post("/v1/refits", json=body, headers=headers)
+        assert r.status_code == 202, r.text
+        return r.json()
+
+    def wait_refit(self, refit_id: str) -> dict:
+        def finished() -> dict | None:
+            body = self.http.get(f"/v1/refits/{refit_id}").json()
+            return body if body["state"] in ("COMMITTED", "ABORTED") else None
+        return wait_until(finished, what=f"refit {refit_id} to finish")  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for m in self.members.values():
+            m.client.close()
+        self.http.close()
+
+
+class SyncdProcess:
+    """`python -m syncd` in a subprocess, as an operator would run it."""
+
+    def __init__(self, db: Path, http_port: int, grpc_port: int, *extra: str) -> None:
+        self.url = f"http://127.0.0.1:{http_port}"
+        self.target = f"127.0.0.1:{grpc_port}"
+        self.args = [PYTHON, "-m", "syncd", "--host", "127.0.0.1", "--http-port", str(http_port),
+                     "--grpc-port", str(grpc_port), "--db", str(db), *extra]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> SyncdProcess:
+        self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True)
+
+        def healthy() -> bool:
+            assert self.proc is not None
+            assert self.proc.poll() is None, self.proc.stderr.read()  # type: ignore[union-attr]
+            try:
+                return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_until(healthy, what="syncd to serve")
+        return self
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=20)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()

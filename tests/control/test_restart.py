@@ -1,0 +1,67 @@
+"""syncd run as `python -m syncd`: refit history and the committed version survive a restart,
+members re-register on their own, and syncd is ready to refit again."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import httpx
+from syncd_harness import MEMBERS, SyncdProcess, free_port, make_member, wait_until
+
+from syncd.commands import Abort
+
+
+def test_restart_keeps_history_and_members_come_back(tmp_path: Path) -> None:
+    db = tmp_path / "state.db"
+    syncd = SyncdProcess(db, free_port(), free_port(), "--lease-seconds", "5", "--expected-trainers", "2",
+                         "--expected-generators", "2", "--bucket-bytes", "256").start()
+    members = [make_member(syncd.target, member_id) for member_id in MEMBERS]
+    http = httpx.Client(base_url=syncd.url, timeout=30)
+    try:
+        for m in members:
+            m.client.start(m.handle)
+        wait_until(lambda: http.get("/readyz").status_code == 200, what="ready")
+        members[0].client.announce_version(11)
+        refit_id = http.post("/v1/refits").json()["id"]
+        wait_until(lambda: http.get(f"/v1/refits/{refit_id}").json()["state"] == "COMMITTED", what="commit")
+
+        assert syncd.stop() == 0
+        sessions = {m.member_id: m.client.session_id for m in members}
+        syncd.start()
+        wait_until(lambda: http.get("/readyz").status_code == 200, what="members to re-register")
+
+        status = http.get("/v1/status").json()
+        assert status["committed_version"] == 11 and status["announced_version"] == 11
+        history = http.get("/v1/refits").json()["refits"]
+        assert [(r["id"], r["state"], r["weight_version"]) for r in history] == [(refit_id, "COMMITTED", 11)]
+        wait_until(lambda: all(m.client.session_id != sessions[m.member_id] for m in members),
+                   what="new sessions")
+        assert "weightsync_committed_weight_version 11.0" in http.get("/metrics").text
+
+        second = http.post("/v1/refits", json={"weight_version": 12}).json()["id"]
+        assert second != refit_id
+        wait_until(lambda: http.get(f"/v1/refits/{second}").json()["state"] == "COMMITTED",
+                   what="second commit")
+        assert all(m.committed == [11, 12] for m in members)
+    finally:
+        http.close()
+        for m in members:
+            m.client.close()
+        syncd.stop()
+
+
+def test_stopping_syncd_mid_refit_records_it_aborted(make_cluster) -> None:
+    first = make_cluster()
+    release = threading.Event()
+    first.start_all(**{"trainer-0": {"on_execute": lambda _: release.wait(20)}})
+    refit_id = first.refit(weight_version=1)["id"]
+    wait_until(lambda: first.http.get("/v1/status").json()["state"] == "TRANSFERRING", what="transfer")
+    first.daemon.stop()
+    release.set()
+    wait_until(lambda: all(m.of_type(Abort) for m in first.members.values()), what="Abort everywhere")
+
+    second = make_cluster()  # same database file
+    record = second.http.get(f"/v1/refits/{refit_id}").json()
+    assert record["state"] == "ABORTED" and "shutting down" in record["error"]
+    assert second.http.get("/v1/status").json()["state"] == "IDLE"

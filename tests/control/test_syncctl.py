@@ -1,0 +1,65 @@
+"""syncctl as an operator runs it (a subprocess) against a real syncd."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from syncd_harness import PYTHON, REPO, TOKEN, Cluster, free_port
+
+
+def syncctl(url: str, *args: str, token: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [PYTHON, "-m", "syncd.cli", "--url", url, *(["--token", token] if token else []), *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_operator_session(make_cluster) -> None:
+    cluster: Cluster = make_cluster(auth_token=TOKEN)
+    cluster.start_all()
+    cluster.announce(5)
+
+    status = syncctl(cluster.url, "status")
+    assert status.returncode == 0, status.stderr
+    assert "IDLE" in status.stdout and "2/2 trainers" in status.stdout and "5" in status.stdout
+
+    members = syncctl(cluster.url, "members")
+    assert members.returncode == 0
+    assert members.stdout.splitlines()[0].split()[:3] == ["MEMBER", "ROLE", "COORDS"]
+    assert "generator-0-1  generator  replica=0,tp=1" in members.stdout
+
+    plan = syncctl(cluster.url, "plan", "--json")
+    assert plan.returncode == 0 and json.loads(plan.stdout)["total_bytes"] == 2 * 16 * 8 * 4 + 4 * 6 * 8 * 2
+    assert "trainer-1" in syncctl(cluster.url, "plan").stdout
+
+    denied = syncctl(cluster.url, "refit", "--wait")
+    assert denied.returncode == 1 and "credentials" in denied.stderr and "Traceback" not in denied.stderr
+
+    refit = syncctl(cluster.url, "refit", "--wait", token=TOKEN)
+    assert refit.returncode == 0, refit.stderr
+    assert "COMMITTED (weight version 5)" in refit.stdout
+    assert "PREPARING" in refit.stderr  # progress shown while waiting
+    refit_id = refit.stdout.split()[0]
+
+    history = syncctl(cluster.url, "--json", "history")
+    assert history.returncode == 0
+    assert [r["id"] for r in json.loads(history.stdout)["refits"]] == [refit_id]
+    assert refit_id in syncctl(cluster.url, "history").stdout
+
+    finished = syncctl(cluster.url, "abort", refit_id, token=TOKEN)
+    assert finished.returncode == 1 and "already finished as COMMITTED" in finished.stderr
+
+
+def test_refit_wait_fails_when_the_refit_aborts(make_cluster) -> None:
+    cluster: Cluster = make_cluster()
+    cluster.start_all(**{"generator-0-0": {"corrupt": frozenset({"model.embed_tokens.weight"})}})
+    refit = syncctl(cluster.url, "refit", "--version", "2", "--wait")
+    assert refit.returncode == 1
+    assert "ABORTED" in refit.stderr and "model.embed_tokens.weight" in refit.stderr
+
+
+def test_unreachable_syncd_is_one_line_and_nonzero() -> None:
+    for args in (("status",), ("refit", "--wait"), ("members", "--json")):
+        r = syncctl(f"http://127.0.0.1:{free_port()}", *args)
+        assert r.returncode == 3
+        assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
+        assert r.stderr.startswith("syncctl: cannot reach syncd at http://127.0.0.1:")
