@@ -1,0 +1,192 @@
+"""The member side of the data plane: turns syncd's commands into transfers.
+
+    agent = MemberAgent(client, endpoint, AgentSettings(host=my_ip, device="cuda:0"))
+    client.start(agent)
+
+`endpoint` is what the member exposes (a trainer rank's parameter views, a generator worker's
+staging area); the agent is the same for both roles:
+
+- JoinGroup: rank 0 creates the rendezvous address (gloo) or NCCL unique id, reports it
+  (GROUP_ADDRESS) before it blocks in init; the others join with the address syncd relays; all
+  report JOINED. One transport per PP stage, kept across refits until syncd regroups or aborts.
+- ExecutePlan: one thread per stage group, all stages concurrently, each sending or receiving its
+  buckets; then TRANSFERRED with bytes, per-unit checksums and timings.
+- Verify / Commit: handed to the endpoint, then VERIFIED / COMMITTED. The endpoint hears `begin`
+  before and `end` after its own transfer, so a trainer holds its weights still only that long.
+- Abort (arrives on its own thread): cancel the transfer, abort every communicator so no peer
+  waits for us, let the endpoint drop what it staged, report ABORTED.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+import torch
+
+from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase, Verify
+from syncd.dataplane import GlooTransport, Transport, recv_buckets, send_buckets
+from syncd.plan.types import Bucket
+
+log = logging.getLogger(__name__)
+
+
+class Endpoint(Protocol):
+    """What a member exposes to the data plane."""
+
+    def begin(self, refit_id: str, weight_version: int) -> Mapping[str, torch.Tensor]:
+        """Tensors (views in the catalog's shapes) to send from or receive into for this refit."""
+        ...
+
+    def end(self, refit_id: str) -> None:
+        """This member's transfer is over (done or failed): e.g. a trainer may step again."""
+        ...
+
+    def verify(self, refit_id: str) -> None: ...
+
+    def commit(self, weight_version: int) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class Reporter(Protocol):
+    member_id: str
+
+    def report(self, refit_id: str, phase: str, **fields) -> None: ...
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    host: str = "127.0.0.1"  # where this member's peers reach a gloo store it hosts
+    device: str = "cpu"
+    timeout_s: float = 120.0  # every join, send and receive
+    in_flight: int = 2  # staging buffers per stage and direction
+
+
+@dataclass
+class _Group:
+    group_id: str
+    members: tuple[str, ...]
+    transport: Transport
+
+
+class MemberAgent:
+    def __init__(self, client: Reporter, endpoint: Endpoint, settings: AgentSettings = AgentSettings()):
+        self._client, self._endpoint, self._settings = client, endpoint, settings
+        self._groups: dict[int, _Group] = {}
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+
+    @property
+    def member_id(self) -> str:
+        return self._client.member_id
+
+    def __call__(self, command: Command) -> None:
+        if isinstance(command, JoinGroup):
+            self._join(command)
+        elif isinstance(command, ExecutePlan):
+            self._execute(command)
+        elif isinstance(command, Verify):
+            self._endpoint.verify(command.refit_id)
+            self._client.report(command.refit_id, Phase.VERIFIED)
+        elif isinstance(command, Commit):
+            self._endpoint.commit(command.weight_version)
+            self._client.report(command.refit_id, Phase.COMMITTED)
+        elif isinstance(command, Abort):
+            self._abort(command)
+
+    def _join(self, cmd: JoinGroup) -> None:
+        self._close_group(cmd.stage)
+        timeout = self._settings.timeout_s
+        t0 = time.perf_counter()
+        if cmd.backend == "nccl":
+            from syncd.dataplane.nccl import NcclTransport
+
+            address = NcclTransport.create_address() if cmd.rank == 0 else cmd.address
+            if cmd.rank == 0:
+                self._client.report(cmd.refit_id, Phase.GROUP_ADDRESS, address=address)
+            transport = NcclTransport.connect(address, cmd.rank, cmd.world_size, torch.device(self._settings.device), timeout)
+        elif cmd.backend == "gloo":
+            store = None
+            address = cmd.address
+            if cmd.rank == 0:
+                address, store = GlooTransport.create_address(self._settings.host, cmd.world_size, timeout)
+                self._client.report(cmd.refit_id, Phase.GROUP_ADDRESS, address=address)
+            transport = GlooTransport.connect(address, cmd.rank, cmd.world_size, cmd.group_id, timeout, store)
+        else:
+            raise ValueError(f"unknown data-plane backend {cmd.backend!r}; expected 'gloo' or 'nccl'")
+        with self._lock:
+            self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport)
+        self._client.report(cmd.refit_id, Phase.JOINED, timings={"join_s": time.perf_counter() - t0})
+        log.info("%s joined %s as rank %d/%d", self.member_id, cmd.group_id, cmd.rank, cmd.world_size)
+
+    def _execute(self, cmd: ExecutePlan) -> None:
+        self._cancel.clear()
+        tensors = self._endpoint.begin(cmd.refit_id, cmd.weight_version)
+        try:
+            self._transfer(cmd, tensors)
+        finally:
+            self._endpoint.end(cmd.refit_id)
+
+    def _transfer(self, cmd: ExecutePlan, tensors: Mapping[str, torch.Tensor]) -> None:
+        per_stage: dict[int, list[Bucket]] = defaultdict(list)
+        for b in cmd.buckets:
+            per_stage[b.stage].append(b)
+        groups = {g.stage: g for g in cmd.groups}
+        results: dict[int, object] = {}
+        threads = []
+        for stage, buckets in per_stage.items():
+            group = self._groups.get(stage)
+            expected = groups.get(stage)
+            if group is None or (expected is not None and expected.group_id != group.group_id):
+                raise RuntimeError(f"{self.member_id} has not joined the group of stage {stage}")
+            t = threading.Thread(target=self._run_stage, args=(group, buckets, tensors, results, stage),
+                                 name=f"{self.member_id}-stage{stage}")
+            t.start()
+            threads.append(t)
+        for t in threads:
+            t.join()
+        errors = [r for r in results.values() if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        checksums, total, timings = {}, 0, {}
+        for stage, stats in results.items():
+            checksums.update(stats.checksums)
+            total += stats.bytes
+            timings[f"stage{stage}_s"] = stats.seconds
+        timings["transfer_s"] = max(timings.values(), default=0.0)
+        self._client.report(cmd.refit_id, Phase.TRANSFERRED, bytes=total, checksums=checksums, timings=timings)
+
+    def _run_stage(self, group: _Group, buckets: list[Bucket], tensors, results: dict, stage: int) -> None:
+        ranks = {m: i for i, m in enumerate(group.members)}
+        sending = buckets[0].src == self.member_id
+        run = send_buckets if sending else recv_buckets
+        try:
+            results[stage] = run(buckets, tensors, group.transport, ranks, timeout_s=self._settings.timeout_s,
+                                 in_flight=self._settings.in_flight, cancel=self._cancel)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller thread, which raises it
+            log.warning("%s: stage %d transfer failed: %s", self.member_id, stage, e)
+            self._close_group(stage)  # unblock our peers: they fail fast instead of timing out
+            results[stage] = e
+
+    def _abort(self, cmd: Abort) -> None:
+        log.warning("%s: abort %s: %s", self.member_id, cmd.refit_id, cmd.reason)
+        self._cancel.set()
+        for stage in list(self._groups):
+            self._close_group(stage)
+        self._endpoint.abort()
+        self._client.report(cmd.refit_id, Phase.ABORTED)
+
+    def _close_group(self, stage: int) -> None:
+        with self._lock:
+            group = self._groups.pop(stage, None)
+        if group is not None:
+            group.transport.close()
+
+    def close(self) -> None:
+        for stage in list(self._groups):
+            self._close_group(stage)

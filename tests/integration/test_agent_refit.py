@@ -1,0 +1,208 @@
+"""Refits through a real syncd with real tensors: members are MemberClient + MemberAgent over
+gloo, one communicator per trainer PP stage. No vLLM here: generator endpoints stage and commit
+plain tensors (generator_svc's own tests cover vLLM)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from syncd.agent import AgentSettings, MemberAgent
+from syncd.client import MemberClient
+from syncd.daemon import Daemon
+from syncd.dataplane import catalog_views
+from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Shard, Sharded, Stack, local_tensor
+from syncd.plan.simulate import materialize
+from syncd.settings import Settings
+
+E, I, H = 4, 6, 8
+EMBED = CanonicalTensor("model.embed_tokens.weight", (32, H), "float32")
+GATE = CanonicalTensor("model.layers.0.mlp.experts.gate_proj.weight", (E, I, H), "float32")
+UP = CanonicalTensor("model.layers.0.mlp.experts.up_proj.weight", (E, I, H), "float32")
+HEAD = CanonicalTensor("lm_head.weight", (32, H), "float32")
+ALL = (EMBED, GATE, UP, HEAD)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_catalog(stage: int) -> Catalog:
+    if stage == 0:
+        return Catalog((EMBED,), (local_tensor(EMBED.name, "float32", Canon(EMBED.name, EMBED.shape)),))
+    fused = Stack(1, (Canon(GATE.name, GATE.shape), Canon(UP.name, UP.shape)))
+    return Catalog((GATE, UP, HEAD), (
+        local_tensor("experts.gate_up_proj", "float32", fused),
+        local_tensor(HEAD.name, "float32", Canon(HEAD.name, HEAD.shape)),
+    ))
+
+
+def generator_catalog(tp: int) -> Catalog:
+    def split(c, dim):
+        return Sharded(Canon(c.name, c.shape), (Shard(dim),), (2,), (tp,))
+
+    return Catalog(ALL, (
+        local_tensor("embed", "float32", split(EMBED, 0)),
+        local_tensor("w13_weight", "float32", Concat(1, (split(GATE, 1), split(UP, 1)))),
+        local_tensor("lm_head", "float32", split(HEAD, 0)),
+    ))
+
+
+class TrainerEndpoint:
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+        self.params = {t.name: torch.zeros(t.shape) for t in catalog.tensors}
+
+    def load(self, canonical: dict[str, np.ndarray]) -> None:
+        for name, arr in materialize(self.catalog, canonical).items():
+            self.params[name].copy_(torch.from_numpy(arr))
+
+    def begin(self, refit_id, version):
+        return catalog_views(self.catalog, self.params)
+
+    def end(self, refit_id):
+        pass
+
+    def verify(self, refit_id):
+        pass
+
+    def commit(self, version):
+        pass
+
+    def abort(self):
+        pass
+
+
+class GeneratorEndpoint:
+    """Receives into staging; only a commit makes staged weights live."""
+
+    def __init__(self, catalog: Catalog):
+        self.catalog = catalog
+        self.live = {t.name: torch.zeros(t.shape) for t in catalog.tensors}
+        self.version = 0
+        self.staging = None
+
+    def begin(self, refit_id, version):
+        self.staging = {t.name: torch.full(t.shape, float("nan")) for t in self.catalog.tensors}
+        return self.staging
+
+    def end(self, refit_id):
+        pass
+
+    def verify(self, refit_id):
+        assert self.staging is not None and not any(t.isnan().any() for t in self.staging.values())
+
+    def commit(self, version):
+        self.live, self.staging, self.version = self.staging, None, version
+
+    def abort(self):
+        self.staging = None
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    settings = Settings(host="127.0.0.1", http_port=_port(), grpc_port=_port(), db=str(tmp_path / "syncd.db"),
+                        lease_seconds=3, prepare_timeout=30, transfer_timeout=30, verify_timeout=30,
+                        commit_timeout=30, bucket_bytes=512, expected_trainers=2, expected_generators=2,
+                        backend="gloo")
+    daemon = Daemon(settings)
+    daemon.start()
+    target = f"127.0.0.1:{daemon.grpc_port}"
+    trainers = {s: TrainerEndpoint(trainer_catalog(s)) for s in range(2)}
+    generators = {t: GeneratorEndpoint(generator_catalog(t)) for t in range(2)}
+    clients = []
+    for s, ep in trainers.items():
+        c = MemberClient(target, role="trainer", member_id=f"trainer-{s}", coords={"pp": s, "dp": 0, "ep": 0, "tp": 0},
+                         catalog=ep.catalog, group_size=2)
+        clients.append((c, ep))
+    for t, ep in generators.items():
+        c = MemberClient(target, role="generator", member_id=f"generator-0-{t}", coords={"replica": 0, "tp": t},
+                         catalog=ep.catalog, group_size=2)
+        clients.append((c, ep))
+    agents = []
+    for c, ep in clients:
+        agent = MemberAgent(c, ep, AgentSettings(timeout_s=30))
+        c.start(agent)
+        agents.append(agent)
+    http = httpx.Client(base_url=f"http://127.0.0.1:{daemon.settings.http_port}", timeout=30)
+    deadline = time.monotonic() + 30
+    while not http.get("/readyz").json()["ready"]:
+        assert time.monotonic() < deadline, http.get("/readyz").json()
+        time.sleep(0.1)
+    yield http, trainers, generators
+    for (c, _), agent in zip(clients, agents):
+        c.close()
+        agent.close()
+    http.close()
+    daemon.stop()
+
+
+def _refit(http: httpx.Client, version: int) -> dict:
+    r = http.post("/v1/refits", json={"weight_version": version})
+    assert r.status_code == 202, r.text
+    refit_id = r.json()["id"]
+    deadline = time.monotonic() + 60
+    while (state := http.get(f"/v1/refits/{refit_id}").json())["state"] not in ("COMMITTED", "ABORTED"):
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+    return state
+
+
+def _canonical(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {c.name: rng.standard_normal(c.shape).astype(np.float32) for c in ALL}
+
+
+def test_two_refits_in_a_row_deliver_every_byte_through_per_stage_groups(cluster):
+    http, trainers, generators = cluster
+    for version in (1, 2):
+        canonical = _canonical(version)
+        for ep in trainers.values():
+            ep.load(canonical)
+        state = _refit(http, version)
+        assert state["state"] == "COMMITTED", state
+        for ep in generators.values():
+            assert ep.version == version
+            expected = materialize(ep.catalog, canonical)
+            for name, t in ep.live.items():
+                np.testing.assert_array_equal(t.numpy(), expected[name], err_msg=name)
+    plan = http.get("/v1/plan").json()
+    assert {s["stage"] for s in plan["stages"]} == {0, 1}
+
+
+def test_a_failed_sender_aborts_the_refit_and_the_next_refit_succeeds(cluster):
+    http, trainers, generators = cluster
+    good = _canonical(1)
+    for ep in trainers.values():
+        ep.load(good)
+    assert _refit(http, 1)["state"] == "COMMITTED"
+
+    broken = trainers[1]
+    original_begin = broken.begin
+
+    def crash_once(refit_id, version):
+        broken.begin = original_begin
+        raise RuntimeError("trainer-1 lost its GPU")
+
+    broken.begin = crash_once
+    for ep in trainers.values():
+        ep.load(_canonical(2))
+    state = _refit(http, 2)
+    assert state["state"] == "ABORTED" and "trainer-1 lost its GPU" in str(state), state
+    for ep in generators.values():  # still serving the committed version, untouched
+        assert ep.version == 1 and ep.staging is None
+        expected = materialize(ep.catalog, good)
+        for name, t in ep.live.items():
+            np.testing.assert_array_equal(t.numpy(), expected[name])
+
+    state = _refit(http, 3)
+    assert state["state"] == "COMMITTED", state
+    assert all(ep.version == 3 for ep in generators.values())
