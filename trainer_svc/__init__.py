@@ -1,0 +1,12 @@
+"""trainer_svc: expert-TP MoE training (pipeline x data x expert x tensor parallel) of a Qwen3-MoE.
+
+Layout of the package (torchtitan-like):
+- `config.py` model arguments parsed from an HF `config.json`; `settings.py` the one settings object.
+- `model.py`, `moe.py`, `dispatch.py` the model with local (sharded) parameter shapes.
+- `parallel_dims.py` the mesh; `comm.py` collectives with autograd; `parallelize.py` the recipe
+  that builds one rank's pipeline stage; `pipeline.py` the microbatch schedule.
+- `state_dict_adapter.py` HF safetensors <-> local shards; `catalog.py` the syncd layout of a rank.
+- `train.py` the training loop; `agent.py` the syncd rank agent; `tiny.py` a tiny test checkpoint.
+
+Nothing here imports vllm.
+"""

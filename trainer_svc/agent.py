@@ -1,0 +1,154 @@
+"""The rank agent: registers this trainer rank with syncd and serves its shards to refits.
+
+Lifecycle: `RankAgent.start` builds the rank's catalog, registers through `syncd.client.MemberClient`
+(role "trainer", member id `trainer-{rank}`, mesh coords) with `syncd.agent.MemberAgent` as the
+command handler, and hooks into the trainer so every optimizer step is announced as a new weight
+version; `close` leaves syncd and tears down the data-plane groups.
+
+The data plane reads the parameters in place (`LocalShards`, no copy) through `TrainerEndpoint`,
+which holds the trainer's lock from the start to the end of this rank's transfer, so no optimizer
+step changes them mid-transfer. A rank whose weights are no longer the requested version refuses:
+the refit aborts rather than give generators a model torn between two versions. With
+`sync_refit`, a rank waits after announcing each step until a refit of it commits or aborts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Iterator, Mapping
+
+import torch
+
+from syncd.agent import AgentSettings, MemberAgent
+from syncd.dataplane import catalog_views
+from syncd.layout import Catalog
+from trainer_svc.catalog import build_catalog
+from trainer_svc.settings import LaunchEnv
+from trainer_svc.train import StepStats, Trainer
+
+log = logging.getLogger("trainer_svc.agent")
+TRANSFER_TIMEOUT_S = 120.0
+
+
+class LocalShards:
+    """This rank's local tensors by catalog name, each a view of the live parameter in the
+    catalog's shape (e.g. the fused gate/up weight as [E_l, 2, I_l, H]); nothing is copied.
+    Read them inside `reading()`, which holds the trainer's lock: the optimizer cannot step then."""
+
+    def __init__(self, catalog: Catalog, params: Mapping[str, torch.Tensor], lock: threading.Lock) -> None:
+        self.catalog = catalog
+        self._views = catalog_views(catalog, {n: p.detach() for n, p in params.items()})
+        self._lock = lock
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._views[name]
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def names(self) -> list[str]:
+        return list(self._views)
+
+    @property
+    def views(self) -> Mapping[str, torch.Tensor]:
+        """The views without the lock: for the data plane, which holds the lock itself."""
+        return self._views
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Mapping[str, torch.Tensor]]:
+        with self._lock:
+            yield self._views
+
+
+class TrainerEndpoint:
+    """This rank as the data plane sees it: live parameter views, held still while they are sent."""
+
+    def __init__(self, shards: LocalShards, trainer: Trainer, member_id: str) -> None:
+        self.shards, self.trainer, self.member_id = shards, trainer, member_id
+        self._held = False
+        self._changed = threading.Condition()
+        self._committed = 0  # newest weight version a refit committed
+        self._aborts = 0  # refits aborted so far
+
+    def begin(self, refit_id: str, weight_version: int) -> Mapping[str, torch.Tensor]:
+        self.trainer.lock.acquire()
+        self._held = True
+        if self.trainer.version != weight_version:
+            self.end(refit_id)
+            raise ValueError(
+                f"{self.member_id}: refit {refit_id} moves weight version {weight_version}, "
+                f"but this rank holds version {self.trainer.version}"
+            )
+        return self.shards.views
+
+    def end(self, refit_id: str) -> None:
+        if self._held:
+            self._held = False
+            self.trainer.lock.release()
+
+    def verify(self, refit_id: str) -> None:
+        pass  # a trainer keeps no staged copy: what it sent is what it holds
+
+    def commit(self, weight_version: int) -> None:
+        with self._changed:
+            self._committed = max(self._committed, weight_version)
+            self._changed.notify_all()
+
+    def abort(self) -> None:
+        with self._changed:
+            self._aborts += 1
+            self._changed.notify_all()
+
+    def wait_refit(self, version: int, timeout_s: float) -> str:
+        """Block until a refit of `version` (or newer) committed, or any refit aborted after the
+        call; returns "committed", "aborted" or "timeout"."""
+        with self._changed:
+            aborts = self._aborts
+            done = self._changed.wait_for(lambda: self._committed >= version or self._aborts > aborts, timeout_s)
+            if not done:
+                return "timeout"
+            return "committed" if self._committed >= version else "aborted"
+
+
+class RankAgent:
+    def __init__(self, client, endpoint: TrainerEndpoint, agent: MemberAgent, sync_refit_s: float | None) -> None:
+        self.client, self.endpoint, self.agent = client, endpoint, agent
+        self.sync_refit_s = sync_refit_s
+
+    @staticmethod
+    def start(target: str, trainer: Trainer, env: LaunchEnv, data_host: str = "127.0.0.1",
+              sync_refit_s: float | None = None) -> RankAgent:
+        from syncd.client import MemberClient
+
+        mesh = trainer.mesh
+        catalog = build_catalog(trainer.args, mesh.dims, mesh.coords)
+        shards = LocalShards(catalog, dict(trainer.model.named_parameters()), trainer.lock)
+        member_id = f"trainer-{env.rank}"
+        client = MemberClient(
+            target, role="trainer", member_id=member_id, coords=mesh.coords.as_dict(),
+            catalog=catalog, device=str(trainer.device), data_address=data_host, group_size=env.world_size,
+        )
+        endpoint = TrainerEndpoint(shards, trainer, member_id)
+        agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(trainer.device),
+                                                            timeout_s=TRANSFER_TIMEOUT_S))
+        rank_agent = RankAgent(client, endpoint, agent, sync_refit_s)
+        client.start(agent)
+        trainer.after_step.append(rank_agent.on_step)
+        return rank_agent
+
+    def on_step(self, stats: StepStats) -> None:
+        try:
+            self.client.announce_version(stats.step)
+        except Exception as e:  # syncd down must not stop training; the client re-registers
+            log.warning("could not announce version %d to syncd: %s", stats.step, e)
+            return
+        if self.sync_refit_s is not None:
+            outcome = self.endpoint.wait_refit(stats.step, self.sync_refit_s)
+            if outcome != "committed":
+                log.warning("refit of version %d: %s; training goes on", stats.step, outcome)
+
+    def close(self) -> None:
+        self.agent.close()
+        self.client.close()

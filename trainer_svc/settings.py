@@ -1,0 +1,104 @@
+"""The one settings object of trainer_svc, parsed from the command line and torchrun's env vars."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from trainer_svc.parallel_dims import ParallelDims
+
+# The environment variables trainer_svc reads, all set by torchrun.
+ENV_RANK, ENV_WORLD_SIZE, ENV_LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    model_dir: str | None = None
+    init_config: str | None = None
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    tp: int = 1
+    steps: int = 3
+    seed: int = 0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    global_batch_size: int = 8
+    seq_len: int = 32
+    microbatches: int = 2
+    export_dir: str | None = None
+    export_each_step: bool = False  # also write export_dir/step-N after every step
+    syncd: str | None = None
+    sync_refit: bool = False  # after announcing a step, wait until a refit of it commits or aborts
+    refit_timeout: float = 300.0  # how long sync_refit waits
+    data_host: str = "127.0.0.1"  # address this rank's data-plane (gloo) groups listen on
+    device: str = "auto"  # cpu, cuda, or auto (cuda when available)
+    threads: int = 1  # torch intra-op threads per rank (CPU)
+
+    def __post_init__(self) -> None:
+        if (self.model_dir is None) == (self.init_config is None):
+            raise ValueError("give exactly one of --model-dir (HF checkpoint) or --init-config (random init)")
+        for name in ("steps", "global_batch_size", "seq_len", "microbatches", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size % (self.dp * self.ep * self.microbatches):
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} must be divisible by dp {self.dp} x "
+                f"ep {self.ep} x microbatches {self.microbatches}"
+            )
+        if self.export_each_step and not self.export_dir:
+            raise ValueError("--export-each-step needs --export-dir")
+        if self.sync_refit and not self.syncd:
+            raise ValueError("--sync-refit needs --syncd")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
+        self.dims  # validates the mesh sizes
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(pp=self.pp, dp=self.dp, ep=self.ep, tp=self.tp)
+
+    @staticmethod
+    def from_argv(argv: list[str] | None = None) -> TrainSettings:
+        p = argparse.ArgumentParser(prog="python -m trainer_svc", description=__doc__)
+        src = p.add_mutually_exclusive_group(required=True)
+        src.add_argument("--model-dir", help="HF directory (config.json + *.safetensors) to start from")
+        src.add_argument("--init-config", help="HF config.json for a random init (seeded)")
+        for dim in ("pp", "dp", "ep", "tp"):
+            p.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} mesh size")
+        p.add_argument("--steps", type=int, default=3)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--lr", type=float, default=1e-3)
+        p.add_argument("--weight-decay", type=float, default=0.0)
+        p.add_argument("--global-batch-size", type=int, default=8, help="sequences per step, all ranks")
+        p.add_argument("--seq-len", type=int, default=32)
+        p.add_argument("--microbatches", type=int, default=2, help="pipeline microbatches per data rank")
+        p.add_argument("--export-dir", help="write the HF checkpoint here after the last step")
+        p.add_argument("--export-each-step", action="store_true",
+                       help="also export after every step, to EXPORT_DIR/step-N")
+        p.add_argument("--syncd", help="syncd gRPC address host:port (omit to train standalone)")
+        p.add_argument("--sync-refit", action="store_true",
+                       help="after each step, wait until syncd committed (or aborted) a refit of it")
+        p.add_argument("--refit-timeout", type=float, default=300.0, help="seconds --sync-refit waits")
+        p.add_argument("--data-host", default="127.0.0.1", help="this host's address for data-plane groups")
+        p.add_argument("--device", default="auto", choices=("cpu", "cuda", "auto"))
+        p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
+        ns = p.parse_args(argv)
+        return TrainSettings(**vars(ns))
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @staticmethod
+    def from_env() -> LaunchEnv:
+        """torchrun's variables; a plain `python -m trainer_svc` is a world of one."""
+        return LaunchEnv(
+            rank=int(os.environ.get(ENV_RANK, "0")),
+            world_size=int(os.environ.get(ENV_WORLD_SIZE, "1")),
+            local_rank=int(os.environ.get(ENV_LOCAL_RANK, "0")),
+        )

@@ -1,0 +1,180 @@
+"""HF safetensors <-> this rank's parameter shards.
+
+Canonical tensors (docs/CONVENTIONS.md) are the HF tensors with routed experts grouped per layer
+(`...mlp.experts.gate_proj.weight [E, I, H]`); `syncd.layout.hf_names` converts to the per-expert
+HF spelling on disk. Sharding here is written with plain tensor slicing, independently of the
+syncd layout expressions in catalog.py, so that tests comparing the two catch a wrong layout.
+
+Local parameter names equal canonical names except the fused experts:
+`model.layers.L.mlp.experts.gate_up_proj` ([E_l*2*I_l, H], from gate_proj and up_proj) and
+`model.layers.L.mlp.experts.down_proj` ([E_l, H, I_l], from down_proj.weight).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from syncd.layout import hf_names
+from trainer_svc import comm
+from trainer_svc.config import ModelArgs
+from trainer_svc.parallel_dims import Coords, Mesh, ParallelDims
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+ROW_PARALLEL = ("o_proj.weight",)
+
+
+def canonical_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor of the model, in a fixed order (the order random init draws in)."""
+    H, D, E, I = args.hidden_size, args.head_dim, args.num_experts, args.moe_intermediate_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, H)}
+    for layer in range(args.num_hidden_layers):
+        p = f"model.layers.{layer}"
+        out.update({
+            f"{p}.input_layernorm.weight": (H,),
+            f"{p}.self_attn.q_proj.weight": (args.num_attention_heads * D, H),
+            f"{p}.self_attn.k_proj.weight": (args.num_key_value_heads * D, H),
+            f"{p}.self_attn.v_proj.weight": (args.num_key_value_heads * D, H),
+            f"{p}.self_attn.o_proj.weight": (H, args.num_attention_heads * D),
+            f"{p}.self_attn.q_norm.weight": (D,),
+            f"{p}.self_attn.k_norm.weight": (D,),
+            f"{p}.post_attention_layernorm.weight": (H,),
+            f"{p}.mlp.gate.weight": (E, H),
+            hf_names.grouped_expert_name(f"{p}.mlp", "gate_proj"): (E, I, H),
+            hf_names.grouped_expert_name(f"{p}.mlp", "up_proj"): (E, I, H),
+            hf_names.grouped_expert_name(f"{p}.mlp", "down_proj"): (E, H, I),
+        })
+    out["model.norm.weight"] = (H,)
+    out["lm_head.weight"] = (args.vocab_size, H)
+    return out
+
+
+def random_canonical(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic random init of the full model (norms 1, others N(0, initializer_range)),
+    independent of the parallel layout because it is drawn whole on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in canonical_shapes(args).items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape)
+        else:
+            out[name] = torch.randn(shape, generator=gen) * args.initializer_range
+    return out
+
+
+def load_hf(model_dir: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """(args, canonical float32 tensors) from an HF directory with config.json + model.safetensors."""
+    model_dir = Path(model_dir)
+    args = ModelArgs.from_file(model_dir / CONFIG_FILE)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors file in {model_dir}")
+    items = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            items += [(k, f.get_tensor(k).to(torch.float32)) for k in f.keys()]
+    canonical = hf_names.group_from_hf(items, torch.stack)
+    expected = canonical_shapes(args)
+    for name, shape in expected.items():
+        if name not in canonical:
+            raise ValueError(f"{model_dir}: tensor {name} missing from the checkpoint")
+        if tuple(canonical[name].shape) != shape:
+            raise ValueError(f"{model_dir}: {name} has shape {tuple(canonical[name].shape)}, expected {shape}")
+    return args, {k: canonical[k] for k in expected}
+
+
+def save_hf(out_dir: str | Path, args: ModelArgs, canonical: dict[str, torch.Tensor]) -> Path:
+    """Write config.json + model.safetensors with per-expert HF names."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in canonical.items():
+        for hf_name, part in hf_names.split_to_hf(name, t, args.num_experts):
+            tensors[hf_name] = part.detach().to("cpu", torch.float32).contiguous()
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out_dir / CONFIG_FILE).write_text(json.dumps(args.to_hf(), indent=2) + "\n")
+    return out_dir
+
+
+def _expert_prefix(name: str) -> str | None:
+    for suffix in (".experts.gate_up_proj", ".experts.down_proj"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return None
+
+
+def shard_for_rank(
+    name: str, canonical: dict[str, torch.Tensor], dims: ParallelDims, c: Coords
+) -> torch.Tensor:
+    """The value of local parameter `name` on the rank at `c`, cut from canonical tensors."""
+    prefix = _expert_prefix(name)
+    if prefix is None:
+        full = canonical[name]
+        if name.endswith(COLUMN_PARALLEL):
+            return full.chunk(dims.tp, dim=0)[c.tp].clone()
+        if name.endswith(ROW_PARALLEL):
+            return full.chunk(dims.tp, dim=1)[c.tp].clone()
+        return full.clone()
+    if name.endswith("gate_up_proj"):
+        gate = canonical[f"{prefix}.experts.gate_proj.weight"].chunk(dims.ep, 0)[c.ep]
+        up = canonical[f"{prefix}.experts.up_proj.weight"].chunk(dims.ep, 0)[c.ep]
+        pair_E2IH = torch.stack([gate.chunk(dims.tp, 1)[c.tp], up.chunk(dims.tp, 1)[c.tp]], dim=1)
+        return pair_E2IH.reshape(-1, pair_E2IH.shape[-1]).clone()
+    down = canonical[f"{prefix}.experts.down_proj.weight"].chunk(dims.ep, 0)[c.ep]
+    return down.chunk(dims.tp, 2)[c.tp].clone()
+
+
+@torch.no_grad()
+def load_into(model: torch.nn.Module, canonical: dict[str, torch.Tensor], dims: ParallelDims, c: Coords) -> None:
+    for name, p in model.named_parameters():
+        p.copy_(shard_for_rank(name, canonical, dims, c))
+
+
+@torch.no_grad()
+def gather_canonical(model: torch.nn.Module, mesh: Mesh, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Collective over the whole world: rank 0 gets every canonical tensor, others get {}.
+    Shards are all-gathered over tp (interleaved gate/up re-interleaved), then over ep; one rank
+    per stage (dp = ep = tp = 0) then ships its stage's tensors to rank 0."""
+    stage: dict[str, torch.Tensor] = {}
+    E_l = args.num_experts // mesh.dims.ep
+    for name, p in model.named_parameters():
+        prefix = _expert_prefix(name)
+        if prefix is None:
+            if name.endswith(COLUMN_PARALLEL):
+                stage[name] = torch.cat(_gather(p, mesh.tp), 0)
+            elif name.endswith(ROW_PARALLEL):
+                stage[name] = torch.cat(_gather(p, mesh.tp), 1)
+            else:
+                stage[name] = p.detach().clone()
+        elif name.endswith("gate_up_proj"):
+            parts = [t.view(E_l, 2, -1, t.shape[-1]) for t in _gather(p, mesh.tp)]
+            pair_E2IH = torch.cat(_gather(torch.cat(parts, 2), mesh.ep), 0)
+            stage[f"{prefix}.experts.gate_proj.weight"] = pair_E2IH[:, 0].contiguous()
+            stage[f"{prefix}.experts.up_proj.weight"] = pair_E2IH[:, 1].contiguous()
+        else:
+            full = torch.cat(_gather(torch.cat(_gather(p, mesh.tp), 2), mesh.ep), 0)
+            stage[f"{prefix}.experts.down_proj.weight"] = full
+    if mesh.dims.world_size == 1:
+        return stage
+    c = mesh.coords
+    mine = {k: v.cpu() for k, v in stage.items()} if (c.dp, c.ep, c.tp) == (0, 0, 0) else {}
+    received: list[dict] | None = [None] * mesh.dims.world_size if mesh.rank == 0 else None
+    dist.gather_object(mine, received, dst=0)
+    if mesh.rank != 0:
+        return {}
+    merged = {k: v for part in received for k, v in part.items()}
+    return {k: merged[k] for k in canonical_shapes(args)}
+
+
+def _gather(t: torch.Tensor, group: comm.Group) -> list[torch.Tensor]:
+    if comm.group_size(group) == 1:
+        return [t.detach()]
+    out = [torch.empty_like(t) for _ in range(comm.group_size(group))]
+    dist.all_gather(out, t.detach().contiguous(), group=group)
+    return out

@@ -1,0 +1,177 @@
+"""The training loop: build this rank's stage, train `steps` steps of AdamW, export.
+
+Lifecycle of a rank (`run`): `process_group(...)` joins the world (gloo on CPU, NCCL on GPU, same code),
+`Trainer.create` builds the mesh, the stage and the optimizer, `fit` runs the steps (and lets the
+syncd agent announce each new version), `export` writes the HF checkpoint from rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from trainer_svc import data
+from trainer_svc.config import ModelArgs
+from trainer_svc.parallel_dims import Mesh
+from trainer_svc.parallelize import build_stage, global_grad_norm, grad_sync_plan, sync_grads
+from trainer_svc.pipeline import train_microbatches
+from trainer_svc.settings import LaunchEnv, TrainSettings
+from trainer_svc.state_dict_adapter import gather_canonical, load_hf, load_into, random_canonical, save_hf
+
+log = logging.getLogger("trainer_svc")
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    loss: float
+    grad_norm: float
+    tokens_per_s: float
+
+
+@dataclass
+class TrainResult:
+    steps: list[StepStats] = field(default_factory=list)
+
+    @property
+    def losses(self) -> list[float]:
+        return [s.loss for s in self.steps]
+
+
+def pick_device(settings: TrainSettings, env: LaunchEnv) -> torch.device:
+    if settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def process_group(
+    settings: TrainSettings, env: LaunchEnv, init_method: str | None = None
+) -> Iterator[torch.device]:
+    """Join the world (skipped for a world of one without init_method); always leaves it."""
+    torch.set_num_threads(settings.threads)
+    device = pick_device(settings, env)
+    joined = env.world_size > 1 or init_method is not None
+    if joined:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=init_method or "env://", rank=env.rank,
+                                world_size=env.world_size, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        yield device
+    finally:
+        if joined:
+            dist.destroy_process_group()
+
+
+class Trainer:
+    """One rank's model stage, optimizer and step. `lock` is held while parameters change
+    (the optimizer step) and `version` (optimizer steps taken) with them: a syncd transfer reading
+    the shards takes the lock too, so it sees one consistent version."""
+
+    def __init__(self, settings: TrainSettings, args: ModelArgs, mesh: Mesh, canonical: dict, device) -> None:
+        self.settings, self.args, self.mesh, self.device = settings, args, mesh, device
+        self.model = build_stage(args, mesh).to(device)
+        load_into(self.model, canonical, mesh.dims, mesh.coords)
+        self.plan = grad_sync_plan(self.model, mesh)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay
+        )
+        self.lock = threading.Lock()
+        self.version = 0
+        self.after_step: list[Callable[[StepStats], None]] = []
+
+    @staticmethod
+    def create(settings: TrainSettings, env: LaunchEnv, device: torch.device) -> Trainer:
+        if settings.model_dir is not None:
+            args, canonical = load_hf(settings.model_dir)
+        else:
+            args = ModelArgs.from_file(settings.init_config)
+            canonical = random_canonical(args, settings.seed)
+        dims = settings.dims
+        dims.validate(args, env.world_size)
+        torch.manual_seed(settings.seed)
+        mesh = dims.build_mesh(env.rank) if env.world_size > 1 else Mesh.single()
+        return Trainer(settings, args, mesh, canonical, device)
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh.dims.world_size > 1
+
+    def train_step(self, step: int) -> StepStats:
+        s = self.settings
+        start = time.perf_counter()
+        tokens = data.global_batch(s.seed, step, s.global_batch_size, s.seq_len, self.args.vocab_size)
+        mbs = data.local_microbatches(tokens, self.mesh.data_rank, self.mesh.dims.data_ranks,
+                                      s.microbatches, self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = train_microbatches(self.model, self.mesh, mbs, s.global_batch_size * s.seq_len)
+        sync_grads(self.plan)
+        norm = global_grad_norm(self.plan, world=self.distributed)
+        with self.lock:
+            self.optimizer.step()
+            self.version = step
+        loss = self._global_loss(loss)
+        elapsed = time.perf_counter() - start
+        stats = StepStats(step, loss, norm, s.global_batch_size * s.seq_len / elapsed)
+        if s.export_each_step:
+            self.export(f"{s.export_dir}/step-{step}")  # before the hooks announce the version
+        for hook in self.after_step:
+            hook(stats)
+        return stats
+
+    def _global_loss(self, local: torch.Tensor) -> float:
+        """Sum the last stage's per-data-rank losses; TP peers hold copies, count tp 0 only."""
+        if not self.distributed:
+            return float(local)
+        counted = local if self.mesh.coords.tp == 0 else torch.zeros_like(local)
+        counted = counted.detach().clone().reshape(1)
+        dist.all_reduce(counted)
+        return float(counted)
+
+    def fit(self) -> TrainResult:
+        result = TrainResult()
+        for step in range(1, self.settings.steps + 1):
+            stats = self.train_step(step)
+            result.steps.append(stats)
+            if self.mesh.rank == 0:
+                log.info("step %d loss %.6f grad_norm %.6f tokens/s %.1f", stats.step, stats.loss,
+                         stats.grad_norm, stats.tokens_per_s)
+        return result
+
+    def export(self, out_dir: str) -> None:
+        """Collective: gather every shard; rank 0 writes config.json + model.safetensors."""
+        canonical = gather_canonical(self.model, self.mesh, self.args)
+        if self.mesh.rank == 0:
+            save_hf(out_dir, self.args, canonical)
+            log.info("exported HF checkpoint to %s", out_dir)
+
+
+def run(settings: TrainSettings, env: LaunchEnv, init_method: str | None = None) -> tuple[Trainer, TrainResult]:
+    """One rank's whole job: join, build, register with syncd (if asked), train, export, leave."""
+    with process_group(settings, env, init_method) as device:
+        trainer = Trainer.create(settings, env, device)
+        agent = None
+        if settings.syncd:
+            from trainer_svc.agent import RankAgent  # needs grpc; standalone training does not
+
+            agent = RankAgent.start(settings.syncd, trainer, env, settings.data_host,
+                                    sync_refit_s=settings.refit_timeout if settings.sync_refit else None)
+        try:
+            result = trainer.fit()
+            if settings.export_dir:
+                trainer.export(settings.export_dir)
+        finally:
+            if agent is not None:
+                agent.close()
+    return trainer, result
+
