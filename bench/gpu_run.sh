@@ -11,4 +11,6 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nvidia-smi topo -m | head -5
 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu ${GPU_TESTS:-} 2>&1 | tee "$out/gpu-tests.log"
-python3 bench/refit_bench.py --backend nccl --gib "$gib" --json "$out/gpu-2x.json" 2>&1 | tee "$out/bench.log"
+for mib in ${BUCKET_MIBS:-256}; do
+  python3 bench/refit_bench.py --backend nccl --gib "$gib" --bucket-mib "$mib" --in-flight "${IN_FLIGHT:-2}" --json "$out/gpu-2x-$mib.json" 2>&1 | tee -a "$out/bench.log"
+done

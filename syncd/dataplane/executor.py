@@ -42,6 +42,35 @@ class TransferStats:
     seconds: float = 0.0
 
 
+class _SideStream:
+    """GPU checksums on a stream of their own, so they read bucket i while bucket i+1 is packed
+    and sent; a buffer is reused only after its checksum finished (an event the work stream
+    waits for, on the GPU). On CPU everything runs inline."""
+
+    def __init__(self, device: torch.device, slots: int) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.done: list[torch.cuda.Event | None] = [None] * slots
+
+    def run(self, slot: int, fn) -> None:
+        if self.stream is None:
+            fn()
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())  # the bytes are packed / arrived
+        with torch.cuda.stream(self.stream):
+            fn()
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self.done[slot] = event
+
+    def before_reuse(self, slot: int) -> None:
+        if self.stream is not None and self.done[slot] is not None:
+            torch.cuda.current_stream().wait_event(self.done[slot])
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+
 @dataclass
 class _Loop:
     tensors: Mapping[str, torch.Tensor]
@@ -53,6 +82,7 @@ class _Loop:
     cancel: threading.Event | None
     stats: TransferStats = field(default_factory=TransferStats)
     sums: Checksums = field(default_factory=Checksums)
+    side: _SideStream | None = None
 
     @property
     def device(self) -> torch.device:
@@ -68,15 +98,18 @@ class _Loop:
             _STAGING[self.transport] = pool
         return pool
 
-    def account(self, bucket: Bucket, flat: torch.Tensor) -> None:
+    def account(self, slot: int, bucket: Bucket, flat: torch.Tensor) -> None:
         """Both sides checksum the packed bytes of every unit: the same bytes in the same order."""
         if self.verify:
-            offset = 0
-            for u in bucket.units:
-                self.sums.add(unit_key(u.canonical, u.canon.start, u.canon.stop), flat[offset : offset + u.nbytes])
-                offset += u.nbytes
+            self.side.run(slot, lambda: self._checksum(bucket, flat))
         self.stats.bytes += bucket.nbytes
         self.stats.buckets += 1
+
+    def _checksum(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        offset = 0
+        for u in bucket.units:
+            self.sums.add(unit_key(u.canonical, u.canon.start, u.canon.stop), flat[offset : offset + u.nbytes])
+            offset += u.nbytes
 
     def check_cancel(self) -> None:
         if self.cancel is not None and self.cancel.is_set():
@@ -90,9 +123,10 @@ class _Loop:
             slot = i % self.in_flight
             if pending[slot] is not None:
                 pending[slot].wait(self.timeout_s)  # the buffer is free once its send completed
+            self.side.before_reuse(slot)  # ... and its checksum
             flat = pack_into(bucket, self.tensors, bufs[slot])
             pending[slot] = self.transport.isend(flat, self.ranks[bucket.dst])
-            self.account(bucket, flat)  # after isend: the checksum overlaps the transfer
+            self.account(slot, bucket, flat)  # after isend: the checksum overlaps the transfer
         for handle in pending:
             if handle is not None:
                 handle.wait(self.timeout_s)
@@ -103,6 +137,7 @@ class _Loop:
         posted: list[tuple[Bucket, torch.Tensor, Handle]] = []
 
         def post(i: int) -> None:
+            self.side.before_reuse(i % self.in_flight)
             flat = bufs[i % self.in_flight][: ordered[i].nbytes]
             posted.append((ordered[i], flat, self.transport.irecv(flat, self.ranks[ordered[i].src])))
 
@@ -112,7 +147,7 @@ class _Loop:
             self.check_cancel()
             bucket, flat, handle = posted[i]
             handle.wait(self.timeout_s)
-            self.account(bucket, flat)
+            self.account(i % self.in_flight, bucket, flat)
             unpack_from(bucket, flat, self.tensors)
             if i + self.in_flight < len(ordered):
                 post(i + self.in_flight)  # its buffer was just unpacked
@@ -139,7 +174,9 @@ def _run(direction: str, buckets: Sequence[Bucket], tensors, transport, ranks, *
         return loop.stats
     start = time.perf_counter()
     with _work_stream(loop.device):
+        loop.side = _SideStream(loop.device, in_flight)
         loop.send(buckets) if direction == "send" else loop.recv(buckets)
+        loop.side.join()
     loop.stats.checksums = loop.sums.result()
     loop.stats.seconds = time.perf_counter() - start
     return loop.stats

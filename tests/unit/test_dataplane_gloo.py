@@ -138,7 +138,7 @@ def test_gpu_checksum_algorithm_catches_corruption_and_misplacement():
     """The GPU algorithm is plain torch: exercise it on CPU tensors of awkward sizes."""
     from syncd.dataplane.checksum import _gpu_sums
 
-    for n in (9, 4096, 4096 * 3 + 6):
+    for n in (9, 4096 * 3 + 6, 1024 * 40 + 3):  # tail-only and matmul (> 16 rows of 1 KiB) paths
         x = torch.randint(0, 256, (n,), dtype=torch.uint8)
         x[0], x[4] = 1, 2  # two different 32-bit words to swap
         flipped, swapped = x.clone(), x.clone()
