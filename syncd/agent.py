@@ -24,7 +24,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
@@ -38,17 +38,18 @@ log = logging.getLogger(__name__)
 class Endpoint(Protocol):
     """What a member exposes to the data plane."""
 
-    def begin(self, refit_id: str, weight_version: int) -> Mapping[str, torch.Tensor]:
-        """Tensors (views in the catalog's shapes) to send from or receive into for this refit."""
+    def begin(self, refit_id: str, weight_version: int, buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
+        """Tensors (views in the catalog's shapes) to send `buckets` from or receive them into."""
         ...
 
-    def end(self, refit_id: str) -> None:
-        """This member's transfer is over (done or failed): e.g. a trainer may step again."""
+    def end(self, refit_id: str, ok: bool) -> None:
+        """This member's transfer is over: all its buckets moved (`ok`) or it failed. A trainer may
+        step again; a generator knows what it staged."""
         ...
 
     def verify(self, refit_id: str) -> None: ...
 
-    def commit(self, weight_version: int) -> None: ...
+    def commit(self, refit_id: str, weight_version: int) -> None: ...
 
     def abort(self) -> None: ...
 
@@ -94,7 +95,7 @@ class MemberAgent:
             self._endpoint.verify(command.refit_id)
             self._client.report(command.refit_id, Phase.VERIFIED)
         elif isinstance(command, Commit):
-            self._endpoint.commit(command.weight_version)
+            self._endpoint.commit(command.refit_id, command.weight_version)
             self._client.report(command.refit_id, Phase.COMMITTED)
         elif isinstance(command, Abort):
             self._abort(command)
@@ -126,11 +127,13 @@ class MemberAgent:
 
     def _execute(self, cmd: ExecutePlan) -> None:
         self._cancel.clear()
-        tensors = self._endpoint.begin(cmd.refit_id, cmd.weight_version)
+        tensors = self._endpoint.begin(cmd.refit_id, cmd.weight_version, cmd.buckets)
+        ok = False
         try:
             self._transfer(cmd, tensors)
+            ok = True
         finally:
-            self._endpoint.end(cmd.refit_id)
+            self._endpoint.end(cmd.refit_id, ok)
 
     def _transfer(self, cmd: ExecutePlan, tensors: Mapping[str, torch.Tensor]) -> None:
         per_stage: dict[int, list[Bucket]] = defaultdict(list)

@@ -17,13 +17,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
 from syncd.agent import AgentSettings, MemberAgent
 from syncd.dataplane import catalog_views
 from syncd.layout import Catalog
+from syncd.plan.types import Bucket
 from trainer_svc.catalog import build_catalog
 from trainer_svc.settings import LaunchEnv
 from trainer_svc.train import StepStats, Trainer
@@ -72,18 +73,18 @@ class TrainerEndpoint:
         self._committed = 0  # newest weight version a refit committed
         self._aborts = 0  # refits aborted so far
 
-    def begin(self, refit_id: str, weight_version: int) -> Mapping[str, torch.Tensor]:
+    def begin(self, refit_id: str, weight_version: int, buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
         self.trainer.lock.acquire()
         self._held = True
         if self.trainer.version != weight_version:
-            self.end(refit_id)
+            self.end(refit_id, ok=False)
             raise ValueError(
                 f"{self.member_id}: refit {refit_id} moves weight version {weight_version}, "
                 f"but this rank holds version {self.trainer.version}"
             )
         return self.shards.views
 
-    def end(self, refit_id: str) -> None:
+    def end(self, refit_id: str, ok: bool) -> None:
         if self._held:
             self._held = False
             self.trainer.lock.release()
@@ -91,7 +92,7 @@ class TrainerEndpoint:
     def verify(self, refit_id: str) -> None:
         pass  # a trainer keeps no staged copy: what it sent is what it holds
 
-    def commit(self, weight_version: int) -> None:
+    def commit(self, refit_id: str, weight_version: int) -> None:
         with self._changed:
             self._committed = max(self._committed, weight_version)
             self._changed.notify_all()

@@ -65,16 +65,16 @@ class TrainerEndpoint:
         for name, arr in materialize(self.catalog, canonical).items():
             self.params[name].copy_(torch.from_numpy(arr))
 
-    def begin(self, refit_id, version):
+    def begin(self, refit_id, version, buckets):
         return catalog_views(self.catalog, self.params)
 
-    def end(self, refit_id):
+    def end(self, refit_id, ok):
         pass
 
     def verify(self, refit_id):
         pass
 
-    def commit(self, version):
+    def commit(self, refit_id, version):
         pass
 
     def abort(self):
@@ -90,17 +90,17 @@ class GeneratorEndpoint:
         self.version = 0
         self.staging = None
 
-    def begin(self, refit_id, version):
+    def begin(self, refit_id, version, buckets):
         self.staging = {t.name: torch.full(t.shape, float("nan")) for t in self.catalog.tensors}
         return self.staging
 
-    def end(self, refit_id):
+    def end(self, refit_id, ok):
         pass
 
     def verify(self, refit_id):
         assert self.staging is not None and not any(t.isnan().any() for t in self.staging.values())
 
-    def commit(self, version):
+    def commit(self, refit_id, version):
         self.live, self.staging, self.version = self.staging, None, version
 
     def abort(self):
@@ -188,7 +188,7 @@ def test_a_failed_sender_aborts_the_refit_and_the_next_refit_succeeds(cluster):
     broken = trainers[1]
     original_begin = broken.begin
 
-    def crash_once(refit_id, version):
+    def crash_once(refit_id, version, buckets):
         broken.begin = original_begin
         raise RuntimeError("trainer-1 lost its GPU")
 

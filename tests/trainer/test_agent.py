@@ -151,16 +151,16 @@ class _Receiver:
         self.agent = MemberAgent(self.client, self, AgentSettings(timeout_s=60))
         self.client.start(self.agent)
 
-    def begin(self, refit_id, version):
+    def begin(self, refit_id, version, buckets):
         return self.tensors
 
-    def end(self, refit_id):
+    def end(self, refit_id, ok):
         pass
 
     def verify(self, refit_id):
         pass
 
-    def commit(self, version):
+    def commit(self, refit_id, version):
         self.committed.append(version)
 
     def abort(self):

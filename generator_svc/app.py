@@ -1,0 +1,41 @@
+"""Build and run the service: vLLM's async engine and OpenAI app, our worker setup and routes."""
+
+from __future__ import annotations
+
+import logging
+from argparse import Namespace
+
+from generator_svc.refit import Refitter
+from generator_svc.settings import Settings
+
+log = logging.getLogger("generator_svc")
+
+
+async def serve(settings: Settings, args: Namespace) -> None:
+    """Start the engine, set up weight sync on every worker, then serve HTTP until shutdown."""
+    import vllm.envs as envs
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+
+    from generator_svc import server
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    try:
+        async with build_async_engine_client(args) as engine:
+            refitter = Refitter(engine, settings)
+            workers = await refitter.setup(commit_url=f"http://127.0.0.1:{args.port}/internal/commit")
+            log.info("weight sync ready on %d worker(s): %s", len(workers), [w["member_id"] for w in workers])
+            tasks = await engine.get_supported_tasks()
+            app = build_app(args, tasks, engine.model_config)
+            server.install(app, refitter)  # before init_app_state: the middleware stack freezes there
+            await init_app_state(engine, app.state, args, tasks)
+            log.info("generator_svc serving on %s", listen_address)
+            shutdown = await serve_http(app, sock=sock, host=args.host, port=args.port,
+                                        log_level=args.uvicorn_log_level,
+                                        access_log=not args.disable_uvicorn_access_log,
+                                        timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+        await shutdown
+    finally:
+        sock.close()

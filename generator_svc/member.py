@@ -1,0 +1,98 @@
+"""The syncd member of one vLLM worker: the shared `MemberAgent` with this worker's staging area
+as its endpoint. Runs inside the worker process, on the MemberClient's threads.
+
+    ExecutePlan -> receive this member's buckets straight into the staging buffers (serving goes
+                   on: staging is not the live weights); every arrived unit is recorded
+    Verify      -> every staged element arrived
+    Commit      -> tp rank 0 asks the API server to apply (`commit_url`); the API server runs the
+                   update lifecycle on all workers and tells each worker the outcome
+                   (`GeneratorEndpoint.applied`); every worker then reports COMMITTED or the error
+    Abort       -> the agent cancels the transfer and closes the groups; staging is dropped, the
+                   engine keeps serving the committed version
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Mapping, Sequence
+
+import httpx
+import torch
+
+from generator_svc.staging import Staging
+from syncd.agent import AgentSettings, MemberAgent
+from syncd.client import MemberClient
+from syncd.plan.types import Bucket
+
+log = logging.getLogger("generator_svc.member")
+
+_TRANSFER_TIMEOUT_S = 120.0
+_COMMIT_TIMEOUT_S = 600.0
+
+
+class GeneratorEndpoint:
+    def __init__(self, staging: Staging, member_id: str, commit_url: str) -> None:
+        self.staging, self.member_id, self.commit_url = staging, member_id, commit_url
+        self._buckets: tuple[Bucket, ...] = ()
+        self._outcomes: dict[str, tuple[bool, str]] = {}  # version -> (ok, error) of its apply
+        self._applied = threading.Condition()
+
+    def begin(self, refit_id: str, weight_version: int, buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
+        self.staging.begin(refit_id)
+        self._buckets = tuple(buckets)
+        return self.staging.buffers
+
+    def end(self, refit_id: str, ok: bool) -> None:
+        if ok:
+            self.staging.mark_received(self._buckets, self.member_id)
+
+    def verify(self, refit_id: str) -> None:
+        self.staging.require_complete()
+
+    def commit(self, refit_id: str, weight_version: int) -> None:
+        """Return once this worker runs `weight_version`; raise if applying it failed."""
+        version = str(weight_version)
+        if self.commit_url:
+            response = httpx.post(self.commit_url, json={"refit_id": refit_id, "version": weight_version},
+                                  timeout=_COMMIT_TIMEOUT_S)
+            if response.status_code >= 400:
+                raise RuntimeError(f"apply of version {version} failed: {response.text}")
+        with self._applied:
+            if not self._applied.wait_for(lambda: version in self._outcomes, _COMMIT_TIMEOUT_S):
+                raise TimeoutError(f"version {version} was not applied within {_COMMIT_TIMEOUT_S:.0f} s")
+            ok, error = self._outcomes.pop(version)
+        if not ok:
+            raise RuntimeError(f"apply of version {version} failed: {error}")
+
+    def applied(self, version: str, ok: bool, error: str = "") -> None:
+        """The API server's word on an apply (through `collective_rpc`)."""
+        with self._applied:
+            self._outcomes[str(version)] = (ok, error)
+            self._applied.notify_all()
+
+    def abort(self) -> None:
+        self.staging.discard()
+
+
+class GeneratorMember:
+    """Registration plus the agent; `close` leaves syncd and tears the groups down."""
+
+    def __init__(self, client: MemberClient, endpoint: GeneratorEndpoint, agent: MemberAgent) -> None:
+        self.client, self.endpoint, self.agent = client, endpoint, agent
+
+    def close(self) -> None:
+        self.agent.close()
+        self.client.close()
+
+
+def start_member(target: str, *, member_id: str, coords: dict[str, int], staging: Staging, group_size: int,
+                 auth_token: str | None, commit_url: str, data_host: str = "127.0.0.1") -> GeneratorMember:
+    client = MemberClient(target, role="generator", member_id=member_id, coords=coords, catalog=staging.catalog,
+                          device=str(staging.device), data_address=data_host, auth_token=auth_token,
+                          group_size=group_size)
+    endpoint = GeneratorEndpoint(staging, member_id, commit_url)
+    agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(staging.device),
+                                                        timeout_s=_TRANSFER_TIMEOUT_S))
+    client.start(agent)
+    return GeneratorMember(client, endpoint, agent)

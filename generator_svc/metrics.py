@@ -1,0 +1,14 @@
+"""generator_svc's own metrics (`weightsync_*`), exported on vLLM's /metrics (default registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REFITS = Counter("weightsync_refits", "Refits applied by this generator, by outcome", ["outcome"])
+STAGE_SECONDS = Histogram("weightsync_stage_seconds", "Time to stage one version from a file")
+APPLY_SECONDS = Histogram("weightsync_apply_seconds",
+                          "Time generation was held for one update (pause to resume)")
+STAGED_BYTES = Counter("weightsync_staged_bytes", "Bytes staged across all workers")
+CATALOG_BYTES = Gauge("weightsync_catalog_bytes", "Bytes of the parameters registered by all workers")
+WEIGHT_VERSION = Gauge("weightsync_weight_version", "Committed weight version (numeric versions only)")
+SERVING = Gauge("weightsync_serving", "1 when generation is allowed (not torn by a failed in-lifecycle update)")

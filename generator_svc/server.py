@@ -1,0 +1,168 @@
+"""HTTP: vLLM's OpenAI-compatible app plus generator_svc's routes, served by vLLM's launcher.
+
+    POST /v1/completions, /v1/chat/completions ...   vLLM (prompts as token-id lists, logprobs)
+    GET  /metrics                                    vLLM's metrics plus weightsync_*
+    GET  /healthz                                    200 while the engine is alive and serving
+    GET  /v1/weight_version                          committed version and refit state
+    GET  /v1/workers                                 per worker: member id, tp rank, catalog hash, bytes
+    GET  /v1/workers/{tp_rank}/catalog               that worker's registered catalog (JSON)
+    POST /v1/weights/stage   {path, refit_id}        stage a safetensors checkpoint (serving goes on)
+    POST /v1/weights/apply   {version, refit_id?}    apply the staged version (holds generation)
+    POST /v1/weights/load    {path, version}         stage + apply
+    POST /v1/weights/abort   {refit_id?}             drop staged bytes
+    POST /internal/commit    {refit_id, version}     a worker relays syncd's Commit here
+
+Errors: a refit that is refused (incomplete or invalid staging) is 409 with the reason, the
+engine untouched; a failure inside the update lifecycle is 500 and the generator answers 503 to
+generation requests until a good refit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.middleware.base import BaseHTTPMiddleware
+
+from generator_svc.refit import Refitter, RefitRefused
+
+log = logging.getLogger("generator_svc.server")
+
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate")
+
+
+class StageRequest(BaseModel):
+    path: str
+    refit_id: str = "manual"
+
+
+class ApplyRequest(BaseModel):
+    version: str
+    refit_id: str = ""
+
+
+class LoadRequest(BaseModel):
+    path: str
+    version: str
+
+
+class AbortRequest(BaseModel):
+    refit_id: str = ""
+
+
+class CommitRequest(BaseModel):
+    refit_id: str
+    version: int
+
+
+class WeightVersion(BaseModel):
+    version: str
+    serving: bool
+    updating: bool
+
+
+def _refitter(request: Request) -> Refitter:
+    return request.app.state.refitter
+
+
+RefitterDep = Annotated[Refitter, Depends(_refitter)]
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz(refitter: RefitterDep) -> JSONResponse:
+    if refitter.engine.errored:
+        return JSONResponse({"status": "engine dead"}, status_code=503)
+    if not refitter.serving:
+        return JSONResponse({"status": "refusing generation until the next good refit"}, status_code=503)
+    return JSONResponse({"status": "ok", "version": refitter.version})
+
+
+@router.get("/v1/weight_version")
+async def weight_version(refitter: RefitterDep) -> WeightVersion:
+    s = refitter.state
+    return WeightVersion(version=s.version, serving=s.serving, updating=s.updating)
+
+
+@router.get("/v1/workers")
+async def workers(refitter: RefitterDep) -> list[dict]:
+    return refitter.workers
+
+
+@router.get("/v1/workers/{tp_rank}/catalog")
+async def worker_catalog(tp_rank: int, refitter: RefitterDep) -> JSONResponse:
+    catalogs = await refitter.engine.collective_rpc("ws_catalog")
+    if not 0 <= tp_rank < len(catalogs):
+        return JSONResponse({"detail": f"no worker with tp rank {tp_rank}"}, status_code=404)
+    return JSONResponse(content=json.loads(catalogs[tp_rank]))
+
+
+@router.post("/v1/weights/stage")
+async def stage(body: StageRequest, refitter: RefitterDep) -> JSONResponse:
+    try:
+        return JSONResponse({"workers": await refitter.stage_file(body.path, body.refit_id)})
+    except Exception as e:  # staging errors never touch the engine: the caller's input was bad
+        return JSONResponse({"detail": _message(e)}, status_code=409)
+
+
+@router.post("/v1/weights/apply")
+async def apply(body: ApplyRequest, refitter: RefitterDep) -> JSONResponse:
+    return await _apply(refitter, body.version, body.refit_id)
+
+
+@router.post("/v1/weights/load")
+async def load(body: LoadRequest, refitter: RefitterDep) -> JSONResponse:
+    refit_id = f"load-{body.version}"
+    try:
+        await refitter.stage_file(body.path, refit_id)
+    except Exception as e:
+        return JSONResponse({"detail": _message(e)}, status_code=409)
+    return await _apply(refitter, body.version, "")
+
+
+@router.post("/v1/weights/abort")
+async def abort(body: AbortRequest, refitter: RefitterDep) -> JSONResponse:
+    await refitter.abort(body.refit_id)
+    return JSONResponse({"aborted": body.refit_id or "any"})
+
+
+@router.post("/internal/commit")
+async def commit(body: CommitRequest, refitter: RefitterDep) -> JSONResponse:
+    return await _apply(refitter, str(body.version), body.refit_id)
+
+
+async def _apply(refitter: Refitter, version: str, refit_id: str) -> JSONResponse:
+    try:
+        state = await refitter.apply(version, refit_id)
+    except RefitRefused as e:
+        return JSONResponse({"detail": str(e)}, status_code=409)
+    except Exception as e:
+        return JSONResponse({"detail": _message(e)}, status_code=500)
+    return JSONResponse({"version": state.version, "serving": state.serving})
+
+
+def _message(e: BaseException) -> str:
+    # collective_rpc wraps worker errors; the innermost message names the tensor.
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: {e}"
+
+
+def install(app: FastAPI, refitter: Refitter) -> None:
+    """Add generator_svc's routes and the torn-weights guard to vLLM's app."""
+    app.state.refitter = refitter
+    app.include_router(router)
+
+    async def refuse_when_torn(request: Request, call_next):  # noqa: ANN001, ANN202
+        if not refitter.serving and request.url.path.startswith(_GENERATION_PATHS):
+            return JSONResponse({"detail": "weights are being repaired after a failed update; retry later"},
+                                status_code=503)
+        return await call_next(request)
+
+    # vLLM's build_app already built the middleware stack; drop it so Starlette rebuilds it with ours.
+    app.middleware_stack = None
+    app.add_middleware(BaseHTTPMiddleware, dispatch=refuse_when_torn)

@@ -1,0 +1,76 @@
+"""The one settings object of generator_svc, from the command line and environment.
+
+Our flags sit on top of vLLM's own server flags (every `vllm serve` flag works, e.g.
+`--tensor-parallel-size`); ours are:
+
+    --syncd ADDR          syncd gRPC address; empty: serve without registering (env GENERATOR_SYNCD)
+    --replica N           this generator's replica index, the `replica` mesh coordinate (env GENERATOR_REPLICA)
+    --refit-mode staged   receive into staging, apply only complete verified versions (default);
+                          `inplace` is reserved for memory-tight GPUs and not implemented yet
+    --initial-version V   version label of the checkpoint the engine starts on (default "0")
+    --auth-token          bearer token for syncd (env GENERATOR_AUTH_TOKEN)
+    --data-host           address peers reach this host's data plane on (env GENERATOR_DATA_HOST)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+ENV_SYNCD = "GENERATOR_SYNCD"
+ENV_REPLICA = "GENERATOR_REPLICA"
+ENV_AUTH_TOKEN = "GENERATOR_AUTH_TOKEN"
+ENV_DATA_HOST = "GENERATOR_DATA_HOST"
+
+WORKER_EXTENSION = "generator_svc.worker.WeightSyncExtension"
+REFIT_MODES = ("staged", "inplace")
+
+
+@dataclass(frozen=True)
+class Settings:
+    syncd: str
+    replica: int
+    refit_mode: str
+    initial_version: str
+    auth_token: str
+    data_host: str
+
+    def __post_init__(self) -> None:
+        if self.refit_mode not in REFIT_MODES:
+            raise ValueError(f"refit_mode must be one of {REFIT_MODES}, got {self.refit_mode!r}")
+        if self.refit_mode == "inplace":
+            raise ValueError("refit_mode 'inplace' is not implemented yet; use 'staged'")
+        if self.replica < 0:
+            raise ValueError(f"replica must be >= 0, got {self.replica}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("generator_svc")
+    group.add_argument("--syncd", default=os.environ.get(ENV_SYNCD, ""))
+    group.add_argument("--replica", type=int, default=int(os.environ.get(ENV_REPLICA, "0")))
+    group.add_argument("--refit-mode", default="staged", choices=REFIT_MODES)
+    group.add_argument("--initial-version", default="0")
+    group.add_argument("--auth-token", default=os.environ.get(ENV_AUTH_TOKEN, ""))
+    group.add_argument("--data-host", default=os.environ.get(ENV_DATA_HOST, "127.0.0.1"))
+
+
+def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
+    """Our settings plus vLLM's server namespace, with the worker extension and the staging
+    weight-transfer backend forced on (the service depends on both)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="python -m generator_svc"))
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None) is not None:
+        args.model = args.model_tag
+    if args.worker_extension_cls not in ("", WORKER_EXTENSION):
+        raise ValueError(f"--worker-extension-cls is set by generator_svc; got {args.worker_extension_cls!r}")
+    args.worker_extension_cls = WORKER_EXTENSION
+    args.weight_transfer_config = {"backend": "syncd_staging"}
+    validate_parsed_serve_args(args)
+    settings = Settings(syncd=args.syncd, replica=args.replica, refit_mode=args.refit_mode,
+                        initial_version=args.initial_version, auth_token=args.auth_token, data_host=args.data_host)
+    return settings, args

@@ -1,0 +1,209 @@
+"""Staging: the receive buffers of one worker, and the feed from them into vLLM's loaders.
+
+Lifecycle per refit: `begin(refit_id)` -> the data plane (or `fill_from_safetensors`) writes boxes
+with `write` -> `missing()` / `checksums()` for verification -> `hf_weights()` feeds vLLM's
+`load_weights` inside the update lifecycle -> `begin` of the next refit.
+
+One buffer per local tensor of the worker's catalog, shaped `LocalTensor.shape`, allocated once and
+reused: staged mode costs one extra copy of this worker's shard of the model, never the full model.
+
+Feeding TP-sharded staging into vLLM's loaders: vLLM's loaders take full HF tensors and narrow them
+to their rank (`loaded_weight.narrow(dim, tp_rank * shard, shard)`), differently per layer type
+(QKV with replicated kv heads, merged column, fused MoE, vocab shards). Rather than re-implement
+those rules, `hf_weights()` yields, one HF tensor at a time, a tensor of the full HF shape whose
+region this rank holds is filled from staging (the rest is zeros and never read by the loader):
+- a region held by one piece is yielded as a zero-copy view of staging (all of TP=1, and
+  replicated tensors at any TP);
+- otherwise a transient buffer of one HF tensor is allocated (grouped experts are fed per expert,
+  so the transient is one `[I, H]` matrix, not `[E, I, H]`), and dropped after the loader copied it.
+Peak extra memory is therefore the largest single HF tensor (the embedding or lm_head at TP>1).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from syncd.layout import Box, Catalog, LocalTensor, Piece
+from syncd.dataplane.checksum import checksum, unit_key
+from syncd.layout import hf_names
+from syncd.plan.types import Bucket
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def _covered(t: LocalTensor) -> int:
+    return sum(p.local.numel for p in t.pieces)
+
+
+class Staging:
+    """Receive buffers for one catalog. Not thread-safe: one writer (the data plane) at a time."""
+
+    def __init__(self, catalog: Catalog, device: torch.device | str = "cpu") -> None:
+        self.catalog = catalog
+        self.tensors = {t.name: t for t in catalog.tensors}
+        self.device = torch.device(device)
+        self.buffers = {t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=self.device)
+                        for t in catalog.tensors}
+        self._by_canonical: dict[str, list[tuple[str, Piece]]] = defaultdict(list)
+        for t in catalog.tensors:
+            for p in t.pieces:
+                self._by_canonical[p.canonical].append((t.name, p))
+        self.refit_id: str | None = None
+        self._received: dict[str, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.catalog.nbytes
+
+    def begin(self, refit_id: str) -> None:
+        """Start receiving a new version; what an earlier, unfinished refit wrote no longer counts."""
+        self.refit_id = refit_id
+        self._received = dict.fromkeys(self.buffers, 0)
+
+    def write(self, tensor: str, box: Box, data: torch.Tensor) -> None:
+        """Data-plane entry: copy `data` (C order, `box.numel` elements) into region `box` of `tensor`."""
+        if self.refit_id is None:
+            raise RuntimeError("staging.write before begin(refit_id)")
+        buf = self.buffers.get(tensor)
+        if buf is None:
+            raise ValueError(f"unknown staging tensor {tensor}")
+        if not box.within(tuple(buf.shape)):
+            raise ValueError(f"box {box} is outside staging tensor {tensor} of shape {tuple(buf.shape)}")
+        if data.numel() != box.numel or data.dtype != buf.dtype:
+            raise ValueError(f"{tensor}{box}: got {data.numel()} x {data.dtype}, "
+                             f"expected {box.numel} x {buf.dtype}")
+        buf[box.slices()] = data.reshape(box.shape)
+        self._received[tensor] += box.numel
+
+    def fill_canonical(self, name: str, region: Box, data: torch.Tensor) -> None:
+        """Write `data` (region `region` of canonical tensor `name`) into every piece it meets."""
+        for tensor, piece in self._by_canonical.get(name, ()):
+            hit = piece.canon.intersect(region)
+            if hit is None:
+                continue
+            src = data[tuple(slice(a - r, b - r) for a, b, r in zip(hit.start, hit.stop, region.start))]
+            self.write(tensor, piece.local_region(hit), src.contiguous())
+
+    def fill_from_safetensors(self, path: str | Path) -> dict[str, int]:
+        """Stage the canonical tensors a safetensors file (or every `*.safetensors` of a directory)
+        holds, reading only this worker's boxes. Tensors the catalog does not know are skipped; a
+        tensor whose shape or dtype disagrees with the catalog raises ValueError naming it.
+        Returns {"tensors": staged canonical tensors, "skipped": unknown ones}."""
+        from safetensors import safe_open
+
+        files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
+        if not files:
+            raise ValueError(f"no safetensors files at {path}")
+        staged, skipped = 0, 0
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                names = list(f.keys())
+                shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
+                for name, shape in hf_names.canonical_shapes_from_hf(shapes).items():
+                    canon = self.catalog.canonical_by_name.get(name)
+                    if canon is None:
+                        skipped += 1
+                        continue
+                    if shape != canon.shape:
+                        raise ValueError(f"{name}: checkpoint shape {shape} != catalog shape {canon.shape}")
+                    self._fill_from_file(f, canon.name, canon.dtype)
+                    staged += 1
+        return {"tensors": staged, "skipped": skipped}
+
+    def _fill_from_file(self, f, name: str, dtype: str) -> None:  # noqa: ANN001 (safetensors handle)
+        for _, piece in self._by_canonical[name]:
+            box = piece.canon
+            if hf_names.is_grouped_expert(name):
+                rows = [f.get_slice(hf_names.hf_expert_name(name, e))[box.slices()[1:]]
+                        for e in range(box.start[0], box.stop[0])]
+                data = torch.stack(rows)
+            else:
+                data = f.get_slice(name)[box.slices()]
+            if str(data.dtype).removeprefix("torch.") != dtype:
+                raise ValueError(f"{name}: checkpoint dtype {data.dtype} != catalog dtype {dtype}")
+            self.fill_canonical(name, box, data)
+
+    def missing(self) -> list[str]:
+        """Local tensors not completely received, as 'name (got/expected elements)'."""
+        out = []
+        for name, t in self.tensors.items():
+            got, want = self._received.get(name, 0), _covered(t)
+            if got != want:
+                out.append(f"{name} ({got}/{want} elements)")
+        return out
+
+    def require_complete(self) -> None:
+        if self.refit_id is None:
+            raise ValueError("nothing staged: no refit has begun on this worker")
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"refit {self.refit_id}: staging incomplete: {shown}")
+
+    def checksums(self) -> dict[str, str]:
+        """Checksum of the staged bytes per piece, keyed like the data plane's (`unit_key`)."""
+        out = {}
+        for name, t in self.tensors.items():
+            for p in t.pieces:
+                out[unit_key(p.canonical, p.canon.start, p.canon.stop)] = checksum(
+                    self.buffers[name][p.local.slices()])
+        return out
+
+    def mark_received(self, buckets: tuple[Bucket, ...], member_id: str) -> int:
+        """Count the units the data plane unpacked straight into `buffers` for `member_id`."""
+        total = 0
+        for b in buckets:
+            if b.dst != member_id:
+                continue
+            for u in b.units:
+                self._received[u.dst_tensor] += u.dst_box.numel
+            total += b.nbytes
+        return total
+
+    def discard(self) -> None:
+        """Drop what an unfinished refit staged (Abort); the committed weights are untouched."""
+        self.refit_id = None
+        self._received = {}
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full-shape tensor) pairs for vLLM's `load_weights`, parameter by parameter.
+        See the module docstring for what is a view and what is a transient buffer."""
+        done: set[str] = set()
+        for t in self.catalog.tensors:
+            for p in t.pieces:
+                if p.canonical in done:
+                    continue
+                done.add(p.canonical)
+                canon = self.catalog.canonical_by_name[p.canonical]
+                if hf_names.is_grouped_expert(canon.name):
+                    for e in range(canon.shape[0]):
+                        region = Box((e, 0, 0), (e + 1, *canon.shape[1:]))
+                        yield hf_names.hf_expert_name(canon.name, e), self._region(canon.name, region)[0]
+                else:
+                    yield canon.name, self._region(canon.name, Box.full(canon.shape))
+
+    def _region(self, name: str, region: Box) -> torch.Tensor:
+        hits = [(tensor, piece, hit) for tensor, piece in self._by_canonical[name]
+                if (hit := piece.canon.intersect(region)) is not None]
+        if len(hits) == 1 and hits[0][2] == region:
+            tensor, piece, hit = hits[0]
+            return self.buffers[tensor][piece.local_region(hit).slices()].reshape(region.shape)
+        out = torch.zeros(region.shape, dtype=torch_dtype(self.catalog.canonical_by_name[name].dtype),
+                          device=self.device)
+        for tensor, piece, hit in hits:
+            local = self.buffers[tensor][piece.local_region(hit).slices()]
+            dst = tuple(slice(a - r, b - r) for a, b, r in zip(hit.start, hit.stop, region.start))
+            out[dst] = local.reshape(hit.shape)
+        return out

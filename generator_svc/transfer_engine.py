@@ -1,0 +1,78 @@
+"""A vLLM weight-transfer engine that loads from this worker's staging buffers.
+
+Registered with vLLM's `WeightTransferEngineFactory` as `syncd_staging` when the worker extension is
+imported (inside every worker, before the model loads). It drives vLLM's own lifecycle, so vLLM's
+loaders and post-processing run exactly as for a checkpoint load:
+
+    start_weight_update   -> initialize_layerwise_reload (parameters back to checkpoint format, meta)
+    update_weights(info)  -> model.load_weights(staging.hf_weights()); each layer is processed
+                             (CPU repack, MoE prepack with `cpu_moe_fix`) once all its bytes arrived
+    finish_weight_update  -> finalize_layerwise_reload
+
+The bytes never travel through `update_weights`: `info` only names the version; the data plane has
+already written them into staging, outside the lifecycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from generator_svc.staging import Staging
+
+BACKEND = "syncd_staging"
+
+
+@dataclass
+class StagingInitInfo(WeightTransferInitInfo):
+    pass
+
+
+@dataclass
+class StagingUpdateInfo(WeightTransferUpdateInfo):
+    version: str
+
+
+class StagingTransferEngine(WeightTransferEngine[StagingInitInfo, StagingUpdateInfo]):
+    init_info_cls = StagingInitInfo
+    update_info_cls = StagingUpdateInfo
+    supports_draft_weight_update = False
+
+    staging: Staging | None = None  # set by the worker extension's ws_setup
+
+    def init_transfer_engine(self, init_info: StagingInitInfo) -> None:
+        """Nothing to connect: the data plane is owned by the worker's syncd member."""
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self.staging is None:
+            raise RuntimeError("weight sync is not set up on this worker (ws_setup was not called)")
+        self.staging.require_complete()
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: StagingUpdateInfo) -> None:
+        assert self.staging is not None
+        loaded = set(self.model.load_weights(self.staging.hf_weights()))
+        missed = sorted(t.name for t in self.staging.catalog.tensors if t.name not in loaded)
+        if missed:
+            raise RuntimeError(f"version {update_info.version}: vLLM's loaders did not load {missed[:5]}")
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        """No resources of its own."""
+
+
+def register() -> None:
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, StagingTransferEngine)

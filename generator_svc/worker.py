@@ -1,0 +1,169 @@
+"""The vLLM worker extension (`worker_extension_cls`): mixed into every vLLM worker.
+
+Methods are called from the API-server process with `collective_rpc("ws_...")`, which runs them on
+every worker and carries only plain data (no tensors). What runs where:
+
+- API server (generator_svc.refit): the update lifecycle (`pause_generation`, `start_weight_update`,
+  `update_weights`, `finish_weight_update`, `reset_prefix_cache`, `resume_generation`), because it
+  must be entered by all TP workers together and generation must be held meanwhile.
+- worker, via collective_rpc: `ws_setup` (catalog, staging, syncd registration), `ws_stage_file`,
+  `ws_status`, `ws_abort`, `ws_recover`, `ws_committed`, `ws_dump_loaded` (tests).
+- worker, on the syncd member's handler thread: the data plane writing received buckets into
+  staging (`generator_svc.member`), concurrently with serving: staging is separate memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from generator_svc import transfer_engine
+from generator_svc.catalog import build_catalog, catalog_to_json
+from generator_svc.cpu_moe_fix import apply_cpu_moe_fix
+from generator_svc.staging import Staging
+from generator_svc.vllm_layout import allocated_shapes, param_specs
+
+log = logging.getLogger("generator_svc.worker")
+
+# Runs at import, i.e. in every worker before its model loads.
+transfer_engine.register()
+apply_cpu_moe_fix()
+
+
+class WeightSyncExtension:
+    """Weight-sync methods of a vLLM worker. State lives on the worker as `_ws_*` attributes."""
+
+    def _ws_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
+
+    def _ws_tp(self) -> tuple[int, int]:
+        from vllm.distributed import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+    def ws_setup(self, replica: int, syncd: str = "", auth_token: str = "", commit_url: str = "",
+                 data_host: str = "127.0.0.1") -> dict[str, Any]:
+        """Build this worker's catalog and staging, and register with syncd when `syncd` is set.
+        Raises ValueError naming any parameter the catalog cannot cover."""
+        model = self._ws_model()
+        tp_rank, tp_size = self._ws_tp()
+        shapes = allocated_shapes(model)
+        catalog = build_catalog(param_specs(model), expected_shapes=shapes)
+        # Staging lives where the weights live, so the data plane writes into it with the
+        # transport of that device (gloo on CPU, NCCL on GPU) and loaders copy device-to-device.
+        self._ws_staging = Staging(catalog, device=self.device)  # type: ignore[attr-defined]
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, transfer_engine.StagingTransferEngine):
+            raise RuntimeError(f"weight_transfer_config.backend must be {transfer_engine.BACKEND!r}")
+        engine.staging = self._ws_staging
+        self._ws_member_id = f"generator-{replica}-{tp_rank}"
+        self._ws_member = None
+        if syncd:
+            from generator_svc.member import start_member
+
+            self._ws_member = start_member(
+                syncd, member_id=self._ws_member_id, coords={"replica": replica, "tp": tp_rank},
+                staging=self._ws_staging, group_size=tp_size, auth_token=auth_token or None,
+                commit_url=commit_url if tp_rank == 0 else "", data_host=data_host,
+            )
+        log.info("%s: catalog %s, %d tensors, %d bytes", self._ws_member_id, catalog.content_hash[:19],
+                 len(catalog.tensors), catalog.nbytes)
+        return {"member_id": self._ws_member_id, "tp_rank": tp_rank, "tp_size": tp_size,
+                "catalog_hash": catalog.content_hash, "nbytes": catalog.nbytes,
+                "shapes_checked": sum(t.name in shapes for t in catalog.tensors)}
+
+    def ws_catalog(self) -> str:
+        return catalog_to_json(self._ws_staging.catalog)
+
+    def ws_param_names(self) -> list[str]:
+        return [n for n, _ in self._ws_model().named_parameters()]
+
+    def ws_stage_file(self, path: str, refit_id: str) -> dict[str, Any]:
+        """Stage this worker's boxes of a safetensors checkpoint (the data plane's stand-in for
+        operators and tests). Starts refit `refit_id`: earlier staged bytes no longer count."""
+        self._ws_staging.begin(refit_id)
+        return self._ws_staging.fill_from_safetensors(path)
+
+    def ws_status(self) -> dict[str, Any]:
+        s = self._ws_staging
+        return {"member_id": self._ws_member_id, "refit_id": s.refit_id,
+                "missing": s.missing()[:10] if s.refit_id else []}
+
+    def ws_abort(self, refit_id: str = "") -> None:
+        """Drop staged bytes of `refit_id` (any when empty); serving is unaffected."""
+        if not refit_id or self._ws_staging.refit_id == refit_id:
+            self._ws_staging.discard()
+
+    def ws_recover(self) -> None:
+        """After an update failed inside the lifecycle: put every layer back on real tensors
+        (layers not yet loaded get their previous kernel tensors back) so the next forward cannot
+        meet meta parameters. The engine must not serve until a complete refit succeeds."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        self.weight_transfer_engine.reset_weight_update_target()  # type: ignore[attr-defined]
+        self._weight_update_active = False
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            finalize_layerwise_reload(self._ws_model(), self.model_config)  # type: ignore[attr-defined]
+
+    def ws_committed(self, refit_id: str, version: int, ok: bool, error: str = "") -> None:
+        """Tell syncd this worker's outcome of a Commit (the API server applied it)."""
+        if self._ws_member is not None and refit_id:
+            self._ws_member.endpoint.applied(version, ok, error)
+        if ok:
+            self._ws_staging.discard()
+
+    def ws_dump_loaded(self, checkpoint: str, out_dir: str) -> str:
+        """Test aid: reload `checkpoint` through vLLM's own loader inside the update lifecycle and
+        save every parameter as vLLM's loaders wrote it (checkpoint format, before kernel
+        processing) to `{out_dir}/tp{rank}.safetensors`. The engine serves `checkpoint` afterwards."""
+        out_path = f"{out_dir}/tp{self._ws_tp()[0]}.safetensors"
+        from safetensors.torch import save_file
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        model = self._ws_model()
+        captured: dict[str, torch.Tensor] = {}
+        restore = []
+        for path, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, QuantizeMethodBase):
+                original = method.process_weights_after_loading
+
+                def capture(layer, _path=path, _orig=original):  # noqa: ANN001
+                    for n, p in layer.named_parameters(recurse=False):
+                        captured[f"{_path}.{n}"] = p.detach().clone()
+                    return _orig(layer)
+
+                method.process_weights_after_loading = capture
+                restore.append(method)
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            initialize_layerwise_reload(model)
+            try:
+                model.load_weights(_read_checkpoint(checkpoint))
+            finally:
+                finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
+                for method in restore:
+                    del method.process_weights_after_loading
+        for n, p in model.named_parameters():
+            captured.setdefault(n, p.detach().clone())
+        save_file({k: v.contiguous() for k, v in captured.items()}, out_path)
+        return out_path
+
+
+def _read_checkpoint(directory: str):  # noqa: ANN202 (generator of (name, tensor))
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,102 @@
+"""Run a vLLM engine with the worker extension and write what the coverage test inspects.
+
+    python tests/generator/engine_probe.py --model DIR --tp N --out DIR
+
+With `--refit-to B` it also refits the engine to checkpoint B through the staging receive path
+and back, and writes the greedy outputs (`outputs.json`). Writes `catalogs.json` (per tp rank: the registered catalog and vLLM's parameter names) and
+`tp{rank}.safetensors` (every parameter as vLLM's own loaders wrote it, checkpoint format). A
+separate process because an `LLM` spawns engine processes that need a `__main__` guard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--refit-to", default="", help="also refit to this checkpoint and back, recording outputs")
+    parser.add_argument("--fail-to", default="", help="also fail an update to this checkpoint half way, recover, "
+                                                       "and refit back to --model, recording outputs")
+    args = parser.parse_args()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=args.model, tensor_parallel_size=args.tp, skip_tokenizer_init=True, enforce_eager=True,
+              max_model_len=256, dtype="float32", worker_extension_cls="generator_svc.worker.WeightSyncExtension",
+              weight_transfer_config={"backend": "syncd_staging"})
+    setup = llm.collective_rpc("ws_setup", args=(0,))
+    catalogs = llm.collective_rpc("ws_catalog")
+    names = llm.collective_rpc("ws_param_names")
+    llm.collective_rpc("ws_dump_loaded", args=(args.model, args.out))
+    doc = [{"setup": s, "catalog": json.loads(c), "params": n} for s, c, n in zip(setup, catalogs, names)]
+    Path(args.out, "catalogs.json").write_text(json.dumps(doc))
+    prompts = json.loads(os.environ.get("PROBE_PROMPTS", "{}"))
+    if args.refit_to or args.fail_to:
+        params = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
+
+        def outputs() -> dict:
+            out = {}
+            for name, ids in prompts.items():
+                o = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0].outputs[0]
+                out[name] = [list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]]
+            return out
+
+        def refit(path: str, refit_id: str) -> None:  # the receive path: staging, then vLLM's lifecycle
+            llm.collective_rpc("ws_stage_file", args=(path, refit_id))
+            llm.collective_rpc("start_weight_update")
+            llm.collective_rpc("update_weights", kwargs={"update_info": {"version": refit_id}})
+            llm.collective_rpc("finish_weight_update")
+            llm.reset_prefix_cache()
+
+        record = {"A": outputs()}
+        if args.refit_to:
+            refit(args.refit_to, "to")
+            record["B"] = outputs()
+        else:
+            llm.collective_rpc("ws_stage_file", args=(args.fail_to, "doomed"))
+            llm.collective_rpc(_break_feed)
+            llm.collective_rpc("start_weight_update")
+            try:
+                llm.collective_rpc("update_weights", kwargs={"update_info": {"version": "doomed"}})
+                record["failed"] = False
+            except Exception as e:  # noqa: BLE001 (the failure is the point)
+                record["failed"] = "feed broke after" in str(e)
+            llm.collective_rpc("ws_recover")
+            record["torn"] = outputs()  # must not kill the engine
+            llm.collective_rpc(_mend_feed)
+        refit(args.model, "back")
+        record["A_again"] = outputs()
+        Path(args.out, "outputs.json").write_text(json.dumps(record))
+    os._exit(0)  # skip vLLM's slow teardown; the files are written
+
+
+def _break_feed(worker) -> None:  # noqa: ANN001 (runs in the worker; needs VLLM_ALLOW_INSECURE_SERIALIZATION)
+    """Make the next load from staging fail half way through the model, as a crash would."""
+    staging = worker.weight_transfer_engine.staging
+    full = staging.hf_weights
+
+    def broken():  # noqa: ANN202
+        for i, item in enumerate(full()):
+            if i == 60:
+                raise RuntimeError("feed broke after 60 tensors")
+            yield item
+
+    staging.hf_weights = broken
+
+
+def _mend_feed(worker) -> None:  # noqa: ANN001
+    del worker.weight_transfer_engine.staging.hf_weights
+
+
+if __name__ == "__main__":
+    main()

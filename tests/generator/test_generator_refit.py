@@ -1,0 +1,108 @@
+"""Refits of a running generator through the worker extension's receive path (real vLLM, CPU).
+
+The shared service starts on checkpoint A. Every test leaves it serving A again.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.generator.conftest import PROMPTS, Service
+
+pytestmark = pytest.mark.vllm
+
+
+def load(service: Service, path: Path, version: str) -> dict:
+    r = service.http.post("/v1/weights/load", json={"path": str(path), "version": version})
+    return {"status": r.status_code, **r.json()}
+
+
+def variant(src: Path, dst: Path, edit) -> Path:  # noqa: ANN001 (edit: dict -> None)
+    """A copy of checkpoint `src` with its tensors edited."""
+    dst.mkdir()
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
+def test_pushing_b_into_an_engine_on_a_matches_a_fresh_engine_on_b(
+        service_a: Service, outputs_a: dict, outputs_fresh_b: dict, checkpoints: dict) -> None:
+    assert outputs_a != outputs_fresh_b, "A and B must generate differently for this test to mean anything"
+    assert load(service_a, checkpoints["B"], "1") == {"status": 200, "version": "1", "serving": True}
+    try:
+        assert service_a.http.get("/v1/weight_version").json()["version"] == "1"
+        for name in PROMPTS:  # greedy tokens and logprobs equal, bit for bit (float32)
+            assert service_a.complete(PROMPTS[name]) == outputs_fresh_b[name], name
+    finally:
+        assert load(service_a, checkpoints["A"], "2")["status"] == 200
+    assert service_a.outputs() == outputs_a
+
+
+def test_requests_during_a_refit_are_held_not_failed(service_a: Service, outputs_a: dict, checkpoints: dict) -> None:
+    statuses: list[int] = []
+
+    def generate() -> None:
+        for _ in range(6):
+            r = service_a.http.post("/v1/completions", json={
+                "model": "tiny", "prompt": PROMPTS["long"], "max_tokens": 16, "temperature": 0,
+                "detokenize": False, "return_tokens_as_token_ids": True})
+            statuses.append(r.status_code)
+
+    clients = [threading.Thread(target=generate) for _ in range(2)]
+    for c in clients:
+        c.start()
+    try:
+        for version, ckpt in (("3", "B"), ("4", "A"), ("5", "B")):
+            assert load(service_a, checkpoints[ckpt], version)["status"] == 200
+    finally:
+        for c in clients:
+            c.join()
+        assert load(service_a, checkpoints["A"], "6")["status"] == 200
+    assert statuses == [200] * 12
+    assert service_a.outputs() == outputs_a
+
+
+def test_failed_refits_leave_a_serving_and_a_good_refit_still_works(
+        service_a: Service, outputs_a: dict, outputs_fresh_b: dict, checkpoints: dict, tmp_path: Path) -> None:
+    version = service_a.http.get("/v1/weight_version").json()["version"]
+    q = "model.layers.1.self_attn.q_proj.weight"
+    bad_shape = variant(checkpoints["B"], tmp_path / "bad_shape", lambda t: t.update({q: torch.zeros(64, 128)}))
+    missing = variant(checkpoints["B"], tmp_path / "missing", lambda t: t.pop("model.layers.2.self_attn.k_proj.weight"))
+    half = variant(checkpoints["B"], tmp_path / "half",  # a transfer cut off after layer 1
+                   lambda t: [t.pop(n) for n in list(t) if n.startswith(("model.layers.2.", "model.layers.3."))])
+
+    r = load(service_a, bad_shape, "bad")
+    assert r["status"] == 409 and f"{q}: checkpoint shape (64, 128) != catalog shape (128, 128)" in r["detail"]
+    r = load(service_a, missing, "missing")
+    assert r["status"] == 409
+    assert "not completely staged: generator-0-0: model.layers.2.self_attn.qkv_proj.weight (24576/32768" in r["detail"]
+    # Interrupted transfer: B fully staged, then a new refit starts and stops half way; the
+    # half-received version is refused and B's earlier bytes do not count for it.
+    assert service_a.http.post("/v1/weights/stage", json={"path": str(checkpoints["B"]), "refit_id": "r1"}).status_code == 200
+    assert service_a.http.post("/v1/weights/stage", json={"path": str(half), "refit_id": "r2"}).status_code == 200
+    r = service_a.http.post("/v1/weights/apply", json={"version": "half"})
+    assert r.status_code == 409 and "model.layers.2." in r.json()["detail"]
+    # Aborted refit: nothing staged any more.
+    assert service_a.http.post("/v1/weights/abort", json={}).status_code == 200
+    r = service_a.http.post("/v1/weights/apply", json={"version": "aborted"})
+    assert r.status_code == 409 and "nothing staged" in r.json()["detail"]
+
+    assert service_a.http.get("/healthz").status_code == 200
+    assert service_a.http.get("/v1/weight_version").json() == {"version": version, "serving": True, "updating": False}
+    assert service_a.outputs() == outputs_a, "failed refits must not change what the engine serves"
+    metrics = service_a.http.get("/metrics").text
+    assert 'weightsync_refits_total{outcome="refused"}' in metrics
+
+    assert load(service_a, checkpoints["B"], "7")["status"] == 200
+    try:
+        assert service_a.outputs() == outputs_fresh_b
+    finally:
+        assert load(service_a, checkpoints["A"], "8")["status"] == 200
+    assert service_a.outputs() == outputs_a
