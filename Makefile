@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 .PHONY: demo test setup proto bench-plan clean
 
 demo: $(STAMP)  ## the main job: train a tiny MoE and refit a live vLLM generator after every step (CPU)
-	$(PY) -m bench.demo $(DEMO_ARGS)
+	$(PY) -m deploy.local.demo $(DEMO_ARGS)
 
 test: $(STAMP)  ## the whole test suite (GPU tests skip without GPUs)
 	$(PY) -m pytest $(PYTEST_ARGS)

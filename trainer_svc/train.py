@@ -149,11 +149,14 @@ class Trainer:
         return result
 
     def export(self, out_dir: str) -> None:
-        """Collective: gather every shard; rank 0 writes config.json + model.safetensors."""
+        """Collective: gather every shard; rank 0 writes config.json + model.safetensors. Returns
+        on every rank only once the files exist (anyone told about the step may read them)."""
         canonical = gather_canonical(self.model, self.mesh, self.args)
         if self.mesh.rank == 0:
             save_hf(out_dir, self.args, canonical)
             log.info("exported HF checkpoint to %s", out_dir)
+        if self.distributed:
+            dist.barrier()
 
 
 def run(settings: TrainSettings, env: LaunchEnv, init_method: str | None = None) -> tuple[Trainer, TrainResult]:

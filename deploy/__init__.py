@@ -1,0 +1,1 @@
+"""Deployments: local processes, Kubernetes, SLURM."""

@@ -1,0 +1,1 @@
+"""Everything on one machine: the demo and the process supervisor tests and SLURM reuse."""

@@ -1,0 +1,207 @@
+"""`make demo`: train a tiny Qwen3-MoE with expert TP and refit a live vLLM generator every step.
+
+    python -m deploy.local.demo [--steps 3] [--layout ep2tp2|pp2] [--summary-json PATH]
+
+Starts syncd, the vLLM generator (CPU) and a 4-rank gloo trainer (`--layout ep2tp2`: ep 2 x tp 2,
+experts split over TP; `--layout pp2`: pp 2 x ep 2), all on this machine. The trainer waits after
+each step (`--sync-refit`) while this driver measures how far the generator's policy is from the
+trainer's (KL of sampled tokens), triggers the refit through syncd's HTTP API, and measures again.
+Every process it starts, it stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import shutil
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from deploy.local.processes import PYTHON, Cluster, free_port
+
+LAYOUTS = {"ep2tp2": dict(pp=1, ep=2, tp=2), "pp2": dict(pp=2, ep=2, tp=1)}
+PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 3, 250, 7, 81], [400, 12, 12, 9], [33, 44, 55, 66, 77, 88, 99]]
+log = logging.getLogger("demo")
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step: int
+    loss: float
+    refit_state: str
+    refit_seconds: float
+    bytes: int
+    checksums_ok: bool
+    kl_before: float
+    kl_after: float
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / self.refit_seconds if self.refit_seconds else 0.0
+
+
+class Generator:
+    """The generator's OpenAI-compatible API: sampled tokens and their logprobs."""
+
+    def __init__(self, url: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=120)
+
+    def sample(self, seed: int, max_tokens: int = 24) -> list[tuple[list[int], list[int], list[float]]]:
+        out = []
+        for i, prompt in enumerate(PROMPTS):
+            r = self.http.post("/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+                "seed": seed * 100 + i, "logprobs": 1, "detokenize": False, "return_tokens_as_token_ids": True,
+            })
+            r.raise_for_status()
+            lp = r.json()["choices"][0]["logprobs"]
+            out.append((prompt, [int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]))
+        return out
+
+
+def policy_kl(generator: Generator, export_dir: Path, seed: int) -> float:
+    """KL(generator || trainer) over tokens the generator samples, scored by the trainer's model
+    on its exported weights."""
+    from trainer_svc.scoring import Scorer, kl_estimate
+
+    scorer = Scorer(export_dir)
+    behaviour, target = [], []
+    for prompt, tokens, logprobs in generator.sample(seed):
+        behaviour += logprobs
+        target += scorer.logprobs(prompt, tokens)
+    return kl_estimate(behaviour, target)
+
+
+class Syncd:
+    def __init__(self, url: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=30)
+
+    def wait_announced(self, version: int, timeout_s: float, trainer) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (self.http.get("/v1/status").json()["announced_version"] or 0) < version:
+            if not trainer.alive():
+                raise RuntimeError(f"the trainer exited:\n{trainer.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the trainer did not announce version {version} in {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    def refit(self, version: int, timeout_s: float) -> dict:
+        r = self.http.post("/v1/refits", json={"weight_version": version})
+        if r.status_code != 202:
+            raise RuntimeError(f"syncd refused the refit: {r.status_code} {r.text}")
+        refit_id = r.json()["id"]
+        deadline = time.monotonic() + timeout_s
+        while (state := self.http.get(f"/v1/refits/{refit_id}").json())["state"] not in ("COMMITTED", "ABORTED"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"refit {refit_id} still {state['state']} after {timeout_s:.0f} s")
+            time.sleep(0.1)
+        return state
+
+
+def trainer_loss(log_text: str, step: int) -> float:
+    m = re.search(rf"step {step} loss ([0-9.eE+-]+)", log_text)
+    return float(m.group(1)) if m else float("nan")
+
+
+def start_services(cluster: Cluster, work: Path, layout: dict, args) -> tuple[Syncd, Generator, object]:
+    from trainer_svc.tiny import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(work / "model", seed=args.seed)
+    http_port, grpc_port, gen_port = free_port(), free_port(), free_port()
+    syncd = cluster.start("syncd", [
+        PYTHON, "-m", "syncd", "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        "--db", str(work / "syncd.db"), "--expected-trainers", "4", "--expected-generators", "1",
+        "--backend", "gloo", "--bucket-bytes", str(1 << 20),
+    ])
+    cluster.wait_http(syncd, f"http://127.0.0.1:{http_port}/healthz", 60)
+    log.info("syncd up (http %d, grpc %d); starting the vLLM generator (about 30 s)", http_port, grpc_port)
+    generator = cluster.start("generator", [
+        PYTHON, "-m", "generator_svc", "--model", str(model), "--syncd", f"127.0.0.1:{grpc_port}",
+        "--port", str(gen_port), "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager",
+        "--max-model-len", "256", "--skip-tokenizer-init",
+    ], env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    cluster.wait_http(generator, f"http://127.0.0.1:{gen_port}/healthz", 300)
+    log.info("generator up; starting the trainer (4 gloo ranks: pp %(pp)d x ep %(ep)d x tp %(tp)d)", layout)
+    trainer = cluster.start("trainer", [
+        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "trainer_svc",
+        "--pp", str(layout["pp"]), "--ep", str(layout["ep"]), "--tp", str(layout["tp"]),
+        "--model-dir", str(model), "--steps", str(args.steps), "--seed", str(args.seed), "--lr", str(args.lr),
+        "--device", "cpu", "--syncd", f"127.0.0.1:{grpc_port}", "--sync-refit",
+        "--export-dir", str(work / "export"), "--export-each-step",
+    ], env={"OMP_NUM_THREADS": "1"})
+    return Syncd(f"http://127.0.0.1:{http_port}"), Generator(f"http://127.0.0.1:{gen_port}"), trainer
+
+
+def run(args) -> dict:
+    work = Path(args.workdir).resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    layout = LAYOUTS[args.layout]
+    start = time.monotonic()
+    rows: list[StepRow] = []
+    with Cluster(work / "logs") as cluster:
+        syncd, generator, trainer = start_services(cluster, work, layout, args)
+        print(f"{'step':>4} {'loss':>9} {'refit':>9} {'seconds':>8} {'MB':>7} {'MB/s':>8} {'checksums':>9} "
+              f"{'KL before':>10} {'KL after':>10}", flush=True)
+        for step in range(1, args.steps + 1):
+            syncd.wait_announced(step, 300, trainer)
+            export = work / "export" / f"step-{step}"
+            kl_before = policy_kl(generator, export, seed=step)
+            state = syncd.refit(step, 300)
+            committed = state["state"] == "COMMITTED"
+            kl_after = policy_kl(generator, export, seed=step) if committed else float("nan")
+            seconds = (state["finished_at"] or time.time()) - state["created_at"]
+            row = StepRow(step, trainer_loss(trainer.log.read_text(errors="replace"), step), state["state"],
+                          seconds, state.get("bytes") or 0, committed, kl_before, kl_after)
+            rows.append(row)
+            print(f"{row.step:>4} {row.loss:>9.4f} {row.refit_state:>9} {row.refit_seconds:>8.2f} "
+                  f"{row.bytes / 1e6:>7.2f} {row.mb_per_s:>8.2f} {'ok' if row.checksums_ok else 'FAILED':>9} "
+                  f"{row.kl_before:>10.2e} {row.kl_after:>10.2e}", flush=True)
+            if not committed:
+                print(f"     refit failed: {state.get('error')}", flush=True)
+        trainer.popen.wait(120)
+    summary = {
+        "refits": len(rows),
+        "refits_committed": sum(r.refit_state == "COMMITTED" for r in rows),
+        "checksums_ok": all(r.checksums_ok for r in rows) and bool(rows),
+        "kl_before_first": rows[0].kl_before if rows else None,
+        "kl_after_max": max((r.kl_after for r in rows), default=None),
+        "total_seconds": round(time.monotonic() - start, 1),
+        "layout": args.layout,
+        "steps": [asdict(r) for r in rows],
+    }
+    return summary
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(143)  # unwinds through Cluster.__exit__, which stops every child
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="ep2tp2")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", default="runs/demo")
+    parser.add_argument("--summary-json", help="also write the summary here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s demo %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    summary = run(args)
+    line = {k: v for k, v in summary.items() if k != "steps"}
+    print(f"summary: {json.dumps(line)}")
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+    ok = summary["refits_committed"] == summary["refits"] and summary["checksums_ok"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Start and stop the services as local processes (the demo, end-to-end tests, the SLURM launcher).
+
+Each process runs in its own session so that stopping it also stops its children (torchrun's
+ranks, vLLM's engine core); `Cluster` stops everything it started, newest first, on exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PYTHON = sys.executable
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if not self.alive():
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.popen.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+@dataclass
+class Cluster:
+    """Processes started for one run, all stopped by `stop()` (also used as a context manager)."""
+
+    logs: Path
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log = self.logs / f"{name}.log"
+        popen = subprocess.Popen(cmd, cwd=REPO, env={**self.env, **(env or {})}, stdout=open(log, "w"),
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def wait_http(self, proc: Proc, url: str, timeout_s: float, ok=lambda r: r.status_code == 200) -> None:
+        """Wait until `url` answers `ok`; fail fast (with the log tail) if `proc` exits first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+            try:
+                if ok(httpx.get(url, timeout=5)):
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{proc.name} not ready at {url} after {timeout_s:.0f} s:\n{proc.tail()}")
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
