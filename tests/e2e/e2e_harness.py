@@ -1,0 +1,124 @@
+"""Real services as real processes for the end-to-end tests: syncd, `python -m generator_svc`
+(vLLM on CPU) and `torchrun -m trainer_svc` jobs, wired as in production, driven over HTTP."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from deploy.local.processes import PYTHON, Cluster, Proc, free_port
+
+PROMPTS = {"short": [1, 2, 3, 4, 5], "long": [(i * 37 + 11) % 512 for i in range(200)]}
+GENERATOR_FLAGS = ["--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+                   "--skip-tokenizer-init"]
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    """Poll; generous timeouts keep speed out of the assertions."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+@dataclass
+class Generator:
+    proc: Proc
+    http: httpx.Client
+
+    def greedy(self, max_tokens: int = 8) -> dict[str, tuple[list[int], list[float]]]:
+        out = {}
+        for name, prompt in PROMPTS.items():
+            r = self.http.post("/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+                "detokenize": False, "return_tokens_as_token_ids": True})
+            assert r.status_code == 200, r.text
+            lp = r.json()["choices"][0]["logprobs"]
+            out[name] = ([int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"])
+        return out
+
+    def load(self, checkpoint: Path, version: int) -> None:
+        """Load an HF checkpoint through vLLM's own loaders (no syncd, no data plane)."""
+        r = self.http.post("/v1/weights/load", json={"path": str(checkpoint), "version": str(version)})
+        assert r.status_code == 200, r.text
+
+
+class Stack:
+    """One syncd (restartable on the same ports and database) plus generators and trainer jobs."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.cluster = Cluster(work / "logs")
+        self.http_port, self.grpc_port = free_port(), free_port()
+        self.syncd: Proc | None = None
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=30)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start_syncd(self, trainers: int, db: str = "syncd.db", bucket_bytes: int = 1 << 20) -> None:
+        self.stop_syncd()
+        self.syncd = self.cluster.start("syncd", [
+            PYTHON, "-m", "syncd", "--host", "127.0.0.1", "--http-port", str(self.http_port),
+            "--grpc-port", str(self.grpc_port), "--db", str(self.work / db), "--expected-trainers", str(trainers),
+            "--expected-generators", "1", "--backend", "gloo", "--bucket-bytes", str(bucket_bytes),
+            "--lease-seconds", "4", "--transfer-timeout", "60",
+        ])
+        self.cluster.wait_http(self.syncd, f"http://127.0.0.1:{self.http_port}/healthz", 60)
+
+    def stop_syncd(self) -> None:
+        if self.syncd is not None:
+            self.syncd.stop()
+            self.cluster.procs.remove(self.syncd)
+            self.syncd = None
+
+    def start_generator(self, model: Path, tp: int = 1, syncd: bool = True, name: str = "generator") -> Generator:
+        port = free_port()
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+        flags = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        if tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+        proc = self.cluster.start(name, [
+            PYTHON, "-m", "generator_svc", "--model", str(model), "--port", str(port), *GENERATOR_FLAGS, *flags,
+            *(["--syncd", self.target] if syncd else []),
+        ], env=env)
+        self.cluster.wait_http(proc, f"http://127.0.0.1:{port}/healthz", 300)
+        return Generator(proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
+
+    def train(self, model: Path, *, pp: int, ep: int, tp: int, steps: int, export: Path, name: str = "trainer",
+              sync_refit: bool = True) -> Proc:
+        world = pp * ep * tp
+        return self.cluster.start(name, [
+            PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "-m", "trainer_svc",
+            "--pp", str(pp), "--ep", str(ep), "--tp", str(tp), "--model-dir", str(model), "--steps", str(steps),
+            "--lr", "3e-3", "--device", "cpu", "--syncd", self.target, "--export-dir", str(export),
+            "--export-each-step", *(["--sync-refit"] if sync_refit else []),
+        ], env={"OMP_NUM_THREADS": "1"})
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        wait_until(lambda: self.http.get("/readyz").status_code == 200, timeout_s, "syncd ready")
+
+    def wait_announced(self, version: int, timeout_s: float = 180) -> None:
+        wait_until(lambda: (self.http.get("/v1/status").json()["announced_version"] or 0) >= version, timeout_s,
+                   f"version {version} announced")
+
+    def refit(self, version: int, timeout_s: float = 120) -> dict:
+        self.wait_ready()
+        r = self.http.post("/v1/refits", json={"weight_version": version})
+        assert r.status_code == 202, r.text
+        return self.wait_refit(r.json()["id"], timeout_s)
+
+    def wait_refit(self, refit_id: str, timeout_s: float = 120) -> dict:
+        return wait_until(lambda: (s := self.http.get(f"/v1/refits/{refit_id}").json())["state"]
+                          in ("COMMITTED", "ABORTED") and s, timeout_s, f"refit {refit_id} to finish")
+
+    def stop(self) -> None:
+        self.cluster.stop()
+        self.http.close()
