@@ -87,12 +87,13 @@ class GeneratorMember:
 
 
 def start_member(target: str, *, member_id: str, coords: dict[str, int], staging: Staging, group_size: int,
-                 auth_token: str | None, commit_url: str, data_host: str = "127.0.0.1") -> GeneratorMember:
+                 auth_token: str | None, commit_url: str, data_host: str = "127.0.0.1",
+                 in_flight: int = 2) -> GeneratorMember:
     client = MemberClient(target, role="generator", member_id=member_id, coords=coords, catalog=staging.catalog,
                           device=str(staging.device), data_address=data_host, auth_token=auth_token,
                           group_size=group_size)
     endpoint = GeneratorEndpoint(staging, member_id, commit_url)
     agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(staging.device),
-                                                        timeout_s=_TRANSFER_TIMEOUT_S))
+                                                        timeout_s=_TRANSFER_TIMEOUT_S, in_flight=in_flight))
     client.start(agent)
     return GeneratorMember(client, endpoint, agent)

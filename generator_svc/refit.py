@@ -60,7 +60,8 @@ class Refitter:
         self.workers = await self.engine.collective_rpc(
             "ws_setup", kwargs={"replica": self.settings.replica, "syncd": self.settings.syncd,
                                 "auth_token": self.settings.auth_token, "commit_url": commit_url,
-                                "data_host": self.settings.data_host})
+                                "data_host": self.settings.data_host,
+                                "in_flight": self.settings.in_flight_buckets})
         await self.engine.update_weight_version(self.version)
         metrics.CATALOG_BYTES.set(sum(w["nbytes"] for w in self.workers))
         metrics.SERVING.set(1)

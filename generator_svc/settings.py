@@ -10,6 +10,7 @@ Our flags sit on top of vLLM's own server flags (every `vllm serve` flag works, 
     --initial-version V   version label of the checkpoint the engine starts on (default "0")
     --auth-token          bearer token for syncd (env GENERATOR_AUTH_TOKEN)
     --data-host           address peers reach this host's data plane on (env GENERATOR_DATA_HOST)
+    --in-flight-buckets   staging buffers per stage the data plane receives into (default 2)
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ class Settings:
     initial_version: str
     auth_token: str
     data_host: str
+    in_flight_buckets: int = 2
 
     def __post_init__(self) -> None:
         if self.refit_mode not in REFIT_MODES:
             raise ValueError(f"refit_mode must be one of {REFIT_MODES}, got {self.refit_mode!r}")
         if self.refit_mode == "inplace":
             raise ValueError("refit_mode 'inplace' is not implemented yet; use 'staged'")
+        if self.in_flight_buckets < 1:
+            raise ValueError(f"in_flight_buckets must be >= 1, got {self.in_flight_buckets}")
         if self.replica < 0:
             raise ValueError(f"replica must be >= 0, got {self.replica}")
 
@@ -53,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--initial-version", default="0")
     group.add_argument("--auth-token", default=os.environ.get(ENV_AUTH_TOKEN, ""))
     group.add_argument("--data-host", default=os.environ.get(ENV_DATA_HOST, "127.0.0.1"))
+    group.add_argument("--in-flight-buckets", type=int, default=2)
 
 
 def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
@@ -72,5 +77,6 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     args.weight_transfer_config = {"backend": "syncd_staging"}
     validate_parsed_serve_args(args)
     settings = Settings(syncd=args.syncd, replica=args.replica, refit_mode=args.refit_mode,
-                        initial_version=args.initial_version, auth_token=args.auth_token, data_host=args.data_host)
+                        initial_version=args.initial_version, auth_token=args.auth_token, data_host=args.data_host,
+                        in_flight_buckets=args.in_flight_buckets)
     return settings, args

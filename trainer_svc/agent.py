@@ -120,7 +120,7 @@ class RankAgent:
 
     @staticmethod
     def start(target: str, trainer: Trainer, env: LaunchEnv, data_host: str = "127.0.0.1",
-              sync_refit_s: float | None = None) -> RankAgent:
+              sync_refit_s: float | None = None, in_flight: int = 2) -> RankAgent:
         from syncd.client import MemberClient
 
         mesh = trainer.mesh
@@ -133,7 +133,7 @@ class RankAgent:
         )
         endpoint = TrainerEndpoint(shards, trainer, member_id)
         agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(trainer.device),
-                                                            timeout_s=TRANSFER_TIMEOUT_S))
+                                                            timeout_s=TRANSFER_TIMEOUT_S, in_flight=in_flight))
         rank_agent = RankAgent(client, endpoint, agent, sync_refit_s)
         client.start(agent)
         trainer.after_step.append(rank_agent.on_step)

@@ -32,6 +32,7 @@ class TrainSettings:
     syncd: str | None = None
     sync_refit: bool = False  # after announcing a step, wait until a refit of it commits or aborts
     refit_timeout: float = 300.0  # how long sync_refit waits
+    in_flight_buckets: int = 2  # staging buffers the data plane sends from
     data_host: str = "127.0.0.1"  # address this rank's data-plane (gloo) groups listen on
     device: str = "auto"  # cpu, cuda, or auto (cuda when available)
     threads: int = 1  # torch intra-op threads per rank (CPU)
@@ -39,7 +40,7 @@ class TrainSettings:
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.init_config is None):
             raise ValueError("give exactly one of --model-dir (HF checkpoint) or --init-config (random init)")
-        for name in ("steps", "global_batch_size", "seq_len", "microbatches", "threads"):
+        for name in ("steps", "global_batch_size", "seq_len", "microbatches", "threads", "in_flight_buckets"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.global_batch_size % (self.dp * self.ep * self.microbatches):
@@ -81,6 +82,8 @@ class TrainSettings:
         p.add_argument("--sync-refit", action="store_true",
                        help="after each step, wait until syncd committed (or aborted) a refit of it")
         p.add_argument("--refit-timeout", type=float, default=300.0, help="seconds --sync-refit waits")
+        p.add_argument("--in-flight-buckets", type=int, default=2,
+                       help="staging buffers the data plane packs into (extra memory = this x bucket size)")
         p.add_argument("--data-host", default="127.0.0.1", help="this host's address for data-plane groups")
         p.add_argument("--device", default="auto", choices=("cpu", "cuda", "auto"))
         p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")

@@ -168,7 +168,8 @@ def run(settings: TrainSettings, env: LaunchEnv, init_method: str | None = None)
             from trainer_svc.agent import RankAgent  # needs grpc; standalone training does not
 
             agent = RankAgent.start(settings.syncd, trainer, env, settings.data_host,
-                                    sync_refit_s=settings.refit_timeout if settings.sync_refit else None)
+                                    sync_refit_s=settings.refit_timeout if settings.sync_refit else None,
+                                    in_flight=settings.in_flight_buckets)
         try:
             result = trainer.fit()
             if settings.export_dir:

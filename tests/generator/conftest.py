@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.generator.tiny import make_tiny_checkpoint
+from trainer_svc.tiny import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = {"short": [1, 2, 3, 4, 5], "long": [(i * 37 + 11) % 512 for i in range(200)]}
