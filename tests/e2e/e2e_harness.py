@@ -79,7 +79,8 @@ class Stack:
             self.cluster.procs.remove(self.syncd)
             self.syncd = None
 
-    def start_generator(self, model: Path, tp: int = 1, syncd: bool = True, name: str = "generator") -> Generator:
+    def start_generator(self, model: Path, tp: int = 1, syncd: bool = True, name: str = "generator",
+                        replica: int = 0) -> Generator:
         port = free_port()
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
         flags = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
@@ -87,7 +88,7 @@ class Stack:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
         proc = self.cluster.start(name, [
             PYTHON, "-m", "generator_svc", "--model", str(model), "--port", str(port), *GENERATOR_FLAGS, *flags,
-            *(["--syncd", self.target] if syncd else []),
+            "--replica", str(replica), *(["--syncd", self.target] if syncd else []),
         ], env=env)
         self.cluster.wait_http(proc, f"http://127.0.0.1:{port}/healthz", 300)
         return Generator(proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))

@@ -72,9 +72,10 @@ def test_refit_from_every_trainer_layout_equals_the_trainers_export(stack, gener
 
 
 def test_refit_into_a_tensor_parallel_generator(stack, model, tmp_path):
-    """vLLM TP=2 (each worker receives its own shards, including w13 halves) from ep 2."""
+    """vLLM TP=2 (each worker receives its own shards, including w13 halves) from ep 2, as a
+    second replica beside the TP=1 generator: one refit feeds both."""
     stack.start_syncd(trainers=2, db="tp2.db")
-    generator = stack.start_generator(model, tp=2, name="generator-tp2")
+    generator = stack.start_generator(model, tp=2, name="generator-tp2", replica=1)
     try:
         states = _train_and_refit(stack, model, (1, 2, 1), tmp_path / "export")
         assert states[0]["state"] == "COMMITTED", states
