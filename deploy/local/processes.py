@@ -43,18 +43,43 @@ class Proc:
             return ""
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if not self.alive():
+        """SIGTERM the whole process group, wait until every member (not just the leader: vLLM's
+        engine core, torchrun's ranks) is gone, and SIGKILL what is left after `grace_s`."""
+        pgid = self.popen.pid
+        if not group_members(pgid):
+            self.popen.poll()
             return
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.popen.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while group_members(pgid) and time.monotonic() < deadline:
+            self.popen.poll()  # reap the leader so it does not linger as a zombie
+            time.sleep(0.1)
+        if group_members(pgid):
+            _signal_group(pgid, signal.SIGKILL)
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
 
 
 @dataclass
