@@ -120,7 +120,7 @@ class RankAgent:
 
     @staticmethod
     def start(target: str, trainer: Trainer, env: LaunchEnv, data_host: str = "127.0.0.1",
-              sync_refit_s: float | None = None, in_flight: int = 2) -> RankAgent:
+              sync_refit_s: float | None = None, in_flight: int = 2, auth_token: str | None = None) -> RankAgent:
         from syncd.client import MemberClient
 
         mesh = trainer.mesh
@@ -130,6 +130,7 @@ class RankAgent:
         client = MemberClient(
             target, role="trainer", member_id=member_id, coords=mesh.coords.as_dict(),
             catalog=catalog, device=str(trainer.device), data_address=data_host, group_size=env.world_size,
+            auth_token=auth_token,
         )
         endpoint = TrainerEndpoint(shards, trainer, member_id)
         agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(trainer.device),

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from trainer_svc.parallel_dims import ParallelDims
 
-# The environment variables trainer_svc reads, all set by torchrun.
+# The environment variables trainer_svc reads: torchrun's, and the syncd token (kept off argv).
 ENV_RANK, ENV_WORLD_SIZE, ENV_LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+ENV_AUTH_TOKEN = "TRAINER_AUTH_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class TrainSettings:
     export_dir: str | None = None
     export_each_step: bool = False  # also write export_dir/step-N after every step
     syncd: str | None = None
+    auth_token: str | None = None  # bearer token when syncd requires one
     sync_refit: bool = False  # after announcing a step, wait until a refit of it commits or aborts
     refit_timeout: float = 300.0  # how long sync_refit waits
     in_flight_buckets: int = 2  # staging buffers the data plane sends from
@@ -79,6 +81,8 @@ class TrainSettings:
         p.add_argument("--export-each-step", action="store_true",
                        help="also export after every step, to EXPORT_DIR/step-N")
         p.add_argument("--syncd", help="syncd gRPC address host:port (omit to train standalone)")
+        p.add_argument("--auth-token", default=os.environ.get(ENV_AUTH_TOKEN) or None,
+                       help=f"syncd bearer token (default: ${ENV_AUTH_TOKEN})")
         p.add_argument("--sync-refit", action="store_true",
                        help="after each step, wait until syncd committed (or aborted) a refit of it")
         p.add_argument("--refit-timeout", type=float, default=300.0, help="seconds --sync-refit waits")

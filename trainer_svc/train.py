@@ -169,7 +169,7 @@ def run(settings: TrainSettings, env: LaunchEnv, init_method: str | None = None)
 
             agent = RankAgent.start(settings.syncd, trainer, env, settings.data_host,
                                     sync_refit_s=settings.refit_timeout if settings.sync_refit else None,
-                                    in_flight=settings.in_flight_buckets)
+                                    in_flight=settings.in_flight_buckets, auth_token=settings.auth_token)
         try:
             result = trainer.fit()
             if settings.export_dir:

@@ -75,13 +75,13 @@ def start_syncd(tmp_path):
     procs: list[subprocess.Popen] = []
     clients: list[httpx.Client] = []
 
-    def start(trainers: int, generators: int):
+    def start(trainers: int, generators: int, token: str | None = None):
         grpc_port, http_port = _free_port(), _free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "syncd", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
              "--http-port", str(http_port), "--db", str(tmp_path / "syncd.db"), "--lease-seconds", "60",
              "--expected-trainers", str(trainers), "--expected-generators", str(generators),
-             "--backend", "gloo"],
+             "--backend", "gloo", *(["--auth-token", token] if token else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         procs.append(proc)
@@ -203,4 +203,22 @@ def test_refit_moves_the_trained_weights_bit_exactly(start_syncd, tiny_dir):
         assert "moves weight version 1, but this rank holds version 2" in done["error"]
     finally:
         receiver.close()
+        agent.close()
+
+
+def test_a_rank_registers_with_a_token_protected_syncd_only_with_the_token(start_syncd, tiny_dir, monkeypatch):
+    target, http = start_syncd(trainers=1, generators=1, token="s3cret")
+    monkeypatch.setenv("TRAINER_AUTH_TOKEN", "s3cret")
+    settings = TrainSettings.from_argv(["--model-dir", tiny_dir, "--device", "cpu", "--syncd", target])
+    assert settings.auth_token == "s3cret"
+    trainer = Trainer.create(settings, LaunchEnv(0, 1, 0), torch.device("cpu"))
+    without = RankAgent.start(target, trainer, LaunchEnv(0, 1, 0))
+    assert not without.client.wait_registered(3), "syncd must refuse a member without the token"
+    without.close()
+    agent = RankAgent.start(target, trainer, LaunchEnv(0, 1, 0), auth_token=settings.auth_token)
+    try:
+        assert agent.client.wait_registered(30)
+        members = http.get("/v1/members").json()["members"]
+        assert [m["member_id"] for m in members] == ["trainer-0"]
+    finally:
         agent.close()
