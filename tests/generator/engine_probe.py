@@ -72,7 +72,9 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 (the failure is the point)
                 record["failed"] = "feed broke after" in str(e)
             llm.collective_rpc("ws_recover")
-            record["torn"] = outputs()  # must not kill the engine
+            # The engine must survive; it must not generate: weights may be torn, and the service
+            # refuses generation (503) until the next complete refit, which follows.
+            record["alive_after_recover"] = all(s is not None for s in llm.collective_rpc("ws_status"))
             llm.collective_rpc(_mend_feed)
         refit(args.model, "back")
         record["A_again"] = outputs()

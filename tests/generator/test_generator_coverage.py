@@ -65,9 +65,9 @@ def test_registered_catalog_covers_every_parameter_exactly_once(tp: int, checkpo
     assert record["A_again"] == record["A"]
     if tp == 1:
         # An update that fails half way inside vLLM's lifecycle: the worker recovers (the engine
-        # survives and generates, weights possibly torn) and the next complete refit restores A.
+        # survives, weights possibly torn, nothing generated) and the next complete refit restores A.
         assert record["failed"] is True
-        assert set(record["torn"]) == set(PROMPTS)
+        assert record["alive_after_recover"] is True
     if tp == 2:  # w13 [E, 2I/tp, H] = per expert [gate slice; up slice]; w2 [E, H, I/tp]
         shapes = {t[0]: t[1] for t in workers[1]["catalog"]["tensors"]}
         assert shapes["model.layers.0.mlp.experts.routed_experts.w13_weight"] == [8, 64, 128]
