@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import os
 import socket
@@ -33,6 +34,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog  # noqa: E402
 from syncd.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets  # noqa: E402
+from syncd.dataplane.executor import _STAGING  # noqa: E402
+
 from syncd.dataplane.pack import TORCH_DTYPES  # noqa: E402
 from syncd.layout.hf_names import is_grouped_expert, split_to_hf  # noqa: E402
 from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
@@ -64,22 +67,93 @@ def hf_regions(shape: MoeShape, catalog, views):
     return out
 
 
-def _timed(fn, device, reps: int) -> float:
-    times = []
-    for _ in range(reps + 1):  # first run warms up
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
-
-
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _timed_rounds(methods: dict, device, reps: int) -> dict[str, list[float]]:
+    """Seconds per method over `reps` rounds after one warm-up round. Each round runs every method
+    once, so drift of the machine (clocks, neighbours) touches all methods alike."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for round_ in range(reps + 1):
+        for name, fn in methods.items():
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            dist.barrier()
+            if round_:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _extra_memory_mib(fn, device, transport) -> float:
+    """Peak GPU memory `fn` (a refit) adds, staging buffers included: measured from a cold pool."""
+    if device.type != "cuda":
+        return 0.0
+    _STAGING.pop(transport, None)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def _profile(fn, device, path: Path) -> None:
+    """One run of `fn` under the torch profiler: a chrome trace (gzip) and a table of host time per
+    labelled step (the executor labels pack, isend, waits, checksums, unpack)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    # On GPUs only device activity: recording every host op would slow the host several-fold and
+    # show a host-bound schedule that the unprofiled run does not have.
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    dist.barrier()
+    prof.export_chrome_trace(str(path) + ".json")
+    with open(str(path) + ".json", "rb") as f, gzip.open(str(path) + ".json.gz", "wb") as g:
+        g.write(f.read())
+    os.unlink(str(path) + ".json")
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60)
+    Path(str(path) + ".txt").write_text(table)
+
+
+class _LinkTimer:
+    """Wraps the NCCL transport to time each transfer with CUDA events (no profiler, so the host
+    runs at its real speed): how busy the link was, and where it waited."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.marks = inner, []
+
+    def _timed(self, op, buf, peer):
+        stream = self.inner.stream
+        stream.wait_stream(torch.cuda.current_stream())
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)  # reached once the stream's waits (the packed bucket) are met
+        handle = op(buf, peer)
+        end.record(stream)
+        self.marks.append((start, end))
+        return handle
+
+    def isend(self, buf, peer):
+        return self._timed(self.inner.isend, buf, peer)
+
+    def irecv(self, buf, peer):
+        return self._timed(self.inner.irecv, buf, peer)
+
+    def summary(self) -> dict:
+        t0 = self.marks[0][0]
+        spans = [(t0.elapsed_time(a), t0.elapsed_time(b)) for a, b in self.marks]
+        busy = sum(b - a for a, b in spans)
+        gaps = [max(0.0, nxt[0] - cur[1]) for cur, nxt in zip(spans, spans[1:])]
+        return {"transfers": len(spans), "span_ms": round(spans[-1][1], 3), "busy_ms": round(busy, 3),
+                "gaps_ms": round(sum(gaps), 3), "largest_gap_ms": round(max(gaps, default=0.0), 3),
+                "longest_transfer_ms": round(max(b - a for a, b in spans), 3)}
 
 
 def worker(rank: int, args, port: int, out_path: str) -> None:
@@ -93,8 +167,9 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
                             timeout=datetime.timedelta(seconds=300))
     shape = shape_for(args.gib)
     src_cat, dst_cat = trainer_catalog(shape, 1, 0, 1, 0), vllm_catalog(shape, 1, 0)
-    plan = make_plan([SourceMember("trainer-0", 0, src_cat)], [DestMember("generator-0-0", dst_cat)],
-                     bucket_bytes=args.bucket_mib << 20)
+    me = "trainer-0" if rank == 0 else "generator-0-0"
+    plans = {mib: make_plan([SourceMember("trainer-0", 0, src_cat)], [DestMember("generator-0-0", dst_cat)],
+                            bucket_bytes=mib << 20) for mib in args.bucket_mib}
     ranks = {"trainer-0": 0, "generator-0-0": 1}
     catalog = src_cat if rank == 0 else dst_cat
     gen = torch.Generator(device=device).manual_seed(0)
@@ -103,35 +178,51 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
         t.copy_(torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32)) if rank == 0 else t.zero_()
     views = catalog_views(catalog, owned)
     transport = _our_transport(backend, rank, device)
-    total = plan.total_bytes
-    result: dict = {"bytes": total, "buckets": len(plan.buckets), "units": plan.num_units,
-                    "hf_tensors": shape.hf_tensor_count(), "canonical_tensors": len(shape.canonical())}
-
+    headline = plans[args.bucket_mib[0]]
+    total = headline.total_bytes
+    result: dict = {"bytes": total, "units": headline.num_units, "hf_tensors": shape.hf_tensor_count(),
+                    "canonical_tensors": len(shape.canonical()),
+                    "buckets": {mib: len(p.buckets) for mib, p in plans.items()}}
     raw = torch.empty(total, dtype=torch.uint8, device=device)
-    result["raw_seconds"] = _timed(lambda: (transport.isend(raw, 1) if rank == 0 else transport.irecv(raw, 0)).wait(300), device, args.reps)
-    del raw
+    last = {}
 
-    stats = {}
-    base_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-    def refit(verify: bool = True):
+    def refit(mib: int, verify: bool = True):
         run = send_buckets if rank == 0 else recv_buckets
-        stats["last"] = run(plan.for_member("trainer-0" if rank == 0 else "generator-0-0"), views, transport, ranks,
-                            timeout_s=300, verify=verify, in_flight=args.in_flight)
+        last[mib] = run(plans[mib].for_member(me), views, transport, ranks, timeout_s=300, verify=verify,
+                        in_flight=args.in_flight)
 
-    result["refit_noverify_seconds"] = _timed(lambda: refit(verify=False), device, args.reps)
-    result["refit_seconds"] = _timed(refit, device, args.reps)
-    if device.type == "cuda":
-        result["extra_gpu_mib"] = (torch.cuda.max_memory_allocated(device) - base_mem) / 2**20
-    gathered = [None, None]
-    dist.all_gather_object(gathered, stats["last"].checksums)
-    result["checksums_ok"] = gathered[0] == gathered[1] and len(gathered[0]) == plan.num_units
-
-    hf = hf_regions(shape, src_cat, views) if rank == 0 else hf_regions(shape, dst_cat, views)
-    result["per_tensor_seconds"] = _timed(lambda: _per_tensor(hf, rank), device, args.reps)
-    result["gather_bcast_seconds"] = _timed(lambda: _bucketed_bcast(hf, rank, args.bucket_mib << 20, device), device, args.reps)
+    result["extra_gpu_mib"] = {mib: _extra_memory_mib(lambda m=mib: refit(m), device, transport) for mib in plans}
+    hf = hf_regions(shape, catalog, views)
+    methods = {"raw": lambda: (transport.isend(raw, 1) if rank == 0 else transport.irecv(raw, 0)).wait(300)}
+    for mib in plans:
+        methods[f"refit_noverify@{mib}"] = lambda m=mib: refit(m, verify=False)
+        methods[f"refit@{mib}"] = lambda m=mib: refit(m)
+    methods["per_tensor"] = lambda: _per_tensor(hf, rank)
+    methods["gather_bcast"] = lambda: _bucketed_bcast(hf, rank, args.bucket_mib[0] << 20, device)
+    result["seconds"] = _timed_rounds(methods, device, args.reps)
+    del raw
+    ok = {}
+    for mib in plans:
+        refit(mib)
+        gathered = [None, None]
+        dist.all_gather_object(gathered, last[mib].checksums)
+        ok[mib] = gathered[0] == gathered[1] and len(gathered[0]) == plans[mib].num_units
+    result["checksums_ok"] = all(ok.values())
+    if device.type == "cuda":  # where the link waits, from one more refit per size with timed transfers
+        timed, result["link"] = _LinkTimer(transport), {}
+        for mib in plans:
+            timed.marks.clear()
+            run = send_buckets if rank == 0 else recv_buckets
+            run(plans[mib].for_member(me), views, timed, ranks, timeout_s=300, in_flight=args.in_flight)
+            _sync(device)
+            both = [None, None]
+            dist.all_gather_object(both, timed.summary())
+            result["link"][mib] = {"sender": both[0], "receiver": both[1]}
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        _profile(lambda: refit(args.bucket_mib[0]), device, Path(args.profile) / f"warmup-rank{rank}")  # profiler start-up
+        for mib in plans:
+            _profile(lambda m=mib: refit(m), device, Path(args.profile) / f"refit-{mib}mib-rank{rank}")
     transport.close()
     if rank == 0:
         Path(out_path).write_text(json.dumps(result))
@@ -193,13 +284,22 @@ def _bucketed_bcast(hf, rank: int, bucket_bytes: int, device) -> None:
             size += nbytes
 
 
+def _mib_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"bucket sizes must be positive MiB, e.g. 256,1024; got {text!r}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     parser.add_argument("--gib", type=float, default=0.25, help="model size to move")
-    parser.add_argument("--bucket-mib", type=int, default=64)
+    parser.add_argument("--bucket-mib", type=_mib_list, default=[64],
+                        help="bucket sizes to measure, comma-separated; the first is the headline")
     parser.add_argument("--in-flight", type=int, default=2, help="staging buffers per side")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--profile", help="also write torch profiler traces and tables of one refit here")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
     with socket.socket() as s:
@@ -209,37 +309,77 @@ def main() -> None:
     mp.spawn(worker, args=(args, port, str(out)), nprocs=2, join=True)
     r = json.loads(out.read_text())
     out.unlink()
-    gb = r["bytes"] / 1e9
-    rows = [("raw (one buffer)", r["raw_seconds"]), ("refit (this project)", r["refit_seconds"]),
-            ("refit without checksums", r["refit_noverify_seconds"]),
-            ("per-tensor broadcast", r["per_tensor_seconds"]), ("gather + bucketed broadcast", r["gather_bcast_seconds"])]
-    print(f"{args.backend}: {gb:.2f} GB, {r['hf_tensors']} HF tensors ({r['canonical_tensors']} canonical), "
-          f"{r['units']} units in {r['buckets']} buckets of <= {args.bucket_mib} MiB, checksums ok: {r['checksums_ok']}")
-    print(f"{'method':<30} {'seconds':>9} {'GB/s':>8} {'vs raw':>7}")
-    for name, sec in rows:
-        print(f"{name:<30} {sec:>9.4f} {gb / sec:>8.2f} {r['raw_seconds'] / sec:>7.2f}")
-    summary = {
-        "backend": args.backend,
-        "bytes": r["bytes"],
-        "raw_gbps": round(gb / r["raw_seconds"], 3),
-        "refit_gbps": round(gb / r["refit_seconds"], 3),
-        "per_tensor_gbps": round(gb / r["per_tensor_seconds"], 3),
-        "gather_bcast_gbps": round(gb / r["gather_bcast_seconds"], 3),
-        "refit_noverify_gbps": round(gb / r["refit_noverify_seconds"], 3),
-        "refit_vs_raw": round(r["raw_seconds"] / r["refit_seconds"], 3),
-        "refit_vs_per_tensor": round(r["per_tensor_seconds"] / r["refit_seconds"], 3),
-        "refit_vs_gather_bcast": round(r["gather_bcast_seconds"] / r["refit_seconds"], 3),
-        "checksums_ok": r["checksums_ok"],
-        "extra_gpu_mib": round(r.get("extra_gpu_mib", 0.0), 1),
-        "hf_tensors": r["hf_tensors"],
-        "bucket_mib": args.bucket_mib,
-        "in_flight": args.in_flight,
-        "date": datetime.date.today().isoformat(),
-        "device": torch.cuda.get_device_name(0) if args.backend == "nccl" else f"CPU ({os.cpu_count()} cores)",
-    }
+    summary = summarize(r, args)
+    print(report(summary))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
+
+
+def summarize(r: dict, args) -> dict:
+    """Medians in GB/s, the headline ratios (first bucket size), the sweep and each method's spread."""
+    gb = r["bytes"] / 1e9
+    med = {name: statistics.median(t) for name, t in r["seconds"].items()}
+    head = args.bucket_mib[0]
+
+    def gbps(name: str) -> float:
+        return round(gb / med[name], 3)
+
+    return {
+        "backend": args.backend,
+        "bytes": r["bytes"],
+        "raw_gbps": gbps("raw"),
+        "refit_gbps": gbps(f"refit@{head}"),
+        "per_tensor_gbps": gbps("per_tensor"),
+        "gather_bcast_gbps": gbps("gather_bcast"),
+        "refit_noverify_gbps": gbps(f"refit_noverify@{head}"),
+        "refit_vs_raw": round(med["raw"] / med[f"refit@{head}"], 3),
+        "refit_vs_per_tensor": round(med["per_tensor"] / med[f"refit@{head}"], 3),
+        "refit_vs_gather_bcast": round(med["gather_bcast"] / med[f"refit@{head}"], 3),
+        "checksums_ok": r["checksums_ok"],
+        "extra_gpu_mib": round(r["extra_gpu_mib"][str(head)], 1),
+        "hf_tensors": r["hf_tensors"],
+        "bucket_mib": head,
+        "in_flight": args.in_flight,
+        "reps": args.reps,
+        "sweep": [{"bucket_mib": mib, "buckets": r["buckets"][str(mib)], "refit_gbps": gbps(f"refit@{mib}"),
+                   "refit_noverify_gbps": gbps(f"refit_noverify@{mib}"),
+                   "refit_vs_raw": round(med["raw"] / med[f"refit@{mib}"], 3),
+                   "extra_gpu_mib": round(r["extra_gpu_mib"][str(mib)], 1)} for mib in args.bucket_mib],
+        "link": r.get("link", {}),
+        "gbps_min_max": {name: [round(gb / max(t), 3), round(gb / min(t), 3)] for name, t in r["seconds"].items()},
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(0) if args.backend == "nccl" else f"CPU ({os.cpu_count()} cores)",
+    }
+
+
+def report(s: dict) -> str:
+    gb = s["bytes"] / 1e9
+    lines = [f"{s['backend']}: {gb:.2f} GB, {s['hf_tensors']} HF tensors, median of {s['reps']} rounds, "
+             f"checksums ok: {s['checksums_ok']}, staging depth {s['in_flight']}",
+             f"{'method':<34} {'GB/s':>8} {'vs raw':>7} {'min-max GB/s':>16}"]
+    spread = s["gbps_min_max"]
+
+    def row(label: str, key: str, value: float) -> str:
+        lo, hi = spread[key]
+        return f"{label:<34} {value:>8.1f} {value / s['raw_gbps']:>7.2f} {lo:>7.1f}-{hi:<8.1f}"
+
+    lines.append(row("(a) raw (one buffer)", "raw", s["raw_gbps"]))
+    for w in s["sweep"]:
+        mib = w["bucket_mib"]
+        lines.append(row(f"(b) refit, {mib} MiB buckets", f"refit@{mib}", w["refit_gbps"]))
+        lines.append(row(f"    without checksums", f"refit_noverify@{mib}", w["refit_noverify_gbps"]))
+    lines.append(row("(c) per-tensor broadcast", "per_tensor", s["per_tensor_gbps"]))
+    lines.append(row("(d) gather + bucketed broadcast", "gather_bcast", s["gather_bcast_gbps"]))
+    for mib, sides in s["link"].items():
+        for side, link in sides.items():
+            lines.append(f"{side} link, {mib} MiB buckets: {link['busy_ms']:.2f} ms transferring in a "
+                         f"{link['span_ms']:.2f} ms span ({link['transfers']} transfers), {link['gaps_ms']:.2f} ms idle "
+                         f"between them (largest {link['largest_gap_ms']:.2f}), longest transfer {link['longest_transfer_ms']:.2f} ms")
+    lines.append(f"headline ({s['bucket_mib']} MiB): refit = {s['refit_vs_raw']:.2f} x raw, "
+                 f"{s['refit_vs_per_tensor']:.1f} x per-tensor, {s['refit_vs_gather_bcast']:.1f} x gather+bcast; "
+                 f"extra GPU memory {s['extra_gpu_mib']:.0f} MiB")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

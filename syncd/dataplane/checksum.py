@@ -3,10 +3,14 @@
 Both ends of a group use the same device type, so each uses the fastest strong-enough check there:
 - CPU: CRC-32 of the bytes (zlib; faster than a memcpy).
 - GPU: the region's 32-bit words seen as a [rows, 1024] matrix; index-weighted sums of its column
-  sums and of its row sums. The two big reductions accumulate in wrapping int32 so the data is
-  never copied to a wider type; they are bandwidth-bound and catch corrupted, dropped and
-  misplaced words. The sums stay on the device and are read back once per transfer, because a
-  host read per region would stall the pipeline on every unit.
+  sums and of its row sums, plus the words and bytes left over. The two big reductions accumulate
+  in wrapping int32 so the data is never copied to a wider type; they are bandwidth-bound and
+  catch corrupted, dropped and misplaced words.
+  Cost per region is two reduction kernels (and a small copy when the size is not a multiple of
+  4 KiB); everything else (weights, segment sums) runs once per transfer in `result()`, in a
+  fixed number of kernels, and the sums are read back once, because a host read per region would
+  stall the pipeline. (A one-pass Triton kernel computing both sums was measured on 2x H200 and
+  was no faster inside a refit; see bench/README.md.)
 The text form starts with the algorithm, so mismatched algorithms can never compare equal.
 """
 
@@ -14,45 +18,94 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import torch
 
 _COLS = 1024
-
-
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _weights(n: int, device: torch.device) -> torch.Tensor:
-    """1..n as int64 on `device`, cached (grown on demand) to save a kernel per region."""
-    w = _WEIGHTS.get(device)
-    if w is None or w.numel() < n:
-        w = torch.arange(1, max(n, _COLS, 1 << 16) + 1, dtype=torch.int64, device=device)
-        _WEIGHTS[device] = w
-    return w[:n]
-
-
-def _gpu_sums(region_bytes: torch.Tensor) -> torch.Tensor:
-    n = region_bytes.numel()
-    words = region_bytes[: n - n % 4].view(torch.int32)
-    full = words.numel() - words.numel() % _COLS
-    matrix = words[:full].view(-1, _COLS)
-    col = matrix.sum(dim=0, dtype=torch.int32).to(torch.int64)
-    row = matrix.sum(dim=1, dtype=torch.int32).to(torch.int64)
-    rest = torch.cat([words[full:].to(torch.int64), region_bytes[n - n % 4 :].to(torch.int64)])
-    dev = region_bytes.device
-    return torch.stack([  # the size stays on the host: a host-to-device copy here would sync
-        (col * _weights(col.numel(), dev)).sum(),
-        (row * _weights(row.numel(), dev)).sum(),
-        (rest * _weights(rest.numel(), dev)).sum(),
-    ])
-
-
-def _format_gpu(numel: int, row: list[int]) -> str:
-    return f"sums:{numel:x}:" + ":".join(f"{v & 0xFFFFFFFFFFFFFFFF:x}" for v in row)
+_ROW_BYTES = 4 * _COLS
 
 
 def _crc(region_bytes: torch.Tensor) -> str:
     return f"crc32:{region_bytes.numel():x}:{zlib.crc32(region_bytes.numpy()):08x}"
+
+
+_POSITIONS: dict[torch.device, torch.Tensor] = {}
+
+
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    """1..n as int64 on `device`, cached and grown on demand (one kernel less per transfer)."""
+    cached = _POSITIONS.get(device)
+    if cached is None or cached.numel() < n:
+        cached = torch.arange(1, max(n, 1 << 20) + 1, dtype=torch.int64, device=device)
+        _POSITIONS[device] = cached
+    return cached[:n]
+
+
+def _weighted(values: np.ndarray) -> int:
+    """sum((i + 1) * v_i) modulo 2**64, as the device computes it (numpy int64 wraps too)."""
+    with np.errstate(over="ignore"):
+        return int((values.astype(np.int64) * np.arange(1, values.size + 1, dtype=np.int64)).sum())
+
+
+class DeviceSums:
+    """The GPU algorithm (plain torch, so it also runs on CPU tensors in tests): per region, the
+    column and row sums are launched at once and kept on the device; `values()` weights and
+    folds them for all regions together."""
+
+    def __init__(self) -> None:
+        self.numels: list[int] = []
+        self._cols: list[torch.Tensor] = []  # [1024] int32 per region
+        self._rows: list[torch.Tensor] = []  # [rows] int32 per region
+        self._rests: list[torch.Tensor] = []  # the < 4 KiB that is not a full row, raw bytes
+
+    def add(self, region_bytes: torch.Tensor) -> None:
+        n = region_bytes.numel()
+        full = n - n % _ROW_BYTES
+        matrix = region_bytes[:full].view(torch.int32).view(-1, _COLS)
+        self.numels.append(n)
+        self._cols.append(matrix.sum(dim=0, dtype=torch.int32))
+        self._rows.append(matrix.sum(dim=1, dtype=torch.int32))
+        # A copy: the staging buffer is reused once this region's reductions are done.
+        self._rests.append(region_bytes[full:].clone() if full < n else region_bytes[:0])
+
+    def _weighted_row_sums(self, device: torch.device) -> torch.Tensor:
+        """Per region k with rows r_k[0..n_k): sum_j (j + 1) * r_k[j], for all regions at once.
+        With g the global row number (1-based) and s_k the rows before region k, (j + 1) = g - s_k,
+        so the sum is G_k - s_k * R_k with G, R segment sums of g * r and r: one cumulative sum of
+        both, read at the region boundaries. (A scatter-add of millions of rows costs a millisecond
+        more, and the fold runs after the last bucket, on the refit's critical path.)"""
+        counts = np.array([r.numel() for r in self._rows], dtype=np.int64)
+        total = int(counts.sum())
+        if not total:
+            return torch.zeros(len(counts), dtype=torch.int64, device=device)
+        bounds = np.cumsum(np.concatenate([[0], counts]))  # [starts..., last end]
+        rows = torch.cat(self._rows).to(torch.int64)
+        both = torch.stack([rows * _positions(total, device), rows])  # [2, total]
+        cum = torch.nn.functional.pad(torch.cumsum(both, dim=1), (1, 0))  # cum[:, i] = sum of the first i
+        at = cum[:, torch.from_numpy(bounds).to(device, non_blocking=True)]  # [2, regions + 1]
+        seg = at[:, 1:] - at[:, :-1]
+        return seg[0] - at.new_tensor(bounds[:-1]) * seg[1]
+
+    def values(self) -> list[tuple[int, int, int]]:
+        """(weighted column sums, weighted row sums, weighted rest) per region, in `add` order."""
+        if not self.numels:
+            return []
+        device = self._cols[0].device
+        cols = torch.stack(self._cols).to(torch.int64)
+        col_sums = (cols * torch.arange(1, _COLS + 1, dtype=torch.int64, device=device)).sum(dim=1)
+        row_sums = self._weighted_row_sums(device)
+        rest_bytes = torch.cat(self._rests).cpu().numpy() if any(r.numel() for r in self._rests) else np.zeros(0, np.uint8)
+        out, offset = [], 0
+        for col, row, rest in zip(col_sums.tolist(), row_sums.tolist(), self._rests):
+            tail = rest_bytes[offset : offset + rest.numel()]
+            offset += rest.numel()
+            words = tail[: tail.size - tail.size % 4].view("<i4")
+            out.append((col, row, _weighted(np.concatenate([words.astype(np.int64), tail[words.size * 4 :].astype(np.int64)]))))
+        return out
+
+
+def _format_gpu(numel: int, row: tuple[int, int, int]) -> str:
+    return f"sums:{numel:x}:" + ":".join(f"{v & 0xFFFFFFFFFFFFFFFF:x}" for v in row)
 
 
 def checksum(region: torch.Tensor) -> str:
@@ -73,8 +126,7 @@ class Checksums:
     def __init__(self) -> None:
         self._done: dict[str, str] = {}
         self._keys: list[str] = []
-        self._numels: list[int] = []
-        self._sums: list[torch.Tensor] = []
+        self._device = DeviceSums()
 
     def add(self, key: str, region_bytes: torch.Tensor) -> None:
         """`region_bytes`: a contiguous uint8 tensor."""
@@ -82,12 +134,10 @@ class Checksums:
             self._done[key] = _crc(region_bytes)
         else:
             self._keys.append(key)
-            self._numels.append(region_bytes.numel())
-            self._sums.append(_gpu_sums(region_bytes))
+            self._device.add(region_bytes)
 
     def result(self) -> dict[str, str]:
         out = dict(self._done)
-        if self._sums:
-            rows = torch.stack(self._sums).cpu().tolist()
-            out.update({k: _format_gpu(n, r) for k, n, r in zip(self._keys, self._numels, rows)})
+        values = self._device.values()
+        out.update({k: _format_gpu(n, v) for k, n, v in zip(self._keys, self._device.numels, values)})
         return out

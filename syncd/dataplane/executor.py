@@ -6,7 +6,13 @@ waiting chain always moves to strictly smaller members and cannot close into a c
 
 Memory: each loop owns `in_flight` staging buffers of the largest bucket's size (default 2: pack
 the next bucket while the previous one is on the wire; unpack the previous while the next arrives).
-On GPUs the loop packs/unpacks on a stream of its own, so concurrent stages overlap.
+
+On GPUs the host only enqueues: packs/unpacks run on a stream of the loop's own, checksums on a
+second one, transfers on the transport's, and every hand-over between them (bucket packed ->
+send; arrived -> unpack and checksum; unpacked and checksummed -> the slot is received into
+again) is a stream wait. So the per-bucket host cost (Python, kernel launches) overlaps the wire
+instead of adding to it; the host waits only to stay a few buckets ahead (`_RUN_AHEAD`) and at
+the end. On CPU (gloo) the same code waits on the host at those points.
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from syncd.dataplane.checksum import Checksums, unit_key
 from syncd.dataplane.pack import pack_into, unpack_from
 from syncd.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
 
+
+# How many buckets the host may enqueue beyond the staging depth before it waits for the wire.
+_RUN_AHEAD = 4
 
 # Staging buffers live as long as their transport (one group per stage, reused across refits).
 _STAGING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -101,7 +111,8 @@ class _Loop:
     def account(self, slot: int, bucket: Bucket, flat: torch.Tensor) -> None:
         """Both sides checksum the packed bytes of every unit: the same bytes in the same order."""
         if self.verify:
-            self.side.run(slot, lambda: self._checksum(bucket, flat))
+            with record_function("weightsync.checksum"):
+                self.side.run(slot, lambda: self._checksum(bucket, flat))
         self.stats.bytes += bucket.nbytes
         self.stats.buckets += 1
 
@@ -115,42 +126,62 @@ class _Loop:
         if self.cancel is not None and self.cancel.is_set():
             raise TransferAborted("transfer aborted")
 
-    def send(self, buckets: Sequence[Bucket]) -> None:
-        bufs = self.buffers(buckets)
-        pending: list[Handle | None] = [None] * self.in_flight
-        for i, bucket in enumerate(sorted(buckets, key=lambda b: (b.dst, b.index))):
+    def throttle(self, handles: Sequence[Handle], i: int) -> None:
+        """Keep the host at most `in_flight + _RUN_AHEAD` buckets ahead of the wire: on GPUs the
+        loop only enqueues work (the device orders it), so a failed peer is noticed by this wait."""
+        behind = i - self.in_flight - _RUN_AHEAD
+        if behind >= 0:
+            with record_function("weightsync.throttle"):
+                handles[behind].wait(self.timeout_s)
+
+    def finish(self, handles: Sequence[Handle]) -> None:
+        for handle in handles[max(0, len(handles) - self.in_flight - _RUN_AHEAD) :]:
             self.check_cancel()
+            handle.wait(self.timeout_s)
+
+    def send(self, buckets: Sequence[Bucket]) -> None:
+        ordered = sorted(buckets, key=lambda b: (b.dst, b.index))
+        bufs = self.buffers(ordered)
+        handles: list[Handle] = []
+        for i, bucket in enumerate(ordered):
+            self.check_cancel()
+            self.throttle(handles, i)
             slot = i % self.in_flight
-            if pending[slot] is not None:
-                pending[slot].wait(self.timeout_s)  # the buffer is free once its send completed
-            self.side.before_reuse(slot)  # ... and its checksum
-            flat = pack_into(bucket, self.tensors, bufs[slot])
-            pending[slot] = self.transport.isend(flat, self.ranks[bucket.dst])
+            if i >= self.in_flight:  # the slot is free once its last send and checksum are done
+                handles[i - self.in_flight].fence(self.timeout_s)
+                self.side.before_reuse(slot)
+            with record_function("weightsync.pack"):
+                flat = pack_into(bucket, self.tensors, bufs[slot])
+            with record_function("weightsync.isend"):
+                handles.append(self.transport.isend(flat, self.ranks[bucket.dst]))
             self.account(slot, bucket, flat)  # after isend: the checksum overlaps the transfer
-        for handle in pending:
-            if handle is not None:
-                handle.wait(self.timeout_s)
+        self.finish(handles)
 
     def recv(self, buckets: Sequence[Bucket]) -> None:
         ordered = sorted(buckets, key=lambda b: (b.src, b.index))
         bufs = self.buffers(ordered)
-        posted: list[tuple[Bucket, torch.Tensor, Handle]] = []
+        handles: list[Handle] = []
 
         def post(i: int) -> None:
-            self.side.before_reuse(i % self.in_flight)
             flat = bufs[i % self.in_flight][: ordered[i].nbytes]
-            posted.append((ordered[i], flat, self.transport.irecv(flat, self.ranks[ordered[i].src])))
+            with record_function("weightsync.irecv"):  # ordered after the current stream's unpacks
+                handles.append(self.transport.irecv(flat, self.ranks[ordered[i].src]))
 
         for i in range(min(self.in_flight, len(ordered))):
             post(i)
-        for i in range(len(ordered)):
+        for i, bucket in enumerate(ordered):
             self.check_cancel()
-            bucket, flat, handle = posted[i]
-            handle.wait(self.timeout_s)
-            self.account(i % self.in_flight, bucket, flat)
-            unpack_from(bucket, flat, self.tensors)
+            self.throttle(handles, i)
+            slot = i % self.in_flight
+            flat = bufs[slot][: bucket.nbytes]
+            handles[i].fence(self.timeout_s)  # what follows reads the bucket once it arrived
+            self.account(slot, bucket, flat)
+            with record_function("weightsync.unpack"):
+                unpack_from(bucket, flat, self.tensors)
             if i + self.in_flight < len(ordered):
-                post(i + self.in_flight)  # its buffer was just unpacked
+                self.side.before_reuse(slot)  # the next receive into the slot waits for the checksum
+                post(i + self.in_flight)
+        self.finish(handles)
 
 
 @contextlib.contextmanager

@@ -34,6 +34,9 @@ class _EventHandle:
     def __init__(self, event: torch.cuda.Event, transport: NcclTransport, what: str):
         self._event, self._transport, self._what = event, transport, what
 
+    def fence(self, timeout_s: float) -> None:
+        torch.cuda.current_stream(self._transport.device).wait_event(self._event)
+
     def wait(self, timeout_s: float) -> None:
         # Spin first: a bucket takes well under a millisecond on NVLink, and a sleep costs more
         # than that in wake-up latency. Sleep-poll only once the wait is clearly long.
@@ -53,7 +56,10 @@ class NcclTransport:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.op_timeout_s = op_timeout_s
         self._comm = comm
-        self.stream = torch.cuda.Stream(device)
+        # Highest priority: the loops enqueue packs, unpacks and checksums ahead, and these become
+        # ready the moment a transfer ends, just as the next transfer does. At equal priority the
+        # GPU may hand its SMs to the copy kernels first and the link idles until they drain.
+        self.stream = torch.cuda.Stream(device, priority=-100)
 
     @staticmethod
     def create_address() -> str:
@@ -80,12 +86,14 @@ class NcclTransport:
         """Wait until the last call on this non-blocking communicator completed its host-side
         part (init, or a first send/recv that sets up connections); NCCL refuses any further call
         before that. Aborts and raises on timeout or error."""
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
         while (state := self._state()) == "in_progress":
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - start > timeout_s:
                 self.abort()
                 raise TransferTimeout(f"{what} did not complete within {timeout_s:.0f} s")
-            time.sleep(_POLL_S)
+            if now - start > _SPIN_S:  # spin first: an enqueue settles in microseconds
+                time.sleep(_POLL_S)
         if state != "ok":
             self.abort()
             raise TransferError(f"{what} failed: NCCL {state}")
@@ -114,8 +122,8 @@ class NcclTransport:
         self.settle(what, self.op_timeout_s)
         done = torch.cuda.Event()
         done.record(self.stream)
-        # No GPU-side wait back: the executor waits for `done` on the host before it reuses `buf`,
-        # so packing the next bucket overlaps this transfer.
+        # No wait back on the caller's stream: the executor fences on `done` only where it reuses
+        # or reads `buf`, so packing the next bucket overlaps this transfer.
         return _EventHandle(done, self, what)
 
     def isend(self, buf: torch.Tensor, peer: int) -> _EventHandle:

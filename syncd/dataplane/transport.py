@@ -25,7 +25,12 @@ class TransferTimeout(TransferError, TimeoutError):
 
 
 class Handle(Protocol):
-    def wait(self, timeout_s: float) -> None: ...
+    def wait(self, timeout_s: float) -> None:
+        """Block the host until the transfer completed (raises TransferError/TransferTimeout)."""
+
+    def fence(self, timeout_s: float) -> None:
+        """Order work enqueued later on the current stream after the transfer. On GPUs this is a
+        stream wait and the host runs on; on CPU, where there are no streams, it is `wait`."""
 
 
 class Transport(Protocol):
@@ -41,14 +46,20 @@ class Transport(Protocol):
 class _GlooHandle:
     def __init__(self, work, what: str):
         self._work, self._what = work, what
+        self._done = False
 
     def wait(self, timeout_s: float) -> None:
+        if self._done:  # gloo counts completions per buffer: a second wait would wait for another
+            return
         try:
             self._work.wait(datetime.timedelta(seconds=timeout_s))
+            self._done = True
         except RuntimeError as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise TransferTimeout(f"{self._what} did not complete within {timeout_s:.0f} s") from e
             raise TransferError(f"{self._what} failed: {str(e).splitlines()[0][:200]}") from e
+
+    fence = wait
 
 
 class GlooTransport:

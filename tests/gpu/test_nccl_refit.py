@@ -68,3 +68,21 @@ def test_nccl_refit_into_vllm_shaped_tensors_is_bit_exact(tmp_path):
     result = (tmp_path / "result.txt").read_text()
     assert result.startswith("ok=True"), result
     assert "qkv_proj" in result and "w13_weight" in result and "w2_weight" in result
+
+
+@pytest.mark.gpu(count=1)
+def test_gpu_checksums_equal_the_same_algorithm_on_cpu():
+    """The device reductions (wrapping int32 sums, batched int64 folds) give the values the
+    algorithm defines, which the CPU run of the same code computes."""
+    from syncd.dataplane.checksum import DeviceSums
+
+    gen = torch.Generator().manual_seed(5)
+    regions = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+               for n in (5, 4096, 4096 * 300 + 17, 1 << 22, 0, 4096 * 1000)]
+    regions[-1].fill_(255)
+    on_cpu, on_gpu = DeviceSums(), DeviceSums()
+    for r in regions:
+        on_cpu.add(r)
+        on_gpu.add(r.cuda())
+    assert on_gpu.values() == on_cpu.values()
+

@@ -136,13 +136,48 @@ def test_checksum_catches_a_flipped_or_swapped_word():
 
 def test_gpu_checksum_algorithm_catches_corruption_and_misplacement():
     """The GPU algorithm is plain torch: exercise it on CPU tensors of awkward sizes."""
-    from syncd.dataplane.checksum import _gpu_sums
+    from syncd.dataplane.checksum import DeviceSums
 
-    for n in (9, 4096 * 3 + 6, 1024 * 40 + 3):  # tail-only and matmul (> 16 rows of 1 KiB) paths
+    for n in (9, 4096 * 3 + 6, 1024 * 40 + 3):  # tail-only, rows + tail, many rows + tail
         x = torch.randint(0, 256, (n,), dtype=torch.uint8)
         x[0], x[4] = 1, 2  # two different 32-bit words to swap
         flipped, swapped = x.clone(), x.clone()
         flipped[n // 2] ^= 1
         swapped[0:4], swapped[4:8] = x[4:8].clone(), x[0:4].clone()
-        sums = [tuple(_gpu_sums(t).tolist()) for t in (x, flipped, swapped)]
-        assert len(set(sums)) == 3 and tuple(_gpu_sums(x.clone()).tolist()) == sums[0]
+        sums = DeviceSums()
+        for t in (x, flipped, swapped, x.clone()):
+            sums.add(t)
+        values = sums.values()
+        assert len(set(values[:3])) == 3 and values[3] == values[0]
+
+
+def test_gpu_checksum_batched_fold_equals_the_per_region_definition():
+    """`values()` folds all regions at once; each must equal the definition applied to it alone:
+    weighted int32 column sums, weighted int32 row sums of [rows, 1024] words, weighted rest."""
+    from syncd.dataplane.checksum import DeviceSums
+
+    def wrap32(v):
+        return (v + 2**31) % 2**32 - 2**31
+
+    def wrap64(v):
+        return (v + 2**63) % 2**64 - 2**63
+
+    def reference(b: torch.Tensor):
+        n = b.numel()
+        full = n - n % 4096
+        m = b[:full].view(torch.int32).view(-1, 1024).to(torch.int64)
+        col = sum((i + 1) * wrap32(int(v)) for i, v in enumerate(m.sum(0).tolist()))
+        row = sum((i + 1) * wrap32(int(v)) for i, v in enumerate(m.sum(1).tolist()))
+        tail = b[full:]
+        words = tail[: tail.numel() - tail.numel() % 4].view(torch.int32).tolist() if tail.numel() >= 4 else []
+        rest = words + tail[len(words) * 4 :].tolist()
+        return wrap64(col), wrap64(row), wrap64(sum((i + 1) * v for i, v in enumerate(rest)))
+
+    gen = torch.Generator().manual_seed(3)
+    sizes = [0, 3, 4096, 4096 * 5 + 1, 7, 4096 * 17 + 4095, 8]
+    regions = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in sizes]
+    regions[2].fill_(255)  # all -1 words: the sums wrap
+    sums = DeviceSums()
+    for r in regions:
+        sums.add(r)
+    assert sums.values() == [reference(r) for r in regions]
