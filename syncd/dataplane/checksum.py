@@ -80,9 +80,11 @@ class DeviceSums:
             return torch.zeros(len(counts), dtype=torch.int64, device=device)
         bounds = np.cumsum(np.concatenate([[0], counts]))  # [starts..., last end]
         rows = torch.cat(self._rows).to(torch.int64)
-        both = torch.stack([rows * _positions(total, device), rows])  # [2, total]
-        cum = torch.nn.functional.pad(torch.cumsum(both, dim=1), (1, 0))  # cum[:, i] = sum of the first i
-        at = cum[:, torch.from_numpy(bounds).to(device, non_blocking=True)]  # [2, regions + 1]
+        # One flat scan of [g * r, r] (a 1-D scan; a scan along rows of a 2-row matrix runs on two
+        # thread blocks and takes milliseconds), read at both halves' region boundaries.
+        flat = torch.cat([rows * _positions(total, device), rows])
+        cum = torch.nn.functional.pad(torch.cumsum(flat, dim=0), (1, 0))  # cum[i] = sum of the first i
+        at = cum[torch.from_numpy(np.concatenate([bounds, bounds + total])).to(device)].view(2, -1)
         seg = at[:, 1:] - at[:, :-1]
         return seg[0] - at.new_tensor(bounds[:-1]) * seg[1]
 
@@ -95,8 +97,12 @@ class DeviceSums:
         col_sums = (cols * torch.arange(1, _COLS + 1, dtype=torch.int64, device=device)).sum(dim=1)
         row_sums = self._weighted_row_sums(device)
         rest_bytes = torch.cat(self._rests).cpu().numpy() if any(r.numel() for r in self._rests) else np.zeros(0, np.uint8)
+        col_list, row_list = torch.stack([col_sums, row_sums]).tolist()  # one read-back
         out, offset = [], 0
-        for col, row, rest in zip(col_sums.tolist(), row_sums.tolist(), self._rests):
+        for col, row, rest in zip(col_list, row_list, self._rests):
+            if not rest.numel():  # the common case; numpy calls per region add up to milliseconds
+                out.append((col, row, 0))
+                continue
             tail = rest_bytes[offset : offset + rest.numel()]
             offset += rest.numel()
             words = tail[: tail.size - tail.size % 4].view("<i4")
