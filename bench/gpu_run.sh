@@ -4,7 +4,7 @@
 # Usage: bash bench/gpu_run.sh [GIB]; results in $OUT.
 # Environment: BUCKET_MIBS (comma-separated, first is the headline; default 512,256,1024),
 # IN_FLIGHTS (space-separated staging depths, default 2), REPS (default 7), GPU_TESTS (more
-# tests to run).
+# tests to run). With 4 GPUs it also runs bench/stage_bench.py (results in gpu-4x.json).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 gib=${1:-8}
@@ -29,3 +29,10 @@ for depth in ${IN_FLIGHTS:-2}; do
     tar -cf "$out/prof-$name.tar" -C "$out" "prof-$name" && rm -r "${out:?}/prof-$name"
   fi
 done
+# On a machine with 4 GPUs or more: the per-PP-stage run (trainer pp=2 on GPUs 0-1, a TP=2 receiver
+# on GPUs 2-3, one communicator per stage, stages concurrent vs serialized).
+if (( $(nvidia-smi -L | wc -l) >= 4 )); then
+  python3 bench/stage_bench.py --backend nccl --gib "$gib" --pp 2 --tp 2 --bucket-mib "${BUCKET_MIBS%%,*}" \
+    --reps "${REPS:-7}" --json "$out/gpu-4x.json" 2>&1 | grep -v "USDT\|UserWarning\|return func\|_warn_once" \
+    | tee -a "$out/bench.log"
+fi

@@ -61,14 +61,30 @@ class MoeShape:
 _COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "embed_tokens.weight", "lm_head.weight")
 
 
-def trainer_catalog(shape: MoeShape, ep: int, ep_rank: int, tp: int, tp_rank: int) -> Catalog:
+def stage_of(shape: MoeShape, name: str, pp: int) -> int:
+    """The pipeline stage holding a canonical tensor: contiguous layers per stage (earlier stages
+    take the extra layer of an uneven split), the embedding first, the final norm and head last."""
+    if not name.startswith("model.layers."):
+        return 0 if name == "model.embed_tokens.weight" else pp - 1
+    layer = int(name.split(".")[2])
+    base, extra = divmod(shape.layers, pp)
+    bounds = [0]
+    for stage in range(pp):
+        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
+    return next(stage for stage in range(pp) if layer < bounds[stage + 1])
+
+
+def trainer_catalog(shape: MoeShape, ep: int, ep_rank: int, tp: int, tp_rank: int, pp: int = 1, pp_rank: int = 0) -> Catalog:
     """Expert TP: experts over ep, each expert's fused gate/up split over tp (registered as the
-    [E_l, 2, I/tp, H] view), down_proj row-parallel, attention column/row-parallel."""
+    [E_l, 2, I/tp, H] view), down_proj row-parallel, attention column/row-parallel; with pp > 1
+    only the tensors of stage `pp_rank` (all canonical tensors stay declared)."""
     canon = shape.canonical()
     by_name = {c.name: c for c in canon}
     mesh, coords = (ep, tp), (ep_rank, tp_rank)
     tensors = []
     for c in canon:
+        if stage_of(shape, c.name, pp) != pp_rank:
+            continue
         if c.name.endswith("experts.up_proj.weight"):
             continue
         if c.name.endswith("experts.gate_proj.weight"):

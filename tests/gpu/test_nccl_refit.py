@@ -86,3 +86,22 @@ def test_gpu_checksums_equal_the_same_algorithm_on_cpu():
         on_gpu.add(r.cuda())
     assert on_gpu.values() == on_cpu.values()
 
+
+
+@pytest.mark.gpu(count=4)
+def test_per_stage_nccl_groups_pp2_into_tp2_are_bit_exact(tmp_path):
+    """Two trainer stages (GPUs 0-1) into a TP=2 receiver (GPUs 2-3), one communicator per stage,
+    stages concurrent and serialized (bench/stage_bench.py, small model)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "stage.json"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "bench/stage_bench.py", "--backend", "nccl", "--gib", "0.05",
+                           "--bucket-mib", "8", "--reps", "1", "--json", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["bit_exact"] and result["checksums_ok"], result
