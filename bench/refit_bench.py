@@ -72,7 +72,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_rounds(methods: dict, device, reps: int) -> dict[str, list[float]]:
+def timed_rounds(methods: dict, device, reps: int) -> dict[str, list[float]]:
     """Seconds per method over `reps` rounds after one warm-up round. Each round runs every method
     once, so drift of the machine (clocks, neighbours) touches all methods alike."""
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -199,7 +199,7 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
         methods[f"refit@{mib}"] = lambda m=mib: refit(m)
     methods["per_tensor"] = lambda: _per_tensor(hf, rank)
     methods["gather_bcast"] = lambda: _bucketed_bcast(hf, rank, args.bucket_mib[0] << 20, device)
-    result["seconds"] = _timed_rounds(methods, device, args.reps)
+    result["seconds"] = timed_rounds(methods, device, args.reps)
     del raw
     ok = {}
     for mib in plans:

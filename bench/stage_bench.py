@@ -23,7 +23,6 @@ import socket
 import statistics
 import sys
 import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from bench.refit_bench import shape_for  # noqa: E402
+from bench.refit_bench import shape_for, timed_rounds  # noqa: E402
 from bench.synthetic_moe import trainer_catalog, vllm_catalog  # noqa: E402
 from syncd.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets  # noqa: E402
 from syncd.dataplane.pack import TORCH_DTYPES  # noqa: E402
@@ -59,11 +58,6 @@ def _fill(catalog, views, canonical) -> None:
         for p in t.pieces:
             region = views[t.name][_slices(p.local)]
             region.copy_(canonical[p.canonical][_slices(p.canon)].reshape(region.shape))
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _connect(backend: str, stage: int, members: list[int], rank: int, device, timeout_s: float):
@@ -173,17 +167,7 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
 
     methods = {"raw_link": lambda: raw_links(False), "raw_all_links": lambda: raw_links(True),
                "concurrent": lambda: refit(True), "serialized": lambda: refit(False)}
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for round_ in range(args.reps + 1):  # the first round warms up
-        for name, fn in methods.items():
-            dist.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            dist.barrier()
-            if round_:
-                times[name].append(time.perf_counter() - t0)
+    times = timed_rounds(methods, device, args.reps)
 
     bit_exact = True if is_trainer else all(torch.equal(owned[n], expected[n]) for n in owned)
     gathered = [None] * (pp + tp)
