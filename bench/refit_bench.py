@@ -59,7 +59,7 @@ def hf_regions(shape: MoeShape, catalog, views):
     pieces = {}
     for t in catalog.tensors:
         for p in t.pieces:
-            region = views[t.name][tuple(slice(a, b) for a, b in zip(p.local.start, p.local.stop))]
+            region = views[t.name][p.local.slices()]
             pieces[p.canonical] = region.reshape(p.canon.shape)
     out = []
     for name, tensor in pieces.items():
@@ -284,6 +284,20 @@ def _bucketed_bcast(hf, rank: int, bucket_bytes: int, device) -> None:
             size += nbytes
 
 
+def spawn_workers(worker, args, nprocs: int) -> dict:
+    """Run `worker(rank, args, port, out_path)` in `nprocs` processes rendezvousing on a free local
+    port; returns the JSON object rank 0 wrote to `out_path`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_{os.getpid()}.json"
+    mp.spawn(worker, args=(args, port, str(out)), nprocs=nprocs, join=True)
+    try:
+        return json.loads(out.read_text())
+    finally:
+        out.unlink()
+
+
 def _mib_list(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or min(values) < 1:
@@ -302,13 +316,7 @@ def main() -> None:
     parser.add_argument("--profile", help="also write torch profiler traces and tables of one refit here")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"refit_bench_{os.getpid()}.json"
-    mp.spawn(worker, args=(args, port, str(out)), nprocs=2, join=True)
-    r = json.loads(out.read_text())
-    out.unlink()
+    r = spawn_workers(worker, args, 2)
     summary = summarize(r, args)
     print(report(summary))
     if args.json:
@@ -368,7 +376,7 @@ def report(s: dict) -> str:
     for w in s["sweep"]:
         mib = w["bucket_mib"]
         lines.append(row(f"(b) refit, {mib} MiB buckets", f"refit@{mib}", w["refit_gbps"]))
-        lines.append(row(f"    without checksums", f"refit_noverify@{mib}", w["refit_noverify_gbps"]))
+        lines.append(row("    without checksums", f"refit_noverify@{mib}", w["refit_noverify_gbps"]))
     lines.append(row("(c) per-tensor broadcast", "per_tensor", s["per_tensor_gbps"]))
     lines.append(row("(d) gather + bucketed broadcast", "gather_bcast", s["gather_bcast_gbps"]))
     for mib, sides in s["link"].items():

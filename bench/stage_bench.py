@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -29,18 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from bench.refit_bench import shape_for, timed_rounds  # noqa: E402
+from bench.refit_bench import shape_for, spawn_workers, timed_rounds  # noqa: E402
 from bench.synthetic_moe import trainer_catalog, vllm_catalog  # noqa: E402
 from syncd.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets  # noqa: E402
 from syncd.dataplane.pack import TORCH_DTYPES  # noqa: E402
 from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
 from syncd.planning import checksum_mismatch  # noqa: E402
-
-
-def _slices(box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in zip(box.start, box.stop))
 
 
 def _canonical(shape, device) -> dict[str, torch.Tensor]:
@@ -56,8 +50,8 @@ def _fill(catalog, views, canonical) -> None:
     """Each local tensor from the canonical weights, piece by piece, as the catalog describes it."""
     for t in catalog.tensors:
         for p in t.pieces:
-            region = views[t.name][_slices(p.local)]
-            region.copy_(canonical[p.canonical][_slices(p.canon)].reshape(region.shape))
+            region = views[t.name][p.local.slices()]
+            region.copy_(canonical[p.canonical][p.canon.slices()].reshape(region.shape))
 
 
 def _connect(backend: str, stage: int, members: list[int], rank: int, device, timeout_s: float):
@@ -210,13 +204,7 @@ def main() -> None:
     if args.backend == "nccl" and torch.cuda.device_count() <= max(args.devices):
         parser.error(f"--backend nccl with --devices {args.devices} needs {max(args.devices) + 1} GPUs, "
                      f"found {torch.cuda.device_count()}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"stage_bench_{os.getpid()}.json"
-    mp.spawn(worker, args=(args, port, str(out)), nprocs=args.pp + args.tp, join=True)
-    r = json.loads(out.read_text())
-    out.unlink()
+    r = spawn_workers(worker, args, args.pp + args.tp)
     med = {name: statistics.median(t) for name, t in r["times"].items()}
     gb = r["bytes"] / 1e9
     summary = {

@@ -46,7 +46,7 @@ def catalog_views(catalog: Catalog, tensors: Mapping[str, torch.Tensor]) -> dict
 
 
 def _region(t: torch.Tensor, box) -> torch.Tensor:
-    return t[tuple(slice(a, b) for a, b in zip(box.start, box.stop))]
+    return t[box.slices()]
 
 
 def pack_into(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
