@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -22,6 +21,7 @@ from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase
 from syncd.daemon import Daemon
 from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, local_tensor
 from syncd.settings import Settings
+from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -38,17 +38,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
-    """Poll `predicate` until truthy; generous timeouts keep speed out of the assertions."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def trainer_catalog(stage: int) -> Catalog:

@@ -3,28 +3,17 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from deploy.local.processes import PYTHON, Cluster, Proc, free_port
+from tests.polling import wait_until
 
 PROMPTS = {"short": [1, 2, 3, 4, 5], "long": [(i * 37 + 11) % 512 for i in range(200)]}
 GENERATOR_FLAGS = ["--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
                    "--skip-tokenizer-init"]
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    """Poll; generous timeouts keep speed out of the assertions."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch
 import _launch
 from _launch import TRAIN
 from syncd.layout import Canon, CanonicalTensor, Catalog, local_tensor
+from tests.polling import wait_until
 from trainer_svc.agent import LocalShards, RankAgent
 from trainer_svc.catalog import build_catalog
 from trainer_svc.parallel_dims import ParallelDims
@@ -87,7 +88,7 @@ def start_syncd(tmp_path):
         procs.append(proc)
         http = httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=5)
         clients.append(http)
-        _wait(lambda: _get_ok(http, "/healthz") or proc.poll() is not None, 60, "syncd to start")
+        wait_until(lambda: _get_ok(http, "/healthz") or proc.poll() is not None, 60, "syncd to start")
         if proc.poll() is not None:
             pytest.fail(f"syncd exited: {proc.stderr.read().decode()[-2000:]}")
         return f"127.0.0.1:{grpc_port}", http
@@ -105,16 +106,6 @@ def _get_ok(http: httpx.Client, path: str) -> bool:
         return http.get(path).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_trainer_ranks_register_with_syncd_and_announce(start_syncd, tiny_dir, tmp_path):
@@ -181,11 +172,11 @@ def test_refit_moves_the_trained_weights_bit_exactly(start_syncd, tiny_dir):
     receiver = _Receiver(target)
     try:
         trainer.train_step(1)
-        _wait(lambda: _get_ok(http, "/readyz"), 30, "syncd ready")
+        wait_until(lambda: _get_ok(http, "/readyz"), 30, "syncd ready")
         r = http.post("/v1/refits", json={})
         assert r.status_code == 202, r.text
         refit_id = r.json()["id"]
-        done = _wait(lambda: (b := http.get(f"/v1/refits/{refit_id}").json())["state"] in ("COMMITTED", "ABORTED")
+        done = wait_until(lambda: (b := http.get(f"/v1/refits/{refit_id}").json())["state"] in ("COMMITTED", "ABORTED")
                      and b, 60, "the refit")
         assert done["state"] == "COMMITTED", done["error"]
         assert done["weight_version"] == 1 and receiver.committed == [1]
@@ -197,7 +188,7 @@ def test_refit_moves_the_trained_weights_bit_exactly(start_syncd, tiny_dir):
         r = http.post("/v1/refits", json={"weight_version": 1})
         assert r.status_code == 202, r.text
         refit_id = r.json()["id"]
-        done = _wait(lambda: (b := http.get(f"/v1/refits/{refit_id}").json())["state"] in ("COMMITTED", "ABORTED")
+        done = wait_until(lambda: (b := http.get(f"/v1/refits/{refit_id}").json())["state"] in ("COMMITTED", "ABORTED")
                      and b, 60, "the second refit")
         assert done["state"] == "ABORTED"
         assert "moves weight version 1, but this rank holds version 2" in done["error"]
