@@ -33,7 +33,7 @@ _POSITIONS: dict[torch.device, torch.Tensor] = {}
 
 
 def _positions(n: int, device: torch.device) -> torch.Tensor:
-    """1..n as int64 on `device`, cached and grown on demand (one kernel less per transfer)."""
+    """1..n as int64 on `device` (the weights of every fold), cached and grown on demand."""
     cached = _POSITIONS.get(device)
     if cached is None or cached.numel() < n:
         cached = torch.arange(1, max(n, 1 << 20) + 1, dtype=torch.int64, device=device)
@@ -94,7 +94,7 @@ class DeviceSums:
             return []
         device = self._cols[0].device
         cols = torch.stack(self._cols).to(torch.int64)
-        col_sums = (cols * torch.arange(1, _COLS + 1, dtype=torch.int64, device=device)).sum(dim=1)
+        col_sums = (cols * _positions(_COLS, device)).sum(dim=1)
         row_sums = self._weighted_row_sums(device)
         rest_bytes = torch.cat(self._rests).cpu().numpy() if any(r.numel() for r in self._rests) else np.zeros(0, np.uint8)
         col_list, row_list = torch.stack([col_sums, row_sums]).tolist()  # one read-back
