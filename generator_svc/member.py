@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Mapping, Sequence
 
 import httpx
@@ -27,8 +28,6 @@ from syncd.plan.types import Bucket
 
 log = logging.getLogger("generator_svc.member")
 
-_TRANSFER_TIMEOUT_S = 120.0
-_COMMIT_TIMEOUT_S = 600.0
 
 
 class GeneratorEndpoint:
@@ -50,17 +49,19 @@ class GeneratorEndpoint:
     def verify(self, refit_id: str) -> None:
         self.staging.require_complete()
 
-    def commit(self, refit_id: str, weight_version: int) -> None:
-        """Return once this worker runs `weight_version`; raise if applying it failed."""
+    def commit(self, refit_id: str, weight_version: int, timeout_s: float) -> None:
+        """Return once this worker runs `weight_version`; raise if applying it failed or did not
+        finish within `timeout_s` (syncd's commit deadline)."""
         version = str(weight_version)
+        deadline = time.monotonic() + timeout_s
         if self.commit_url:
             response = httpx.post(self.commit_url, json={"refit_id": refit_id, "version": weight_version},
-                                  timeout=_COMMIT_TIMEOUT_S)
+                                  timeout=timeout_s)
             if response.status_code >= 400:
                 raise RuntimeError(f"apply of version {version} failed: {response.text}")
         with self._applied:
-            if not self._applied.wait_for(lambda: version in self._outcomes, _COMMIT_TIMEOUT_S):
-                raise TimeoutError(f"version {version} was not applied within {_COMMIT_TIMEOUT_S:.0f} s")
+            if not self._applied.wait_for(lambda: version in self._outcomes, max(deadline - time.monotonic(), 0)):
+                raise TimeoutError(f"version {version} was not applied within {timeout_s:.0f} s")
             ok, error = self._outcomes.pop(version)
         if not ok:
             raise RuntimeError(f"apply of version {version} failed: {error}")
@@ -94,6 +95,6 @@ def start_member(target: str, *, member_id: str, coords: dict[str, int], staging
                           group_size=group_size)
     endpoint = GeneratorEndpoint(staging, member_id, commit_url)
     agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(staging.device),
-                                                        timeout_s=_TRANSFER_TIMEOUT_S, in_flight=in_flight))
+                                                        in_flight=in_flight))
     client.start(agent)
     return GeneratorMember(client, endpoint, agent)

@@ -49,7 +49,9 @@ class Endpoint(Protocol):
 
     def verify(self, refit_id: str) -> None: ...
 
-    def commit(self, refit_id: str, weight_version: int) -> None: ...
+    def commit(self, refit_id: str, weight_version: int, timeout_s: float) -> None:
+        """Make `weight_version` live within `timeout_s` (syncd's deadline) or raise."""
+        ...
 
     def abort(self) -> None: ...
 
@@ -64,7 +66,6 @@ class Reporter(Protocol):
 class AgentSettings:
     host: str = "127.0.0.1"  # where this member's peers reach a gloo store it hosts
     device: str = "cpu"
-    timeout_s: float = 120.0  # every join, send and receive
     in_flight: int = 2  # staging buffers per stage and direction
 
 
@@ -95,14 +96,14 @@ class MemberAgent:
             self._endpoint.verify(command.refit_id)
             self._client.report(command.refit_id, Phase.VERIFIED)
         elif isinstance(command, Commit):
-            self._endpoint.commit(command.refit_id, command.weight_version)
+            self._endpoint.commit(command.refit_id, command.weight_version, command.timeout_s)
             self._client.report(command.refit_id, Phase.COMMITTED)
         elif isinstance(command, Abort):
             self._abort(command)
 
     def _join(self, cmd: JoinGroup) -> None:
         self._close_group(cmd.stage)
-        timeout = self._settings.timeout_s
+        timeout = cmd.timeout_s
         t0 = time.perf_counter()
         if cmd.backend == "nccl":
             from syncd.dataplane.nccl import NcclTransport
@@ -147,7 +148,7 @@ class MemberAgent:
             expected = groups.get(stage)
             if group is None or (expected is not None and expected.group_id != group.group_id):
                 raise RuntimeError(f"{self.member_id} has not joined the group of stage {stage}")
-            t = threading.Thread(target=self._run_stage, args=(group, buckets, tensors, results, stage),
+            t = threading.Thread(target=self._run_stage, args=(group, buckets, tensors, results, stage, cmd.timeout_s),
                                  name=f"{self.member_id}-stage{stage}")
             t.start()
             threads.append(t)
@@ -164,12 +165,13 @@ class MemberAgent:
         timings["transfer_s"] = max(timings.values(), default=0.0)
         self._client.report(cmd.refit_id, Phase.TRANSFERRED, bytes=total, checksums=checksums, timings=timings)
 
-    def _run_stage(self, group: _Group, buckets: list[Bucket], tensors, results: dict, stage: int) -> None:
+    def _run_stage(self, group: _Group, buckets: list[Bucket], tensors, results: dict, stage: int,
+                   timeout_s: float) -> None:
         ranks = {m: i for i, m in enumerate(group.members)}
         sending = buckets[0].src == self.member_id
         run = send_buckets if sending else recv_buckets
         try:
-            results[stage] = run(buckets, tensors, group.transport, ranks, timeout_s=self._settings.timeout_s,
+            results[stage] = run(buckets, tensors, group.transport, ranks, timeout_s=timeout_s,
                                  in_flight=self._settings.in_flight, cancel=self._cancel)
         except BaseException as e:  # noqa: BLE001 - handed to the caller thread, which raises it
             log.warning("%s: stage %d transfer failed: %s", self.member_id, stage, e)

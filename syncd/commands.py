@@ -1,13 +1,16 @@
 """Commands syncd sends to a member through its Watch stream, as typed frozen dataclasses.
 
 `MemberClient` converts each protobuf `Command` into one of these and passes it to the member's
-handler. Every command carries the refit it belongs to; the member answers with
-`MemberClient.report(refit_id, phase, ...)` using the phase names in `Phase`.
+handler. Every command carries the refit it belongs to and, except Abort, `timeout_s`: the
+seconds left of syncd's deadline for that phase. Members take their timeouts from it, so that a
+member never works on after syncd has given up on the phase (syncd's settings are the one place
+timeouts are defined). The member answers with `MemberClient.report(refit_id, phase, ...)` using
+the phase names in `Phase`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from syncd.layout import Box
 from syncd.plan.types import Bucket
@@ -53,6 +56,7 @@ class JoinGroup:
     backend: str
     address: str
     members: tuple[str, ...]
+    timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,8 @@ class ExecutePlan:
     refit_id: str
     weight_version: int
     buckets: tuple[Bucket, ...]
-    groups: tuple[StageGroup, ...] = field(default=())
+    groups: tuple[StageGroup, ...]
+    timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -72,14 +77,17 @@ class Verify:
 
     refit_id: str
     weight_version: int
+    timeout_s: float
 
 
 @dataclass(frozen=True)
 class Commit:
-    """Switch to `weight_version` (generators apply staged weights, reset prefix caches)."""
+    """Switch to `weight_version` (generators install staged weights, reset prefix caches) within
+    `timeout_s`, or fail."""
 
     refit_id: str
     weight_version: int
+    timeout_s: float
 
 
 @dataclass(frozen=True)

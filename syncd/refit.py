@@ -54,6 +54,11 @@ class Readiness:
     reason: str
 
 
+def _left(deadline: float) -> float:
+    """Seconds until a phase's monotonic deadline: what a command gives its member to finish."""
+    return max(deadline - time.monotonic(), 0.0)
+
+
 class RefitAborted(Exception):
     """Ends the refit thread's phase sequence; the message is the recorded cause."""
 
@@ -296,7 +301,7 @@ class Coordinator:
         in one group's init while its peers wait in another's."""
         def join(rank: int, address: str) -> JoinGroup:
             return JoinGroup(run.id, group.group_id, group.stage, rank, len(group.members), group.backend,
-                             address, group.members)
+                             address, group.members, _left(deadline))
 
         root = group.members[0]
         self._send(run, root, join(0, ""))
@@ -313,7 +318,7 @@ class Coordinator:
         ids = plan_members(plan)
         for m in ids:
             mine = tuple(g for g in groups.values() if m in g.members)
-            self._send(run, m, ExecutePlan(run.id, run.version, plan.for_member(m), mine))
+            self._send(run, m, ExecutePlan(run.id, run.version, plan.for_member(m), mine, _left(deadline)))
         reports = run.wait_for(Phase.TRANSFERRED, ids, deadline)
         run.bytes = sum(reports[m].bytes for m in {b.dst for b in plan.buckets})
         return reports
@@ -322,7 +327,7 @@ class Coordinator:
         deadline = self._enter(run, "VERIFYING", self.settings.verify_timeout)
         ids = plan_members(plan)
         for m in ids:
-            self._send(run, m, Verify(run.id, run.version))
+            self._send(run, m, Verify(run.id, run.version, _left(deadline)))
         verified = run.wait_for(Phase.VERIFIED, ids, deadline)
         checksums = {m: {**transferred[m].checksums, **verified[m].checksums} for m in ids}
         problem = checksum_mismatch(plan, checksums)
@@ -334,7 +339,7 @@ class Coordinator:
         deadline = run.enter("COMMITTING", self.settings.commit_timeout)
         ids = plan_members(plan)
         for m in ids:
-            self._send(run, m, Commit(run.id, run.version))
+            self._send(run, m, Commit(run.id, run.version, _left(deadline)))
         run.wait_for(Phase.COMMITTED, ids, deadline)
 
     def _enter(self, run: _Run, state: str, timeout: float) -> float:

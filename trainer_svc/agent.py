@@ -30,7 +30,6 @@ from trainer_svc.settings import LaunchEnv
 from trainer_svc.train import StepStats, Trainer
 
 log = logging.getLogger("trainer_svc.agent")
-TRANSFER_TIMEOUT_S = 120.0
 
 
 class LocalShards:
@@ -92,7 +91,7 @@ class TrainerEndpoint:
     def verify(self, refit_id: str) -> None:
         pass  # a trainer keeps no staged copy: what it sent is what it holds
 
-    def commit(self, refit_id: str, weight_version: int) -> None:
+    def commit(self, refit_id: str, weight_version: int, timeout_s: float) -> None:
         with self._changed:
             self._committed = max(self._committed, weight_version)
             self._changed.notify_all()
@@ -134,7 +133,7 @@ class RankAgent:
         )
         endpoint = TrainerEndpoint(shards, trainer, member_id)
         agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(trainer.device),
-                                                            timeout_s=TRANSFER_TIMEOUT_S, in_flight=in_flight))
+                                                            in_flight=in_flight))
         rank_agent = RankAgent(client, endpoint, agent, sync_refit_s)
         client.start(agent)
         trainer.after_step.append(rank_agent.on_step)

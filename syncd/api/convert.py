@@ -128,18 +128,20 @@ def command_to_pb(cmd: commands.Command) -> pb.Command:
             return pb.Command(join_group=pb.JoinGroup(
                 refit_id=cmd.refit_id, group_id=cmd.group_id, stage=cmd.stage, rank=cmd.rank,
                 world_size=cmd.world_size, backend=cmd.backend, address=cmd.address,
-                members=cmd.members,
+                members=cmd.members, timeout_s=cmd.timeout_s,
             ))
         case commands.ExecutePlan():
             return pb.Command(execute_plan=pb.ExecutePlan(
                 refit_id=cmd.refit_id, weight_version=cmd.weight_version,
                 buckets=[bucket_to_pb(b) for b in cmd.buckets],
-                groups=[_group_to_pb(g) for g in cmd.groups],
+                groups=[_group_to_pb(g) for g in cmd.groups], timeout_s=cmd.timeout_s,
             ))
         case commands.Verify():
-            return pb.Command(verify=pb.Verify(refit_id=cmd.refit_id, weight_version=cmd.weight_version))
+            return pb.Command(verify=pb.Verify(refit_id=cmd.refit_id, weight_version=cmd.weight_version,
+                                               timeout_s=cmd.timeout_s))
         case commands.Commit():
-            return pb.Command(commit=pb.Commit(refit_id=cmd.refit_id, weight_version=cmd.weight_version))
+            return pb.Command(commit=pb.Commit(refit_id=cmd.refit_id, weight_version=cmd.weight_version,
+                                               timeout_s=cmd.timeout_s))
         case commands.Abort():
             return pb.Command(abort=pb.Abort(refit_id=cmd.refit_id, reason=cmd.reason))
     raise TypeError(f"not a command: {cmd!r}")
@@ -150,18 +152,20 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
     if kind == "join_group":
         m = msg.join_group
         return commands.JoinGroup(
-            m.refit_id, m.group_id, m.stage, m.rank, m.world_size, m.backend, m.address, tuple(m.members)
+            m.refit_id, m.group_id, m.stage, m.rank, m.world_size, m.backend, m.address, tuple(m.members),
+            m.timeout_s,
         )
     if kind == "execute_plan":
         m = msg.execute_plan
         return commands.ExecutePlan(
             m.refit_id, m.weight_version, tuple(bucket_from_pb(b) for b in m.buckets),
             tuple(commands.StageGroup(g.stage, g.group_id, g.backend, tuple(g.members)) for g in m.groups),
+            m.timeout_s,
         )
     if kind == "verify":
-        return commands.Verify(msg.verify.refit_id, msg.verify.weight_version)
+        return commands.Verify(msg.verify.refit_id, msg.verify.weight_version, msg.verify.timeout_s)
     if kind == "commit":
-        return commands.Commit(msg.commit.refit_id, msg.commit.weight_version)
+        return commands.Commit(msg.commit.refit_id, msg.commit.weight_version, msg.commit.timeout_s)
     if kind == "abort":
         return commands.Abort(msg.abort.refit_id, msg.abort.reason)
     raise ValueError(f"command without a kind: {msg!r}")

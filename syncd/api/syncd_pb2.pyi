@@ -189,7 +189,7 @@ class StageGroup(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., group_id: _Optional[str] = ..., backend: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinGroup(_message.Message):
-    __slots__ = ("refit_id", "group_id", "stage", "rank", "world_size", "backend", "address", "members")
+    __slots__ = ("refit_id", "group_id", "stage", "rank", "world_size", "backend", "address", "members", "timeout_s")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class JoinGroup(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     group_id: str
     stage: int
@@ -206,35 +207,42 @@ class JoinGroup(_message.Message):
     backend: str
     address: str
     members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, refit_id: _Optional[str] = ..., group_id: _Optional[str] = ..., stage: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+    timeout_s: float
+    def __init__(self, refit_id: _Optional[str] = ..., group_id: _Optional[str] = ..., stage: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class ExecutePlan(_message.Message):
-    __slots__ = ("refit_id", "weight_version", "buckets", "groups")
+    __slots__ = ("refit_id", "weight_version", "buckets", "groups", "timeout_s")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     weight_version: int
     buckets: _containers.RepeatedCompositeFieldContainer[Bucket]
     groups: _containers.RepeatedCompositeFieldContainer[StageGroup]
-    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[StageGroup, _Mapping]]] = ...) -> None: ...
+    timeout_s: float
+    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[StageGroup, _Mapping]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("refit_id", "weight_version")
+    __slots__ = ("refit_id", "weight_version", "timeout_s")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     weight_version: int
-    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    timeout_s: float
+    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("refit_id", "weight_version")
+    __slots__ = ("refit_id", "weight_version", "timeout_s")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     weight_version: int
-    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    timeout_s: float
+    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("refit_id", "reason")

@@ -39,9 +39,9 @@ def test_catalog_and_commands_round_trip() -> None:
     bucket = Bucket(stage=1, src="trainer-1", dst="generator-0-0", index=3, units=(unit,), nbytes=32)
     group = StageGroup(1, "refit-1/stage1", "gloo", ("trainer-1", "generator-0-0"))
     for cmd in (
-        JoinGroup("refit-1", "refit-1/stage1", 1, 0, 2, "gloo", "", group.members),
-        ExecutePlan("refit-1", 4, (bucket,), (group,)),
-        Verify("refit-1", 4), Commit("refit-1", 4), Abort("refit-1", "checksum mismatch"),
+        JoinGroup("refit-1", "refit-1/stage1", 1, 0, 2, "gloo", "", group.members, 45.0),
+        ExecutePlan("refit-1", 4, (bucket,), (group,), 30.5),
+        Verify("refit-1", 4, 60.0), Commit("refit-1", 4, 12.25), Abort("refit-1", "checksum mismatch"),
     ):
         wire = convert.command_to_pb(cmd).SerializeToString()
         assert convert.command_from_pb(pb.Command.FromString(wire)) == cmd

@@ -74,7 +74,7 @@ class TrainerEndpoint:
     def verify(self, refit_id):
         pass
 
-    def commit(self, refit_id, version):
+    def commit(self, refit_id, version, timeout_s):
         pass
 
     def abort(self):
@@ -100,7 +100,7 @@ class GeneratorEndpoint:
     def verify(self, refit_id):
         assert self.staging is not None and not any(t.isnan().any() for t in self.staging.values())
 
-    def commit(self, refit_id, version):
+    def commit(self, refit_id, version, timeout_s):
         self.live, self.staging, self.version = self.staging, None, version
 
     def abort(self):
@@ -129,7 +129,7 @@ def cluster(tmp_path: Path):
         clients.append((c, ep))
     agents = []
     for c, ep in clients:
-        agent = MemberAgent(c, ep, AgentSettings(timeout_s=30))
+        agent = MemberAgent(c, ep, AgentSettings())
         c.start(agent)
         agents.append(agent)
     http = httpx.Client(base_url=f"http://127.0.0.1:{daemon.settings.http_port}", timeout=30)

@@ -139,7 +139,7 @@ class _Receiver:
         self.committed: list[int] = []
         self.client = MemberClient(target, role="generator", member_id="generator-0-0",
                                    coords={"replica": 0, "tp": 0}, catalog=catalog)
-        self.agent = MemberAgent(self.client, self, AgentSettings(timeout_s=60))
+        self.agent = MemberAgent(self.client, self, AgentSettings())
         self.client.start(self.agent)
 
     def begin(self, refit_id, version, buckets):
@@ -151,7 +151,7 @@ class _Receiver:
     def verify(self, refit_id):
         pass
 
-    def commit(self, refit_id, version):
+    def commit(self, refit_id, version, timeout_s):
         self.committed.append(version)
 
     def abort(self):
