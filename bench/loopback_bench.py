@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import statistics
 import sys
@@ -62,17 +63,20 @@ class Setup:
         dst = owned(self.dst_cat, lambda t: t.fill_(float("nan")))
         self.src, self.dst = catalog_views(self.src_cat, src), catalog_views(self.dst_cat, dst)
         self.wire = LoopbackWire(device)
+        # One per side and kept: executors keep per-transport state (staging, captured graphs).
+        self.null = {"send": NullTransport(), "recv": NullTransport()}
+        self.options: dict = {}
 
     def plan(self, mib: int):
         return make_plan([SourceMember(_SRC, 0, self.src_cat)], [DestMember(_DST, self.dst_cat)], bucket_bytes=mib << 20)
 
-    def refit(self, plan, verify: bool = True):
+    def refit(self, plan, verify: bool = True, **options):
         """Both loops at once, each in its own thread; returns (sender stats, receiver stats)."""
         out: dict = {}
 
         def run(name, fn, member, views, endpoint):
             try:
-                out[name] = fn(plan.for_member(member), views, endpoint, _RANKS, timeout_s=120, verify=verify)
+                out[name] = fn(plan.for_member(member), views, endpoint, _RANKS, timeout_s=120, verify=verify, **options)
             except BaseException as e:  # re-raised in the caller: a failed side must fail the run
                 out[name] = e
 
@@ -101,6 +105,33 @@ class Setup:
         return sent.checksums == received.checksums and len(sent.checksums) == plan.num_units
 
 
+class GcPauses:
+    """Python's garbage-collector pauses while active: a full collection in a process holding
+    torch can take tens of milliseconds, and the host enqueues nothing meanwhile."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._start))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+    def summary(self) -> dict:
+        by_gen = {g: [s for gen, s in self.pauses if gen == g] for g in (0, 1, 2)}
+        return {f"gen{g}": {"count": len(v), "max_ms": round(1e3 * max(v, default=0.0), 2),
+                            "total_ms": round(1e3 * sum(v), 2)} for g, v in by_gen.items()}
+
+
 def timed_rounds(methods: dict, reps: int) -> dict[str, list[float]]:
     """Seconds per method; each round runs every method once (drift touches all alike), the first
     round warms up."""
@@ -126,15 +157,20 @@ def _step_of(event) -> str:
     return "other"
 
 
-def launches(setup: Setup, plan, verify: bool = True, trace: Path | None = None) -> dict:
-    """Host launches of each side's loop, run alone in this thread over a `NullTransport` (the
-    profiler sees only the thread that started it), by executor step, with the host
-    milliseconds of each step under the profiler; optionally the chrome trace."""
+def launches(setup: Setup, plan, verify: bool = True, trace: Path | None = None, **options) -> dict:
+    """Host launches of each side's loop in a refit after the first (steady state), run alone in
+    this thread over a `NullTransport` (the profiler sees only the thread that started it), by
+    executor step, with the host milliseconds of each step under the profiler; optionally the
+    chrome trace."""
     out = {}
     for side, fn, member, views in (("send", send_buckets, _SRC, setup.src), ("recv", recv_buckets, _DST, setup.dst)):
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            fn(plan.for_member(member), views, NullTransport(), _RANKS, timeout_s=120, verify=verify)
+        def run():
+            fn(plan.for_member(member), views, setup.null[side], _RANKS, timeout_s=120, verify=verify, **options)
             torch.cuda.synchronize()
+
+        run()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
         if trace is not None:
             prof.export_chrome_trace(str(trace).replace(".json", f"-{side}.json"))
         events = prof.events()
@@ -148,7 +184,10 @@ def launches(setup: Setup, plan, verify: bool = True, trace: Path | None = None)
     return out
 
 
-def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None) -> dict:
+def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None, graphs_too: bool) -> dict:
+    """Every method in interleaved rounds; then per bucket size launches, wire timeline, bit check.
+    With `graphs_too` (a tree whose executor has the `graphs` option) also the refit with the
+    per-bucket work as CUDA graphs, as `refit_graphs@MiB`."""
     plans = {mib: setup.plan(mib) for mib in mibs}
     nbytes = plans[mibs[0]].total_bytes
     a, b = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -156,7 +195,10 @@ def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None) 
     for mib, plan in plans.items():
         methods[f"refit@{mib}"] = lambda p=plan: setup.refit(p)
         methods[f"refit_noverify@{mib}"] = lambda p=plan: setup.refit(p, verify=False)
-    seconds = timed_rounds(methods, reps)
+        if graphs_too:
+            methods[f"refit_graphs@{mib}"] = lambda p=plan: setup.refit(p, graphs=True)
+    with GcPauses() as pauses:
+        seconds = timed_rounds(methods, reps)
     del a, b
     med = {name: statistics.median(t) for name, t in seconds.items()}
     sizes = []
@@ -176,6 +218,12 @@ def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None) 
             "launches_per_bucket_noverify": {side: round(c["launches"] / len(plan.buckets), 2)
                                              for side, c in counted_noverify.items()},
             "launches": counted, "wire": wire, "bits_ok": setup.check(plan)})
+        if graphs_too:
+            graphed = launches(setup, plan, graphs=True)
+            sizes[-1].update({"refit_graphs_gbps": round(nbytes / med[f"refit_graphs@{mib}"] / 1e9, 1),
+                              "launches_per_bucket_graphs": {side: round(c["launches"] / len(plan.buckets), 2)
+                                                            for side, c in graphed.items()},
+                              "launches_graphs": graphed})
     if profile_dir is not None:
         profile_dir.mkdir(parents=True, exist_ok=True)
         smallest = min(mibs)
@@ -185,6 +233,7 @@ def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None) 
             setup.refit(plans[smallest])
         prof.export_chrome_trace(str(profile_dir / f"loopback-{smallest}mib-both.json"))
     return {"bytes": nbytes, "copy_gbps": round(nbytes / med["copy"] / 1e9, 1), "sizes": sizes,
+            "gc_pauses_during_rounds": pauses.summary(),
             "gbps_min_max": {k: [round(nbytes / max(t) / 1e9, 1), round(nbytes / min(t) / 1e9, 1)] for k, t in seconds.items()}}
 
 
@@ -197,7 +246,11 @@ def report(r: dict) -> str:
         lines.append(f"{s['bucket_mib']:>5} MiB {s['buckets']:>7} {s['refit_gbps']:>7.1f} {s['refit_noverify_gbps']:>7.1f} "
                      f"{s['refit_vs_copy']:>7.2f} {_pair(s['launches_per_bucket']):>25} {_pair(s['launches_per_bucket_noverify']):>11} "
                      f"{s['wire']['idle_ms']:>12.2f} {s['wire']['largest_gap_ms']:>11.2f} {str(s['bits_ok']):>7}")
+    lines.append(f"  GC pauses during the timed rounds: {r['gc_pauses_during_rounds']}")
     for s in r["sizes"]:
+        if "refit_graphs_gbps" in s:
+            lines.append(f"  {s['bucket_mib']} MiB with CUDA graphs: {s['refit_graphs_gbps']:.1f} GB/s, "
+                         f"launches/bucket {_pair(s['launches_per_bucket_graphs'])}")
         for side, c in s["launches"].items():
             lines.append(f"  {s['bucket_mib']} MiB {side}: launches by step {c['by_step']}; "
                          f"host ms by step (profiled) {c['host_ms_by_step']}")
@@ -220,16 +273,24 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=8.0, help="model size to move")
     parser.add_argument("--bucket-mib", type=_mib_list, default=[512, 256, 64])
     parser.add_argument("--reps", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--switch-interval-ms", type=float, default=0.1,
+                        help="Python's thread switch interval: both loops share one interpreter here, where a "
+                             "trainer and a generator would not; the default 5 ms lets one side wait that long "
+                             "for the other's Python work")
     parser.add_argument("--label", default="", help="names the tree measured (e.g. before, after)")
     parser.add_argument("--profile", type=Path, help="write a chrome trace of one refit at the smallest bucket size here")
     parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument("--graphs-too", action="store_true",
+                        help="also measure the refit with CUDA graphs (needs an executor with the graphs option)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("loopback_bench.py needs a CUDA GPU")
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     setup = Setup(args.gib, torch.device("cuda"))
     result = {"label": args.label, "syncd": str(Path(syncd.__file__).parent), "reps": args.reps,
+              "switch_interval_ms": args.switch_interval_ms,
               "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
-              "torch": torch.__version__, **measure(setup, args.bucket_mib, args.reps, args.profile)}
+              "torch": torch.__version__, **measure(setup, args.bucket_mib, args.reps, args.profile, args.graphs_too)}
     print(report(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

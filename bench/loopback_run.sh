@@ -22,7 +22,7 @@ bench() {  # label, tree whose syncd is measured, extra arguments
 if [[ -n "${1:-}" ]]; then
   bench before "$1" --profile "$out/prof-before"
 fi
-bench "${LABEL:-after}" "$here" --profile "$out/prof-${LABEL:-after}"
+bench "${LABEL:-after}" "$here" --profile "$out/prof-${LABEL:-after}" --graphs-too
 for prof in "$out"/prof-*; do
   [[ -d "$prof" ]] || continue
   python3 "$here/bench/trace_summary.py" "$prof"/*.json >>"$out/loopback.log" 2>&1
