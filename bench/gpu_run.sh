@@ -3,7 +3,8 @@
 # tests, then the 2-GPU refit benchmark (and, with PROFILE=1, profiler traces and their summary).
 # Usage: bash bench/gpu_run.sh [GIB]; results in $OUT.
 # Environment: BUCKET_MIBS (comma-separated, first is the headline; default 512,256,1024),
-# IN_FLIGHTS (space-separated staging depths, default 2), REPS (default 7), GPU_TESTS (more
+# IN_FLIGHTS (space-separated staging depths, default 2), REPS (default 7), GRAPHS=1 (also the refit
+# with CUDA graphs, syncd/dataplane/graphs.py), GPU_TESTS (more
 # tests to run). With 4 GPUs it also runs bench/stage_bench.py (results in gpu-4x.json).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -22,7 +23,7 @@ for depth in ${IN_FLIGHTS:-2}; do
   profile=()
   [[ -n "${PROFILE:-}" ]] && profile=(--profile "$out/prof-$name")
   python3 bench/refit_bench.py --backend nccl --gib "$gib" --bucket-mib "${BUCKET_MIBS:-512,256,1024}" \
-    --in-flight "$depth" --reps "${REPS:-7}" --json "$out/gpu-2x-$name.json" "${profile[@]}" 2>&1 \
+    --in-flight "$depth" --reps "${REPS:-7}" --json "$out/gpu-2x-$name.json" "${profile[@]}" ${GRAPHS:+--graphs} 2>&1 \
     | grep -v "USDT\|UserWarning\|return func\|_warn_once" | tee -a "$out/bench.log"
   if [[ -n "${PROFILE:-}" ]]; then  # one file to fetch: the device tool returns a handful of files
     python3 bench/trace_summary.py "$out/prof-$name"/refit-*.json.gz | tee -a "$out/bench.log"

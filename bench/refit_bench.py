@@ -186,10 +186,10 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     raw = torch.empty(total, dtype=torch.uint8, device=device)
     last = {}
 
-    def refit(mib: int, verify: bool = True):
+    def refit(mib: int, verify: bool = True, graphs: bool = False):
         run = send_buckets if rank == 0 else recv_buckets
         last[mib] = run(plans[mib].for_member(me), views, transport, ranks, timeout_s=300, verify=verify,
-                        in_flight=args.in_flight)
+                        in_flight=args.in_flight, graphs=graphs)
 
     result["extra_gpu_mib"] = {mib: _extra_memory_mib(lambda m=mib: refit(m), device, transport) for mib in plans}
     hf = hf_regions(shape, catalog, views)
@@ -197,6 +197,8 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     for mib in plans:
         methods[f"refit_noverify@{mib}"] = lambda m=mib: refit(m, verify=False)
         methods[f"refit@{mib}"] = lambda m=mib: refit(m)
+        if args.graphs:
+            methods[f"refit_graphs@{mib}"] = lambda m=mib: refit(m, graphs=True)
     methods["per_tensor"] = lambda: _per_tensor(hf, rank)
     methods["gather_bcast"] = lambda: _bucketed_bcast(hf, rank, args.bucket_mib[0] << 20, device)
     result["seconds"] = timed_rounds(methods, device, args.reps)
@@ -315,6 +317,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--profile", help="also write torch profiler traces and tables of one refit here")
     parser.add_argument("--json", help="also write the result here")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also measure the refit with each bucket's work as CUDA graphs (syncd.dataplane.graphs)")
     args = parser.parse_args()
     r = spawn_workers(worker, args, 2)
     summary = summarize(r, args)
@@ -353,6 +357,7 @@ def summarize(r: dict, args) -> dict:
         "sweep": [{"bucket_mib": mib, "buckets": r["buckets"][str(mib)], "refit_gbps": gbps(f"refit@{mib}"),
                    "refit_noverify_gbps": gbps(f"refit_noverify@{mib}"),
                    "refit_vs_raw": round(med["raw"] / med[f"refit@{mib}"], 3),
+                   **({"refit_graphs_gbps": gbps(f"refit_graphs@{mib}")} if f"refit_graphs@{mib}" in med else {}),
                    "extra_gpu_mib": round(r["extra_gpu_mib"][str(mib)], 1)} for mib in args.bucket_mib],
         "link": r.get("link", {}),
         "gbps_min_max": {name: [round(gb / max(t), 3), round(gb / min(t), 3)] for name, t in r["seconds"].items()},
@@ -377,6 +382,8 @@ def report(s: dict) -> str:
         mib = w["bucket_mib"]
         lines.append(row(f"(b) refit, {mib} MiB buckets", f"refit@{mib}", w["refit_gbps"]))
         lines.append(row("    without checksums", f"refit_noverify@{mib}", w["refit_noverify_gbps"]))
+        if "refit_graphs_gbps" in w:
+            lines.append(row("    with CUDA graphs", f"refit_graphs@{mib}", w["refit_graphs_gbps"]))
     lines.append(row("(c) per-tensor broadcast", "per_tensor", s["per_tensor_gbps"]))
     lines.append(row("(d) gather + bucketed broadcast", "gather_bcast", s["gather_bcast_gbps"]))
     for mib, sides in s["link"].items():

@@ -47,6 +47,27 @@ def _weighted(values: np.ndarray) -> int:
         return int((values.astype(np.int64) * np.arange(1, values.size + 1, dtype=np.int64)).sum())
 
 
+def region_outputs(numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty (column sums [1024] int32, row sums [rows] int32, rest bytes) for a region of `numel`
+    bytes: what `reduce_region` writes."""
+    rows = numel // _ROW_BYTES
+    return (torch.empty(_COLS, dtype=torch.int32, device=device), torch.empty(rows, dtype=torch.int32, device=device),
+            torch.empty(numel - rows * _ROW_BYTES, dtype=torch.uint8, device=device))
+
+
+def reduce_region(region_bytes: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor, rest: torch.Tensor) -> None:
+    """The per-region work of the GPU algorithm, into outputs the caller owns (so that a CUDA graph
+    can capture it): the region's full 4 KiB rows as an int32 [rows, 1024] matrix, its column
+    and row sums, and a copy of the bytes after the last full row (the staging buffer is reused
+    once the reductions are done)."""
+    full = rows.numel() * _ROW_BYTES
+    matrix = region_bytes[:full].view(torch.int32).view(-1, _COLS)
+    torch.sum(matrix, dim=0, dtype=torch.int32, out=cols)
+    torch.sum(matrix, dim=1, dtype=torch.int32, out=rows)
+    if rest.numel():
+        rest.copy_(region_bytes[full:])
+
+
 class DeviceSums:
     """The GPU algorithm (plain torch, so it also runs on CPU tensors in tests): per region, the
     column and row sums are launched at once and kept on the device; `values()` weights and
@@ -60,13 +81,17 @@ class DeviceSums:
 
     def add(self, region_bytes: torch.Tensor) -> None:
         n = region_bytes.numel()
-        full = n - n % _ROW_BYTES
-        matrix = region_bytes[:full].view(torch.int32).view(-1, _COLS)
-        self.numels.append(n)
-        self._cols.append(matrix.sum(dim=0, dtype=torch.int32))
-        self._rows.append(matrix.sum(dim=1, dtype=torch.int32))
-        # A copy: the staging buffer is reused once this region's reductions are done.
-        self._rests.append(region_bytes[full:].clone() if full < n else region_bytes[:0])
+        cols, rows, rest = region_outputs(n, region_bytes.device)
+        reduce_region(region_bytes, cols, rows, rest)
+        self.add_reduced(n, cols, rows, rest)
+
+    def add_reduced(self, numel: int, cols: torch.Tensor, rows: torch.Tensor, rest: torch.Tensor) -> None:
+        """A region of `numel` bytes whose `reduce_region` outputs are already enqueued (by
+        `add`, or by a replayed CUDA graph that wrote them)."""
+        self.numels.append(numel)
+        self._cols.append(cols)
+        self._rows.append(rows)
+        self._rests.append(rest)
 
     def _weighted_row_sums(self, device: torch.device) -> torch.Tensor:
         """Per region k with rows r_k[0..n_k): sum_j (j + 1) * r_k[j], for all regions at once.
@@ -141,6 +166,11 @@ class Checksums:
         else:
             self._keys.append(key)
             self._device.add(region_bytes)
+
+    def add_reduced(self, key: str, numel: int, cols: torch.Tensor, rows: torch.Tensor, rest: torch.Tensor) -> None:
+        """A GPU region whose `reduce_region` outputs are enqueued already (a replayed CUDA graph)."""
+        self._keys.append(key)
+        self._device.add_reduced(numel, cols, rows, rest)
 
     def result(self) -> dict[str, str]:
         out = dict(self._done)

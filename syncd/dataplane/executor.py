@@ -18,6 +18,7 @@ the end. On CPU (gloo) the same code waits on the host at those points.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 import weakref
@@ -28,6 +29,7 @@ import torch
 from torch.profiler import record_function
 
 from syncd.dataplane.checksum import Checksums, unit_key
+from syncd.dataplane.graphs import ENQUEUE_LOCK, BucketProgram, LoopGraphs
 from syncd.dataplane.pack import pack_into, unpack_from
 from syncd.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
@@ -36,8 +38,10 @@ from syncd.plan.types import Bucket
 # How many buckets the host may enqueue beyond the staging depth before it waits for the wire.
 _RUN_AHEAD = 4
 
-# Staging buffers live as long as their transport (one group per stage, reused across refits).
+# Staging buffers live as long as their transport (one group per stage, reused across refits),
+# and so do the CUDA graphs of the buckets packed into or unpacked from them (per direction).
 _STAGING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class TransferAborted(RuntimeError):
@@ -101,6 +105,7 @@ class _Loop:
     stats: TransferStats = field(default_factory=TransferStats)
     sums: Checksums = field(default_factory=Checksums)
     side: _SideStream | None = None
+    graphs: LoopGraphs | None = None
 
     @property
     def device(self) -> torch.device:
@@ -116,11 +121,37 @@ class _Loop:
             _STAGING[self.transport] = pool
         return pool
 
-    def account(self, slot: int, bucket: Bucket, flat: torch.Tensor) -> None:
+    def programs(self, direction: str, ordered: Sequence[Bucket], bufs: Sequence[torch.Tensor]) -> list[BucketProgram | None]:
+        """Per bucket, its captured copies and checksums in its slot (on GPUs with graphs on; the
+        first refit of a plan captures them all here, before anything is enqueued)."""
+        if self.graphs is None:
+            return [None] * len(ordered)
+        flats = [bufs[i % self.in_flight][: b.nbytes] for i, b in enumerate(ordered)]
+        return self.graphs.programs(direction, ordered, self.tensors, flats)
+
+    def enqueuing(self):
+        """Held while this loop enqueues device work (never across a wait), when graphs are on."""
+        return ENQUEUE_LOCK if self.graphs is not None else contextlib.nullcontext()
+
+    def pack(self, bucket: Bucket, buf: torch.Tensor, program: BucketProgram | None) -> torch.Tensor:
+        with record_function("weightsync.pack"):
+            if program is None:
+                return pack_into(bucket, self.tensors, buf)
+            program.copy()
+            return buf[: bucket.nbytes]
+
+    def unpack(self, bucket: Bucket, flat: torch.Tensor, program: BucketProgram | None) -> None:
+        with record_function("weightsync.unpack"):
+            unpack_from(bucket, flat, self.tensors) if program is None else program.copy()
+
+    def account(self, slot: int, bucket: Bucket, flat: torch.Tensor, program: BucketProgram | None) -> None:
         """Both sides checksum the packed bytes of every unit: the same bytes in the same order."""
         if self.verify:
             with record_function("weightsync.checksum"):
-                self.side.run(slot, lambda: self._checksum(bucket, flat))
+                if program is None:
+                    self.side.run(slot, lambda: self._checksum(bucket, flat))
+                else:
+                    self.side.run(slot, lambda: program.checksum(self.sums))
         self.stats.bytes += bucket.nbytes
         self.stats.buckets += 1
 
@@ -150,6 +181,7 @@ class _Loop:
     def send(self, buckets: Sequence[Bucket]) -> None:
         ordered = sorted(buckets, key=lambda b: (b.dst, b.index))
         bufs = self.buffers(ordered)
+        programs = self.programs("send", ordered, bufs)
         handles: list[Handle] = []
         for i, bucket in enumerate(ordered):
             self.check_cancel()
@@ -157,17 +189,19 @@ class _Loop:
             slot = i % self.in_flight
             if i >= self.in_flight:  # the slot is free once its last send and checksum are done
                 handles[i - self.in_flight].fence(self.timeout_s)
-                self.side.before_reuse(slot)
-            with record_function("weightsync.pack"):
-                flat = pack_into(bucket, self.tensors, bufs[slot])
-            with record_function("weightsync.isend"):
-                handles.append(self.transport.isend(flat, self.ranks[bucket.dst]))
-            self.account(slot, bucket, flat)  # after isend: the checksum overlaps the transfer
+            with self.enqueuing():
+                if i >= self.in_flight:
+                    self.side.before_reuse(slot)
+                flat = self.pack(bucket, bufs[slot], programs[i])
+                with record_function("weightsync.isend"):
+                    handles.append(self.transport.isend(flat, self.ranks[bucket.dst]))
+                self.account(slot, bucket, flat, programs[i])  # after isend: the checksum overlaps the transfer
         self.finish(handles)
 
     def recv(self, buckets: Sequence[Bucket]) -> None:
         ordered = sorted(buckets, key=lambda b: (b.src, b.index))
         bufs = self.buffers(ordered)
+        programs = self.programs("recv", ordered, bufs)
         handles: list[Handle] = []
 
         def post(i: int) -> None:
@@ -175,20 +209,21 @@ class _Loop:
             with record_function("weightsync.irecv"):  # ordered after the current stream's unpacks
                 handles.append(self.transport.irecv(flat, self.ranks[ordered[i].src]))
 
-        for i in range(min(self.in_flight, len(ordered))):
-            post(i)
+        with self.enqueuing():
+            for i in range(min(self.in_flight, len(ordered))):
+                post(i)
         for i, bucket in enumerate(ordered):
             self.check_cancel()
             self.throttle(handles, i)
             slot = i % self.in_flight
             flat = bufs[slot][: bucket.nbytes]
             handles[i].fence(self.timeout_s)  # what follows reads the bucket once it arrived
-            self.account(slot, bucket, flat)
-            with record_function("weightsync.unpack"):
-                unpack_from(bucket, flat, self.tensors)
-            if i + self.in_flight < len(ordered):
-                self.side.before_reuse(slot)  # the next receive into the slot waits for the checksum
-                post(i + self.in_flight)
+            with self.enqueuing():
+                self.account(slot, bucket, flat, programs[i])
+                self.unpack(bucket, flat, programs[i])
+                if i + self.in_flight < len(ordered):
+                    self.side.before_reuse(slot)  # the next receive into the slot waits for the checksum
+                    post(i + self.in_flight)
         self.finish(handles)
 
 
@@ -206,17 +241,60 @@ def _work_stream(device: torch.device) -> Iterator[None]:
     stream.synchronize()
 
 
+class _GcPause:
+    """Python's cyclic garbage collector stays off while any transfer of this process runs (one
+    per stage may run at once). A full collection in a process holding torch takes tens of
+    milliseconds (87 ms measured on an H100 host by bench/loopback_bench.py), during which the
+    host enqueues nothing and the link idles; the cycles made during a transfer are collected
+    after the last one ends. Reference counting frees everything else as usual."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._was_enabled = False
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._holders == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                if self._holders == 0 and self._was_enabled:
+                    gc.enable()
+
+
+_GC_PAUSE = _GcPause()
+
+
+def _loop_graphs(transport: Transport, direction: str, device: torch.device) -> LoopGraphs:
+    per_direction = _GRAPHS.setdefault(transport, {})
+    if direction not in per_direction or per_direction[direction].device != device:
+        per_direction[direction] = LoopGraphs(device)
+    return per_direction[direction]
+
+
 def _run(direction: str, buckets: Sequence[Bucket], tensors, transport, ranks, *, timeout_s: float,
-         in_flight: int = 2, verify: bool = True, cancel: threading.Event | None = None) -> TransferStats:
+         in_flight: int = 2, verify: bool = True, cancel: threading.Event | None = None,
+         graphs: bool = False) -> TransferStats:
     loop = _Loop(tensors, transport, ranks, timeout_s, in_flight, verify, cancel)
     if not buckets:
         return loop.stats
+    if graphs and loop.device.type == "cuda":
+        loop.graphs = _loop_graphs(transport, direction, loop.device)
     start = time.perf_counter()
-    with _work_stream(loop.device):
+    with _GC_PAUSE.held(), _work_stream(loop.device):
         loop.side = _SideStream(loop.device, in_flight)
         loop.send(buckets) if direction == "send" else loop.recv(buckets)
         loop.stats.checksums = loop.side.collect(loop.sums)
         loop.side.join()
+    if loop.graphs is not None:
+        loop.graphs.retain_used()
     loop.stats.seconds = time.perf_counter() - start
     return loop.stats
 
@@ -224,7 +302,9 @@ def _run(direction: str, buckets: Sequence[Bucket], tensors, transport, ranks, *
 def send_buckets(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], transport: Transport,
                  ranks: Mapping[str, int], **options) -> TransferStats:
     """Send `buckets` (this member is their src), reading from `tensors` (catalog views).
-    Options: timeout_s (required), in_flight=2, verify=True, cancel=None."""
+    Options: timeout_s (required), in_flight=2, verify=True, cancel=None, graphs=False (on GPUs,
+    capture each bucket's copies and checksums as CUDA graphs on the first refit and replay them
+    on later ones; see `syncd.dataplane.graphs`; every loop of the process must agree)."""
     return _run("send", buckets, tensors, transport, ranks, **options)
 
 
