@@ -45,7 +45,7 @@ class WeightSyncExtension:
         return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
     def ws_setup(self, replica: int, syncd: str = "", auth_token: str = "", commit_url: str = "",
-                 data_host: str = "127.0.0.1", in_flight: int = 2) -> dict[str, Any]:
+                 commit_token: str = "", data_host: str = "127.0.0.1", in_flight: int = 2) -> dict[str, Any]:
         """Build this worker's catalog and staging, and register with syncd when `syncd` is set.
         Raises ValueError naming any parameter the catalog cannot cover."""
         model = self._ws_model()
@@ -67,7 +67,8 @@ class WeightSyncExtension:
             self._ws_member = start_member(
                 syncd, member_id=self._ws_member_id, coords={"replica": replica, "tp": tp_rank},
                 staging=self._ws_staging, group_size=tp_size, auth_token=auth_token or None,
-                commit_url=commit_url if tp_rank == 0 else "", data_host=data_host, in_flight=in_flight,
+                commit_url=commit_url if tp_rank == 0 else "", commit_token=commit_token, data_host=data_host,
+                in_flight=in_flight,
             )
         log.info("%s: catalog %s, %d tensors, %d bytes", self._ws_member_id, catalog.content_hash[:19],
                  len(catalog.tensors), catalog.nbytes)
