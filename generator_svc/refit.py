@@ -43,6 +43,10 @@ class RefitRefused(ValueError):
     """The staged weights are not a complete version (or no time is left); nothing changed."""
 
 
+class _Untouched(RuntimeError):
+    """An update gave up before it changed the engine (the committed weights are intact)."""
+
+
 class DeadlineExceeded(TimeoutError):
     """The install did not finish before the commit deadline; generation is refused until the
     next complete refit (the weights may be partly installed)."""
@@ -154,8 +158,7 @@ class Refitter:
         if deadline is not None and time.monotonic() >= deadline:
             raise RefitRefused(f"version {version}: the commit deadline passed before the install began")
         start = time.perf_counter()
-        await self.engine.pause_generation(mode="wait", clear_cache=False)
-        update = asyncio.ensure_future(self._update(version))
+        update = asyncio.ensure_future(self._update(version, deadline))
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             await asyncio.wait_for(asyncio.shield(update), remaining)
@@ -164,6 +167,9 @@ class Refitter:
             self._late_update = asyncio.ensure_future(self._settle_late_update(update, version))
             raise DeadlineExceeded(f"version {version} was not installed before the commit deadline; "
                                    "generation is refused until a complete refit succeeds") from None
+        except _Untouched as e:  # the deadline passed in the same instant: nothing changed
+            await self.engine.resume_generation()
+            raise RefitRefused(str(e)) from None
         except Exception:
             log.exception("update to version %s failed inside the lifecycle; refusing generation", version)
             self._refuse_generation()
@@ -177,7 +183,12 @@ class Refitter:
         metrics.APPLY_SECONDS.observe(held)
         await self._record_install(version, held)
 
-    async def _update(self, version: str) -> None:
+    async def _update(self, version: str, deadline: float | None) -> None:
+        # Running requests finish first (mode="wait"); if that outlasts the deadline, the engine
+        # is left untouched.
+        await self.engine.pause_generation(mode="wait", clear_cache=False)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise _Untouched(f"version {version}: the deadline passed while running requests finished")
         await self.engine.start_weight_update()
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
         await self.engine.finish_weight_update(weight_version=version)
@@ -205,6 +216,12 @@ class Refitter:
         try:
             await update
             log.warning("version %s finished installing after its deadline; not serving it", version)
+        except _Untouched:
+            log.warning("version %s missed its deadline before the install began; serving %s again",
+                        version, self.version)
+            self.serving = True
+            metrics.SERVING.set(1)
+            await self.engine.resume_generation()
         except Exception:
             log.exception("late update to version %s failed; recovering the workers", version)
             await self.engine.collective_rpc("ws_recover")

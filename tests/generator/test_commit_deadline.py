@@ -29,6 +29,8 @@ class SlowEngine:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
         self.release = threading.Event()
+        self.requests_done = threading.Event()  # running requests finished (pause may return)
+        self.requests_done.set()
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         self.calls.append((method, *args))
@@ -38,6 +40,8 @@ class SlowEngine:
 
     async def pause_generation(self, **_: object) -> None:
         self.calls.append(("pause",))
+        while not self.requests_done.is_set():
+            await asyncio.sleep(0.01)
 
     async def start_weight_update(self) -> None:
         self.calls.append(("start",))
@@ -107,6 +111,17 @@ def test_an_install_past_the_deadline_gives_up_and_its_version_never_goes_live(g
     assert http.get("/v1/weight_version").json() == {"version": "3", "serving": True, "updating": False}
     assert ("resume",) in engine.calls and engine.calls[-1] == ("ws_committed", "r3", "3", True, "")
     assert http.get("/v1/install").json()["last"]["version"] == "3"
+
+
+def test_a_deadline_that_passes_while_requests_finish_leaves_the_engine_untouched(generator) -> None:  # noqa: ANN001
+    http, engine, refitter = generator
+    engine.requests_done.clear()  # a long request is still running when the commit comes
+    assert commit(http, 2, 0.5, token=refitter.commit_token) == 504
+    engine.requests_done.set()
+    wait_until(lambda: not http.get("/v1/weight_version").json()["updating"], what="the late pause to settle")
+    assert ("start",) not in engine.calls, "the install must not begin after its deadline"
+    assert http.get("/v1/weight_version").json() == {"version": "1", "serving": True, "updating": False}
+    assert engine.calls[-1] == ("resume",)
 
 
 def test_a_commit_without_a_positive_deadline_is_rejected(generator) -> None:  # noqa: ANN001
