@@ -12,3 +12,6 @@ STAGED_BYTES = Counter("weightsync_staged_bytes", "Bytes staged across all worke
 CATALOG_BYTES = Gauge("weightsync_catalog_bytes", "Bytes of the parameters registered by all workers")
 WEIGHT_VERSION = Gauge("weightsync_weight_version", "Committed weight version (numeric versions only)")
 SERVING = Gauge("weightsync_serving", "1 when generation is allowed (not torn by a failed in-lifecycle update)")
+INSTALL_FALLBACK_PARAMS = Counter("weightsync_install_fallback_params",
+                                  "Parameters installed through vLLM's loaders because the install by "
+                                  "parameter could not cover their layer (named in the log)")

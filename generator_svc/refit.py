@@ -6,7 +6,7 @@
 2. `pause_generation(mode="wait")`: running requests finish on the committed weights, new ones are
    held (queued, not failed) until step 5 - generation waits for at most the update phase;
 3. `start_weight_update` / `update_weights` / `finish_weight_update` on every worker (vLLM's
-   lifecycle: layerwise reload from staging, vLLM's loaders and post-processing, CPU MoE fix);
+   lifecycle: staging installed by parameter, vLLM's post-processing, CPU MoE fix);
 4. `reset_prefix_cache` (KV computed with the old weights must not be reused);
 5. `resume_generation`.
 
@@ -14,14 +14,22 @@ A refit that fails before step 3 (bad shape, missing tensor, interrupted transfe
 the engine: it keeps serving the committed version. If step 3 itself fails, the workers restore
 real tensors (`ws_recover`) but the weights may be torn: the generator then refuses generation
 (HTTP 503) and keeps held requests held until the next complete refit succeeds.
+
+Deadline (syncd's commit timeout): steps 3-4 run under it. If it passes first, `apply` gives up at
+once (`DeadlineExceeded`), refuses generation, and lets the update finish in the background
+without ever making its version live or resuming generation: syncd has already been told the
+commit failed, so serving that version would run weights syncd does not know about.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import secrets
 import time
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -32,7 +40,30 @@ log = logging.getLogger("generator_svc.refit")
 
 
 class RefitRefused(ValueError):
-    """The staged weights are not a complete version; nothing changed."""
+    """The staged weights are not a complete version (or no time is left); nothing changed."""
+
+
+class _Untouched(RuntimeError):
+    """An update gave up before it changed the engine (the committed weights are intact)."""
+
+
+class DeadlineExceeded(TimeoutError):
+    """The install did not finish before the commit deadline; generation is refused until the
+    next complete refit (the weights may be partly installed)."""
+
+
+@dataclass(frozen=True)
+class LastInstall:
+    """The last committed install: generation held `hold_seconds`; the slowest worker's copy and
+    post-processing seconds; parameters and bytes over all workers; loader fallbacks."""
+
+    version: str
+    hold_seconds: float
+    copy_seconds: float
+    process_seconds: float
+    params_copied: int
+    bytes_copied: int
+    fallback_params: list[str]
 
 
 @dataclass(frozen=True)
@@ -49,17 +80,24 @@ class Refitter:
         self.version = settings.initial_version
         self.serving = True
         self._lock = asyncio.Lock()
+        self._late_update: asyncio.Future | None = None  # an update that missed its deadline
+        # Authenticates the workers' commit requests (`/internal/commit`); handed to them only
+        # through collective_rpc, never over the network.
+        self.commit_token = secrets.token_urlsafe(32)
         self.workers: list[dict] = []
+        self.last_install: LastInstall | None = None
 
     @property
     def state(self) -> RefitState:
-        return RefitState(self.version, self.serving, self._lock.locked())
+        late = self._late_update is not None and not self._late_update.done()
+        return RefitState(self.version, self.serving, self._lock.locked() or late)
 
     async def setup(self, commit_url: str) -> list[dict]:
         """Catalog, staging and syncd registration on every worker."""
         self.workers = await self.engine.collective_rpc(
             "ws_setup", kwargs={"replica": self.settings.replica, "syncd": self.settings.syncd,
                                 "auth_token": self.settings.auth_token, "commit_url": commit_url,
+                                "commit_token": self.commit_token,
                                 "data_host": self.settings.data_host,
                                 "in_flight": self.settings.in_flight_buckets})
         await self.engine.update_weight_version(self.version)
@@ -71,7 +109,7 @@ class Refitter:
     async def stage_file(self, path: str, refit_id: str) -> list[dict]:
         """Stage a safetensors checkpoint on every worker (staging only; serving goes on)."""
         start = time.perf_counter()
-        async with self._lock:  # never rewrite staging while an apply reads it
+        async with self._exclusive():  # never rewrite staging while an apply reads it
             try:
                 out = await self.engine.collective_rpc("ws_stage_file", args=(path, refit_id))
             except Exception:
@@ -83,16 +121,25 @@ class Refitter:
         return out
 
     async def abort(self, refit_id: str = "") -> None:
-        async with self._lock:
+        async with self._exclusive():
             await self.engine.collective_rpc("ws_abort", args=(refit_id,))
 
-    async def apply(self, version: str, refit_id: str = "") -> RefitState:
-        async with self._lock:
+    async def apply(self, version: str, refit_id: str = "", timeout_s: float | None = None) -> RefitState:
+        """Make `version` (completely staged) live, within `timeout_s` when given (syncd's commit
+        deadline, less a margin). Raises RefitRefused (engine untouched), DeadlineExceeded
+        (generation refused from then on, see the module docstring) or the lifecycle's error."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        async with self._exclusive():
             try:
-                await self._apply_locked(version)
+                await self._apply_locked(version, deadline)
             except RefitRefused as e:
                 metrics.REFITS.labels("refused").inc()
                 await self._report(refit_id, version, ok=False, error=str(e))
+                raise
+            except DeadlineExceeded:
+                # The workers are still inside the update (their RPC loop is busy, so no outcome can
+                # reach them now): each worker's own commit wait expires and reports the failure.
+                metrics.REFITS.labels("timeout").inc()
                 raise
             except Exception as e:
                 metrics.REFITS.labels("failed").inc()
@@ -102,33 +149,95 @@ class Refitter:
             await self._report(refit_id, version, ok=True)
             return self.state
 
-    async def _apply_locked(self, version: str) -> None:
+    async def _apply_locked(self, version: str, deadline: float | None) -> None:
         status = await self.engine.collective_rpc("ws_status")
         problems = [f"{w['member_id']}: " + (", ".join(w["missing"]) if w["refit_id"] else "nothing staged")
                     for w in status if w["missing"] or not w["refit_id"]]
         if problems:
             raise RefitRefused(f"version {version} is not completely staged: {'; '.join(problems)}")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise RefitRefused(f"version {version}: the commit deadline passed before the install began")
         start = time.perf_counter()
-        await self.engine.pause_generation(mode="wait", clear_cache=False)
+        update = asyncio.ensure_future(self._update(version, deadline))
         try:
-            await self.engine.start_weight_update()
-            try:
-                await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
-                await self.engine.finish_weight_update(weight_version=version)
-            except Exception:
-                log.exception("update to version %s failed inside the lifecycle; refusing generation", version)
-                self.serving = False
-                metrics.SERVING.set(0)
-                await self.engine.collective_rpc("ws_recover")
-                raise
-            await self.engine.reset_prefix_cache()
-            self.version, self.serving = version, True
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            await asyncio.wait_for(asyncio.shield(update), remaining)
+        except asyncio.TimeoutError:
+            self._refuse_generation()
+            self._late_update = asyncio.ensure_future(self._settle_late_update(update, version))
+            raise DeadlineExceeded(f"version {version} was not installed before the commit deadline; "
+                                   "generation is refused until a complete refit succeeds") from None
+        except _Untouched as e:  # the deadline passed in the same instant: nothing changed
+            await self.engine.resume_generation()
+            raise RefitRefused(str(e)) from None
+        except Exception:
+            log.exception("update to version %s failed inside the lifecycle; refusing generation", version)
+            self._refuse_generation()
+            await self.engine.collective_rpc("ws_recover")
+            raise
+        self.version, self.serving = version, True
+        metrics.SERVING.set(1)
+        self._set_version_metric(version)
+        await self.engine.resume_generation()
+        held = time.perf_counter() - start
+        metrics.APPLY_SECONDS.observe(held)
+        await self._record_install(version, held)
+
+    async def _update(self, version: str, deadline: float | None) -> None:
+        # Running requests finish first (mode="wait"); if that outlasts the deadline, the engine
+        # is left untouched.
+        await self.engine.pause_generation(mode="wait", clear_cache=False)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise _Untouched(f"version {version}: the deadline passed while running requests finished")
+        await self.engine.start_weight_update()
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
+        await self.engine.finish_weight_update(weight_version=version)
+        await self.engine.reset_prefix_cache()
+
+    async def _record_install(self, version: str, held_s: float) -> None:
+        """Keep what the workers' install did (`GET /v1/install`), count loader fallbacks."""
+        reports = [r for r in await self.engine.collective_rpc("ws_last_install") if r]
+        fallback = [p for r in reports for p in r["fallback_params"]]
+        if fallback:
+            metrics.INSTALL_FALLBACK_PARAMS.inc(len(fallback))
+            log.warning("version %s: %d parameters went through vLLM's loaders: %s", version, len(fallback),
+                        ", ".join(fallback[:10]))
+        self.last_install = LastInstall(
+            version=version, hold_seconds=round(held_s, 6),
+            copy_seconds=round(max((r["copy_s"] for r in reports), default=0.0), 6),
+            process_seconds=round(max((r["process_s"] for r in reports), default=0.0), 6),
+            params_copied=sum(r["params_copied"] for r in reports),
+            bytes_copied=sum(r["bytes_copied"] for r in reports), fallback_params=fallback)
+
+    async def _settle_late_update(self, update: asyncio.Future, version: str) -> None:
+        """Wait for an update that missed its deadline (`_exclusive` makes everything else that
+        touches staging or the engine wait for this). Whatever it did, `version` never goes live:
+        syncd was told it failed."""
+        try:
+            await update
+            log.warning("version %s finished installing after its deadline; not serving it", version)
+        except _Untouched:
+            log.warning("version %s missed its deadline before the install began; serving %s again",
+                        version, self.version)
+            self.serving = True
             metrics.SERVING.set(1)
-            self._set_version_metric(version)
-        finally:
-            if self.serving:
-                await self.engine.resume_generation()
-                metrics.APPLY_SECONDS.observe(time.perf_counter() - start)
+            await self.engine.resume_generation()
+        except Exception:
+            log.exception("late update to version %s failed; recovering the workers", version)
+            await self.engine.collective_rpc("ws_recover")
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """One staging writer or update at a time, and none while a late update still runs."""
+        async with self._lock:
+            if self._late_update is not None:
+                await self._late_update
+                self._late_update = None
+            yield
+
+    def _refuse_generation(self) -> None:
+        self.serving = False
+        metrics.SERVING.set(0)
 
     async def _report(self, refit_id: str, version: str, *, ok: bool, error: str = "") -> None:
         if refit_id:

@@ -4,31 +4,37 @@
     GET  /metrics                                    vLLM's metrics plus weightsync_*
     GET  /healthz                                    200 while the engine is alive and serving
     GET  /v1/weight_version                          committed version and refit state
+    GET  /v1/install                                 refit mode and what the last install did
     GET  /v1/workers                                 per worker: member id, tp rank, catalog hash, bytes
     GET  /v1/workers/{tp_rank}/catalog               that worker's registered catalog (JSON)
     POST /v1/weights/stage   {path, refit_id}        stage a safetensors checkpoint (serving goes on)
     POST /v1/weights/apply   {version, refit_id?}    apply the staged version (holds generation)
     POST /v1/weights/load    {path, version}         stage + apply
     POST /v1/weights/abort   {refit_id?}             drop staged bytes
-    POST /internal/commit    {refit_id, version}     a worker relays syncd's Commit here
+    POST /internal/commit    {refit_id, version, timeout_s}
+                             the tp-0 worker relays syncd's Commit here, with the worker token
+                             (`Authorization: Bearer`, made at startup, known only to the workers)
 
-Errors: a refit that is refused (incomplete or invalid staging) is 409 with the reason, the
-engine untouched; a failure inside the update lifecycle is 500 and the generator answers 503 to
-generation requests until a good refit.
+Errors: a refit that is refused (incomplete or invalid staging, no time left) is 409 with the
+reason, the engine untouched; a failure inside the update lifecycle is 500, a missed commit
+deadline 504, and after either the generator answers 503 to generation requests until a good
+refit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import secrets
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from generator_svc.refit import Refitter, RefitRefused
+from generator_svc.refit import DeadlineExceeded, Refitter, RefitRefused
 
 log = logging.getLogger("generator_svc.server")
 
@@ -57,6 +63,7 @@ class AbortRequest(BaseModel):
 class CommitRequest(BaseModel):
     refit_id: str
     version: int
+    timeout_s: float = Field(gt=0, description="seconds left to install and go live (syncd's commit deadline)")
 
 
 class WeightVersion(BaseModel):
@@ -86,6 +93,18 @@ async def healthz(refitter: RefitterDep) -> JSONResponse:
 async def weight_version(refitter: RefitterDep) -> WeightVersion:
     s = refitter.state
     return WeightVersion(version=s.version, serving=s.serving, updating=s.updating)
+
+
+class InstallStatus(BaseModel):
+    mode: str = Field(description="refit mode: 'staged' (receive beside the live weights, install on commit)")
+    last: dict | None = Field(description="the last committed install: hold, copy and post-processing seconds, "
+                                          "parameters, bytes, loader fallbacks; null before the first")
+
+
+@router.get("/v1/install")
+async def install_status(refitter: RefitterDep) -> InstallStatus:
+    last = refitter.last_install
+    return InstallStatus(mode=refitter.settings.refit_mode, last=dataclasses.asdict(last) if last else None)
 
 
 @router.get("/v1/workers")
@@ -131,15 +150,19 @@ async def abort(body: AbortRequest, refitter: RefitterDep) -> JSONResponse:
 
 
 @router.post("/internal/commit")
-async def commit(body: CommitRequest, refitter: RefitterDep) -> JSONResponse:
-    return await _apply(refitter, str(body.version), body.refit_id)
+async def commit(body: CommitRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
+    if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {refitter.commit_token}"):
+        return JSONResponse({"detail": "commit needs this generator's worker token"}, status_code=401)
+    return await _apply(refitter, str(body.version), body.refit_id, body.timeout_s)
 
 
-async def _apply(refitter: Refitter, version: str, refit_id: str) -> JSONResponse:
+async def _apply(refitter: Refitter, version: str, refit_id: str, timeout_s: float | None = None) -> JSONResponse:
     try:
-        state = await refitter.apply(version, refit_id)
+        state = await refitter.apply(version, refit_id, timeout_s)
     except RefitRefused as e:
         return JSONResponse({"detail": str(e)}, status_code=409)
+    except DeadlineExceeded as e:
+        return JSONResponse({"detail": str(e)}, status_code=504)
     except Exception as e:
         return JSONResponse({"detail": _message(e)}, status_code=500)
     return JSONResponse({"version": state.version, "serving": state.serving})

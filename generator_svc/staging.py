@@ -1,8 +1,9 @@
 """Staging: the receive buffers of one worker, and the feed from them into vLLM's loaders.
 
 Lifecycle per refit: `begin(refit_id)` -> the data plane (or `fill_from_safetensors`) writes boxes
-with `write` -> `missing()` / `checksums()` for verification -> `hf_weights()` feeds vLLM's
-`load_weights` inside the update lifecycle -> `begin` of the next refit.
+with `write` -> `missing()` / `checksums()` for verification -> `generator_svc.install` copies `buffers` into
+vLLM's parameters inside the update lifecycle (`hf_weights()` feeds vLLM's `load_weights` only for
+layers the install cannot do by copies) -> `begin` of the next refit.
 
 One buffer per local tensor of the worker's catalog, shaped `LocalTensor.shape`, allocated once and
 reused: staged mode costs one extra copy of this worker's shard of the model, never the full model.
@@ -177,11 +178,14 @@ class Staging:
         self.refit_id = None
         self._received = {}
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full-shape tensor) pairs for vLLM's `load_weights`, parameter by parameter.
-        See the module docstring for what is a view and what is a transient buffer."""
+    def hf_weights(self, tensors: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full-shape tensor) pairs for vLLM's `load_weights`, parameter by parameter
+        (only the canonical tensors of local tensors `tensors` when given). See the module
+        docstring for what is a view and what is a transient buffer."""
         done: set[str] = set()
         for t in self.catalog.tensors:
+            if tensors is not None and t.name not in tensors:
+                continue
             for p in t.pieces:
                 if p.canonical in done:
                     continue

@@ -2,11 +2,12 @@
 
 Registered with vLLM's `WeightTransferEngineFactory` as `syncd_staging` when the worker extension is
 imported (inside every worker, before the model loads). It drives vLLM's own lifecycle, so vLLM's
-loaders and post-processing run exactly as for a checkpoint load:
+post-processing runs exactly as for a checkpoint load, without the trip through its loaders:
 
     start_weight_update   -> initialize_layerwise_reload (parameters back to checkpoint format, meta)
-    update_weights(info)  -> model.load_weights(staging.hf_weights()); each layer is processed
-                             (CPU repack, MoE prepack with `cpu_moe_fix`) once all its bytes arrived
+    update_weights(info)  -> `install.install_into_model`: one copy per parameter from staging, then
+                             each layer's post-processing once (CPU repack, MoE prepack with
+                             `cpu_moe_fix`); `load_weights` only for layers it cannot cover
     finish_weight_update  -> finalize_layerwise_reload
 
 The bytes never travel through `update_weights`: `info` only names the version; the data plane has
@@ -24,6 +25,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from generator_svc import install
 from generator_svc.staging import Staging
 
 BACKEND = "syncd_staging"
@@ -45,6 +47,7 @@ class StagingTransferEngine(WeightTransferEngine[StagingInitInfo, StagingUpdateI
     supports_draft_weight_update = False
 
     staging: Staging | None = None  # set by the worker extension's ws_setup
+    last_install: install.InstallReport | None = None
 
     def init_transfer_engine(self, init_info: StagingInitInfo) -> None:
         """Nothing to connect: the data plane is owned by the worker's syncd member."""
@@ -58,11 +61,17 @@ class StagingTransferEngine(WeightTransferEngine[StagingInitInfo, StagingUpdateI
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: StagingUpdateInfo) -> None:
+        """Install staging into the parameters by copies (`generator_svc.install`); only layers the
+        catalog cannot cover completely go through vLLM's loaders (logged, reported)."""
         assert self.staging is not None
-        loaded = set(self.model.load_weights(self.staging.hf_weights()))
-        missed = sorted(t.name for t in self.staging.catalog.tensors if t.name not in loaded)
-        if missed:
-            raise RuntimeError(f"version {update_info.version}: vLLM's loaders did not load {missed[:5]}")
+        report = install.install_into_model(self.model, self.staging.buffers)
+        if report.fallback_params:
+            fallback = set(report.fallback_params)
+            loaded = set(self.model.load_weights(self.staging.hf_weights(fallback)))
+            missed = sorted(fallback - loaded)
+            if missed:
+                raise RuntimeError(f"version {update_info.version}: vLLM's loaders did not load {missed[:5]}")
+        self.last_install = report
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -7,7 +7,8 @@ every worker and carries only plain data (no tensors). What runs where:
   `update_weights`, `finish_weight_update`, `reset_prefix_cache`, `resume_generation`), because it
   must be entered by all TP workers together and generation must be held meanwhile.
 - worker, via collective_rpc: `ws_setup` (catalog, staging, syncd registration), `ws_stage_file`,
-  `ws_status`, `ws_abort`, `ws_recover`, `ws_committed`, `ws_dump_loaded` (tests).
+  `ws_status`, `ws_abort`, `ws_recover`, `ws_committed`, `ws_last_install`, `ws_dump_loaded` and
+  `ws_dump_installed` (tests).
 - worker, on the syncd member's handler thread: the data plane writing received buckets into
   staging (`generator_svc.member`), concurrently with serving: staging is separate memory.
 """
@@ -44,7 +45,7 @@ class WeightSyncExtension:
         return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
     def ws_setup(self, replica: int, syncd: str = "", auth_token: str = "", commit_url: str = "",
-                 data_host: str = "127.0.0.1", in_flight: int = 2) -> dict[str, Any]:
+                 commit_token: str = "", data_host: str = "127.0.0.1", in_flight: int = 2) -> dict[str, Any]:
         """Build this worker's catalog and staging, and register with syncd when `syncd` is set.
         Raises ValueError naming any parameter the catalog cannot cover."""
         model = self._ws_model()
@@ -66,7 +67,8 @@ class WeightSyncExtension:
             self._ws_member = start_member(
                 syncd, member_id=self._ws_member_id, coords={"replica": replica, "tp": tp_rank},
                 staging=self._ws_staging, group_size=tp_size, auth_token=auth_token or None,
-                commit_url=commit_url if tp_rank == 0 else "", data_host=data_host, in_flight=in_flight,
+                commit_url=commit_url if tp_rank == 0 else "", commit_token=commit_token, data_host=data_host,
+                in_flight=in_flight,
             )
         log.info("%s: catalog %s, %d tensors, %d bytes", self._ws_member_id, catalog.content_hash[:19],
                  len(catalog.tensors), catalog.nbytes)
@@ -115,11 +117,50 @@ class WeightSyncExtension:
         if ok:
             self._ws_staging.discard()
 
+    def ws_last_install(self) -> dict[str, Any]:
+        """What the last install did on this worker (`InstallReport`), {} before the first."""
+        report = self.weight_transfer_engine.last_install  # type: ignore[attr-defined]
+        return report.as_dict() if report is not None else {}
+
     def ws_dump_loaded(self, checkpoint: str, out_dir: str) -> str:
-        """Test aid: reload `checkpoint` through vLLM's own loader inside the update lifecycle and
+        """Test aid: reload `checkpoint` through vLLM's own loader inside the layerwise reload and
         save every parameter as vLLM's loaders wrote it (checkpoint format, before kernel
         processing) to `{out_dir}/tp{rank}.safetensors`. The engine serves `checkpoint` afterwards."""
-        out_path = f"{out_dir}/tp{self._ws_tp()[0]}.safetensors"
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model = self._ws_model()
+
+        def load() -> None:
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                initialize_layerwise_reload(model)
+                try:
+                    model.load_weights(_read_checkpoint(checkpoint))
+                finally:
+                    finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
+
+        return self._ws_dump(load, f"{out_dir}/tp{self._ws_tp()[0]}.safetensors")
+
+    def ws_dump_installed(self, checkpoint: str, out_dir: str) -> str:
+        """Test aid: like `ws_dump_loaded`, but through the refit path (stage `checkpoint`, then the
+        update lifecycle with the install by parameter), to `{out_dir}/installed-tp{rank}.safetensors`."""
+        def install() -> None:
+            self._ws_staging.begin("dump")
+            self._ws_staging.fill_from_safetensors(checkpoint)
+            self.start_weight_update()  # type: ignore[attr-defined]
+            self.update_weights({"version": "dump"})  # type: ignore[attr-defined]
+            self.finish_weight_update()  # type: ignore[attr-defined]
+            self._ws_staging.discard()
+
+        return self._ws_dump(install, f"{out_dir}/installed-tp{self._ws_tp()[0]}.safetensors")
+
+    def _ws_dump(self, run, out_path: str) -> str:  # noqa: ANN001 (run: () -> None)
+        """Run `run` and save every parameter in checkpoint format: the values each layer's
+        `process_weights_after_loading` received (before kernel repacking), and the parameters of
+        layers that have no processing as they are afterwards."""
         from safetensors.torch import save_file
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
@@ -138,20 +179,11 @@ class WeightSyncExtension:
 
                 method.process_weights_after_loading = capture
                 restore.append(method)
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-            initialize_layerwise_reload(model)
-            try:
-                model.load_weights(_read_checkpoint(checkpoint))
-            finally:
-                finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
-                for method in restore:
-                    del method.process_weights_after_loading
+        try:
+            run()
+        finally:
+            for method in restore:
+                del method.process_weights_after_loading
         for n, p in model.named_parameters():
             captured.setdefault(n, p.detach().clone())
         save_file({k: v.contiguous() for k, v in captured.items()}, out_path)

@@ -1,11 +1,14 @@
 """`make demo`: train a tiny Qwen3-MoE with expert TP and refit a live vLLM generator every step.
 
-    python -m deploy.local.demo [--steps 3] [--layout ep2tp2|pp2] [--summary-json PATH]
+    python -m deploy.local.demo [--steps 3] [--layout ep2tp2|pp2] [--model-dir DIR] [--summary-json PATH]
 
 Starts syncd, the vLLM generator (CPU) and a 4-rank gloo trainer (`--layout ep2tp2`: ep 2 x tp 2,
 experts split over TP; `--layout pp2`: pp 2 x ep 2), all on this machine. The trainer waits after
 each step (`--sync-refit`) while this driver measures how far the generator's policy is from the
 trainer's (KL of sampled tokens), triggers the refit through syncd's HTTP API, and measures again.
+`--model-dir` starts both from any Qwen3-MoE HF directory (float32 here) instead of the tiny random
+model. Per refit the summary gives the seconds of `transfer` and `verify` (syncd's phases),
+`install` (how long the generator held generation to install) and `total`, and the bytes moved.
 Every process it starts, it stops.
 """
 
@@ -35,7 +38,10 @@ class StepRow:
     step: int
     loss: float
     refit_state: str
-    refit_seconds: float
+    refit_seconds: float  # total, trigger to outcome
+    transfer_seconds: float
+    verify_seconds: float
+    install_seconds: float  # the generator's hold
     bytes: int
     checksums_ok: bool
     kl_before: float
@@ -63,6 +69,11 @@ class Generator:
             lp = r.json()["choices"][0]["logprobs"]
             out.append((prompt, [int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]))
         return out
+
+    def install_seconds(self, version: int) -> float:
+        """How long the generator held generation to install `version` (nan if it did not)."""
+        last = self.http.get("/v1/install").json()["last"]
+        return last["hold_seconds"] if last and last["version"] == str(version) else float("nan")
 
 
 def policy_kl(generator: Generator, export_dir: Path, seed: int) -> float:
@@ -112,7 +123,7 @@ def trainer_loss(log_text: str, step: int) -> float:
 def start_services(cluster: Cluster, work: Path, layout: dict, args) -> tuple[Syncd, Generator, object]:
     from trainer_svc.tiny import make_tiny_checkpoint
 
-    model = make_tiny_checkpoint(work / "model", seed=args.seed)
+    model = Path(args.model_dir).resolve() if args.model_dir else make_tiny_checkpoint(work / "model", seed=args.seed)
     http_port, grpc_port, gen_port = free_port(), free_port(), free_port()
     syncd = cluster.start("syncd", [
         PYTHON, "-m", "syncd", "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
@@ -146,8 +157,8 @@ def run(args) -> dict:
     rows: list[StepRow] = []
     with Cluster(work / "logs") as cluster:
         syncd, generator, trainer = start_services(cluster, work, layout, args)
-        print(f"{'step':>4} {'loss':>9} {'refit':>9} {'seconds':>8} {'MB':>7} {'MB/s':>8} {'checksums':>9} "
-              f"{'KL before':>10} {'KL after':>10}", flush=True)
+        print(f"{'step':>4} {'loss':>9} {'refit':>9} {'seconds':>8} {'install':>8} {'MB':>7} {'MB/s':>8} "
+              f"{'checksums':>9} {'KL before':>10} {'KL after':>10}", flush=True)
         for step in range(1, args.steps + 1):
             syncd.wait_announced(step, 300, trainer)
             export = work / "export" / f"step-{step}"
@@ -156,11 +167,14 @@ def run(args) -> dict:
             committed = state["state"] == "COMMITTED"
             kl_after = policy_kl(generator, export, seed=step) if committed else float("nan")
             seconds = (state["finished_at"] or time.time()) - state["created_at"]
+            phases = state.get("phases") or {}
             row = StepRow(step, trainer_loss(trainer.log.read_text(errors="replace"), step), state["state"],
-                          seconds, state.get("bytes") or 0, committed, kl_before, kl_after)
+                          seconds, phases.get("TRANSFERRING", float("nan")), phases.get("VERIFYING", float("nan")),
+                          generator.install_seconds(step) if committed else float("nan"),
+                          state.get("bytes") or 0, committed, kl_before, kl_after)
             rows.append(row)
             print(f"{row.step:>4} {row.loss:>9.4f} {row.refit_state:>9} {row.refit_seconds:>8.2f} "
-                  f"{row.bytes / 1e6:>7.2f} {row.mb_per_s:>8.2f} {'ok' if row.checksums_ok else 'FAILED':>9} "
+                  f"{row.install_seconds:>8.3f} {row.bytes / 1e6:>7.2f} {row.mb_per_s:>8.2f} {'ok' if row.checksums_ok else 'FAILED':>9} "
                   f"{row.kl_before:>10.2e} {row.kl_after:>10.2e}", flush=True)
             if not committed:
                 print(f"     refit failed: {state.get('error')}", flush=True)
@@ -173,6 +187,8 @@ def run(args) -> dict:
         "kl_after_max": max((r.kl_after for r in rows), default=None),
         "total_seconds": round(time.monotonic() - start, 1),
         "layout": args.layout,
+        "refit_phases": [{"step": r.step, "transfer": r.transfer_seconds, "verify": r.verify_seconds,
+                          "install": r.install_seconds, "total": r.refit_seconds, "bytes": r.bytes} for r in rows],
         "steps": [asdict(r) for r in rows],
     }
     return summary
@@ -189,13 +205,15 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default="runs/demo")
+    parser.add_argument("--model-dir", default="", help="a Qwen3-MoE HF directory (config.json + *.safetensors) "
+                                                        "to train and serve instead of the tiny random model")
     parser.add_argument("--summary-json", help="also write the summary here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s demo %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     summary = run(args)
-    line = {k: v for k, v in summary.items() if k != "steps"}
+    line = {k: v for k, v in summary.items() if k not in ("steps", "refit_phases")}
     print(f"summary: {json.dumps(line)}")
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")

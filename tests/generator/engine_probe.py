@@ -4,7 +4,8 @@
 
 With `--refit-to B` it also refits the engine to checkpoint B through the staging receive path
 and back, and writes the greedy outputs (`outputs.json`). Writes `catalogs.json` (per tp rank: the registered catalog and vLLM's parameter names) and
-`tp{rank}.safetensors` (every parameter as vLLM's own loaders wrote it, checkpoint format). A
+`tp{rank}.safetensors` (every parameter as vLLM's own loaders wrote it, checkpoint format) and
+`installed-tp{rank}.safetensors` (the same, as the install by parameter wrote it). A
 separate process because an `LLM` spawns engine processes that need a `__main__` guard.
 """
 
@@ -38,7 +39,10 @@ def main() -> None:
     catalogs = llm.collective_rpc("ws_catalog")
     names = llm.collective_rpc("ws_param_names")
     llm.collective_rpc("ws_dump_loaded", args=(args.model, args.out))
-    doc = [{"setup": s, "catalog": json.loads(c), "params": n} for s, c, n in zip(setup, catalogs, names)]
+    llm.collective_rpc("ws_dump_installed", args=(args.model, args.out))
+    installs = llm.collective_rpc("ws_last_install")
+    doc = [{"setup": s, "catalog": json.loads(c), "params": n, "install": i}
+           for s, c, n, i in zip(setup, catalogs, names, installs)]
     Path(args.out, "catalogs.json").write_text(json.dumps(doc))
     prompts = json.loads(os.environ.get("PROBE_PROMPTS", "{}"))
     if args.refit_to or args.fail_to:
@@ -83,21 +87,26 @@ def main() -> None:
 
 
 def _break_feed(worker) -> None:  # noqa: ANN001 (runs in the worker; needs VLLM_ALLOW_INSECURE_SERIALIZATION)
-    """Make the next load from staging fail half way through the model, as a crash would."""
-    staging = worker.weight_transfer_engine.staging
-    full = staging.hf_weights
+    """Make the next install from staging fail half way through the model, as a crash would."""
+    from generator_svc import install
 
-    def broken():  # noqa: ANN202
-        for i, item in enumerate(full()):
-            if i == 60:
-                raise RuntimeError("feed broke after 60 tensors")
-            yield item
+    full = install.copy_into
+    calls = [0]
 
-    staging.hf_weights = broken
+    def broken(param, staged):  # noqa: ANN001, ANN202
+        calls[0] += 1
+        if calls[0] > 20:
+            raise RuntimeError("feed broke after 20 parameters")
+        full(param, staged)
+
+    install.copy_into = broken
+    install._unbroken_copy_into = full
 
 
 def _mend_feed(worker) -> None:  # noqa: ANN001
-    del worker.weight_transfer_engine.staging.hf_weights
+    from generator_svc import install
+
+    install.copy_into = install._unbroken_copy_into
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The registered catalog of real vLLM workers covers every parameter exactly once, and filling
 each worker's parameters from the canonical tensors through the catalog reproduces, bit for bit,
-what vLLM's own loaders put in them (checkpoint format, before kernel repacking). At TP=2 the
-engine is also refitted through the staging receive path (TP-sharded staging fed to vLLM's loaders)."""
+what vLLM's own loaders put in them (checkpoint format, before kernel repacking), and so does the
+install by parameter from staging. At TP=2 the engine is also refitted through the staging receive
+path (TP-sharded staging installed by parameter) and generates like a fresh engine."""
 
 from __future__ import annotations
 
@@ -53,6 +54,14 @@ def test_registered_catalog_covers_every_parameter_exactly_once(tp: int, checkpo
         assert [t.name for t in catalog.tensors] == worker["params"], "one local tensor per vLLM parameter"
         assert {c.name for c in catalog.canonical} == set(canon), "every checkpoint tensor is registered"
         loaded = load_file(str(tmp_path / f"tp{rank}.safetensors"))
+        installed = load_file(str(tmp_path / f"installed-tp{rank}.safetensors"))
+        # The install by parameter writes exactly what vLLM's loaders write, padding included,
+        # and needs no loader fallback for any parameter.
+        assert sorted(installed) == sorted(loaded)
+        for name in loaded:
+            np.testing.assert_array_equal(installed[name], loaded[name], err_msg=f"tp{rank} {name} installed")
+        assert worker["install"]["fallback_params"] == []
+        assert worker["install"]["params_copied"] == len(catalog.tensors)
         for t in catalog.tensors:
             filled = np.full(t.shape, np.nan, dtype=np.float32)
             for p in t.pieces:
@@ -72,7 +81,7 @@ def test_registered_catalog_covers_every_parameter_exactly_once(tp: int, checkpo
         shapes = {t[0]: t[1] for t in workers[1]["catalog"]["tensors"]}
         assert shapes["model.layers.0.mlp.experts.routed_experts.w13_weight"] == [8, 64, 128]
         assert shapes["model.layers.0.mlp.experts.routed_experts.w2_weight"] == [8, 128, 32]
-        # TP-sharded staging fed through vLLM's loaders: B generates like a fresh engine on B
+        # TP-sharded staging installed by parameter: B generates like a fresh engine on B
         # (TP=1 reference: same tokens, logprobs up to TP's reduction order), and A comes back exactly.
         for name, (tokens, logprobs) in record["B"].items():
             assert tokens == outputs_fresh_b[name][0], name

@@ -1,0 +1,163 @@
+"""Install received weights into vLLM's parameters: one copy per parameter, then vLLM's per-layer
+post-processing once per layer.
+
+The bytes arrive in checkpoint format, one buffer per vLLM parameter (the catalog's local tensors,
+`Staging.buffers`). vLLM's loader path would split them back into HF tensors (9,435 for a
+24-layer x 128-expert model) and route each through its per-layer loaders; here each parameter is
+a single copy instead.
+
+Runs inside vLLM's weight-update lifecycle, between `initialize_layerwise_reload` (which put every
+layer's checkpoint-format tensors on the meta device and kept its live "kernel" tensors aside) and
+`finalize_layerwise_reload` (which puts kernel tensors back on every layer nothing was installed
+into). Per layer that owns catalog parameters:
+
+- a layer without a quantization method (norms) is installed by copying straight into its kept
+  kernel tensors, which go back on the layer: one copy, nothing to process;
+- any other layer (linear, vocab, fused MoE) gets real checkpoint-format tensors, the copies, and
+  its quant method's `process_weights_after_loading` (on CPU: oneDNN/sgl repack of linear weights,
+  whose visible Parameter is then empty, and the MoE prepack with `cpu_moe_fix`); the processed
+  values then go into the kept kernel tensors, as vLLM's own reload does. This is what the kernels
+  read, so installing never writes into the (possibly empty) visible Parameters of a repacked layer.
+
+A layer whose loadable tensors the catalog does not all cover cannot be installed by copies; its
+canonical tensors go through vLLM's `load_weights` (the fallback), named in the report.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("generator_svc.install")
+
+
+@dataclass
+class InstallReport:
+    """What one install did and how long each part took (seconds, summed over layers)."""
+
+    params_copied: int = 0
+    bytes_copied: int = 0
+    layers_processed: int = 0
+    fallback_params: list[str] = field(default_factory=list)
+    copy_s: float = 0.0
+    process_s: float = 0.0
+    total_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def copy_into(param: torch.Tensor, staged: torch.Tensor) -> None:
+    """Copy one staged parameter into its live tensor. A vocab-parallel shard is longer than what
+    was staged (padded rows belong to no canonical tensor): its padding is zeroed, as vLLM's loader
+    does."""
+    if param.shape == staged.shape:
+        param.copy_(staged)
+        return
+    rows = staged.shape[0]
+    if param.dim() != staged.dim() or param.shape[1:] != staged.shape[1:] or param.shape[0] < rows:
+        raise ValueError(f"staged shape {tuple(staged.shape)} does not fit parameter shape {tuple(param.shape)}")
+    param[:rows].copy_(staged)
+    param[rows:].zero_()
+
+
+def copy_parameters(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> int:
+    """Install `buffers` into same-named `params` (one `copy_into` each); returns the bytes copied.
+    The whole install where parameters need no post-processing (unquantized weights on GPU)."""
+    copied = 0
+    for name, param in params.items():
+        staged = buffers[name]
+        copy_into(param, staged)
+        copied += staged.numel() * staged.element_size()
+    return copied
+
+
+def params_by_layer(names: list[str]) -> dict[str, list[str]]:
+    """Catalog tensor names (full parameter names) grouped by owning module path, in order."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        out[name.rpartition(".")[0]].append(name)
+    return dict(out)
+
+
+def install_into_model(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> InstallReport:
+    """Install `buffers` (parameter name -> staged checkpoint-format tensor) into `model`, which must
+    be inside the layerwise-reload lifecycle. Returns what was done; the parameters of layers that
+    need vLLM's loaders are listed in `fallback_params` and NOT installed (the caller feeds them to
+    `load_weights`)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    start = time.perf_counter()
+    report = InstallReport()
+    modules = dict(model.named_modules())
+    for path, names in params_by_layer(list(buffers)).items():
+        layer = modules[path]
+        info = get_layerwise_info(layer)
+        if not info.can_load() or info.kernel_tensors is None:
+            raise RuntimeError(f"{path}: not inside a layerwise reload (start_weight_update first)")
+        uncovered = _uncovered_tensors(layer, info, path, buffers)
+        if uncovered:
+            log.warning("%s: %s not in the catalog; installing this layer through vLLM's loaders",
+                        path, ", ".join(uncovered))
+            report.fallback_params.extend(names)
+            continue
+        if getattr(layer, "quant_method", None) is None:
+            _install_plain(layer, info, path, buffers, report)
+        else:
+            _install_processed(layer, info, path, buffers, report)
+    report.total_s = time.perf_counter() - start
+    return report
+
+
+def _uncovered_tensors(layer, info, path: str, buffers: dict[str, torch.Tensor]) -> list[str]:  # noqa: ANN001
+    """Loadable tensors of the layer (checkpoint-format parameters and persistent buffers) that no
+    staged buffer fills."""
+    params, layer_buffers = info.restore_metadata
+    loadable = list(params) + [n for n in layer_buffers if n not in layer._non_persistent_buffers_set]
+    return [n for n in loadable if f"{path}.{n}" not in buffers]
+
+
+def _install_plain(layer, info, path: str, buffers, report: InstallReport) -> None:  # noqa: ANN001
+    from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
+
+    kernel_params, _ = info.kernel_tensors
+    t0 = time.perf_counter()
+    report.bytes_copied += copy_parameters({n: p.data for n, p in kernel_params.items()},
+                                           {n: buffers[f"{path}.{n}"] for n in kernel_params})
+    report.params_copied += len(kernel_params)
+    report.copy_s += time.perf_counter() - t0
+    _place_kernel_tensors(layer, info)
+    info.reset()
+
+
+def _install_processed(layer, info, path: str, buffers, report: InstallReport) -> None:  # noqa: ANN001
+    # vLLM's own steps of `_layerwise_process`, with the loader calls replaced by one copy each.
+    from vllm.model_executor.model_loader.reload.layerwise import _copy_and_restore_kernel_tensors
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+    materialize_layer(layer, info)
+    if hasattr(layer, "_already_called_process_weights_after_loading"):
+        delattr(layer, "_already_called_process_weights_after_loading")
+    t0 = time.perf_counter()
+    for name in info.restore_metadata[0]:
+        _copy(getattr(layer, name).data, buffers[f"{path}.{name}"], report)
+    t1 = time.perf_counter()
+    layer.quant_method.process_weights_after_loading(layer)
+    if hasattr(layer, "update_param_tp_status"):
+        layer.update_param_tp_status()
+    t2 = time.perf_counter()
+    _copy_and_restore_kernel_tensors(layer, info)
+    info.reset()
+    report.copy_s += t1 - t0
+    report.process_s += t2 - t1
+    report.layers_processed += 1
+
+
+def _copy(param: torch.Tensor, staged: torch.Tensor, report: InstallReport) -> None:
+    copy_into(param, staged)
+    report.params_copied += 1
+    report.bytes_copied += staged.numel() * staged.element_size()
