@@ -17,28 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from syncd.layout.box import Box, non_unit_dims
-
-DTYPE_BYTES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
-
-
-def dtype_bytes(dtype: str) -> int:
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}") from None
+from syncd.layout.dtypes import itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +30,7 @@ class CanonicalTensor:
 
     @property
     def nbytes(self) -> int:
-        size = dtype_bytes(self.dtype)
+        size = itemsize(self.dtype)
         for n in self.shape:
             size *= n
         return size
@@ -100,7 +79,7 @@ class LocalTensor:
 
     @property
     def nbytes(self) -> int:
-        size = dtype_bytes(self.dtype)
+        size = itemsize(self.dtype)
         for n in self.shape:
             size *= n
         return size
@@ -131,7 +110,7 @@ class Catalog:
         local boxes, and (by default) local elements that no piece covers."""
         seen: set[str] = set()
         for c in self.canonical:
-            dtype_bytes(c.dtype)
+            itemsize(c.dtype)
             if c.name in seen:
                 raise ValueError(f"canonical tensor {c.name} listed twice")
             if not c.shape or any(n <= 0 for n in c.shape):
@@ -146,7 +125,7 @@ class Catalog:
 
 
 def _validate_local(t: LocalTensor, canon: dict[str, CanonicalTensor], full_cover: bool) -> None:
-    dtype_bytes(t.dtype)
+    itemsize(t.dtype)
     if not t.shape or any(n <= 0 for n in t.shape):
         raise ValueError(f"local tensor {t.name} has invalid shape {t.shape}")
     covered = 0
