@@ -2,7 +2,7 @@
 
 from syncd.layout.box import Box, split_range
 from syncd.layout.catalog import CanonicalTensor, Catalog, LocalTensor, Piece
-from syncd.layout.dtypes import Conversion, conversion, itemsize
+from syncd.layout.dtypes import Conversion, conversion, dtype_bytes
 from syncd.layout.placements import (
     Canon,
     Concat,
@@ -31,7 +31,7 @@ __all__ = [
     "Sharded",
     "Stack",
     "conversion",
-    "itemsize",
+    "dtype_bytes",
     "local_tensor",
     "split_range",
 ]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from syncd.layout.box import Box, non_unit_dims
-from syncd.layout.dtypes import itemsize
+from syncd.layout.dtypes import dtype_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +30,7 @@ class CanonicalTensor:
 
     @property
     def nbytes(self) -> int:
-        size = itemsize(self.dtype)
+        size = dtype_bytes(self.dtype)
         for n in self.shape:
             size *= n
         return size
@@ -79,7 +79,7 @@ class LocalTensor:
 
     @property
     def nbytes(self) -> int:
-        size = itemsize(self.dtype)
+        size = dtype_bytes(self.dtype)
         for n in self.shape:
             size *= n
         return size
@@ -110,7 +110,7 @@ class Catalog:
         local boxes, and (by default) local elements that no piece covers."""
         seen: set[str] = set()
         for c in self.canonical:
-            itemsize(c.dtype)
+            dtype_bytes(c.dtype)
             if c.name in seen:
                 raise ValueError(f"canonical tensor {c.name} listed twice")
             if not c.shape or any(n <= 0 for n in c.shape):
@@ -125,7 +125,7 @@ class Catalog:
 
 
 def _validate_local(t: LocalTensor, canon: dict[str, CanonicalTensor], full_cover: bool) -> None:
-    itemsize(t.dtype)
+    dtype_bytes(t.dtype)
     if not t.shape or any(n <= 0 for n in t.shape):
         raise ValueError(f"local tensor {t.name} has invalid shape {t.shape}")
     covered = 0

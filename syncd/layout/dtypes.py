@@ -77,7 +77,7 @@ def lookup(name: str) -> DType:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
 
 
-def itemsize(name: str) -> int:
+def dtype_bytes(name: str) -> int:
     """Bytes per element of dtype `name`."""
     return lookup(name).itemsize
 

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from syncd.layout import Box, CanonicalTensor, Conversion, Piece, conversion, itemsize
+from syncd.layout import Box, CanonicalTensor, Conversion, Piece, conversion, dtype_bytes
 from syncd.layout.catalog import first_overlap
 from syncd.plan.types import Bucket, DestMember, Plan, SourceMember, TransferUnit
 
@@ -63,7 +63,7 @@ def make_plan(
         if not holders:
             raise ValueError(f"no source holds canonical tensor {name}, which a destination needs")
         _check_destination_overlap(name, dst_holdings[name])
-        limit = max(1, bucket_bytes // itemsize(meta[name].tensor.dtype))
+        limit = max(1, bucket_bytes // dtype_bytes(meta[name].tensor.dtype))
         for src, dst, unit in _units_for_tensor(meta[name], holders, dst_holdings[name], load, limit):
             links[(src, dst)].append(unit)
     return _pack(links, sources, destinations, bucket_bytes)
@@ -149,7 +149,7 @@ def _units_for_tensor(
     max_elements: int,
 ) -> Iterator[tuple[int, int, TransferUnit]]:
     tensor, conv = meta.tensor, meta.conversion
-    wire_itemsize = itemsize(tensor.dtype)
+    wire_itemsize = dtype_bytes(tensor.dtype)
     src_dtype = None if conv.is_identity else conv.src
     cuts = [sorted({0, n, *(h.piece.canon.start[d] for h in sources), *(h.piece.canon.stop[d] for h in sources)})
             for d, n in enumerate(tensor.shape)]

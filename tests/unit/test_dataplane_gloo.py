@@ -12,6 +12,7 @@ import torch
 
 from syncd.dataplane import GlooTransport, TransferError, TransferTimeout, catalog_views, recv_buckets, send_buckets
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Replicate, Shard, Sharded, Stack, local_tensor
+from syncd.layout.dtypes import torch_dtype
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.simulate import materialize
 
@@ -69,7 +70,7 @@ def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype):
     ranks = {m: i for i, m in enumerate(members)}
     address, store = GlooTransport.create_address("127.0.0.1", len(members), 30)
     local = {m.member_id: {k: torch.from_numpy(v) for k, v in materialize(m.catalog, canonical).items()} for m in sources}
-    wire = getattr(torch, wire_dtype)
+    wire = torch_dtype(wire_dtype)
     received = {m.member_id: {t.name: torch.full(t.shape, float("nan"), dtype=wire) for t in m.catalog.tensors} for m in dests}
     stats = {}
 

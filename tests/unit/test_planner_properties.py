@@ -22,10 +22,10 @@ from syncd.layout import (
     Replicate,
     Shard,
     Sharded,
-    itemsize,
+    dtype_bytes,
     local_tensor,
 )
-from syncd.layout.dtypes import CASTS
+from syncd.layout.dtypes import CASTS, torch_dtype
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.simulate import NUMPY_DTYPES, execute, materialize
 
@@ -118,7 +118,7 @@ def _torch_cast(values: np.ndarray, src: str, dst: str) -> np.ndarray:
     """torch's `.to()` of `values` (held as `NUMPY_DTYPES[src]`), held as `NUMPY_DTYPES[dst]`."""
     x = torch.from_numpy(np.ascontiguousarray(values).view(np.int16) if src == "bfloat16" else values)
     x = x.view(torch.bfloat16) if src == "bfloat16" else x
-    y = x.to(getattr(torch, dst))
+    y = x.to(torch_dtype(dst))
     return y.view(torch.int16).numpy().view(np.uint16) if dst == "bfloat16" else y.numpy()
 
 
@@ -146,7 +146,7 @@ def test_random_layouts_reproduce_every_destination_bit_exactly(data):
 
     unconverted = make_plan(sources, [DestMember(m, _with_dtype(c, src_dtype)) for m, _, c in dsts],
                             bucket_bytes=bucket_bytes)
-    assert plan.total_bytes * itemsize(src_dtype) == unconverted.total_bytes * itemsize(dst_dtype)
+    assert plan.total_bytes * dtype_bytes(src_dtype) == unconverted.total_bytes * dtype_bytes(dst_dtype)
 
     writes = {m: {t.name: np.zeros(t.shape, np.int32) for t in c.tensors} for m, _, c in dsts}
     for bucket in plan.buckets:
@@ -181,13 +181,13 @@ def test_replicated_sources_send_once_and_spread_the_load(groups, replicas, data
 def _sentinel(shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """Every byte 0x7B (a large finite number in every dtype, never drawn), so that an element
     no unit wrote fails the comparison."""
-    return np.full(int(np.prod(shape)) * itemsize(dtype), 0x7B, np.uint8).view(NUMPY_DTYPES[dtype]).reshape(shape)
+    return np.full(int(np.prod(shape)) * dtype_bytes(dtype), 0x7B, np.uint8).view(NUMPY_DTYPES[dtype]).reshape(shape)
 
 
 def _bits(values: np.ndarray, dtype: str) -> np.ndarray:
     """The bit patterns of `values`, every NaN as one pattern: a NaN's payload bits are not
     specified by the casts (torch's CPU and CUDA casts differ there), everything else is."""
-    bits = values.view(np.uint16 if itemsize(dtype) == 2 else np.uint32).copy()
+    bits = values.view(np.uint16 if dtype_bytes(dtype) == 2 else np.uint32).copy()
     nan = (bits & 0x7FFF) > 0x7F80 if dtype == "bfloat16" else np.isnan(values)
     bits[nan] = np.iinfo(bits.dtype).max
     return bits
