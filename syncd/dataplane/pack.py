@@ -6,7 +6,10 @@
 The sender converts while packing: each unit's bytes in the bucket are in the unit's `dtype` (the
 destination's), whatever the sender holds, so the wire and both sides' checksums carry the
 converted bytes and the receiver unpacks plain copies. The cast is the copy into the bucket itself
-(torch's `copy_` rounds like `.to()`: to nearest even), so no other buffer is needed.
+(torch's `copy_` rounds like `.to()`: to nearest even), so no other buffer is needed. It casts
+from whatever the sender's tensor holds (`catalog_views` checked that against its catalog, and the
+planner checked the pair), so it does not depend on `TransferUnit.src_dtype`, which the gRPC
+message does not carry yet.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from syncd.layout import Catalog
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan.types import Bucket
+
 
 def catalog_views(catalog: Catalog, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Views (no copies) of `tensors` in the catalog's shapes. Raises ValueError naming the tensor
