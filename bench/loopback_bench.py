@@ -38,7 +38,7 @@ from bench.loopback_transport import LoopbackWire, NullTransport  # noqa: E402
 from bench.refit_bench import shape_for  # noqa: E402
 from bench.synthetic_moe import trainer_catalog, vllm_catalog  # noqa: E402
 from syncd.dataplane import catalog_views, recv_buckets, send_buckets  # noqa: E402
-from syncd.dataplane.pack import TORCH_DTYPES  # noqa: E402
+from syncd.layout.dtypes import torch_dtype  # noqa: E402
 from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
 
 _SRC, _DST = "trainer-0", "generator-0-0"
@@ -57,7 +57,7 @@ class Setup:
         gen = torch.Generator(device=device).manual_seed(0)
 
         def owned(catalog, fill):
-            return {t.name: fill(torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=device)) for t in catalog.tensors}
+            return {t.name: fill(torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device)) for t in catalog.tensors}
 
         src = owned(self.src_cat, lambda t: t.copy_(torch.randn(t.shape, generator=gen, device=device)))
         dst = owned(self.dst_cat, lambda t: t.fill_(float("nan")))

@@ -36,7 +36,7 @@ from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog  # noqa:
 from syncd.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets  # noqa: E402
 from syncd.dataplane.executor import _STAGING  # noqa: E402
 
-from syncd.dataplane.pack import TORCH_DTYPES  # noqa: E402
+from syncd.layout.dtypes import torch_dtype  # noqa: E402
 from syncd.layout.hf_names import is_grouped_expert, split_to_hf  # noqa: E402
 from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
 
@@ -173,7 +173,7 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     ranks = {"trainer-0": 0, "generator-0-0": 1}
     catalog = src_cat if rank == 0 else dst_cat
     gen = torch.Generator(device=device).manual_seed(0)
-    owned = {t.name: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=device) for t in catalog.tensors}
+    owned = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device) for t in catalog.tensors}
     for t in owned.values():
         t.copy_(torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32)) if rank == 0 else t.zero_()
     views = catalog_views(catalog, owned)

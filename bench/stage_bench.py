@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 from bench.refit_bench import shape_for, spawn_workers, timed_rounds  # noqa: E402
 from bench.synthetic_moe import trainer_catalog, vllm_catalog  # noqa: E402
 from syncd.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets  # noqa: E402
-from syncd.dataplane.pack import TORCH_DTYPES  # noqa: E402
+from syncd.layout.dtypes import torch_dtype  # noqa: E402
 from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
 from syncd.planning import checksum_mismatch  # noqa: E402
 
@@ -42,7 +42,7 @@ def _canonical(shape, device) -> dict[str, torch.Tensor]:
     out = {}
     for i, c in enumerate(shape.canonical()):
         gen = torch.Generator(device=device).manual_seed(1000 + i)
-        out[c.name] = torch.randn(c.shape, generator=gen, device=device, dtype=torch.float32).to(TORCH_DTYPES[c.dtype])
+        out[c.name] = torch.randn(c.shape, generator=gen, device=device, dtype=torch.float32).to(torch_dtype(c.dtype))
     return out
 
 
@@ -111,7 +111,7 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     is_trainer = rank < pp
     me = trainers[rank] if is_trainer else receivers[rank - pp]
     catalog = me.catalog
-    owned = {t.name: torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype], device=device) for t in catalog.tensors}
+    owned = {t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=device) for t in catalog.tensors}
     views = catalog_views(catalog, owned)
     canonical = _canonical(shape, device)
     if is_trainer:

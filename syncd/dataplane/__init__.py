@@ -2,11 +2,10 @@
 
 from syncd.dataplane.checksum import checksum, unit_key
 from syncd.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
-from syncd.dataplane.pack import TORCH_DTYPES, catalog_views, pack_into, unpack_from
+from syncd.dataplane.pack import catalog_views, pack_into, unpack_from
 from syncd.dataplane.transport import GlooTransport, TransferError, TransferTimeout, Transport
 
 __all__ = [
-    "TORCH_DTYPES",
     "GlooTransport",
     "TransferAborted",
     "TransferStats",

@@ -2,6 +2,14 @@
 
 `tensors` maps a catalog's local tensor names to tensors already viewed as the catalog's shape
 (`LocalTensor.shape`); `catalog_views` builds that mapping from a member's own tensors.
+
+The sender converts while packing: each unit's bytes in the bucket are in the unit's `dtype` (the
+destination's), whatever the sender holds, so the wire and both sides' checksums carry the
+converted bytes and the receiver unpacks plain copies. The cast is the copy into the bucket itself
+(torch's `copy_` rounds like `.to()`: to nearest even), so no other buffer is needed. It casts
+from whatever the sender's tensor holds (`catalog_views` checked that against its catalog, and the
+planner checked the pair), so it does not depend on `TransferUnit.src_dtype`, which the gRPC
+message does not carry yet.
 """
 
 from __future__ import annotations
@@ -11,22 +19,8 @@ from typing import Mapping
 import torch
 
 from syncd.layout import Catalog
+from syncd.layout.dtypes import torch_dtype
 from syncd.plan.types import Bucket
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
 
 
 def catalog_views(catalog: Catalog, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -37,7 +31,7 @@ def catalog_views(catalog: Catalog, tensors: Mapping[str, torch.Tensor]) -> dict
         if t.name not in tensors:
             raise ValueError(f"catalog tensor {t.name} has no local tensor")
         x = tensors[t.name]
-        if x.dtype != TORCH_DTYPES[t.dtype]:
+        if x.dtype != torch_dtype(t.dtype):
             raise ValueError(f"{t.name} is {x.dtype}, the catalog says {t.dtype}")
         if not x.is_contiguous() or x.numel() != torch.Size(t.shape).numel():
             raise ValueError(f"{t.name}: a contiguous tensor of {t.shape} elements is needed, got {tuple(x.shape)}")
@@ -50,12 +44,12 @@ def _region(t: torch.Tensor, box) -> torch.Tensor:
 
 
 def pack_into(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Copy the bucket's source regions into the byte buffer `out` (at least `bucket.nbytes`);
-    returns the filled prefix."""
+    """Copy the bucket's source regions into the byte buffer `out` (at least `bucket.nbytes`),
+    converted to each unit's dtype; returns the filled prefix."""
     offset = 0
     for u in bucket.units:
         src = _region(tensors[u.src_tensor], u.src_box)
-        dst = out[offset : offset + u.nbytes].view(src.dtype).view(src.shape)
+        dst = out[offset : offset + u.nbytes].view(torch_dtype(u.dtype)).view(src.shape)
         dst.copy_(src)
         offset += u.nbytes
     return out[:offset]

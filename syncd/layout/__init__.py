@@ -1,7 +1,8 @@
 """The layout language: every local tensor is a set of boxes of named canonical tensors."""
 
 from syncd.layout.box import Box, split_range
-from syncd.layout.catalog import DTYPE_BYTES, CanonicalTensor, Catalog, LocalTensor, Piece, dtype_bytes
+from syncd.layout.catalog import CanonicalTensor, Catalog, LocalTensor, Piece
+from syncd.layout.dtypes import Conversion, conversion, dtype_bytes
 from syncd.layout.placements import (
     Canon,
     Concat,
@@ -15,12 +16,12 @@ from syncd.layout.placements import (
 )
 
 __all__ = [
-    "DTYPE_BYTES",
     "Box",
     "Canon",
     "CanonicalTensor",
     "Catalog",
     "Concat",
+    "Conversion",
     "InterleavedShard",
     "LocalTensor",
     "Piece",
@@ -29,6 +30,7 @@ __all__ = [
     "Shard",
     "Sharded",
     "Stack",
+    "conversion",
     "dtype_bytes",
     "local_tensor",
     "split_range",

@@ -7,6 +7,8 @@ How it works, per canonical tensor:
    is an element no source covers: an error naming the tensor, raised before anything moves.
 3. Each (cell, destination piece) intersection becomes one transfer unit from one replica, chosen
    as the least-loaded so far, so replicated data is sent once and spread over its holders.
+Each side declares the dtype it holds a canonical tensor in; when they differ, units record the
+conversion and are sized in the destination's dtype, since the sender converts while packing.
 Units larger than a bucket are cut into slabs; the units of each (stage, src, dst) link are
 packed greedily, in a deterministic order, into buckets of at most `bucket_bytes`.
 """
@@ -19,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from syncd.layout import Box, CanonicalTensor, Piece, dtype_bytes
+from syncd.layout import Box, CanonicalTensor, Conversion, Piece, conversion, dtype_bytes
 from syncd.layout.catalog import first_overlap
 from syncd.plan.types import Bucket, DestMember, Plan, SourceMember, TransferUnit
 
@@ -41,8 +43,11 @@ def make_plan(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Plan:
-    """Plan a refit. Raises ValueError (naming the tensor) if the two sides disagree on a canonical
-    tensor's shape or dtype, if destination boxes overlap, or if a destination element has no source."""
+    """Plan a refit. Raises ValueError (naming the tensor) if members disagree on a canonical
+    tensor's shape, if the members of one side disagree on its dtype, if the sources' dtype cannot
+    be converted to the destinations' (`syncd.layout.dtypes.conversion`), if destination boxes
+    overlap, or if a destination element has no source. Units carry the destination's dtype (their
+    `nbytes` are wire bytes) and the conversion the sender applies while packing."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     ids = [m.member_id for m in sources] + [m.member_id for m in destinations]
@@ -58,25 +63,63 @@ def make_plan(
         if not holders:
             raise ValueError(f"no source holds canonical tensor {name}, which a destination needs")
         _check_destination_overlap(name, dst_holdings[name])
-        limit = max(1, bucket_bytes // dtype_bytes(meta[name].dtype))
+        limit = max(1, bucket_bytes // dtype_bytes(meta[name].tensor.dtype))
         for src, dst, unit in _units_for_tensor(meta[name], holders, dst_holdings[name], load, limit):
             links[(src, dst)].append(unit)
     return _pack(links, sources, destinations, bucket_bytes)
 
 
+@dataclass(frozen=True, slots=True)
+class _Declared:
+    """A canonical tensor as the first member of one side that declares it has it."""
+
+    tensor: CanonicalTensor
+    member_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorMeta:
+    """A canonical tensor as both sides see it: the destination's declaration (its dtype is what
+    travels on the wire) and the conversion the sender applies while packing."""
+
+    tensor: CanonicalTensor
+    conversion: Conversion
+
+
+def _declarations(members: Sequence[SourceMember] | Sequence[DestMember]) -> dict[str, _Declared]:
+    """Each canonical tensor one side declares; the members of a side must agree on shape and dtype."""
+    out: dict[str, _Declared] = {}
+    for m in members:
+        for c in m.catalog.canonical:
+            seen = out.get(c.name)
+            if seen is None:
+                out[c.name] = _Declared(c, m.member_id)
+            elif seen.tensor != c:
+                raise ValueError(
+                    f"canonical tensor {c.name} disagrees: {seen.member_id} has "
+                    f"{seen.tensor.dtype}{list(seen.tensor.shape)}, {m.member_id} has {c.dtype}{list(c.shape)}"
+                )
+    return out
+
+
 def _canonical_meta(
     sources: Sequence[SourceMember], destinations: Sequence[DestMember]
-) -> dict[str, CanonicalTensor]:
-    meta: dict[str, tuple[CanonicalTensor, str]] = {}
-    for m in [*sources, *destinations]:
-        for c in m.catalog.canonical:
-            seen = meta.setdefault(c.name, (c, m.member_id))
-            if (seen[0].shape, seen[0].dtype) != (c.shape, c.dtype):
-                raise ValueError(
-                    f"canonical tensor {c.name} disagrees: {seen[1]} has {seen[0].dtype}{list(seen[0].shape)}, "
-                    f"{m.member_id} has {c.dtype}{list(c.shape)}"
-                )
-    return {name: c for name, (c, _) in meta.items()}
+) -> dict[str, _TensorMeta]:
+    """Per canonical tensor both sides declare: shapes must agree; dtypes may differ by a supported
+    conversion (anything else is refused here, before any byte moves)."""
+    src = _declarations(sources)
+    meta: dict[str, _TensorMeta] = {}
+    for name, dst in _declarations(destinations).items():
+        held = src.get(name)
+        if held is None:
+            continue  # an error only if a destination tensor needs it (make_plan says which)
+        if held.tensor.shape != dst.tensor.shape:
+            raise ValueError(
+                f"canonical tensor {name} disagrees: {held.member_id} has {held.tensor.dtype}"
+                f"{list(held.tensor.shape)}, {dst.member_id} has {dst.tensor.dtype}{list(dst.tensor.shape)}"
+            )
+        meta[name] = _TensorMeta(dst.tensor, conversion(held.tensor.dtype, dst.tensor.dtype, tensor=name))
+    return meta
 
 
 def _holdings_by_canonical(catalogs: Sequence) -> dict[str, list[_Holding]]:
@@ -99,15 +142,17 @@ def _check_destination_overlap(name: str, holdings: list[_Holding]) -> None:
 
 
 def _units_for_tensor(
-    meta: CanonicalTensor,
+    meta: _TensorMeta,
     sources: list[_Holding],
     dests: list[_Holding],
     load: list[int],
     max_elements: int,
 ) -> Iterator[tuple[int, int, TransferUnit]]:
-    itemsize = dtype_bytes(meta.dtype)
+    tensor, conv = meta.tensor, meta.conversion
+    wire_itemsize = dtype_bytes(tensor.dtype)
+    src_dtype = None if conv.is_identity else conv.src
     cuts = [sorted({0, n, *(h.piece.canon.start[d] for h in sources), *(h.piece.canon.stop[d] for h in sources)})
-            for d, n in enumerate(meta.shape)]
+            for d, n in enumerate(tensor.shape)]
     replicas: dict[tuple[int, ...], list[_Holding]] = defaultdict(list)
     for h in sources:
         for cell in _cells(cuts, h.piece.canon):
@@ -119,19 +164,20 @@ def _units_for_tensor(
             sub = cell_box.intersect(dst.piece.canon)
             assert sub is not None  # cells come from the destination box's own range
             if not holders:
-                raise ValueError(f"no source covers region {sub} of canonical tensor {meta.name}")
+                raise ValueError(f"no source covers region {sub} of canonical tensor {tensor.name}")
             src = min(holders, key=lambda h: (load[h.member], h.member))
-            load[src.member] += sub.numel * itemsize
+            load[src.member] += sub.numel * wire_itemsize
             for slab in _slabs(sub, max_elements):
                 yield src.member, dst.member, TransferUnit(
-                    canonical=meta.name,
+                    canonical=tensor.name,
                     canon=slab,
-                    dtype=meta.dtype,
+                    dtype=tensor.dtype,
                     src_tensor=src.tensor,
                     src_box=src.piece.local_region(slab),
                     dst_tensor=dst.tensor,
                     dst_box=dst.piece.local_region(slab),
-                    nbytes=slab.numel * itemsize,
+                    nbytes=slab.numel * wire_itemsize,
+                    src_dtype=src_dtype,
                 )
 
 

@@ -2,6 +2,10 @@
 
 Used by property tests (random layouts in, bit-exact arrays out) and by services' own tests to
 check that a catalog describes their tensors.
+
+NumPy has no bfloat16, so bfloat16 arrays here hold their bit patterns as uint16 (`NUMPY_DTYPES`),
+and `convert` is an independent NumPy reference of the casts the sender applies (round to nearest
+even, as torch's `.to()`), so tests can check the torch data plane against it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,40 @@ import numpy as np
 
 from syncd.layout import Catalog
 from syncd.plan.types import Bucket, Plan
+
+
+NUMPY_DTYPES: dict[str, type] = {
+    "float64": np.float64,
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,  # bit patterns
+}
+
+_BF16_QUIET_NAN = np.uint16(0x7FC0)  # what torch writes for any NaN
+
+
+def convert(values: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """`values` (held as `NUMPY_DTYPES[src]`) converted to `dst`: the reference of every cast in
+    `syncd.layout.dtypes.CASTS`, and the identity. Bit-exact except a NaN's payload, which no cast
+    specifies (torch's CPU and CUDA casts differ there): a NaN stays a NaN."""
+    if src == dst:
+        return values
+    if (src, dst) == ("float32", "bfloat16"):
+        return _float32_to_bfloat16_bits(values)
+    if (src, dst) == ("bfloat16", "float32"):
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    if (src, dst) in {("float32", "float16"), ("float16", "float32")}:
+        with np.errstate(over="ignore"):  # overflow to infinity is the cast's defined result
+            return values.astype(NUMPY_DTYPES[dst])  # IEEE casts, NumPy rounds to nearest even
+    raise ValueError(f"no reference conversion from {src} to {dst}")
+
+
+def _float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """Round to nearest even on the bit pattern: add 0x7FFF plus the lowest kept bit, truncate.
+    Overflow carries into the exponent, which is right (to infinity); NaNs become the quiet NaN."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), _BF16_QUIET_NAN, rounded)
 
 
 def materialize(catalog: Catalog, canonical: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -27,17 +65,22 @@ def materialize(catalog: Catalog, canonical: Mapping[str, np.ndarray]) -> dict[s
 
 
 def pack(bucket: Bucket, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
-    """The sender's side: the bucket's units, flattened in C order and concatenated."""
-    return np.concatenate([tensors[u.src_tensor][u.src_box.slices()].reshape(-1) for u in bucket.units])
+    """The sender's side: the bucket's units, converted to their dtype, flattened in C order and
+    concatenated as bytes."""
+    parts = []
+    for u in bucket.units:
+        values = tensors[u.src_tensor][u.src_box.slices()].reshape(-1)
+        parts.append(np.ascontiguousarray(convert(values, u.src_dtype or u.dtype, u.dtype)).view(np.uint8))
+    return np.concatenate(parts)
 
 
 def unpack(bucket: Bucket, flat: np.ndarray, tensors: Mapping[str, np.ndarray]) -> None:
-    """The receiver's side: scatter a packed bucket into the destination tensors."""
+    """The receiver's side: scatter a packed bucket (bytes) into the destination tensors."""
     offset = 0
     for u in bucket.units:
-        n = u.dst_box.numel
-        tensors[u.dst_tensor][u.dst_box.slices()] = flat[offset : offset + n].reshape(u.dst_box.shape)
-        offset += n
+        dst = tensors[u.dst_tensor]
+        dst[u.dst_box.slices()] = flat[offset : offset + u.nbytes].view(dst.dtype).reshape(u.dst_box.shape)
+        offset += u.nbytes
 
 
 def execute(

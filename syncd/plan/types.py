@@ -30,7 +30,12 @@ class DestMember:
 class TransferUnit:
     """Region `canon` of canonical tensor `canonical`, read by the sender from `src_box` of its
     tensor `src_tensor` and written by the receiver into `dst_box` of `dst_tensor`. Both local boxes
-    flatten (C order) to the same element sequence as `canon`."""
+    flatten (C order) to the same element sequence as `canon`.
+
+    `dtype` is the destination's element type, which is what travels: `nbytes` counts it. When the
+    sender holds the tensor in another type, `src_dtype` names it and the sender converts while
+    packing (`syncd.layout.dtypes.conversion` says which pairs are allowed); None means no
+    conversion."""
 
     canonical: str
     canon: Box
@@ -40,6 +45,7 @@ class TransferUnit:
     dst_tensor: str
     dst_box: Box
     nbytes: int
+    src_dtype: str | None = None
 
 
 @dataclass(frozen=True)

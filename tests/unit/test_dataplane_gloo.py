@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from syncd.dataplane import GlooTransport, TransferError, TransferTimeout, catalog_views, recv_buckets, send_buckets
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Replicate, Shard, Sharded, Stack, local_tensor
+from syncd.layout.dtypes import torch_dtype
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.simulate import materialize
 
@@ -21,19 +23,19 @@ NORM = CanonicalTensor("m.norm.weight", (H,), "float32")
 ALL = (GATE, UP, NORM)
 
 
-def trainer_catalog(ep_rank: int, tp_rank: int) -> Catalog:
+def trainer_catalog(ep_rank: int, tp_rank: int, dtype: str = "float32") -> Catalog:
     fused = Stack(1, (Canon(GATE.name, GATE.shape), Canon(UP.name, UP.shape)))
-    return Catalog(ALL, (
-        local_tensor("w13", "float32", Sharded(fused, (Shard(0), Shard(2)), (2, 2), (ep_rank, tp_rank))),
-        local_tensor("norm", "float32", Canon(NORM.name, NORM.shape)),
+    return Catalog(tuple(replace(c, dtype=dtype) for c in ALL), (
+        local_tensor("w13", dtype, Sharded(fused, (Shard(0), Shard(2)), (2, 2), (ep_rank, tp_rank))),
+        local_tensor("norm", dtype, Canon(NORM.name, NORM.shape)),
     ))
 
 
-def vllm_catalog(tp_rank: int, tp: int) -> Catalog:
+def vllm_catalog(tp_rank: int, tp: int, dtype: str = "float32") -> Catalog:
     parts = tuple(Sharded(Canon(c.name, c.shape), (Shard(1),), (tp,), (tp_rank,)) for c in (GATE, UP))
-    return Catalog(ALL, (
-        local_tensor("w13_weight", "float32", Concat(1, parts)),
-        local_tensor("norm", "float32", Sharded(Canon(NORM.name, NORM.shape), (Replicate(),), (tp,), (tp_rank,))),
+    return Catalog(tuple(replace(c, dtype=dtype) for c in ALL), (
+        local_tensor("w13_weight", dtype, Concat(1, parts)),
+        local_tensor("norm", dtype, Sharded(Canon(NORM.name, NORM.shape), (Replicate(),), (tp,), (tp_rank,))),
     ))
 
 
@@ -54,18 +56,22 @@ def _run_threads(fns):
     return errors
 
 
+@pytest.mark.parametrize("wire_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bucket_bytes", [64, 1 << 20])
-def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes):
+def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype):
+    """A float32 trainer refits a float32 or a bfloat16 generator: the sender casts while packing,
+    so the generator holds exactly torch's cast of the trainer's weights."""
     rng = np.random.default_rng(1)
     canonical = {c.name: rng.standard_normal(c.shape).astype(np.float32) for c in ALL}
     sources = [SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(e, t)) for e in range(2) for t in range(2)]
-    dests = [DestMember(f"generator-0-{t}", vllm_catalog(t, 2)) for t in range(2)]
+    dests = [DestMember(f"generator-0-{t}", vllm_catalog(t, 2, wire_dtype)) for t in range(2)]
     plan = make_plan(sources, dests, bucket_bytes=bucket_bytes)
     members = [m.member_id for m in sources + dests]
     ranks = {m: i for i, m in enumerate(members)}
     address, store = GlooTransport.create_address("127.0.0.1", len(members), 30)
     local = {m.member_id: {k: torch.from_numpy(v) for k, v in materialize(m.catalog, canonical).items()} for m in sources}
-    received = {m.member_id: {t.name: torch.full(t.shape, float("nan")) for t in m.catalog.tensors} for m in dests}
+    wire = torch_dtype(wire_dtype)
+    received = {m.member_id: {t.name: torch.full(t.shape, float("nan"), dtype=wire) for t in m.catalog.tensors} for m in dests}
     stats = {}
 
     def member(m, catalog, sending):
@@ -82,7 +88,7 @@ def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes):
     for m in dests:
         expected = materialize(m.catalog, canonical)
         for name, t in received[m.member_id].items():
-            np.testing.assert_array_equal(t.numpy(), expected[name], err_msg=name)
+            assert torch.equal(t, torch.from_numpy(expected[name]).to(wire)), name  # no NaN left: all written
     sent = {k: v for s in sources for k, v in stats[s.member_id].checksums.items()}
     got = {k: v for d in dests for k, v in stats[d.member_id].checksums.items()}
     assert got and sent == got

@@ -134,7 +134,8 @@ def _member(catalog, i=0):
     [
         (_catalog(Piece("w", TOP, TOP), shape=(2, 4)), _catalog(Piece("w", FULL, FULL)), r"no source covers region \[2:4, 0:4\] of canonical tensor w"),
         (_catalog(Piece("w", FULL, FULL)), _catalog(Piece("w", Box((0, 0), (4, 2)), Box((0, 0), (4, 2))), shape=(4, 2), canon_shape=(4, 2)), "canonical tensor w disagrees"),
-        (_catalog(Piece("w", FULL, FULL)), _catalog(Piece("w", FULL, FULL), dtype="bfloat16", canon_dtype="bfloat16"), "canonical tensor w disagrees"),
+        (_catalog(Piece("w", FULL, FULL)), _catalog(Piece("w", FULL, FULL), dtype="float8_e4m3fn", canon_dtype="float8_e4m3fn"),
+         r"canonical tensor w: cannot convert float32 \(source\) to float8_e4m3fn"),
     ],
 )
 def test_planner_fails_loud_before_any_transfer(src, dst, match):

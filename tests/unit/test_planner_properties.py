@@ -1,12 +1,15 @@
-"""Property tests: random canonical tensors and random source/destination layouts in, bit-exact
-arrays out (executed by the NumPy reference data plane)."""
+"""Property tests: random canonical tensors, random source/destination layouts and random
+supported dtype pairs in, bit-exact arrays out (executed by the NumPy reference data plane, whose
+casts must equal torch's)."""
 
 from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,10 +22,18 @@ from syncd.layout import (
     Replicate,
     Shard,
     Sharded,
+    dtype_bytes,
     local_tensor,
 )
+from syncd.layout.dtypes import CASTS, torch_dtype
 from syncd.plan import DestMember, SourceMember, make_plan
-from syncd.plan.simulate import execute, materialize
+from syncd.plan.simulate import NUMPY_DTYPES, execute, materialize
+
+DTYPE_PAIRS = sorted(CASTS | {(d, d) for d in ("float32", "bfloat16", "float16")})
+# Values where casts go wrong: signed zeros, infinities, NaN, bfloat16 ties (to even: down, up),
+# overflow to infinity in bfloat16 and float16, float32 and float16 subnormals.
+SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1 + 2**-8, 1 + 3 * 2**-8, 3.4e38, 65520.0, 1e-40, 6e-8],
+                    dtype=np.float32)
 
 
 @st.composite
@@ -56,8 +67,9 @@ def placements(draw, rank: int, mesh: tuple[int, ...], extents: tuple[int, ...])
 
 
 @st.composite
-def side(draw, groups, prefix: str):
-    """A random mesh and, for every member, a catalog built with the layout expressions."""
+def side(draw, groups, prefix: str, dtype: str = "float32"):
+    """A random mesh and, for every member, a catalog built with the layout expressions, holding
+    every tensor in `dtype`."""
     mesh = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))
     exprs = []
     for g, tensors in enumerate(groups):
@@ -83,40 +95,58 @@ def side(draw, groups, prefix: str):
                 expr = Sharded(base, pl, mesh, coords)
             if expr is None or 0 in expr.shape:
                 continue
-            locals_.append(local_tensor(name, "float32", expr))
+            locals_.append(local_tensor(name, dtype, expr))
             for t in tensors:
-                canon[t.name] = t
+                canon[t.name] = replace(t, dtype=dtype)
         members.append((f"{prefix}{'-'.join(map(str, coords))}", coords, Catalog(tuple(canon.values()), tuple(locals_))))
     return members
 
 
-def _canonical_arrays(groups, seed: int) -> dict[str, np.ndarray]:
+def _canonical_arrays(groups, seed: int, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """Random normal values with a few `SPECIALS` mixed in, held as `NUMPY_DTYPES[dtype]`."""
     rng = np.random.default_rng(seed)
-    return {t.name: rng.standard_normal(t.shape).astype(np.float32) for g in groups for t in g}
+    out = {}
+    for t in (t for g in groups for t in g):
+        values = rng.standard_normal(t.shape).astype(np.float32)
+        flat = values.reshape(-1)
+        flat[rng.integers(0, flat.size, 3)] = rng.choice(SPECIALS, 3)
+        out[t.name] = _torch_cast(values, "float32", dtype)
+    return out
+
+
+def _torch_cast(values: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """torch's `.to()` of `values` (held as `NUMPY_DTYPES[src]`), held as `NUMPY_DTYPES[dst]`."""
+    x = torch.from_numpy(np.ascontiguousarray(values).view(np.int16) if src == "bfloat16" else values)
+    x = x.view(torch.bfloat16) if src == "bfloat16" else x
+    y = x.to(torch_dtype(dst))
+    return y.view(torch.int16).numpy().view(np.uint16) if dst == "bfloat16" else y.numpy()
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_layouts_reproduce_every_destination_bit_exactly(data):
     groups = data.draw(tensor_groups())
-    srcs = data.draw(side(groups, "src"))
-    dsts = data.draw(side(groups, "dst"))
+    src_dtype, dst_dtype = data.draw(st.sampled_from(DTYPE_PAIRS))
+    srcs = data.draw(side(groups, "src", src_dtype))
+    dsts = data.draw(side(groups, "dst", dst_dtype))
     bucket_bytes = data.draw(st.sampled_from([4, 64, 1 << 20]))
     for _, _, catalog in srcs + dsts:
         catalog.validate()
-    plan = make_plan(
-        [SourceMember(m, coords[0] % 2, c) for m, coords, c in srcs],
-        [DestMember(m, c) for m, _, c in dsts],
-        bucket_bytes=bucket_bytes,
-    )
-    canonical = _canonical_arrays(groups, data.draw(st.integers(0, 2**16)))
+    sources = [SourceMember(m, coords[0] % 2, c) for m, coords, c in srcs]
+    plan = make_plan(sources, [DestMember(m, c) for m, _, c in dsts], bucket_bytes=bucket_bytes)
+    canonical = _canonical_arrays(groups, data.draw(st.integers(0, 2**16)), src_dtype)
     src_arrays = {m: materialize(c, canonical) for m, _, c in srcs}
-    dst_arrays = {m: {t.name: np.full(t.shape, np.nan, np.float32) for t in c.tensors} for m, _, c in dsts}
+    dst_arrays = {m: {t.name: _sentinel(t.shape, dst_dtype) for t in c.tensors} for m, _, c in dsts}
     execute(plan, src_arrays, dst_arrays)
+    cast = {name: _torch_cast(values, src_dtype, dst_dtype) for name, values in canonical.items()}
     for m, _, catalog in dsts:
-        expected = materialize(catalog, canonical)
+        expected = materialize(catalog, cast)
         for name, arr in dst_arrays[m].items():
-            np.testing.assert_array_equal(arr, expected[name], err_msg=f"{m}/{name}")
+            np.testing.assert_array_equal(_bits(arr, dst_dtype), _bits(expected[name], dst_dtype), err_msg=f"{m}/{name}")
+
+    unconverted = make_plan(sources, [DestMember(m, _with_dtype(c, src_dtype)) for m, _, c in dsts],
+                            bucket_bytes=bucket_bytes)
+    assert plan.total_bytes * dtype_bytes(src_dtype) == unconverted.total_bytes * dtype_bytes(dst_dtype)
 
     writes = {m: {t.name: np.zeros(t.shape, np.int32) for t in c.tensors} for m, _, c in dsts}
     for bucket in plan.buckets:
@@ -146,3 +176,23 @@ def test_replicated_sources_send_once_and_spread_the_load(groups, replicas, data
     largest_unit = max(u.nbytes for b in plan.buckets for u in b.units)
     loads = [load[s.member_id] for s in srcs]
     assert max(loads) - min(loads) <= largest_unit, loads
+
+
+def _sentinel(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Every byte 0x7B (a large finite number in every dtype, never drawn), so that an element
+    no unit wrote fails the comparison."""
+    return np.full(int(np.prod(shape)) * dtype_bytes(dtype), 0x7B, np.uint8).view(NUMPY_DTYPES[dtype]).reshape(shape)
+
+
+def _bits(values: np.ndarray, dtype: str) -> np.ndarray:
+    """The bit patterns of `values`, every NaN as one pattern: a NaN's payload bits are not
+    specified by the casts (torch's CPU and CUDA casts differ there), everything else is."""
+    bits = values.view(np.uint16 if dtype_bytes(dtype) == 2 else np.uint32).copy()
+    nan = (bits & 0x7FFF) > 0x7F80 if dtype == "bfloat16" else np.isnan(values)
+    bits[nan] = np.iinfo(bits.dtype).max
+    return bits
+
+
+def _with_dtype(catalog: Catalog, dtype: str) -> Catalog:
+    return Catalog(tuple(replace(c, dtype=dtype) for c in catalog.canonical),
+                   tuple(replace(t, dtype=dtype) for t in catalog.tensors))

@@ -1,0 +1,46 @@
+"""The reference blockwise FP8 quantizer: what a blockwise-FP8 generator must hold after a refit.
+
+Per 128x128 block of the last two dims (edge blocks smaller; see `syncd.plan.fp8_blocks` for the
+grid and for why a sender must hold whole blocks):
+
+    amax           = max |x| over the block, in float32 (at least AMAX_FLOOR)
+    weight_scale_inv = amax / 448                  (float32; 448 is e4m3's largest finite value)
+    weight         = clamp(x / weight_scale_inv, -448, 448) cast to float8_e4m3fn (nearest even)
+
+so `weight * weight_scale_inv` dequantizes, and every block's largest element maps to +-448. The
+clamp is needed because the division can land a hair above 448, and torch casts anything beyond
+e4m3's range to NaN. The floor keeps all-zero blocks finite (their weights quantize to 0).
+Inputs of any float dtype are quantized from their float32 values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from syncd.plan.fp8_blocks import BLOCK, scale_shape
+
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-12
+
+
+def quantize_blockwise(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(weight_fp8, weight_scale_inv)` of `weight` (`[..., N, K]`): e4m3 values of the same shape
+    and float32 scales of shape `scale_shape(weight.shape)`. Pure: `weight` is not modified."""
+    x = weight.to(torch.float32)
+    *lead, n, k = x.shape
+    rows, cols = scale_shape(tuple(x.shape), block)[-2:]
+    # Zero-pad the edge blocks to whole ones: padding never raises an amax, and is cut off below.
+    padded = torch.zeros((*lead, rows * block[0], cols * block[1]), dtype=torch.float32, device=x.device)
+    padded[..., :n, :k] = x
+    blocks = padded.view(*lead, rows, block[0], cols, block[1])
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp_min(AMAX_FLOOR)
+    scale_inv = amax / E4M3_MAX
+    q = (blocks / scale_inv[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(padded.shape)[..., :n, :k].contiguous(), scale_inv
+
+
+def dequantize_blockwise(weight_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    """float32 `weight_fp8 * weight_scale_inv`, each scale spread over its block."""
+    n, k = weight_fp8.shape[-2:]
+    spread = scale_inv.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+    return weight_fp8.to(torch.float32) * spread[..., :n, :k]

@@ -1,0 +1,70 @@
+"""One GPU: a float32 trainer refits a bfloat16 generator through the executor's loops (eager and
+CUDA graphs); the sender's cast on the GPU is torch's CPU cast bit for bit; the FP8 reference
+quantizer gives the same bytes on the GPU as on the CPU."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu(count=1)
+
+_RANKS = {"trainer-0": 0, "generator-0-1": 1}
+
+
+def _refit(plan, src, dst, wire, graphs: bool):
+    from syncd.dataplane import recv_buckets, send_buckets
+
+    out = {}
+
+    def run(name, fn, member, views, endpoint):
+        out[name] = fn(plan.for_member(member), views, endpoint, _RANKS, timeout_s=60, graphs=graphs)
+
+    threads = [threading.Thread(target=run, args=("send", send_buckets, "trainer-0", src, wire.sender)),
+               threading.Thread(target=run, args=("recv", recv_buckets, "generator-0-1", dst, wire.receiver))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    return out["send"], out["recv"]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_float32_trainer_refits_bfloat16_generator_with_torchs_cpu_cast(graphs):
+    from bench.loopback_transport import LoopbackWire
+    from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
+    from syncd.dataplane import catalog_views
+    from syncd.plan import DestMember, SourceMember, make_plan
+
+    shape = MoeShape(layers=2, hidden=200, experts=6, moe_inter=72, heads=5, kv_heads=1, head_dim=40, vocab=999,
+                     dtype="float32")
+    src_cat, dst_cat = trainer_catalog(shape, 1, 0, 1, 0), vllm_catalog(replace(shape, dtype="bfloat16"), 2, 1)
+    plan = make_plan([SourceMember("trainer-0", 0, src_cat)], [DestMember("generator-0-1", dst_cat)],
+                     bucket_bytes=256 << 10)
+    src = {t.name: torch.randn(t.shape, device="cuda") for t in src_cat.tensors}
+    for t in src.values():  # bfloat16 ties (to even: down, up) and overflow to infinity
+        t.view(-1)[:3] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 3.4e38])
+    dst = {t.name: torch.full(t.shape, float("nan"), device="cuda", dtype=torch.bfloat16) for t in dst_cat.tensors}
+    sent, received = _refit(plan, catalog_views(src_cat, src), catalog_views(dst_cat, dst), LoopbackWire(torch.device("cuda")), graphs)
+    assert sent.checksums == received.checksums and len(sent.checksums) == plan.num_units
+    assert received.bytes == plan.total_bytes == dst_cat.nbytes
+    src_v, dst_v = catalog_views(src_cat, src), catalog_views(dst_cat, dst)
+    for b in plan.buckets:
+        for u in b.units:
+            want = src_v[u.src_tensor][u.src_box.slices()].cpu().to(torch.bfloat16)
+            got = dst_v[u.dst_tensor][u.dst_box.slices()].cpu()
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), u.canonical
+
+
+def test_fp8_quantizer_gives_the_same_bytes_on_gpu_and_cpu():
+    from syncd.dataplane.fp8 import quantize_blockwise
+
+    x = torch.randn(3, 300, 200) * torch.logspace(-3, 1, 300).view(-1, 1)
+    q_cpu, s_cpu = quantize_blockwise(x)
+    q_gpu, s_gpu = quantize_blockwise(x.cuda())
+    assert torch.equal(s_gpu.cpu(), s_cpu)
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
