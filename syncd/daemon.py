@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.store = Store(settings.db)
+        self.store = Store(settings.db, settings.store_busy_timeout)
         self.metrics = Metrics()
         self.registry = Registry(settings.lease_seconds)
         self.coordinator = Coordinator(settings, self.registry, self.store, self.metrics)

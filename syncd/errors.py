@@ -33,12 +33,17 @@ class Unauthenticated(SyncdError):
     """Missing or wrong bearer token."""
 
 
+class Unavailable(SyncdError):
+    """syncd cannot do it now for a reason outside the request (its store refuses writes); retry."""
+
+
 _TABLE: dict[type[SyncdError], tuple[grpc.StatusCode, int]] = {
     InvalidArgument: (grpc.StatusCode.INVALID_ARGUMENT, 400),
     FailedPrecondition: (grpc.StatusCode.FAILED_PRECONDITION, 409),
     AlreadyExists: (grpc.StatusCode.ALREADY_EXISTS, 409),
     NotFound: (grpc.StatusCode.NOT_FOUND, 404),
     Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, 401),
+    Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
 }
 
 

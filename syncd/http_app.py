@@ -42,18 +42,20 @@ def build_app(
     app.state.auth_token = auth_token
     _install_error_handlers(app)
 
+    # Health, readiness and metrics are `async`: they run on the event loop, never queued behind
+    # slow requests in the thread pool (a probe that waits gets syncd killed by Kubernetes).
     @app.get("/healthz", response_model=HealthOut, tags=["health"])
-    def healthz() -> HealthOut:
+    async def healthz() -> HealthOut:
         return HealthOut()
 
     @app.get("/readyz", response_model=ReadinessOut, responses={503: {"model": ReadinessOut}},
              tags=["health"])
-    def readyz() -> JSONResponse:
+    async def readyz() -> JSONResponse:
         r = ReadinessOut.of(coordinator.readiness())
         return JSONResponse(r.model_dump(), status_code=200 if r.ready else 503)
 
     @app.get("/metrics", tags=["health"], response_class=Response)
-    def prometheus() -> Response:
+    async def prometheus() -> Response:
         members = registry.members()
         for role in ROLES:
             metrics.members.labels(role=role).set(sum(m.role == role for m in members))
@@ -84,7 +86,7 @@ def build_app(
 
     @app.get("/v1/refits", response_model=RefitsOut, tags=["refits"])
     def history(limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> RefitsOut:
-        return RefitsOut(refits=[RefitOut.of(r) for r in coordinator.store.history(limit)])
+        return RefitsOut(refits=[RefitOut.of(r) for r in coordinator.history(limit)])
 
     @app.get("/v1/refits/{refit_id}", response_model=RefitOut, responses=_ERRORS, tags=["refits"])
     def refit(refit_id: str) -> RefitOut:

@@ -98,14 +98,18 @@ class RefitOut(BaseModel):
     weight_version: int
     created_at: float
     finished_at: float | None
-    error: str = Field(description="the cause when ABORTED")
+    error: str = Field(description="the cause when ABORTED; when COMMITTED, why members are unconfirmed")
     phases: dict[str, float] = Field(description="seconds spent per phase")
     bytes: int = Field(description="bytes received by generators")
+    unconfirmed: list[str] = Field(
+        description="COMMITTED: members that did not confirm Commit (the cause is in `error`)"
+    )
 
     @classmethod
     def of(cls, r: RefitRecord) -> RefitOut:
         return cls(id=r.id, state=r.state, weight_version=r.weight_version, created_at=r.created_at,
-                   finished_at=r.finished_at, error=r.error, phases=r.phases, bytes=r.bytes)
+                   finished_at=r.finished_at, error=r.error, phases=r.phases, bytes=r.bytes,
+                   unconfirmed=list(r.unconfirmed))
 
 
 class RefitsOut(BaseModel):

@@ -27,6 +27,10 @@ class Settings:
     auth_token: str | None = _setting(
         None, "SYNCD_AUTH_TOKEN", "when set, mutating HTTP calls and all member RPCs need 'Bearer <token>'"
     )
+    store_busy_timeout: float = _setting(
+        5.0, "SYNCD_STORE_BUSY_TIMEOUT",
+        "seconds a store write waits for SQLite's lock (3 attempts); refits never wait for it",
+    )
     lease_seconds: float = _setting(10.0, "SYNCD_LEASE_SECONDS", "member lease; renewed by heartbeats")
     prepare_timeout: float = _setting(120.0, "SYNCD_PREPARE_TIMEOUT", "seconds for PREPARING (plan + groups)")
     transfer_timeout: float = _setting(600.0, "SYNCD_TRANSFER_TIMEOUT", "seconds for TRANSFERRING")
@@ -48,7 +52,7 @@ class Settings:
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be auto, gloo or nccl, not {self.backend!r}")
-        for name in ("lease_seconds", "prepare_timeout", "transfer_timeout", "verify_timeout",
+        for name in ("store_busy_timeout", "lease_seconds", "prepare_timeout", "transfer_timeout", "verify_timeout",
                      "commit_timeout", "bucket_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")

@@ -67,6 +67,8 @@ class Behaviour:
     on_execute: Callable[[ExecutePlan], None] | None = None  # called before reporting TRANSFERRED
     fail_verify: str = ""  # error text to report instead of VERIFIED
     die_on_execute: bool = False  # on ExecutePlan: stop heartbeating and never answer (a crash)
+    reported_bytes: int | None = None  # bytes to report in TRANSFERRED instead of the plan's
+    on_commit: Callable[[Commit], None] | None = None  # called on Commit instead of confirming it
 
 
 @dataclass
@@ -104,6 +106,8 @@ class FakeMember:
                     c.report(cmd.refit_id, Phase.VERIFIED, ok=False, error=self.behaviour.fail_verify)
                 else:
                     c.report(cmd.refit_id, Phase.VERIFIED)
+            case Commit() if self.behaviour.on_commit is not None:
+                self.behaviour.on_commit(cmd)
             case Commit():
                 self.committed.append(cmd.weight_version)
                 c.report(cmd.refit_id, Phase.COMMITTED)
@@ -118,6 +122,8 @@ class FakeMember:
                 key = checksum_key(u.canonical, u.canon)
                 bad = b.dst == self.member_id and u.canonical in self.behaviour.corrupt
                 sums[key] = fake_checksum(key + ("flipped" if bad else ""))
+        if self.behaviour.reported_bytes is not None:
+            nbytes = self.behaviour.reported_bytes
         self.client.report(cmd.refit_id, Phase.TRANSFERRED, bytes=nbytes, checksums=sums,
                            timings={"transfer_s": 0.001})
 
@@ -217,6 +223,12 @@ class SyncdProcess:
                 return False
         wait_until(healthy, what="syncd to serve")
         return self
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown path runs, as when the node or the OOM killer ends syncd."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=20)
 
     def stop(self) -> int:
         assert self.proc is not None
