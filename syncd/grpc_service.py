@@ -78,6 +78,8 @@ class SyncdServicer(pb_grpc.SyncdServicer):
             data_address=request.data_address,
             catalog_hash=request.catalog_hash,
             catalog=convert.catalog_from_pb(request.catalog) if request.HasField("catalog") else None,
+            run_id=request.run_id,
+            weight_version=request.weight_version if request.HasField("weight_version") else None,
         )
         if result.catalog_required:
             return pb.RegisterResponse(catalog_required=True)

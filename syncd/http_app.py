@@ -64,11 +64,14 @@ def build_app(
     @app.get("/v1/status", response_model=StatusOut, tags=["refits"])
     def status() -> StatusOut:
         current = coordinator.current()
+        committed, announced = coordinator.versions.committed, coordinator.versions.announced
         return StatusOut(
             state=current.state if current else "IDLE",
             current_refit=RefitOut.of(current) if current else None,
-            committed_version=coordinator.committed_version,
-            announced_version=coordinator.announced_version,
+            committed_version=committed.version if committed else None,
+            committed_run=committed.run_id if committed else None,
+            announced_version=announced.version if announced else None,
+            announced_run=coordinator.versions.run_id,
             readiness=ReadinessOut.of(coordinator.readiness()),
         )
 
@@ -82,7 +85,8 @@ def build_app(
 
     @app.post("/v1/refits", response_model=RefitOut, status_code=202, responses=_ERRORS, tags=["refits"])
     def trigger(_: Authorized, body: RefitIn | None = None) -> RefitOut:
-        return RefitOut.of(coordinator.trigger(body.weight_version if body else None))
+        body = body or RefitIn()
+        return RefitOut.of(coordinator.trigger(body.weight_version, body.allow_rollback))
 
     @app.get("/v1/refits", response_model=RefitsOut, tags=["refits"])
     def history(limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> RefitsOut:

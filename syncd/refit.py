@@ -37,6 +37,7 @@ from syncd.refit_run import MemberReport, RefitAborted, Run, transfer_report_pro
 from syncd.registry import ROLES, Member, Registry
 from syncd.settings import Settings
 from syncd.store import RefitRecord, Store, StoreUnavailable
+from syncd.versions import Versions, WeightSet
 
 __all__ = ["Coordinator", "MemberReport", "Readiness"]
 
@@ -69,20 +70,25 @@ class Coordinator:
         self._starting = False  # a trigger is creating its record (outside the lock)
         self._groups: dict[int, tuple[tuple, StageGroup]] = {}
         self._auto_pending = False
-        self.committed_version = store.get_int("committed_version")
-        self.announced_version = store.get_int("announced_version")
-        if self.committed_version is not None:
-            metrics.committed_version.set(self.committed_version)
+        self.versions = Versions(store)
+        if self.versions.committed is not None:
+            metrics.committed_version.set(self.versions.committed.version)
         registry.on_lost(self._on_member_lost)
+        registry.on_registered(self._on_registered)
 
     # ---- queries ----
 
     def readiness(self) -> Readiness:
-        counts = Counter(m.role for m in self.registry.members())
+        members = self.registry.members()
+        counts = Counter(m.role for m in members)
         expected = {"trainer": self.settings.expected_trainers,
                     "generator": self.settings.expected_generators}
-        missing = [f"{counts[r]} of {expected[r]} {r}s registered" for r in ROLES if counts[r] < expected[r]]
-        return Readiness(not missing, expected, {r: counts[r] for r in ROLES}, "; ".join(missing))
+        problems = [f"{counts[r]} of {expected[r]} {r}s registered" for r in ROLES if counts[r] < expected[r]]
+        stale = sorted(m.member_id for m in members if m.role == "trainer" and m.run_id != self.versions.run_id)
+        if stale:
+            problems.append(f"trainers {', '.join(stale)} belong to a superseded training run (the current "
+                            f"run is {self.versions.run_id!r})")
+        return Readiness(not problems, expected, {r: counts[r] for r in ROLES}, "; ".join(problems))
 
     def current(self) -> RefitRecord | None:
         with self._lock:
@@ -115,26 +121,23 @@ class Coordinator:
 
     # ---- commands from operators and members ----
 
-    def trigger(self, weight_version: int | None = None) -> RefitRecord:
-        """Start a refit; raises FailedPrecondition (changing nothing) if one runs or not ready,
-        Unavailable if the store refuses to record it."""
+    def trigger(self, weight_version: int | None = None, allow_rollback: bool = False) -> RefitRecord:
+        """Start a refit of the trainers' newest announced version (`weight_version`, when given,
+        must be that one); raises FailedPrecondition (changing nothing) if one runs, the version
+        is not held or not ready, Unavailable if the store refuses to record it."""
         with self._lock:
             if self._run is not None or self._starting:
                 busy = self._run.id if self._run is not None else "a refit"
                 raise FailedPrecondition(
                     f"refit {busy} is still running; one refit at a time: wait for it or abort it"
                 )
-            version = self.announced_version if weight_version is None else weight_version
-            if version is None:
-                raise FailedPrecondition(
-                    "no weight version to move: no trainer announced one and none was given"
-                )
             readiness = self.readiness()
             if not readiness.ready:
                 raise FailedPrecondition(f"not ready to refit: {readiness.reason}")
+            weights = self.versions.to_move(weight_version, allow_rollback)
             self._starting = True
         try:
-            record = self.store.create("PREPARING", version, time.time())
+            record = self.store.create("PREPARING", weights.version, weights.run_id, time.time())
         except StoreUnavailable as e:
             raise Unavailable(f"cannot record a new refit: {e}") from None
         finally:
@@ -142,7 +145,7 @@ class Coordinator:
                 self._starting = False
         with self._lock:
             run = self._run = Run(record, {m.member_id for m in self.registry.members()})
-        log.info("refit %s: moving weight version %d", run.id, version)
+        log.info("refit %s: moving weight version %s", run.id, weights.label)
         threading.Thread(target=self._execute, args=(run,), name=run.id, daemon=True).start()
         return record
 
@@ -185,17 +188,16 @@ class Coordinator:
             raise InvalidArgument(
                 f"only trainers announce weight versions; {member.member_id} is a {member.role}"
             )
-        with self._lock:
-            newer = self.announced_version is None or version > self.announced_version
-            if newer:
-                self.announced_version = version
-        if newer:
-            try:
-                self.store.set_int("announced_version", version)
-            except StoreUnavailable as e:
-                log.warning("announced version %d kept in memory only: %s", version, e)
-        log.info("%s announced weight version %d", member.member_id, version)
-        if self.settings.auto_refit and (self.committed_version is None or version > self.committed_version):
+        self.versions.announce(member, version)
+        self._maybe_auto_refit()
+
+    def _on_registered(self, member: Member) -> None:
+        if member.role == "trainer":
+            self.versions.trainer_registered(member)
+        self._maybe_auto_refit()  # a deferred auto-refit may be possible now
+
+    def _maybe_auto_refit(self) -> None:
+        if self.settings.auto_refit and self.versions.wants_refit():
             self._auto_trigger()
 
     def _auto_trigger(self) -> None:
@@ -231,8 +233,7 @@ class Coordinator:
             self._commit(run, plan, commit_deadline)
         if self._auto_pending:
             self._auto_pending = False
-            if self.announced_version is not None and self.announced_version != self.committed_version:
-                self._auto_trigger()
+            self._maybe_auto_refit()
     def _prepare(self, run: Run) -> tuple[Plan, dict[int, StageGroup]]:
         deadline = run.enter("PREPARING", self.settings.prepare_timeout)
         readiness = self.readiness()
@@ -318,15 +319,14 @@ class Coordinator:
             self.store.decide_commit(decision)
         except StoreUnavailable as e:
             raise RefitAborted(f"could not record the commit decision, so nobody committed: {e}") from None
-        with self._lock:
-            self.committed_version = run.version
+        self.versions.set_committed(WeightSet(run.record.run_id, run.version))
         self.metrics.committed_version.set(run.version)
         return deadline
 
     def _commit(self, run: Run, plan: Plan, deadline: float) -> None:
         ids = plan_members(plan)
         for m in ids:
-            if not self.registry.send(m, Commit(run.id, run.version, _left(deadline))):
+            if not self.registry.send(m, Commit(run.id, run.version, _left(deadline), run.record.run_id)):
                 run.note_unconfirmed(m, f"member {m} is gone")
         unconfirmed = run.wait_confirmations(ids, deadline)
         self._conclude(run, "COMMITTED", "; ".join(unconfirmed.values()), tuple(unconfirmed))
@@ -358,7 +358,8 @@ class Coordinator:
     def _record(self, run: Run, state: str, error: str, unconfirmed: tuple[str, ...] = (),
                 finished: float | None = None) -> RefitRecord:
         return RefitRecord(run.id, state, run.version, run.record.created_at, finished, error,
-                           run.timings() if finished is None else dict(run.phases), run.bytes, unconfirmed)
+                           run.timings() if finished is None else dict(run.phases), run.bytes, unconfirmed,
+                           run.record.run_id)
 
     def _conclude(self, run: Run, state: str, error: str, unconfirmed: tuple[str, ...] = ()) -> None:
         """End the refit once: free the slot and record the outcome (in memory at once, in the

@@ -2,8 +2,13 @@
 
 Lifecycle of a member: `register` (hash first; the full catalog only when syncd lacks it) opens a
 session; `heartbeat` renews its lease; `expire` (called by the daemon's reaper) ends sessions whose
-lease ran out; a new registration under the same member id replaces the old session. Ending a
-session closes its command queue, which ends its Watch stream, and tells `on_lost` listeners.
+lease ran out. A member id with a live lease is not taken over: a restarted member registers
+again once its old lease ran out (its client retries by itself). Ending a session closes its
+command queue, which ends its Watch stream, and tells `on_lost` listeners; a new session tells
+`on_registered` listeners.
+
+Member ids are Kubernetes names (RFC 1123 subdomains: lowercase letters, digits, '-' and '.',
+at most 253 characters), so they are safe in logs, metrics and URLs.
 
 Catalogs are kept by content hash for the daemon's lifetime: identical layouts are stored once.
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 import uuid
@@ -27,6 +33,9 @@ log = logging.getLogger(__name__)
 ROLES = ("trainer", "generator")
 # Display order of mesh dims (protobuf maps are unordered); other dims follow alphabetically.
 DIM_ORDER = ("replica", "pp", "dp", "ep", "tp")
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_NAME_MAX = 253
+_RUN_ID = re.compile(r"[A-Za-z0-9._:-]{0,128}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,8 @@ class Member:
     catalog_hash: str
     session_id: str
     registered_at: float
+    run_id: str = ""  # trainers: the training run
+    weight_version: int | None = None  # what it held or served when it registered
 
     @property
     def stage(self) -> int:
@@ -62,6 +73,7 @@ class Registration:
 
 
 LostListener = Callable[[Member, str], None]
+RegisteredListener = Callable[[Member], None]
 
 
 class Registry:
@@ -71,19 +83,31 @@ class Registry:
         self._catalogs: dict[str, Catalog] = {}
         self._sessions: dict[str, _Session] = {}
         self._listeners: list[LostListener] = []
+        self._registered_listeners: list[RegisteredListener] = []
 
     def on_lost(self, listener: LostListener) -> None:
         self._listeners.append(listener)
 
+    def on_registered(self, listener: RegisteredListener) -> None:
+        self._registered_listeners.append(listener)
+
     def register(
         self, *, role: str, member_id: str, coords: Mapping[str, int], device: str, data_address: str,
-        catalog_hash: str, catalog: Catalog | None,
+        catalog_hash: str, catalog: Catalog | None, run_id: str = "", weight_version: int | None = None,
     ) -> Registration:
         """Validate and open a session; raises InvalidArgument / AlreadyExists and changes nothing."""
         if role not in ROLES:
             raise InvalidArgument(f"unknown role {role!r}; expected one of {list(ROLES)}")
-        if not member_id:
-            raise InvalidArgument("member_id is empty")
+        check_member_id(member_id)
+        if not _RUN_ID.fullmatch(run_id):
+            raise InvalidArgument(f"member {member_id}: run_id {run_id[:64]!r} is not 0-128 characters of "
+                                  "letters, digits, '.', '_', ':' or '-'")
+        negative = {d: v for d, v in coords.items() if v < 0}
+        if negative:
+            raise InvalidArgument(f"member {member_id}: coords {negative} are negative; mesh coordinates "
+                                  "count from 0")
+        if weight_version is not None and weight_version < 0:
+            raise InvalidArgument(f"member {member_id}: weight_version {weight_version} is negative")
         if role == "trainer" and "pp" not in coords:
             raise InvalidArgument(f"trainer {member_id}: coords {dict(coords)} lack the 'pp' dim")
         if catalog is not None:
@@ -91,17 +115,31 @@ class Registry:
         with self._lock:
             if catalog is None and catalog_hash not in self._catalogs:
                 return Registration(catalog_required=True)
+            self._check_live(member_id)
             self._check_coords(role, member_id, coords)
             if catalog is not None:
                 self._catalogs.setdefault(catalog_hash, catalog)
             member = Member(member_id, role, _ordered(coords), device, data_address, catalog_hash,
-                            uuid.uuid4().hex, time.time())
+                            uuid.uuid4().hex, time.time(), run_id, weight_version)
             old = self._sessions.get(member_id)
             self._sessions[member_id] = _Session(member, time.monotonic() + self.lease_seconds)
         if old is not None:
-            self._end(old, "re-registered (new session)")
-        log.info("registered %s %s coords=%s catalog=%s", role, member_id, dict(coords), catalog_hash[:19])
+            self._end(old, "its lease ran out before it registered again")
+        log.info("registered %s %s coords=%s catalog=%s run=%r version=%s", role, member_id, dict(coords),
+                 catalog_hash[:19], run_id, weight_version)
+        for listener in self._registered_listeners:
+            listener(member)
         return Registration(catalog_required=False, member=member)
+
+    def _check_live(self, member_id: str) -> None:
+        s = self._sessions.get(member_id)
+        if s is not None:
+            left = s.lease_deadline - time.monotonic()
+            if left >= 0:
+                raise AlreadyExists(
+                    f"member id {member_id} is held by a live session (its lease ends in {left:.1f}s unless "
+                    "renewed); a restarted member registers again once that lease ran out"
+                )
 
     def _check_coords(self, role: str, member_id: str, coords: Mapping[str, int]) -> None:
         for s in self._sessions.values():
@@ -167,6 +205,16 @@ class Registry:
         s.commands.put(None)
         for listener in self._listeners:
             listener(s.member, reason)
+
+
+def check_member_id(member_id: str) -> None:
+    """Raises InvalidArgument unless `member_id` is a Kubernetes name (RFC 1123 subdomain)."""
+    if len(member_id) > _NAME_MAX or not _NAME.fullmatch(member_id):
+        shown = repr(member_id[:64]) + (f"... ({len(member_id)} characters)" if len(member_id) > 64 else "")
+        raise InvalidArgument(
+            f"member_id {shown} is not a Kubernetes name: 1-{_NAME_MAX} lowercase letters, digits, '-' "
+            "and '.', starting and ending with a letter or digit"
+        )
 
 
 def _ordered(coords: Mapping[str, int]) -> dict[str, int]:

@@ -39,7 +39,9 @@ CREATE TABLE IF NOT EXISTS refits (
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-_COLUMNS = "id, state, weight_version, created_at, finished_at, error, phases, bytes, unconfirmed"
+_COLUMNS = "id, state, weight_version, created_at, finished_at, error, phases, bytes, unconfirmed, run_id"
+# Columns added after the first release, with their definitions (added when a store opens).
+_ADDED_COLUMNS = {"unconfirmed": "TEXT NOT NULL DEFAULT '[]'", "run_id": "TEXT NOT NULL DEFAULT ''"}
 
 T = TypeVar("T")
 
@@ -59,6 +61,7 @@ class RefitRecord:
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds spent in it
     bytes: int = 0
     unconfirmed: tuple[str, ...] = ()  # COMMITTED: members that did not confirm Commit
+    run_id: str = ""  # the training run of weight_version: (run_id, weight_version) names the weights
 
 
 class Store:
@@ -72,8 +75,10 @@ class Store:
         db = self._db()
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(_SCHEMA)
-        if "unconfirmed" not in {row[1] for row in db.execute("PRAGMA table_info(refits)")}:
-            db.execute("ALTER TABLE refits ADD COLUMN unconfirmed TEXT NOT NULL DEFAULT '[]'")
+        present = {row[1] for row in db.execute("PRAGMA table_info(refits)")}
+        for column, definition in _ADDED_COLUMNS.items():
+            if column not in present:
+                db.execute(f"ALTER TABLE refits ADD COLUMN {column} {definition}")
         self._recover()
 
     def _db(self) -> sqlite3.Connection:
@@ -104,15 +109,15 @@ class Store:
 
     # ---- writes ----
 
-    def create(self, state: str, weight_version: int, created_at: float) -> RefitRecord:
+    def create(self, state: str, weight_version: int, run_id: str, created_at: float) -> RefitRecord:
         """Insert a new refit; its id is `refit-<n>`, n counting refits without gaps."""
         def insert() -> str:
             with self._transaction() as db:
                 (n,) = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM refits").fetchone()
-                db.execute("INSERT INTO refits (seq, id, state, weight_version, created_at) "
-                           "VALUES (?, ?, ?, ?, ?)", (n, f"refit-{n}", state, weight_version, created_at))
+                db.execute("INSERT INTO refits (seq, id, state, weight_version, created_at, run_id) "
+                           "VALUES (?, ?, ?, ?, ?, ?)", (n, f"refit-{n}", state, weight_version, created_at, run_id))
             return f"refit-{n}"
-        return RefitRecord(self._retry(insert), state, weight_version, created_at)
+        return RefitRecord(self._retry(insert), state, weight_version, created_at, run_id=run_id)
 
     def update(self, r: RefitRecord) -> None:
         self._retry(lambda: self._update(self._db(), r))
@@ -123,11 +128,20 @@ class Store:
         def write() -> None:
             with self._transaction() as db:
                 self._update(db, r)
-                self._set_int(db, "committed_version", r.weight_version)
+                self._set(db, "committed_version", str(r.weight_version))
+                self._set(db, "committed_run", r.run_id)
         self._retry(write)
 
-    def set_int(self, key: str, value: int) -> None:
-        self._retry(lambda: self._set_int(self._db(), key, value))
+    def set_meta(self, values: dict[str, str | None]) -> None:
+        """Set (None: delete) several meta keys in one transaction."""
+        def write() -> None:
+            with self._transaction() as db:
+                for key, value in values.items():
+                    if value is None:
+                        db.execute("DELETE FROM meta WHERE key = ?", (key,))
+                    else:
+                        self._set(db, key, value)
+        self._retry(write)
 
     @staticmethod
     def _update(db: sqlite3.Connection, r: RefitRecord) -> None:
@@ -137,9 +151,9 @@ class Store:
              r.id))
 
     @staticmethod
-    def _set_int(db: sqlite3.Connection, key: str, value: int) -> None:
+    def _set(db: sqlite3.Connection, key: str, value: str) -> None:
         db.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
-                   "ON CONFLICT(key) DO UPDATE SET value=excluded.value", (key, str(value)))
+                   "ON CONFLICT(key) DO UPDATE SET value=excluded.value", (key, value))
 
     def _transaction(self) -> _Transaction:
         return _Transaction(self._db())
@@ -169,8 +183,12 @@ class Store:
 
     def _select(self, where: str, args: tuple) -> list[RefitRecord]:
         rows = self._db().execute(f"SELECT {_COLUMNS} FROM refits {where}", args).fetchall()
-        return [RefitRecord(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), r[7], tuple(json.loads(r[8])))
-                for r in rows]
+        return [RefitRecord(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), r[7], tuple(json.loads(r[8])),
+                            r[9]) for r in rows]
+
+    def get_text(self, key: str) -> str | None:
+        row = self._db().execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
 
     def get_int(self, key: str) -> int | None:
         row = self._db().execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

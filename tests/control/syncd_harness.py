@@ -136,10 +136,11 @@ MEMBERS = {
 }
 
 
-def make_member(target: str, member_id: str, token: str | None = None, **behaviour: object) -> FakeMember:
+def make_member(target: str, member_id: str, token: str | None = None, *, run_id: str = "",
+                weight_version: int | None = None, **behaviour: object) -> FakeMember:
     role, coords, catalog = MEMBERS[member_id]
     client = MemberClient(target, role=role, member_id=member_id, coords=coords, catalog=catalog(),
-                          auth_token=token)
+                          auth_token=token, run_id=run_id, weight_version=weight_version)
     return FakeMember(client, Behaviour(**behaviour))  # type: ignore[arg-type]
 
 
@@ -167,21 +168,36 @@ class Cluster:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.daemon.settings.http_port}"
 
-    def start_member(self, member_id: str, **behaviour: object) -> FakeMember:
-        m = make_member(self.target, member_id, self.daemon.settings.auth_token, **behaviour)
+    def start_member(self, member_id: str, *, run_id: str = "", weight_version: int | None = None,
+                     **behaviour: object) -> FakeMember:
+        m = make_member(self.target, member_id, self.daemon.settings.auth_token, run_id=run_id,
+                        weight_version=weight_version, **behaviour)
         m.client.start(m.handle)
         self.members[member_id] = m
         return m
 
-    def start_all(self, **behaviour_by_member: dict) -> None:
+    def start_all(self, run_id: str = "", **behaviour_by_member: dict) -> None:
         for member_id in MEMBERS:
-            self.start_member(member_id, **behaviour_by_member.get(member_id, {}))
+            self.start_member(member_id, run_id=run_id if member_id.startswith("trainer") else "",
+                              **behaviour_by_member.get(member_id, {}))
         wait_until(lambda: self.http.get("/readyz").status_code == 200, what="syncd ready")
 
     def announce(self, version: int) -> None:
         self.members["trainer-0"].client.announce_version(version)
 
+    def restart_trainers(self, run_id: str, weight_version: int | None = None) -> None:
+        """The trainer job restarts: every rank registers again (once its old lease ran out)."""
+        for member_id in ("trainer-0", "trainer-1"):
+            self.members.pop(member_id).client.close()
+        for member_id in ("trainer-0", "trainer-1"):
+            self.start_member(member_id, run_id=run_id, weight_version=weight_version)
+        for member_id in ("trainer-0", "trainer-1"):
+            assert self.members[member_id].client.wait_registered()
+
     def refit(self, **body: object) -> dict:
+        """Trigger a refit; a `weight_version` is first announced by the trainers (they hold it)."""
+        if "weight_version" in body:
+            self.announce(body["weight_version"])  # type: ignore[arg-type]
         token = self.daemon.settings.auth_token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         r = self.http.post("/v1/refits", json=body, headers=headers)

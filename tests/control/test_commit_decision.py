@@ -30,6 +30,7 @@ def test_syncd_killed_after_sending_commit_comes_back_committed(tmp_path: Path) 
         for m in members:
             m.client.start(m.handle)
         wait_until(lambda: http.get("/readyz").status_code == 200, what="ready")
+        members[0].client.announce_version(2)
         refit_id = http.post("/v1/refits", json={"weight_version": 2}).json()["id"]
         wait_until(lambda: generator.committed == [2], what="the generator to install v2")
 

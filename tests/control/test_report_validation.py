@@ -44,7 +44,8 @@ def test_empty_catalogs_commit_nothing(make_cluster) -> None:
         for c in clients:
             c.start(lambda cmd: commits.append(cmd) if isinstance(cmd, Commit) else None)
         wait_until(lambda: cluster.http.get("/readyz").status_code == 200, what="ready")
-        done = cluster.wait_refit(cluster.refit(weight_version=42)["id"])
+        clients[0].announce_version(42)
+        done = cluster.wait_refit(cluster.refit()["id"])
     finally:
         for c in clients:
             c.close()

@@ -39,6 +39,7 @@ def test_restart_keeps_history_and_members_come_back(tmp_path: Path) -> None:
                    what="new sessions")
         assert "weightsync_committed_weight_version 11.0" in http.get("/metrics").text
 
+        members[0].client.announce_version(12)
         second = http.post("/v1/refits", json={"weight_version": 12}).json()["id"]
         assert second != refit_id
         wait_until(lambda: http.get(f"/v1/refits/{second}").json()["state"] == "COMMITTED",
