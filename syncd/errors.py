@@ -6,6 +6,8 @@ app translate them with `grpc_code` / `http_status` and nothing else.
 
 from __future__ import annotations
 
+import hmac
+
 import grpc
 
 
@@ -55,10 +57,16 @@ def http_status(err: SyncdError) -> int:
     return _TABLE[type(err)][1]
 
 
+def http_headers(err: SyncdError) -> dict[str, str]:
+    """RFC 9110: a 401 names the scheme the client must use."""
+    return {"WWW-Authenticate": 'Bearer realm="syncd"'} if isinstance(err, Unauthenticated) else {}
+
+
 def check_token(expected: str | None, authorization: str | None) -> None:
     """`authorization` is the raw header/metadata value; no token configured means open access."""
     if expected is None:
         return
-    if authorization != f"Bearer {expected}":
+    # Constant time: how long a wrong token takes to refuse says nothing about the right one.
+    if not hmac.compare_digest((authorization or "").encode(), f"Bearer {expected}".encode()):
         reason = "missing" if not authorization else "wrong"
         raise Unauthenticated(f"{reason} credentials: send 'Authorization: Bearer <token>'")

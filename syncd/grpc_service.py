@@ -70,6 +70,10 @@ class SyncdServicer(pb_grpc.SyncdServicer):
         role = convert.ROLE_NAMES.get(request.role)
         if role is None:
             raise InvalidArgument(f"member {request.member_id}: role is unspecified")
+        catalog = convert.catalog_from_pb(request.catalog) if request.HasField("catalog") else None
+        known = catalog or self.registry.known_catalog(request.catalog_hash)
+        if known is not None:
+            self.coordinator.admit(role, request.member_id, known)
         result = self.registry.register(
             role=role,
             member_id=request.member_id,
@@ -77,7 +81,7 @@ class SyncdServicer(pb_grpc.SyncdServicer):
             device=request.device,
             data_address=request.data_address,
             catalog_hash=request.catalog_hash,
-            catalog=convert.catalog_from_pb(request.catalog) if request.HasField("catalog") else None,
+            catalog=catalog,
             run_id=request.run_id,
             weight_version=request.weight_version if request.HasField("weight_version") else None,
         )

@@ -14,8 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
-from syncd.errors import SyncdError, check_token, http_status
+from syncd.errors import SyncdError, check_token, http_headers, http_status
 from syncd.http_models import (
     ErrorOut, HealthOut, MemberOut, MembersOut, PlanOut, ReadinessOut, RefitIn, RefitOut, RefitsOut,
     StatusOut,
@@ -42,15 +43,16 @@ def build_app(
     app.state.auth_token = auth_token
     _install_error_handlers(app)
 
-    # Health, readiness and metrics are `async`: they run on the event loop, never queued behind
-    # slow requests in the thread pool (a probe that waits gets syncd killed by Kubernetes).
+    # Liveness and metrics are `async`: they run on the event loop, never queued behind slow
+    # requests in the thread pool (a liveness probe that waits gets syncd killed by Kubernetes).
+    # Readiness plans (bounded by the plan limits), so it stays off the event loop.
     @app.get("/healthz", response_model=HealthOut, tags=["health"])
     async def healthz() -> HealthOut:
         return HealthOut()
 
     @app.get("/readyz", response_model=ReadinessOut, responses={503: {"model": ReadinessOut}},
              tags=["health"])
-    async def readyz() -> JSONResponse:
+    def readyz() -> JSONResponse:
         r = ReadinessOut.of(coordinator.readiness())
         return JSONResponse(r.model_dump(), status_code=200 if r.ready else 503)
 
@@ -103,10 +105,19 @@ def build_app(
     return app
 
 
+def _allowed_methods(app: FastAPI, request: Request) -> set[str]:
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return methods
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SyncdError)
     async def syncd_error(_: Request, err: SyncdError) -> JSONResponse:
-        return JSONResponse({"error": str(err)}, status_code=http_status(err))
+        return JSONResponse({"error": str(err)}, status_code=http_status(err), headers=http_headers(err))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -114,8 +125,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"error": f"invalid request: {problems}"}, status_code=422)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, err: HTTPException) -> JSONResponse:
-        return JSONResponse({"error": str(err.detail)}, status_code=err.status_code)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        headers = dict(err.headers or {})
+        if err.status_code == 405:  # RFC 9110: `Allow` lists every method of the resource
+            headers["Allow"] = ", ".join(sorted(_allowed_methods(app, request)))
+        return JSONResponse({"error": str(err.detail)}, status_code=err.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def crash(request: Request, err: Exception) -> JSONResponse:

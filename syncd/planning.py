@@ -46,6 +46,18 @@ class PlanCache:
         return plan
 
 
+def dtype_mismatch(generator_id: str, generator: Catalog, trainers: Sequence[Catalog]) -> str | None:
+    """Why `generator` cannot receive what the trainers send, dtype-wise, or None. syncd moves
+    bytes and does not convert dtypes (vLLM's default dtype for a float32 checkpoint is bfloat16)."""
+    sent = {c.name: c.dtype for catalog in trainers for c in catalog.canonical}
+    for c in generator.canonical:
+        want = sent.get(c.name)
+        if want is not None and want != c.dtype:
+            return (f"{generator_id} holds {c.name} as {c.dtype} but the trainers send {want}; syncd does "
+                    f"not convert dtypes: start the generator with --dtype {want}")
+    return None
+
+
 def plan_members(plan: Plan) -> tuple[str, ...]:
     return tuple(sorted({b.src for b in plan.buckets} | {b.dst for b in plan.buckets}))
 

@@ -32,7 +32,8 @@ from syncd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavaila
 from syncd.journal import Journal
 from syncd.metrics import Metrics
 from syncd.plan import Plan
-from syncd.planning import PlanCache, checksum_mismatch, plan_members, stage_membership
+from syncd.layout import Catalog
+from syncd.planning import PlanCache, checksum_mismatch, dtype_mismatch, plan_members, stage_membership
 from syncd.refit_run import MemberReport, RefitAborted, Run, transfer_report_problem
 from syncd.registry import ROLES, Member, Registry
 from syncd.settings import Settings
@@ -88,6 +89,14 @@ class Coordinator:
         if stale:
             problems.append(f"trainers {', '.join(stale)} belong to a superseded training run (the current "
                             f"run is {self.versions.run_id!r})")
+        trainers = [self.registry.catalog(m.catalog_hash) for m in members if m.role == "trainer"]
+        problems += [p for m in members if m.role == "generator"
+                     if (p := dtype_mismatch(m.member_id, self.registry.catalog(m.catalog_hash), trainers))]
+        if not problems:  # ready means a refit could start now: GET /v1/plan must agree
+            try:
+                self.current_plan()
+            except FailedPrecondition as e:
+                problems.append(str(e))
         return Readiness(not problems, expected, {r: counts[r] for r in ROLES}, "; ".join(problems))
 
     def current(self) -> RefitRecord | None:
@@ -112,6 +121,15 @@ class Coordinator:
         if run is None:
             return records
         return [self._record(run, run.state, "") if r.id == run.id else r for r in records]
+
+    def admit(self, role: str, member_id: str, catalog: Catalog) -> None:
+        """Refuse, at registration, a generator that could never receive the trainers' weights."""
+        if role != "generator":
+            return
+        trainers = [self.registry.catalog(m.catalog_hash) for m in self.registry.members() if m.role == "trainer"]
+        problem = dtype_mismatch(member_id, catalog, trainers)
+        if problem is not None:
+            raise FailedPrecondition(problem)
 
     def current_plan(self) -> Plan:
         try:

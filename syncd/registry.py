@@ -185,6 +185,10 @@ class Registry:
         with self._lock:
             return self._catalogs[catalog_hash]
 
+    def known_catalog(self, catalog_hash: str) -> Catalog | None:
+        with self._lock:
+            return self._catalogs.get(catalog_hash)
+
     def expire(self) -> None:
         now = time.monotonic()
         with self._lock:

@@ -31,6 +31,10 @@ class Settings:
         5.0, "SYNCD_STORE_BUSY_TIMEOUT",
         "seconds a store write waits for SQLite's lock (3 attempts); refits never wait for it",
     )
+    auth_token_file: str | None = _setting(
+        None, "SYNCD_AUTH_TOKEN_FILE",
+        "file holding the token (e.g. a mounted Secret), so it never shows in /proc/PID/cmdline",
+    )
     lease_seconds: float = _setting(10.0, "SYNCD_LEASE_SECONDS", "member lease; renewed by heartbeats")
     prepare_timeout: float = _setting(120.0, "SYNCD_PREPARE_TIMEOUT", "seconds for PREPARING (plan + groups)")
     transfer_timeout: float = _setting(600.0, "SYNCD_TRANSFER_TIMEOUT", "seconds for TRANSFERRING")
@@ -50,6 +54,11 @@ class Settings:
     log_level: str = _setting("INFO", "SYNCD_LOG_LEVEL", "logging level")
 
     def __post_init__(self) -> None:
+        if self.auth_token_file is not None:
+            token = _read_token(self.auth_token_file)
+            if self.auth_token not in (None, token):
+                raise ValueError("set auth_token or auth_token_file, not both")
+            object.__setattr__(self, "auth_token", token)
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be auto, gloo or nccl, not {self.backend!r}")
         for name in ("store_busy_timeout", "lease_seconds", "prepare_timeout", "transfer_timeout", "verify_timeout",
@@ -89,6 +98,17 @@ class Settings:
         return {f.name: f.metadata["env"] for f in dataclasses.fields(Settings)}
 
 
+def _read_token(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"auth_token_file {path!r}: {e.strerror}") from None
+    if not token:
+        raise ValueError(f"auth_token_file {path!r} is empty")
+    return token
+
+
 def _parse(name: str, kind: str, raw: Any) -> Any:
     if isinstance(raw, bool):
         return raw
@@ -105,4 +125,4 @@ def _parse(name: str, kind: str, raw: Any) -> Any:
         if raw.lower() in ("0", "false", "no", "off", ""):
             return False
         raise ValueError(f"setting {name}: {raw!r} is not a boolean")
-    return raw or None if name == "auth_token" else raw
+    return raw or None if name in ("auth_token", "auth_token_file") else raw

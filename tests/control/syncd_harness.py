@@ -139,8 +139,11 @@ MEMBERS = {
 def make_member(target: str, member_id: str, token: str | None = None, *, run_id: str = "",
                 weight_version: int | None = None, **behaviour: object) -> FakeMember:
     role, coords, catalog = MEMBERS[member_id]
+    # Only what a test sets is passed, so the harness also drives an older syncd (to show a
+    # regression test fails there).
+    optional = {k: v for k, v in (("run_id", run_id), ("weight_version", weight_version)) if v not in ("", None)}
     client = MemberClient(target, role=role, member_id=member_id, coords=coords, catalog=catalog(),
-                          auth_token=token, run_id=run_id, weight_version=weight_version)
+                          auth_token=token, **optional)
     return FakeMember(client, Behaviour(**behaviour))  # type: ignore[arg-type]
 
 
