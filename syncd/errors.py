@@ -35,6 +35,10 @@ class Unauthenticated(SyncdError):
     """Missing or wrong bearer token."""
 
 
+class ResourceExhausted(SyncdError):
+    """A per-caller limit was reached (e.g. Watch streams per session)."""
+
+
 class Unavailable(SyncdError):
     """syncd cannot do it now for a reason outside the request (its store refuses writes); retry."""
 
@@ -46,6 +50,7 @@ _TABLE: dict[type[SyncdError], tuple[grpc.StatusCode, int]] = {
     NotFound: (grpc.StatusCode.NOT_FOUND, 404),
     Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, 401),
     Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
+    ResourceExhausted: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
 }
 
 

@@ -65,7 +65,7 @@ class Coordinator:
         self.store = store
         self.journal = Journal(store)
         self.metrics = metrics
-        self.plans = PlanCache()
+        self.plans = PlanCache(max_buckets=settings.max_plan_buckets)
         self._lock = threading.Lock()
         self._run: Run | None = None
         self._starting = False  # a trigger is creating its record (outside the lock)

@@ -15,17 +15,19 @@ Catalogs are kept by content hash for the daemon's lifetime: identical layouts a
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import queue
 import re
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 from syncd.commands import Command
-from syncd.errors import AlreadyExists, InvalidArgument, NotFound
+from syncd.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from syncd.layout import Catalog
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,16 @@ class _Session:
     member: Member
     lease_deadline: float
     commands: queue.Queue[Command | None] = field(default_factory=queue.Queue)
+    watches: int = 0  # open Watch streams
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one member may make syncd hold or compute (documented in docs/syncd.md)."""
+
+    catalog_entries: int = 1_000_000  # canonical tensors + local tensors + pieces
+    tensor_elements: int = 1 << 40
+    watch_streams: int = 2  # per session
 
 
 @dataclass(frozen=True)
@@ -77,8 +89,9 @@ RegisteredListener = Callable[[Member], None]
 
 
 class Registry:
-    def __init__(self, lease_seconds: float) -> None:
+    def __init__(self, lease_seconds: float, limits: Limits = Limits()) -> None:
         self.lease_seconds = lease_seconds
+        self.limits = limits
         self._lock = threading.Lock()
         self._catalogs: dict[str, Catalog] = {}
         self._sessions: dict[str, _Session] = {}
@@ -111,7 +124,7 @@ class Registry:
         if role == "trainer" and "pp" not in coords:
             raise InvalidArgument(f"trainer {member_id}: coords {dict(coords)} lack the 'pp' dim")
         if catalog is not None:
-            _check_catalog(member_id, catalog, catalog_hash)
+            _check_catalog(member_id, catalog, catalog_hash, self.limits)
         with self._lock:
             if catalog is None and catalog_hash not in self._catalogs:
                 return Registration(catalog_required=True)
@@ -154,9 +167,22 @@ class Registry:
         with self._lock:
             self._session(member_id, session_id).lease_deadline = time.monotonic() + self.lease_seconds
 
-    def commands(self, member_id: str, session_id: str) -> queue.Queue[Command | None]:
+    @contextlib.contextmanager
+    def watching(self, member_id: str, session_id: str) -> Iterator[queue.Queue[Command | None]]:
+        """Count an open Watch stream of the session (each holds a gRPC worker thread)."""
         with self._lock:
-            return self._session(member_id, session_id).commands
+            s = self._session(member_id, session_id)
+            if s.watches >= self.limits.watch_streams:
+                raise ResourceExhausted(
+                    f"member {member_id} already has {s.watches} Watch streams open on this session "
+                    f"(limit {self.limits.watch_streams})"
+                )
+            s.watches += 1
+        try:
+            yield s.commands
+        finally:
+            with self._lock:
+                s.watches -= 1
 
     def member(self, member_id: str, session_id: str) -> Member:
         with self._lock:
@@ -226,7 +252,16 @@ def _ordered(coords: Mapping[str, int]) -> dict[str, int]:
     return {d: coords[d] for d in sorted(coords, key=lambda d: (rank.get(d, len(rank)), d))}
 
 
-def _check_catalog(member_id: str, catalog: Catalog, claimed_hash: str) -> None:
+def _check_catalog(member_id: str, catalog: Catalog, claimed_hash: str, limits: Limits) -> None:
+    entries = len(catalog.canonical) + len(catalog.tensors) + sum(len(t.pieces) for t in catalog.tensors)
+    if entries > limits.catalog_entries:
+        raise InvalidArgument(f"catalog of {member_id}: {entries} tensors and pieces, more than the limit "
+                              f"{limits.catalog_entries} (max_catalog_entries)")
+    for t in (*catalog.canonical, *catalog.tensors):
+        elements = math.prod(t.shape)
+        if elements > limits.tensor_elements:
+            raise InvalidArgument(f"catalog of {member_id}: tensor {t.name[:200]} has {elements} elements, more "
+                                  f"than the limit {limits.tensor_elements} (max_tensor_elements)")
     try:
         catalog.validate()
     except ValueError as e:

@@ -51,6 +51,22 @@ class Settings:
     auto_refit: bool = _setting(
         False, "SYNCD_AUTO_REFIT", "start a refit whenever a trainer announces a version"
     )
+    max_message_bytes: int = _setting(
+        64 << 20, "SYNCD_MAX_MESSAGE_BYTES",
+        "largest gRPC message syncd reads; read only after the token was checked",
+    )
+    max_catalog_entries: int = _setting(
+        1_000_000, "SYNCD_MAX_CATALOG_ENTRIES", "canonical tensors + local tensors + pieces per catalog"
+    )
+    max_tensor_elements: int = _setting(
+        1 << 40, "SYNCD_MAX_TENSOR_ELEMENTS", "elements of one canonical or local tensor"
+    )
+    max_plan_buckets: int = _setting(
+        1_000_000, "SYNCD_MAX_PLAN_BUCKETS", "buckets a plan may need (received bytes / bucket bytes)"
+    )
+    max_watch_streams: int = _setting(
+        2, "SYNCD_MAX_WATCH_STREAMS", "open Watch streams per member session (each holds a gRPC thread)"
+    )
     log_level: str = _setting("INFO", "SYNCD_LOG_LEVEL", "logging level")
 
     def __post_init__(self) -> None:
@@ -62,7 +78,8 @@ class Settings:
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be auto, gloo or nccl, not {self.backend!r}")
         for name in ("store_busy_timeout", "lease_seconds", "prepare_timeout", "transfer_timeout", "verify_timeout",
-                     "commit_timeout", "bucket_bytes"):
+                     "commit_timeout", "bucket_bytes", "max_message_bytes", "max_catalog_entries",
+                     "max_tensor_elements", "max_plan_buckets", "max_watch_streams"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
         if self.expected_trainers < 1 or self.expected_generators < 1:
