@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from syncd.plan import Plan
 from syncd.planning import plan_members
-from syncd.refit import Readiness
+from syncd.readiness import Readiness
 from syncd.registry import Member
 from syncd.store import RefitRecord
 

@@ -25,15 +25,15 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 from syncd.commands import Abort, Commit, ExecutePlan, JoinGroup, Phase, StageGroup, Verify
 from syncd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from syncd.journal import Journal
+from syncd.layout import Catalog
 from syncd.metrics import Metrics
 from syncd.plan import Plan
-from syncd.layout import Catalog
 from syncd.planning import PlanCache, checksum_mismatch, dtype_mismatch, plan_members, stage_membership
+from syncd.readiness import Readiness, behind, behind_reason, refit_problems
 from syncd.refit_run import MemberReport, RefitAborted, Run, transfer_report_problem
 from syncd.registry import ROLES, Member, Registry
 from syncd.settings import Settings
@@ -43,14 +43,6 @@ from syncd.versions import Versions, WeightSet
 __all__ = ["Coordinator", "MemberReport", "Readiness"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Readiness:
-    ready: bool
-    expected: dict[str, int]
-    registered: dict[str, int]
-    reason: str
 
 
 def _left(deadline: float) -> float:
@@ -80,24 +72,21 @@ class Coordinator:
     # ---- queries ----
 
     def readiness(self) -> Readiness:
+        """For /readyz: a refit could start and every generator serves the committed version."""
         members = self.registry.members()
+        problems = self._refit_problems(members)
+        lagging = behind(members, self.versions.committed)
+        if lagging:
+            problems.append(behind_reason(lagging, self.versions.committed))  # type: ignore[arg-type]
         counts = Counter(m.role for m in members)
-        expected = {"trainer": self.settings.expected_trainers,
-                    "generator": self.settings.expected_generators}
-        problems = [f"{counts[r]} of {expected[r]} {r}s registered" for r in ROLES if counts[r] < expected[r]]
-        stale = sorted(m.member_id for m in members if m.role == "trainer" and m.run_id != self.versions.run_id)
-        if stale:
-            problems.append(f"trainers {', '.join(stale)} belong to a superseded training run (the current "
-                            f"run is {self.versions.run_id!r})")
-        trainers = [self.registry.catalog(m.catalog_hash) for m in members if m.role == "trainer"]
-        problems += [p for m in members if m.role == "generator"
-                     if (p := dtype_mismatch(m.member_id, self.registry.catalog(m.catalog_hash), trainers))]
-        if not problems:  # ready means a refit could start now: GET /v1/plan must agree
-            try:
-                self.current_plan()
-            except FailedPrecondition as e:
-                problems.append(str(e))
-        return Readiness(not problems, expected, {r: counts[r] for r in ROLES}, "; ".join(problems))
+        return Readiness(not problems, self._expected(), {r: counts[r] for r in ROLES}, "; ".join(problems))
+
+    def _expected(self) -> dict[str, int]:
+        return {"trainer": self.settings.expected_trainers, "generator": self.settings.expected_generators}
+
+    def _refit_problems(self, members: list[Member] | None = None) -> list[str]:
+        return refit_problems(self.registry.members() if members is None else members, self._expected(),
+                              self.versions.run_id, self.registry.catalog, self.current_plan)
 
     def current(self) -> RefitRecord | None:
         with self._lock:
@@ -149,9 +138,9 @@ class Coordinator:
                 raise FailedPrecondition(
                     f"refit {busy} is still running; one refit at a time: wait for it or abort it"
                 )
-            readiness = self.readiness()
-            if not readiness.ready:
-                raise FailedPrecondition(f"not ready to refit: {readiness.reason}")
+            problems = self._refit_problems()
+            if problems:
+                raise FailedPrecondition(f"not ready to refit: {'; '.join(problems)}")
             weights = self.versions.to_move(weight_version, allow_rollback)
             self._starting = True
         try:
@@ -215,8 +204,16 @@ class Coordinator:
         self._maybe_auto_refit()  # a deferred auto-refit may be possible now
 
     def _maybe_auto_refit(self) -> None:
-        if self.settings.auto_refit and self.versions.wants_refit():
+        if (self.settings.auto_refit and self.versions.wants_refit()) or self._wants_catch_up():
             self._auto_trigger()
+
+    def _wants_catch_up(self) -> bool:
+        """A generator registered behind the committed version and the trainers hold weights to
+        bring it up to date: the committed ones, or under auto-refit any newest ones."""
+        committed, announced = self.versions.committed, self.versions.announced
+        if committed is None or announced is None or not behind(self.registry.members(), committed):
+            return False
+        return self.settings.auto_refit or announced == committed
 
     def _auto_trigger(self) -> None:
         try:
@@ -254,9 +251,9 @@ class Coordinator:
             self._maybe_auto_refit()
     def _prepare(self, run: Run) -> tuple[Plan, dict[int, StageGroup]]:
         deadline = run.enter("PREPARING", self.settings.prepare_timeout)
-        readiness = self.readiness()
-        if not readiness.ready:
-            raise RefitAborted(f"members missing: {readiness.reason}")
+        problems = self._refit_problems()
+        if problems:
+            raise RefitAborted(f"not ready to refit: {'; '.join(problems)}")
         members = {m.member_id: m for m in self.registry.members()}
         try:
             plan = self.plans.get(list(members.values()), self.registry.catalog, self.settings.bucket_bytes)
@@ -347,6 +344,9 @@ class Coordinator:
             if not self.registry.send(m, Commit(run.id, run.version, _left(deadline), run.record.run_id)):
                 run.note_unconfirmed(m, f"member {m} is gone")
         unconfirmed = run.wait_confirmations(ids, deadline)
+        for m in ids:
+            if m not in unconfirmed:
+                self.registry.set_weight_version(m, run.version)
         self._conclude(run, "COMMITTED", "; ".join(unconfirmed.values()), tuple(unconfirmed))
 
     def _enter(self, run: Run, state: str, timeout: float) -> float:

@@ -23,7 +23,7 @@ import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Mapping
 
 from syncd.commands import Command
@@ -210,6 +210,13 @@ class Registry:
     def catalog(self, catalog_hash: str) -> Catalog:
         with self._lock:
             return self._catalogs[catalog_hash]
+
+    def set_weight_version(self, member_id: str, version: int) -> None:
+        """The member confirmed it now holds or serves `version`."""
+        with self._lock:
+            s = self._sessions.get(member_id)
+            if s is not None:
+                s.member = replace(s.member, weight_version=version)
 
     def known_catalog(self, catalog_hash: str) -> Catalog | None:
         with self._lock:

@@ -21,6 +21,7 @@ def test_syncd_killed_after_sending_commit_comes_back_committed(tmp_path: Path) 
 
     def install_then_kill_syncd(cmd: Commit) -> None:
         generator.committed.append(cmd.weight_version)  # the generator now runs the new weights
+        generator.behaviour.on_commit = None  # once: later Commits (a catch-up) are confirmed
         syncd.kill()  # before anyone confirmed: syncd never learns that Commit arrived
 
     generator = members[2]
