@@ -150,7 +150,8 @@ def build_grpc_server(
     # gRPC enables SO_REUSEPORT by default: a second syncd would silently share the port.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                          interceptors=[TokenFirst(auth_token)],
-                         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message_bytes),
+                         options=[("grpc.so_reuseport", 0),
+                                  ("grpc.max_receive_message_length", max_message_bytes),
                                   ("grpc.max_send_message_length", 1 << 30)])
     pb_grpc.add_SyncdServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()

@@ -44,9 +44,9 @@ class PlanCache:
         # (an 81-byte catalog can declare int8[2**62]) before spending minutes and gigabytes.
         buckets = sum(-(-_held_bytes(d.catalog) // bucket_bytes) for d in dests)
         if buckets > self._max_buckets:
-            raise ValueError(f"the plan would need at least {buckets} buckets of {bucket_bytes} bytes, more than "
-                             f"the limit {self._max_buckets} (max_plan_buckets); raise bucket_bytes or check "
-                             "the generators' catalogs")
+            raise ValueError(f"the plan would need at least {buckets} buckets of {bucket_bytes} bytes, "
+                             f"more than the limit {self._max_buckets} (max_plan_buckets); raise bucket_bytes "
+                             "or check the generators' catalogs")
         plan = make_plan(sources, dests, bucket_bytes=bucket_bytes)
         with self._lock:
             self._plans[key] = plan

@@ -30,8 +30,8 @@ def refit_problems(members: Sequence[Member], expected: dict[str, int], run_id: 
     problems = [f"{counts[r]} of {expected[r]} {r}s registered" for r in ROLES if counts[r] < expected[r]]
     stale = sorted(m.member_id for m in members if m.role == "trainer" and m.run_id != run_id)
     if stale:
-        problems.append(f"trainers {', '.join(stale)} belong to a superseded training run (the current run is "
-                        f"{run_id!r})")
+        problems.append(f"trainers {', '.join(stale)} belong to a superseded training run (the current "
+                        f"run is {run_id!r})")
     trainers = [catalog(m.catalog_hash) for m in members if m.role == "trainer"]
     problems += [p for m in members if m.role == "generator"
                  if (p := dtype_mismatch(m.member_id, catalog(m.catalog_hash), trainers))]
@@ -52,6 +52,7 @@ def behind(members: Sequence[Member], committed: WeightSet | None) -> list[Membe
 
 
 def behind_reason(generators: Sequence[Member], committed: WeightSet) -> str:
-    serving = ", ".join(f"{m.member_id} serves {'an unknown version' if m.weight_version is None else m.weight_version}"
-                        for m in generators)
+    serving = ", ".join(
+        f"{m.member_id} serves {'an unknown version' if m.weight_version is None else m.weight_version}"
+        for m in generators)
     return f"{serving}; committed is {committed.label}: waiting for a catch-up refit"

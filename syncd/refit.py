@@ -115,7 +115,8 @@ class Coordinator:
         """Refuse, at registration, a generator that could never receive the trainers' weights."""
         if role != "generator":
             return
-        trainers = [self.registry.catalog(m.catalog_hash) for m in self.registry.members() if m.role == "trainer"]
+        trainers = [self.registry.catalog(m.catalog_hash) for m in self.registry.members()
+                    if m.role == "trainer"]
         problem = dtype_mismatch(member_id, catalog, trainers)
         if problem is not None:
             raise FailedPrecondition(problem)

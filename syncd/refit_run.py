@@ -121,7 +121,8 @@ class Run:
                     return {m: self._reports.pop((phase, m)) for m in members}
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise RefitAborted(f"timeout in {self._phase}: no {phase} report from {', '.join(missing)}")
+                    raise RefitAborted(
+                        f"timeout in {self._phase}: no {phase} report from {', '.join(missing)}")
                 self._cond.wait(remaining)
 
     def wait_confirmations(self, members: tuple[str, ...], deadline: float) -> dict[str, str]:

@@ -267,8 +267,8 @@ def _check_catalog(member_id: str, catalog: Catalog, claimed_hash: str, limits: 
     for t in (*catalog.canonical, *catalog.tensors):
         elements = math.prod(t.shape)
         if elements > limits.tensor_elements:
-            raise InvalidArgument(f"catalog of {member_id}: tensor {t.name[:200]} has {elements} elements, more "
-                                  f"than the limit {limits.tensor_elements} (max_tensor_elements)")
+            raise InvalidArgument(f"catalog of {member_id}: tensor {t.name[:200]} has {elements} elements, "
+                                  f"more than the limit {limits.tensor_elements} (max_tensor_elements)")
     try:
         catalog.validate()
     except ValueError as e:

@@ -77,9 +77,9 @@ class Settings:
             object.__setattr__(self, "auth_token", token)
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be auto, gloo or nccl, not {self.backend!r}")
-        for name in ("store_busy_timeout", "lease_seconds", "prepare_timeout", "transfer_timeout", "verify_timeout",
-                     "commit_timeout", "bucket_bytes", "max_message_bytes", "max_catalog_entries",
-                     "max_tensor_elements", "max_plan_buckets", "max_watch_streams"):
+        for name in ("store_busy_timeout", "lease_seconds", "prepare_timeout", "transfer_timeout",
+                     "verify_timeout", "commit_timeout", "bucket_bytes", "max_message_bytes",
+                     "max_catalog_entries", "max_tensor_elements", "max_plan_buckets", "max_watch_streams"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
         if self.expected_trainers < 1 or self.expected_generators < 1:

@@ -115,7 +115,8 @@ class Store:
             with self._transaction() as db:
                 (n,) = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM refits").fetchone()
                 db.execute("INSERT INTO refits (seq, id, state, weight_version, created_at, run_id) "
-                           "VALUES (?, ?, ?, ?, ?, ?)", (n, f"refit-{n}", state, weight_version, created_at, run_id))
+                           "VALUES (?, ?, ?, ?, ?, ?)",
+                           (n, f"refit-{n}", state, weight_version, created_at, run_id))
             return f"refit-{n}"
         return RefitRecord(self._retry(insert), state, weight_version, created_at, run_id=run_id)
 
@@ -183,8 +184,8 @@ class Store:
 
     def _select(self, where: str, args: tuple) -> list[RefitRecord]:
         rows = self._db().execute(f"SELECT {_COLUMNS} FROM refits {where}", args).fetchall()
-        return [RefitRecord(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), r[7], tuple(json.loads(r[8])),
-                            r[9]) for r in rows]
+        return [RefitRecord(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), r[7],
+                            tuple(json.loads(r[8])), r[9]) for r in rows]
 
     def get_text(self, key: str) -> str | None:
         row = self._db().execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

@@ -45,7 +45,8 @@ class Versions:
         self._lock = threading.Lock()
         self.run_id: str | None = store.get_text("announced_run")
         self.announced = _weight_set(store.get_text("announced_run"), store.get_int("announced_version"))
-        self.committed = _weight_set(store.get_text("committed_run") or "", store.get_int("committed_version"))
+        self.committed = _weight_set(store.get_text("committed_run") or "",
+                                     store.get_int("committed_version"))
 
     def trainer_registered(self, member: Member) -> None:
         """A trainer rank registered: a new run supersedes the current one; the version the rank
@@ -91,12 +92,11 @@ class Versions:
                 f"weight version {requested} is not held by the trainers: their run {announced.run_id!r} "
                 f"announced {announced.version} as its newest version, and trainers hold only their newest"
             )
-        rollback = (committed is not None and committed.run_id == announced.run_id
-                    and announced.version < committed.version)
-        if rollback and not allow_rollback:
+        if (committed is not None and committed.run_id == announced.run_id
+                and announced.version < committed.version and not allow_rollback):
             raise FailedPrecondition(
                 f"moving version {announced.version} would roll back from the committed version "
-                f"{committed.version} of the same run; set allow_rollback to do it anyway"  # type: ignore[union-attr]
+                f"{committed.version} of the same run; set allow_rollback to do it anyway"
             )
         return announced
 
