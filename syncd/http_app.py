@@ -34,6 +34,7 @@ def require_token(request: Request, authorization: Annotated[str | None, Header(
 
 Authorized = Annotated[None, Depends(require_token)]
 _ERRORS = {code: {"model": ErrorOut} for code in (400, 401, 404, 409, 422)}
+_TRIGGER_ERRORS = {**_ERRORS, 503: {"model": ErrorOut, "description": "the store refuses to record a refit"}}
 
 
 def build_app(
@@ -85,7 +86,8 @@ def build_app(
     def plan() -> PlanOut:
         return PlanOut.of(coordinator.current_plan())
 
-    @app.post("/v1/refits", response_model=RefitOut, status_code=202, responses=_ERRORS, tags=["refits"])
+    @app.post("/v1/refits", response_model=RefitOut, status_code=202, responses=_TRIGGER_ERRORS,
+              tags=["refits"])
     def trigger(_: Authorized, body: RefitIn | None = None) -> RefitOut:
         body = body or RefitIn()
         return RefitOut.of(coordinator.trigger(body.weight_version, body.allow_rollback))
