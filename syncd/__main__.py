@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s syncd %(name)s: %(message)s")
     try:
         daemon = Daemon(settings)
-    except (OSError, sqlite3.Error) as e:  # port taken, unwritable db
+    except (OSError, sqlite3.Error, ValueError) as e:  # port taken, unwritable db, bad stored value
         logging.getLogger("syncd").error("cannot start: %s", e)
         return 1
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -80,10 +80,15 @@ def cmd_status(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     rows = [
         ("state", s["state"] + running),
         ("ready", ("yes" if r["ready"] else f"no: {r['reason']}") + f" [{counts}]"),
-        ("committed version", s["committed_version"]),
-        ("announced version", s["announced_version"]),
+        ("committed version", _label(s["committed_run"], s["committed_version"])),
+        ("announced version", _label(s["announced_run"], s["announced_version"])),
     ]
     return s, "\n".join(f"{k + ':':<19}{'-' if v is None else v}" for k, v in rows)
+
+
+def _label(run_id: str | None, version: int | None) -> str | None:
+    """`version` alone names no weights (each training run counts from 1): show `run:version`."""
+    return None if version is None else f"{run_id or ''}:{version}"
 
 
 def cmd_members(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
@@ -107,7 +112,8 @@ def cmd_plan(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
 
 def cmd_history(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     body = api.call("GET", "/v1/refits", params={"limit": args.limit})
-    rows = [(r["id"], r["state"], r["weight_version"], _duration(r), human_bytes(r["bytes"]), r["error"])
+    rows = [(r["id"], r["state"], _label(r["run_id"], r["weight_version"]), _duration(r),
+             human_bytes(r["bytes"]), r["error"])
             for r in body["refits"]]
     return body, table(("REFIT", "STATE", "VERSION", "DURATION", "BYTES", "ERROR"), rows)
 
@@ -118,7 +124,9 @@ def cmd_abort(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def cmd_refit(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
-    body = {} if args.version is None else {"weight_version": args.version}
+    body: dict[str, Any] = {} if args.version is None else {"weight_version": args.version}
+    if args.allow_rollback:
+        body["allow_rollback"] = True
     r = api.call("POST", "/v1/refits", json=body)
     if args.wait:
         r = _wait(api, r, args.timeout, quiet=args.json)
@@ -165,7 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("refit_id")
     p.set_defaults(run=cmd_abort)
     p = sub.add_parser("refit", parents=[common], help="start a refit")
-    p.add_argument("--version", type=int, default=None, help="weight version (default: latest announced)")
+    p.add_argument("--version", type=int, default=None,
+                   help="weight version; must be the trainers' newest announced one (the default)")
+    p.add_argument("--allow-rollback", action="store_true",
+                   help="allow moving a version older than the committed one of the same training run")
     p.add_argument("--wait", action="store_true", help="wait for the outcome; exit 0 only if COMMITTED")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait with --wait")
     p.set_defaults(run=cmd_refit)

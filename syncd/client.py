@@ -6,6 +6,11 @@
     client.report(cmd.refit_id, Phase.TRANSFERRED, bytes=n, checksums=sums)
     client.close()
 
+Trainers pass `run_id` (the same for every rank of one training run) and announce each version
+they hold; a client registers with the newest version it holds (trainer) or runs (generator: the
+version of its last confirmed Commit, or the `weight_version` it was started with), so a
+restarted syncd learns where every member stands.
+
 Lifecycle: `start` spawns a session thread that registers (catalog hash first, the full catalog
 only when syncd asks), then heartbeats every lease/3 while a Watch thread receives commands. When
 the session ends (syncd restarted, lease lost, network down) it re-registers with exponential
@@ -46,6 +51,7 @@ class MemberClient:
     def __init__(
         self, target: str, *, role: str, member_id: str, coords: dict[str, int], catalog: Catalog,
         device: str = "cpu", data_address: str = "", auth_token: str | None = None, group_size: int = 1,
+        run_id: str = "", weight_version: int | None = None,
     ) -> None:
         convert.role_to_pb(role)  # fail here, not in a background thread
         self.target = target
@@ -56,6 +62,9 @@ class MemberClient:
         self.device = device
         self.data_address = data_address
         self.group_size = group_size  # ranks of the member's local process group (informational)
+        self.run_id = run_id
+        self.weight_version = weight_version
+        self._commit_versions: dict[str, int] = {}  # refit id -> version of its Commit
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self._channel = grpc.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
         self._stub = pb_grpc.SyncdStub(self._channel)
@@ -94,9 +103,12 @@ class MemberClient:
             refit_id=refit_id, phase=convert.phase_to_pb(phase), ok=ok, error=error, bytes=bytes,
             checksums=checksums or {}, timings=timings or {}, address=address,
         ))
+        if phase == Phase.COMMITTED and ok and refit_id in self._commit_versions:
+            self.weight_version = self._commit_versions.pop(refit_id)
 
     def announce_version(self, version: int) -> None:
         """Trainers: weight version `version` is ready to be moved (auto-refit may start one)."""
+        self.weight_version = version
         self._send_report(pb.ReportRequest(phase=pb.PHASE_ANNOUNCE, ok=True, weight_version=version))
 
     def close(self) -> None:
@@ -137,6 +149,7 @@ class MemberClient:
         request = pb.RegisterRequest(
             role=convert.role_to_pb(self.role), member_id=self.member_id, coords=self.coords,
             device=self.device, data_address=self.data_address, catalog_hash=self.catalog.content_hash,
+            run_id=self.run_id, weight_version=self.weight_version,
         )
         response = self._stub.Register(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
         if response.catalog_required:
@@ -172,6 +185,8 @@ class MemberClient:
                 log.warning("%s: Watch ended: %s %s", self.member_id, e.code().name, e.details())
 
     def _dispatch(self, command: Command) -> None:
+        if isinstance(command, Commit):
+            self._commit_versions[command.refit_id] = command.weight_version
         if isinstance(command, Abort):
             threading.Thread(target=self._call_handler, args=(command,), name=f"{self.member_id}-abort",
                              daemon=True).start()

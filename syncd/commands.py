@@ -82,12 +82,13 @@ class Verify:
 
 @dataclass(frozen=True)
 class Commit:
-    """Switch to `weight_version` (generators install staged weights, reset prefix caches) within
-    `timeout_s`, or fail."""
+    """Switch to `weight_version` of training run `run_id` (generators install staged weights, reset
+    prefix caches) within `timeout_s`, or fail. (run_id, weight_version) names one weight set."""
 
     refit_id: str
     weight_version: int
     timeout_s: float
+    run_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from syncd.grpc_service import SyncdServicer, build_grpc_server
 from syncd.http_app import build_app
 from syncd.metrics import Metrics
 from syncd.refit import Coordinator
-from syncd.registry import Registry
+from syncd.registry import Limits, Registry
 from syncd.settings import Settings
 from syncd.store import Store
 
@@ -27,15 +27,17 @@ log = logging.getLogger(__name__)
 class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.store = Store(settings.db)
+        self.store = Store(settings.db, settings.store_busy_timeout)
         self.metrics = Metrics()
-        self.registry = Registry(settings.lease_seconds)
+        self.registry = Registry(settings.lease_seconds, Limits(
+            settings.max_catalog_entries, settings.max_tensor_elements, settings.max_watch_streams))
         self.coordinator = Coordinator(settings, self.registry, self.store, self.metrics)
         members = settings.expected_trainers + settings.expected_generators
         self.grpc_server, self.grpc_port, self._health = build_grpc_server(
-            SyncdServicer(self.registry, self.coordinator, settings.auth_token),
+            SyncdServicer(self.registry, self.coordinator),
             # Threads start lazily, so a generous cap costs nothing; each Watch stream holds one.
-            settings.host, settings.grpc_port, max_workers=4 * members + 256,
+            settings.host, settings.grpc_port, max_workers=4 * members + 256, auth_token=settings.auth_token,
+            max_message_bytes=settings.max_message_bytes,
         )
         app = build_app(self.registry, self.coordinator, self.metrics, settings.auth_token)
         self._http = uvicorn.Server(uvicorn.Config(

@@ -6,6 +6,8 @@ app translate them with `grpc_code` / `http_status` and nothing else.
 
 from __future__ import annotations
 
+import hmac
+
 import grpc
 
 
@@ -33,12 +35,22 @@ class Unauthenticated(SyncdError):
     """Missing or wrong bearer token."""
 
 
+class ResourceExhausted(SyncdError):
+    """A per-caller limit was reached (e.g. Watch streams per session)."""
+
+
+class Unavailable(SyncdError):
+    """syncd cannot do it now for a reason outside the request (its store refuses writes); retry."""
+
+
 _TABLE: dict[type[SyncdError], tuple[grpc.StatusCode, int]] = {
     InvalidArgument: (grpc.StatusCode.INVALID_ARGUMENT, 400),
     FailedPrecondition: (grpc.StatusCode.FAILED_PRECONDITION, 409),
     AlreadyExists: (grpc.StatusCode.ALREADY_EXISTS, 409),
     NotFound: (grpc.StatusCode.NOT_FOUND, 404),
     Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, 401),
+    Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
+    ResourceExhausted: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
 }
 
 
@@ -50,10 +62,16 @@ def http_status(err: SyncdError) -> int:
     return _TABLE[type(err)][1]
 
 
+def http_headers(err: SyncdError) -> dict[str, str]:
+    """RFC 9110: a 401 names the scheme the client must use."""
+    return {"WWW-Authenticate": 'Bearer realm="syncd"'} if isinstance(err, Unauthenticated) else {}
+
+
 def check_token(expected: str | None, authorization: str | None) -> None:
     """`authorization` is the raw header/metadata value; no token configured means open access."""
     if expected is None:
         return
-    if authorization != f"Bearer {expected}":
+    # Constant time: how long a wrong token takes to refuse says nothing about the right one.
+    if not hmac.compare_digest((authorization or "").encode(), f"Bearer {expected}".encode()):
         reason = "missing" if not authorization else "wrong"
         raise Unauthenticated(f"{reason} credentials: send 'Authorization: Bearer <token>'")

@@ -1,7 +1,9 @@
 """The member-facing gRPC service (weightsync.v1.Syncd) plus the standard health service.
 
-Every RPC goes through `_guarded`: the bearer-token check and the one translation of SyncdError
-(and ValueError from decoding foreign messages) into a gRPC status.
+The bearer token is checked by `TokenFirst`, an interceptor, from the call's metadata before gRPC
+reads the request message: an unauthenticated caller cannot make syncd read a large message.
+Every RPC goes through `_guarded`: the one translation of SyncdError (and ValueError from
+decoding foreign messages) into a gRPC status.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from typing import Any, Callable, Iterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from syncd.api import MESSAGE_SIZE_OPTIONS, convert
+from syncd.api import convert
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
-from syncd.errors import InvalidArgument, SyncdError, check_token, grpc_code
+from syncd.errors import InvalidArgument, SyncdError, Unauthenticated, check_token, grpc_code
 from syncd.refit import Coordinator, MemberReport
 from syncd.registry import Registry
 
@@ -28,11 +30,28 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Syncd"].full_name
 _WATCH_POLL_S = 0.5  # how often an idle Watch stream notices a cancelled client
 
 
-def _guarded(method: Callable) -> Callable:
-    def check(self: SyncdServicer, context: grpc.ServicerContext) -> None:
-        metadata = dict(context.invocation_metadata())
-        check_token(self.auth_token, metadata.get("authorization"))
+class TokenFirst(grpc.ServerInterceptor):
+    """Refuses calls to the Syncd service without the token before their message is read."""
 
+    def __init__(self, auth_token: str | None) -> None:
+        self.auth_token = auth_token
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        if not details.method.startswith(f"/{SERVICE_NAME}/"):  # the health service stays open
+            return continuation(details)
+        try:
+            check_token(self.auth_token, dict(details.invocation_metadata).get("authorization"))
+        except Unauthenticated as err:
+            message = str(err)
+
+            def refuse(_requests: Iterator, context: grpc.ServicerContext) -> None:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            # A request-streaming handler: gRPC reads no message before it runs (and this one reads none).
+            return grpc.stream_unary_rpc_method_handler(refuse)
+        return continuation(details)
+
+
+def _guarded(method: Callable) -> Callable:
     def fail(context: grpc.ServicerContext, err: Exception) -> None:
         if isinstance(err, ValueError):
             err = InvalidArgument(str(err))
@@ -43,7 +62,6 @@ def _guarded(method: Callable) -> Callable:
         @functools.wraps(method)
         def stream(self: SyncdServicer, request: Any, context: grpc.ServicerContext) -> Iterator:
             try:
-                check(self, context)
                 yield from method(self, request, context)
             except (SyncdError, ValueError) as err:
                 fail(context, err)
@@ -52,7 +70,6 @@ def _guarded(method: Callable) -> Callable:
     @functools.wraps(method)
     def unary(self: SyncdServicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            check(self, context)
             return method(self, request, context)
         except (SyncdError, ValueError) as err:
             fail(context, err)
@@ -60,16 +77,19 @@ def _guarded(method: Callable) -> Callable:
 
 
 class SyncdServicer(pb_grpc.SyncdServicer):
-    def __init__(self, registry: Registry, coordinator: Coordinator, auth_token: str | None) -> None:
+    def __init__(self, registry: Registry, coordinator: Coordinator) -> None:
         self.registry = registry
         self.coordinator = coordinator
-        self.auth_token = auth_token
 
     @_guarded
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
         role = convert.ROLE_NAMES.get(request.role)
         if role is None:
             raise InvalidArgument(f"member {request.member_id}: role is unspecified")
+        catalog = convert.catalog_from_pb(request.catalog) if request.HasField("catalog") else None
+        known = catalog or self.registry.known_catalog(request.catalog_hash)
+        if known is not None:
+            self.coordinator.admit(role, request.member_id, known)
         result = self.registry.register(
             role=role,
             member_id=request.member_id,
@@ -77,7 +97,9 @@ class SyncdServicer(pb_grpc.SyncdServicer):
             device=request.device,
             data_address=request.data_address,
             catalog_hash=request.catalog_hash,
-            catalog=convert.catalog_from_pb(request.catalog) if request.HasField("catalog") else None,
+            catalog=catalog,
+            run_id=request.run_id,
+            weight_version=request.weight_version if request.HasField("weight_version") else None,
         )
         if result.catalog_required:
             return pb.RegisterResponse(catalog_required=True)
@@ -92,15 +114,15 @@ class SyncdServicer(pb_grpc.SyncdServicer):
 
     @_guarded
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Command]:
-        commands = self.registry.commands(request.member_id, request.session_id)
-        while context.is_active():
-            try:
-                command = commands.get(timeout=_WATCH_POLL_S)
-            except queue.Empty:
-                continue
-            if command is None:  # session ended
-                return
-            yield convert.command_to_pb(command)
+        with self.registry.watching(request.member_id, request.session_id) as commands:
+            while context.is_active():
+                try:
+                    command = commands.get(timeout=_WATCH_POLL_S)
+                except queue.Empty:
+                    continue
+                if command is None:  # session ended
+                    return
+                yield convert.command_to_pb(command)
 
     @_guarded
     def Report(self, request: pb.ReportRequest, context: grpc.ServicerContext) -> pb.ReportResponse:
@@ -120,13 +142,17 @@ class SyncdServicer(pb_grpc.SyncdServicer):
 
 
 def build_grpc_server(
-    servicer: SyncdServicer, host: str, port: int, max_workers: int
+    servicer: SyncdServicer, host: str, port: int, max_workers: int, auth_token: str | None,
+    max_message_bytes: int,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A gRPC server with the Syncd and health services; returns it with its bound port.
     Each open Watch stream holds a worker thread, so `max_workers` must exceed the member count."""
     # gRPC enables SO_REUSEPORT by default: a second syncd would silently share the port.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                         options=[("grpc.so_reuseport", 0), *MESSAGE_SIZE_OPTIONS])
+                         interceptors=[TokenFirst(auth_token)],
+                         options=[("grpc.so_reuseport", 0),
+                                  ("grpc.max_receive_message_length", max_message_bytes),
+                                  ("grpc.max_send_message_length", 1 << 30)])
     pb_grpc.add_SyncdServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -14,8 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
-from syncd.errors import SyncdError, check_token, http_status
+from syncd.errors import SyncdError, check_token, http_headers, http_status
 from syncd.http_models import (
     ErrorOut, HealthOut, MemberOut, MembersOut, PlanOut, ReadinessOut, RefitIn, RefitOut, RefitsOut,
     StatusOut,
@@ -33,6 +34,7 @@ def require_token(request: Request, authorization: Annotated[str | None, Header(
 
 Authorized = Annotated[None, Depends(require_token)]
 _ERRORS = {code: {"model": ErrorOut} for code in (400, 401, 404, 409, 422)}
+_TRIGGER_ERRORS = {**_ERRORS, 503: {"model": ErrorOut, "description": "the store refuses to record a refit"}}
 
 
 def build_app(
@@ -42,8 +44,11 @@ def build_app(
     app.state.auth_token = auth_token
     _install_error_handlers(app)
 
+    # Liveness and metrics are `async`: they run on the event loop, never queued behind slow
+    # requests in the thread pool (a liveness probe that waits gets syncd killed by Kubernetes).
+    # Readiness plans (bounded by the plan limits), so it stays off the event loop.
     @app.get("/healthz", response_model=HealthOut, tags=["health"])
-    def healthz() -> HealthOut:
+    async def healthz() -> HealthOut:
         return HealthOut()
 
     @app.get("/readyz", response_model=ReadinessOut, responses={503: {"model": ReadinessOut}},
@@ -53,7 +58,7 @@ def build_app(
         return JSONResponse(r.model_dump(), status_code=200 if r.ready else 503)
 
     @app.get("/metrics", tags=["health"], response_class=Response)
-    def prometheus() -> Response:
+    async def prometheus() -> Response:
         members = registry.members()
         for role in ROLES:
             metrics.members.labels(role=role).set(sum(m.role == role for m in members))
@@ -62,11 +67,14 @@ def build_app(
     @app.get("/v1/status", response_model=StatusOut, tags=["refits"])
     def status() -> StatusOut:
         current = coordinator.current()
+        committed, announced = coordinator.versions.committed, coordinator.versions.announced
         return StatusOut(
             state=current.state if current else "IDLE",
             current_refit=RefitOut.of(current) if current else None,
-            committed_version=coordinator.committed_version,
-            announced_version=coordinator.announced_version,
+            committed_version=committed.version if committed else None,
+            committed_run=committed.run_id if committed else None,
+            announced_version=announced.version if announced else None,
+            announced_run=coordinator.versions.run_id,
             readiness=ReadinessOut.of(coordinator.readiness()),
         )
 
@@ -78,13 +86,15 @@ def build_app(
     def plan() -> PlanOut:
         return PlanOut.of(coordinator.current_plan())
 
-    @app.post("/v1/refits", response_model=RefitOut, status_code=202, responses=_ERRORS, tags=["refits"])
+    @app.post("/v1/refits", response_model=RefitOut, status_code=202, responses=_TRIGGER_ERRORS,
+              tags=["refits"])
     def trigger(_: Authorized, body: RefitIn | None = None) -> RefitOut:
-        return RefitOut.of(coordinator.trigger(body.weight_version if body else None))
+        body = body or RefitIn()
+        return RefitOut.of(coordinator.trigger(body.weight_version, body.allow_rollback))
 
     @app.get("/v1/refits", response_model=RefitsOut, tags=["refits"])
     def history(limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> RefitsOut:
-        return RefitsOut(refits=[RefitOut.of(r) for r in coordinator.store.history(limit)])
+        return RefitsOut(refits=[RefitOut.of(r) for r in coordinator.history(limit)])
 
     @app.get("/v1/refits/{refit_id}", response_model=RefitOut, responses=_ERRORS, tags=["refits"])
     def refit(refit_id: str) -> RefitOut:
@@ -97,10 +107,19 @@ def build_app(
     return app
 
 
+def _allowed_methods(app: FastAPI, request: Request) -> set[str]:
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return methods
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SyncdError)
     async def syncd_error(_: Request, err: SyncdError) -> JSONResponse:
-        return JSONResponse({"error": str(err)}, status_code=http_status(err))
+        return JSONResponse({"error": str(err)}, status_code=http_status(err), headers=http_headers(err))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -108,8 +127,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"error": f"invalid request: {problems}"}, status_code=422)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, err: HTTPException) -> JSONResponse:
-        return JSONResponse({"error": str(err.detail)}, status_code=err.status_code)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        headers = dict(err.headers or {})
+        if err.status_code == 405:  # RFC 9110: `Allow` lists every method of the resource
+            headers["Allow"] = ", ".join(sorted(_allowed_methods(app, request)))
+        return JSONResponse({"error": str(err.detail)}, status_code=err.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def crash(request: Request, err: Exception) -> JSONResponse:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from syncd.plan import Plan
 from syncd.planning import plan_members
-from syncd.refit import Readiness
+from syncd.readiness import Readiness
 from syncd.registry import Member
 from syncd.store import RefitRecord
 
@@ -86,9 +86,19 @@ class PlanOut(BaseModel):
         )
 
 
+INT64_MAX = 2**63 - 1
+
+
 class RefitIn(BaseModel):
-    weight_version: int | None = Field(
-        default=None, ge=0, description="version to move; default: the latest a trainer announced"
+    # Strict: `true`, "7" and 7.0 are not versions; unknown fields are mistakes, not options.
+    model_config = ConfigDict(extra="forbid")
+
+    weight_version: StrictInt | None = Field(
+        default=None, ge=0, le=INT64_MAX,
+        description="version to move; must be the trainers' newest announced version (the default)",
+    )
+    allow_rollback: StrictBool = Field(
+        default=False, description="allow moving a version older than the committed one of the same run"
     )
 
 
@@ -98,14 +108,19 @@ class RefitOut(BaseModel):
     weight_version: int
     created_at: float
     finished_at: float | None
-    error: str = Field(description="the cause when ABORTED")
+    error: str = Field(description="the cause when ABORTED; when COMMITTED, why members are unconfirmed")
     phases: dict[str, float] = Field(description="seconds spent per phase")
     bytes: int = Field(description="bytes received by generators")
+    run_id: str = Field(description="training run of weight_version; the pair names one weight set")
+    unconfirmed: list[str] = Field(
+        description="COMMITTED: members that did not confirm Commit (the cause is in `error`)"
+    )
 
     @classmethod
     def of(cls, r: RefitRecord) -> RefitOut:
         return cls(id=r.id, state=r.state, weight_version=r.weight_version, created_at=r.created_at,
-                   finished_at=r.finished_at, error=r.error, phases=r.phases, bytes=r.bytes)
+                   finished_at=r.finished_at, error=r.error, phases=r.phases, bytes=r.bytes,
+                   run_id=r.run_id, unconfirmed=list(r.unconfirmed))
 
 
 class RefitsOut(BaseModel):
@@ -116,5 +131,7 @@ class StatusOut(BaseModel):
     state: str = Field(description="IDLE, or the running refit's state")
     current_refit: RefitOut | None
     committed_version: int | None
-    announced_version: int | None
+    committed_run: str | None = Field(description="training run of committed_version")
+    announced_version: int | None = Field(description="newest version the current training run announced")
+    announced_run: str | None = Field(description="the trainers' current training run")
     readiness: ReadinessOut

@@ -3,12 +3,13 @@ comparison that VERIFYING runs on a plan. Pure functions plus a small cache: no 
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
 from syncd.commands import checksum_key
-from syncd.layout import Catalog
+from syncd.layout import Catalog, dtype_bytes
 from syncd.plan import DestMember, Plan, SourceMember, make_plan
 from syncd.registry import Member
 
@@ -21,8 +22,9 @@ def plan_key(members: Sequence[Member], bucket_bytes: int) -> PlanKey:
 
 
 class PlanCache:
-    def __init__(self, size: int = 4) -> None:
+    def __init__(self, size: int = 4, max_buckets: int = 1_000_000) -> None:
         self._size = size
+        self._max_buckets = max_buckets
         self._lock = threading.Lock()
         self._plans: OrderedDict[PlanKey, Plan] = OrderedDict()
 
@@ -38,12 +40,35 @@ class PlanCache:
         dests = [DestMember(m.member_id, catalog(m.catalog_hash)) for m in members if m.role == "generator"]
         if not sources or not dests:
             raise ValueError(f"a plan needs trainers and generators; have {len(sources)} and {len(dests)}")
+        # Planning costs at least one bucket per `bucket_bytes` received: refuse absurd catalogs
+        # (an 81-byte catalog can declare int8[2**62]) before spending minutes and gigabytes.
+        buckets = sum(-(-_held_bytes(d.catalog) // bucket_bytes) for d in dests)
+        if buckets > self._max_buckets:
+            raise ValueError(f"the plan would need at least {buckets} buckets of {bucket_bytes} bytes, "
+                             f"more than the limit {self._max_buckets} (max_plan_buckets); raise bucket_bytes "
+                             "or check the generators' catalogs")
         plan = make_plan(sources, dests, bucket_bytes=bucket_bytes)
         with self._lock:
             self._plans[key] = plan
             while len(self._plans) > self._size:
                 self._plans.popitem(last=False)
         return plan
+
+
+def dtype_mismatch(generator_id: str, generator: Catalog, trainers: Sequence[Catalog]) -> str | None:
+    """Why `generator` cannot receive what the trainers send, dtype-wise, or None. syncd moves
+    bytes and does not convert dtypes (vLLM's default dtype for a float32 checkpoint is bfloat16)."""
+    sent = {c.name: c.dtype for catalog in trainers for c in catalog.canonical}
+    for c in generator.canonical:
+        want = sent.get(c.name)
+        if want is not None and want != c.dtype:
+            return (f"{generator_id} holds {c.name} as {c.dtype} but the trainers send {want}; syncd does "
+                    f"not convert dtypes: start the generator with --dtype {want}")
+    return None
+
+
+def _held_bytes(catalog: Catalog) -> int:
+    return sum(math.prod(t.shape) * dtype_bytes(t.dtype) for t in catalog.tensors)
 
 
 def plan_members(plan: Plan) -> tuple[str, ...]:

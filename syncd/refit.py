@@ -1,11 +1,18 @@
 """The refit state machine: IDLE -> PREPARING -> TRANSFERRING -> VERIFYING -> COMMITTED, and
-ABORTED from any state.
+ABORTED from any state before the commit decision.
 
 One refit runs at a time, in its own thread, as a straight sequence of phases (`_execute`). Each
 phase sends commands through the members' Watch queues and waits for their reports with the
-phase's timeout. Anything that goes wrong elsewhere (an error report, a lost lease, an operator
-abort) calls `_Run.fail`, which wakes the waiting phase; the refit thread then sends Abort to every
-member and records ABORTED with the cause. Members report with `MemberClient.report`.
+phase's timeout. Anything that goes wrong elsewhere (an error report, a lost lease) calls
+`Run.fail`, which wakes the waiting phase; the refit thread then sends Abort to every member and
+records ABORTED with the cause. An operator's abort ends the refit itself, at once, whatever the
+refit thread is doing. Members report with `MemberClient.report`.
+
+Transfer reports are checked against the plan (bytes per member, checksums of every unit) before
+the commit decision. The decision is written to the store *before* any member is told to commit;
+from then on the refit is COMMITTED, and members that do not confirm are listed as unconfirmed.
+Outcomes are recorded through the `Journal`, so no refit waits for, or dies of, a store that
+refuses writes.
 
 Stage groups (one communicator per trainer PP stage) outlive a refit: they are reused while their
 membership (member ids and sessions) is unchanged, renegotiated when it changes, and dropped after
@@ -18,40 +25,24 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Mapping
 
 from syncd.commands import Abort, Commit, ExecutePlan, JoinGroup, Phase, StageGroup, Verify
-from syncd.errors import FailedPrecondition, InvalidArgument, NotFound
+from syncd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from syncd.journal import Journal
+from syncd.layout import Catalog
 from syncd.metrics import Metrics
 from syncd.plan import Plan
-from syncd.planning import PlanCache, checksum_mismatch, plan_members, stage_membership
+from syncd.planning import PlanCache, checksum_mismatch, dtype_mismatch, plan_members, stage_membership
+from syncd.readiness import Readiness, behind, behind_reason, refit_problems
+from syncd.refit_run import MemberReport, RefitAborted, Run, transfer_report_problem
 from syncd.registry import ROLES, Member, Registry
 from syncd.settings import Settings
-from syncd.store import RefitRecord, Store
+from syncd.store import RefitRecord, Store, StoreUnavailable
+from syncd.versions import Versions, WeightSet
+
+__all__ = ["Coordinator", "MemberReport", "Readiness"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class MemberReport:
-    member_id: str
-    refit_id: str
-    phase: str
-    ok: bool = True
-    error: str = ""
-    bytes: int = 0
-    checksums: Mapping[str, str] = field(default_factory=dict)
-    timings: Mapping[str, float] = field(default_factory=dict)
-    address: str = ""
-
-
-@dataclass(frozen=True)
-class Readiness:
-    ready: bool
-    expected: dict[str, int]
-    registered: dict[str, int]
-    reason: str
 
 
 def _left(deadline: float) -> float:
@@ -59,109 +50,76 @@ def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.0)
 
 
-class RefitAborted(Exception):
-    """Ends the refit thread's phase sequence; the message is the recorded cause."""
-
-
-class _Run:
-    """The refit in progress. Other threads touch it only through `add` and `fail`."""
-
-    def __init__(self, record: RefitRecord, involved: set[str]) -> None:
-        self.record = record
-        self.involved = involved
-        self.phases: dict[str, float] = {}
-        self.bytes = 0
-        self.done = threading.Event()
-        self._cond = threading.Condition()
-        self._reports: dict[tuple[str, str], MemberReport] = {}
-        self._abort_reason: str | None = None
-        self._phase, self._phase_start = "PREPARING", time.monotonic()
-
-    @property
-    def id(self) -> str:
-        return self.record.id
-
-    @property
-    def version(self) -> int:
-        return self.record.weight_version
-
-    def add(self, report: MemberReport) -> None:
-        if not report.ok:
-            self.fail(f"member {report.member_id} failed {report.phase}: {report.error or 'no cause given'}")
-            return
-        with self._cond:
-            self._reports[(report.phase, report.member_id)] = report
-            self._cond.notify_all()
-
-    def fail(self, reason: str) -> None:
-        """First cause wins; later ones are consequences of it."""
-        with self._cond:
-            if self._abort_reason is None:
-                self._abort_reason = reason
-                self._cond.notify_all()
-
-    def enter(self, phase: str, timeout: float) -> float:
-        """Close the current phase's timing, start `phase`; returns its deadline."""
-        self.close_phase()
-        self._phase, self._phase_start = phase, time.monotonic()
-        return self._phase_start + timeout
-
-    def close_phase(self) -> None:
-        self.phases[self._phase] = round(time.monotonic() - self._phase_start, 6)
-
-    def wait_for(self, phase: str, members: tuple[str, ...], deadline: float) -> dict[str, MemberReport]:
-        """Block until every member reported `phase`; consume and return those reports."""
-        with self._cond:
-            while True:
-                if self._abort_reason is not None:
-                    raise RefitAborted(self._abort_reason)
-                missing = [m for m in members if (phase, m) not in self._reports]
-                if not missing:
-                    return {m: self._reports.pop((phase, m)) for m in members}
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise RefitAborted(
-                        f"timeout in {self._phase}: no {phase} report from {', '.join(missing)}"
-                    )
-                self._cond.wait(remaining)
-
-
 class Coordinator:
     def __init__(self, settings: Settings, registry: Registry, store: Store, metrics: Metrics) -> None:
         self.settings = settings
         self.registry = registry
         self.store = store
+        self.journal = Journal(store)
         self.metrics = metrics
-        self.plans = PlanCache()
+        self.plans = PlanCache(max_buckets=settings.max_plan_buckets)
         self._lock = threading.Lock()
-        self._run: _Run | None = None
+        self._run: Run | None = None
+        self._starting = False  # a trigger is creating its record (outside the lock)
         self._groups: dict[int, tuple[tuple, StageGroup]] = {}
         self._auto_pending = False
-        self.committed_version = store.get_int("committed_version")
-        self.announced_version = store.get_int("announced_version")
-        if self.committed_version is not None:
-            metrics.committed_version.set(self.committed_version)
+        self.versions = Versions(store)
+        if self.versions.committed is not None:
+            metrics.committed_version.set(self.versions.committed.version)
         registry.on_lost(self._on_member_lost)
+        registry.on_registered(self._on_registered)
 
     # ---- queries ----
 
     def readiness(self) -> Readiness:
-        counts = Counter(m.role for m in self.registry.members())
-        expected = {"trainer": self.settings.expected_trainers,
-                    "generator": self.settings.expected_generators}
-        missing = [f"{counts[r]} of {expected[r]} {r}s registered" for r in ROLES if counts[r] < expected[r]]
-        return Readiness(not missing, expected, {r: counts[r] for r in ROLES}, "; ".join(missing))
+        """For /readyz: a refit could start and every generator serves the committed version."""
+        members = self.registry.members()
+        problems = self._refit_problems(members)
+        lagging = behind(members, self.versions.committed)
+        if lagging:
+            problems.append(behind_reason(lagging, self.versions.committed))  # type: ignore[arg-type]
+        counts = Counter(m.role for m in members)
+        return Readiness(not problems, self._expected(), {r: counts[r] for r in ROLES}, "; ".join(problems))
+
+    def _expected(self) -> dict[str, int]:
+        return {"trainer": self.settings.expected_trainers, "generator": self.settings.expected_generators}
+
+    def _refit_problems(self, members: list[Member] | None = None) -> list[str]:
+        return refit_problems(self.registry.members() if members is None else members, self._expected(),
+                              self.versions.run_id, self.registry.catalog, self.current_plan)
 
     def current(self) -> RefitRecord | None:
         with self._lock:
             run = self._run
-        return None if run is None else self.store.get(run.id)
+        return None if run is None else self._record(run, run.state, "")
 
     def get(self, refit_id: str) -> RefitRecord:
-        record = self.store.get(refit_id)
+        with self._lock:
+            run = self._run
+        if run is not None and run.id == refit_id:
+            return self._record(run, run.state, "")
+        record = self.journal.get(refit_id)
         if record is None:
             raise NotFound(f"no refit {refit_id!r}")
         return record
+
+    def history(self, limit: int) -> list[RefitRecord]:
+        with self._lock:
+            run = self._run
+        records = self.journal.history(limit)
+        if run is None:
+            return records
+        return [self._record(run, run.state, "") if r.id == run.id else r for r in records]
+
+    def admit(self, role: str, member_id: str, catalog: Catalog) -> None:
+        """Refuse, at registration, a generator that could never receive the trainers' weights."""
+        if role != "generator":
+            return
+        trainers = [self.registry.catalog(m.catalog_hash) for m in self.registry.members()
+                    if m.role == "trainer"]
+        problem = dtype_mismatch(member_id, catalog, trainers)
+        if problem is not None:
+            raise FailedPrecondition(problem)
 
     def current_plan(self) -> Plan:
         try:
@@ -171,45 +129,58 @@ class Coordinator:
 
     # ---- commands from operators and members ----
 
-    def trigger(self, weight_version: int | None = None) -> RefitRecord:
-        """Start a refit; raises FailedPrecondition (changing nothing) if one runs or not ready."""
+    def trigger(self, weight_version: int | None = None, allow_rollback: bool = False) -> RefitRecord:
+        """Start a refit of the trainers' newest announced version (`weight_version`, when given,
+        must be that one); raises FailedPrecondition (changing nothing) if one runs, the version
+        is not held or not ready, Unavailable if the store refuses to record it."""
         with self._lock:
-            if self._run is not None:
+            if self._run is not None or self._starting:
+                busy = self._run.id if self._run is not None else "a refit"
                 raise FailedPrecondition(
-                    f"refit {self._run.id} is still running; one refit at a time: wait for it or abort it"
+                    f"refit {busy} is still running; one refit at a time: wait for it or abort it"
                 )
-            version = self.announced_version if weight_version is None else weight_version
-            if version is None:
-                raise FailedPrecondition(
-                    "no weight version to move: no trainer announced one and none was given"
-                )
-            readiness = self.readiness()
-            if not readiness.ready:
-                raise FailedPrecondition(f"not ready to refit: {readiness.reason}")
-            record = RefitRecord(self.store.new_refit_id(), "PREPARING", version, time.time())
-            self.store.save(record)
-            run = self._run = _Run(record, {m.member_id for m in self.registry.members()})
-        log.info("refit %s: moving weight version %d", run.id, version)
+            problems = self._refit_problems()
+            if problems:
+                raise FailedPrecondition(f"not ready to refit: {'; '.join(problems)}")
+            weights = self.versions.to_move(weight_version, allow_rollback)
+            self._starting = True
+        try:
+            record = self.store.create("PREPARING", weights.version, weights.run_id, time.time())
+        except StoreUnavailable as e:
+            raise Unavailable(f"cannot record a new refit: {e}") from None
+        finally:
+            with self._lock:
+                self._starting = False
+        with self._lock:
+            run = self._run = Run(record, {m.member_id for m in self.registry.members()})
+        log.info("refit %s: moving weight version %s", run.id, weights.label)
         threading.Thread(target=self._execute, args=(run,), name=run.id, daemon=True).start()
         return record
 
     def abort(self, refit_id: str, reason: str = "aborted by operator") -> RefitRecord:
+        """Ends the refit here and now (members get Abort) and answers with what it recorded."""
         with self._lock:
             run = self._run
         if run is None or run.id != refit_id:
             record = self.get(refit_id)
             raise FailedPrecondition(f"refit {refit_id} already finished as {record.state}")
-        run.fail(reason)
-        run.done.wait(timeout=30)
+        if not run.fail(reason):
+            raise FailedPrecondition(
+                f"refit {refit_id} is committing (its commit decision is recorded); it cannot be aborted"
+            )
+        self._abort_everywhere(run, reason)
         return self.get(refit_id)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort the running refit (members get Abort while their sessions still exist)."""
+        """Abort the running refit (members get Abort while their sessions still exist), let a
+        committing one finish, and write every record the store has not taken yet."""
         with self._lock:
             run = self._run
         if run is not None:
-            run.fail("syncd is shutting down")
+            if run.fail("syncd is shutting down"):
+                self._abort_everywhere(run, "syncd is shutting down")
             run.done.wait(timeout)
+        self.journal.close(timeout)
 
     def report(self, report: MemberReport) -> None:
         with self._lock:
@@ -225,18 +196,30 @@ class Coordinator:
             raise InvalidArgument(
                 f"only trainers announce weight versions; {member.member_id} is a {member.role}"
             )
-        with self._lock:
-            if self.announced_version is None or version > self.announced_version:
-                self.announced_version = version
-                self.store.set_int("announced_version", version)
-        log.info("%s announced weight version %d", member.member_id, version)
-        if self.settings.auto_refit and (self.committed_version is None or version > self.committed_version):
+        self.versions.announce(member, version)
+        self._maybe_auto_refit()
+
+    def _on_registered(self, member: Member) -> None:
+        if member.role == "trainer":
+            self.versions.trainer_registered(member)
+        self._maybe_auto_refit()  # a deferred auto-refit may be possible now
+
+    def _maybe_auto_refit(self) -> None:
+        if (self.settings.auto_refit and self.versions.wants_refit()) or self._wants_catch_up():
             self._auto_trigger()
+
+    def _wants_catch_up(self) -> bool:
+        """A generator registered behind the committed version and the trainers hold weights to
+        bring it up to date: the committed ones, or under auto-refit any newest ones."""
+        committed, announced = self.versions.committed, self.versions.announced
+        if committed is None or announced is None or not behind(self.registry.members(), committed):
+            return False
+        return self.settings.auto_refit or announced == committed
 
     def _auto_trigger(self) -> None:
         try:
             self.trigger()
-        except FailedPrecondition as e:
+        except (FailedPrecondition, Unavailable) as e:
             log.info("auto-refit deferred: %s", e)
             self._auto_pending = True
 
@@ -244,37 +227,41 @@ class Coordinator:
         with self._lock:
             run = self._run
         if run is not None and member.member_id in run.involved:
-            run.fail(f"member {member.member_id} lost mid-refit: {reason}")
+            cause = f"member {member.member_id} lost mid-refit: {reason}"
+            if not run.fail(cause):
+                run.note_unconfirmed(member.member_id, cause)
 
     # ---- the refit thread ----
 
-    def _execute(self, run: _Run) -> None:
+    def _execute(self, run: Run) -> None:
         try:
             plan, groups = self._prepare(run)
             transferred = self._transfer(run, plan, groups)
             self._verify(run, plan, transferred)
-            self._commit(run, plan)
-            self._finish(run, "COMMITTED", "")
+            commit_deadline = self._decide(run, plan)
         except RefitAborted as e:
             self._abort_everywhere(run, str(e))
         except Exception as e:  # a bug must still end the refit and free the slot
             log.exception("refit %s crashed", run.id)
+            run.fail(f"internal error in syncd: {e!r}")
             self._abort_everywhere(run, f"internal error in syncd: {e!r}")
+        else:
+            self._commit(run, plan, commit_deadline)
         if self._auto_pending:
             self._auto_pending = False
-            if self.announced_version is not None and self.announced_version != self.committed_version:
-                self._auto_trigger()
-
-    def _prepare(self, run: _Run) -> tuple[Plan, dict[int, StageGroup]]:
+            self._maybe_auto_refit()
+    def _prepare(self, run: Run) -> tuple[Plan, dict[int, StageGroup]]:
         deadline = run.enter("PREPARING", self.settings.prepare_timeout)
-        readiness = self.readiness()
-        if not readiness.ready:
-            raise RefitAborted(f"members missing: {readiness.reason}")
+        problems = self._refit_problems()
+        if problems:
+            raise RefitAborted(f"not ready to refit: {'; '.join(problems)}")
         members = {m.member_id: m for m in self.registry.members()}
         try:
             plan = self.plans.get(list(members.values()), self.registry.catalog, self.settings.bucket_bytes)
         except ValueError as e:
             raise RefitAborted(f"cannot plan: {e}") from None
+        if not plan.buckets:
+            raise RefitAborted("the plan moves no bytes: the registered catalogs hold no tensors to move")
         run.involved = set(plan_members(plan))
         groups: dict[int, StageGroup] = {}
         for stage, ids in stage_membership(plan).items():
@@ -295,7 +282,7 @@ class Coordinator:
             return self.settings.backend
         return "nccl" if all(m.device.startswith("cuda") for m in members) else "gloo"
 
-    def _negotiate(self, run: _Run, group: StageGroup, deadline: float) -> None:
+    def _negotiate(self, run: Run, group: StageGroup, deadline: float) -> None:
         """Rank 0 creates the address and reports it before blocking in init; syncd relays it.
         Groups are negotiated one after another: a generator in several groups then never waits
         in one group's init while its peers wait in another's."""
@@ -313,17 +300,20 @@ class Coordinator:
         run.wait_for(Phase.JOINED, group.members, deadline)
         log.info("group %s joined: %s (%s)", group.group_id, ", ".join(group.members), group.backend)
 
-    def _transfer(self, run: _Run, plan: Plan, groups: dict[int, StageGroup]) -> dict[str, MemberReport]:
+    def _transfer(self, run: Run, plan: Plan, groups: dict[int, StageGroup]) -> dict[str, MemberReport]:
         deadline = self._enter(run, "TRANSFERRING", self.settings.transfer_timeout)
         ids = plan_members(plan)
         for m in ids:
             mine = tuple(g for g in groups.values() if m in g.members)
             self._send(run, m, ExecutePlan(run.id, run.version, plan.for_member(m), mine, _left(deadline)))
         reports = run.wait_for(Phase.TRANSFERRED, ids, deadline)
+        problem = transfer_report_problem(plan, reports)
+        if problem is not None:
+            raise RefitAborted(f"transfer reports disagree with the plan: {problem}")
         run.bytes = sum(reports[m].bytes for m in {b.dst for b in plan.buckets})
         return reports
 
-    def _verify(self, run: _Run, plan: Plan, transferred: dict[str, MemberReport]) -> None:
+    def _verify(self, run: Run, plan: Plan, transferred: dict[str, MemberReport]) -> None:
         deadline = self._enter(run, "VERIFYING", self.settings.verify_timeout)
         ids = plan_members(plan)
         for m in ids:
@@ -334,49 +324,80 @@ class Coordinator:
         if problem is not None:
             raise RefitAborted(f"verification failed: {problem}")
 
-    def _commit(self, run: _Run, plan: Plan) -> None:
-        # State stays VERIFYING until every member committed; the timing is kept as COMMITTING.
+    def _decide(self, run: Run, plan: Plan) -> float:
+        """Write the commit decision durably; only then may any member hear of it. Returns the
+        commit deadline. The state stays VERIFYING until the members confirmed or the deadline
+        passed; the time is kept as the COMMITTING phase."""
         deadline = run.enter("COMMITTING", self.settings.commit_timeout)
+        run.decide()
+        decision = self._record(run, "COMMITTED", "", unconfirmed=plan_members(plan))
+        try:
+            self.store.decide_commit(decision)
+        except StoreUnavailable as e:
+            raise RefitAborted(f"could not record the commit decision, so nobody committed: {e}") from None
+        self.versions.set_committed(WeightSet(run.record.run_id, run.version))
+        self.metrics.committed_version.set(run.version)
+        return deadline
+
+    def _commit(self, run: Run, plan: Plan, deadline: float) -> None:
         ids = plan_members(plan)
         for m in ids:
-            self._send(run, m, Commit(run.id, run.version, _left(deadline)))
-        run.wait_for(Phase.COMMITTED, ids, deadline)
+            if not self.registry.send(m, Commit(run.id, run.version, _left(deadline), run.record.run_id)):
+                run.note_unconfirmed(m, f"member {m} is gone")
+        unconfirmed = run.wait_confirmations(ids, deadline)
+        for m in ids:
+            if m not in unconfirmed:
+                self.registry.set_weight_version(m, run.version)
+        self._conclude(run, "COMMITTED", "; ".join(unconfirmed.values()), tuple(unconfirmed))
 
-    def _enter(self, run: _Run, state: str, timeout: float) -> float:
+    def _enter(self, run: Run, state: str, timeout: float) -> float:
         deadline = run.enter(state, timeout)
-        self.store.save(self._record(run, state, ""))
+        run.state = state
+        self.journal.record(self._record(run, state, ""))
         log.info("refit %s: %s", run.id, state)
         return deadline
 
-    def _send(self, run: _Run, member_id: str, command: object) -> None:
+    def _send(self, run: Run, member_id: str, command: object) -> None:
+        if run.concluded:
+            raise RefitAborted("the refit already ended")
         if not self.registry.send(member_id, command):  # type: ignore[arg-type]
             raise RefitAborted(f"member {member_id} is gone")
 
-    def _abort_everywhere(self, run: _Run, reason: str) -> None:
+    def _abort_everywhere(self, run: Run, reason: str) -> None:
+        """Idempotent: whoever ends the refit first sends Abort and records it."""
+        with self._lock:
+            if run.concluded:
+                return
+            self._groups.clear()
         log.warning("refit %s aborted: %s", run.id, reason)
-        self._groups.clear()
         for m in self.registry.members():
             self.registry.send(m.member_id, Abort(run.id, reason))
-        self._finish(run, "ABORTED", reason)
+        self._conclude(run, "ABORTED", reason)
 
-    def _record(self, run: _Run, state: str, error: str, finished: float | None = None) -> RefitRecord:
+    def _record(self, run: Run, state: str, error: str, unconfirmed: tuple[str, ...] = (),
+                finished: float | None = None) -> RefitRecord:
         return RefitRecord(run.id, state, run.version, run.record.created_at, finished, error,
-                           dict(run.phases), run.bytes)
+                           run.timings() if finished is None else dict(run.phases), run.bytes, unconfirmed,
+                           run.record.run_id)
 
-    def _finish(self, run: _Run, state: str, error: str) -> None:
-        run.close_phase()
-        record = self._record(run, state, error, time.time())
-        self.store.save(record)
+    def _conclude(self, run: Run, state: str, error: str, unconfirmed: tuple[str, ...] = ()) -> None:
+        """End the refit once: free the slot and record the outcome (in memory at once, in the
+        store when it accepts it)."""
+        with self._lock:
+            if run.concluded:
+                return
+            run.concluded = True
+            run.close_phase()
+            run.state = state
+            record = self._record(run, state, error, unconfirmed, time.time())
+            self.journal.record(record)
+            if self._run is run:
+                self._run = None
         if state == "COMMITTED":
-            self.store.set_int("committed_version", run.version)
-            self.committed_version = run.version
-            self.metrics.committed_version.set(run.version)
             self.metrics.bytes_moved.inc(run.bytes)
         self.metrics.refits.labels(outcome=state.lower()).inc()
         self.metrics.refit_duration.observe(record.finished_at - record.created_at)  # type: ignore[operator]
         for phase, seconds in run.phases.items():
             self.metrics.phase_duration.labels(phase=phase).observe(seconds)
-        with self._lock:
-            self._run = None
         run.done.set()
         log.info("refit %s %s%s", run.id, state, f": {error}" if error else "")

@@ -2,24 +2,32 @@
 
 Lifecycle of a member: `register` (hash first; the full catalog only when syncd lacks it) opens a
 session; `heartbeat` renews its lease; `expire` (called by the daemon's reaper) ends sessions whose
-lease ran out; a new registration under the same member id replaces the old session. Ending a
-session closes its command queue, which ends its Watch stream, and tells `on_lost` listeners.
+lease ran out. A member id with a live lease is not taken over: a restarted member registers
+again once its old lease ran out (its client retries by itself). Ending a session closes its
+command queue, which ends its Watch stream, and tells `on_lost` listeners; a new session tells
+`on_registered` listeners.
+
+Member ids are Kubernetes names (RFC 1123 subdomains: lowercase letters, digits, '-' and '.',
+at most 253 characters), so they are safe in logs, metrics and URLs.
 
 Catalogs are kept by content hash for the daemon's lifetime: identical layouts are stored once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import queue
+import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Mapping
 
 from syncd.commands import Command
-from syncd.errors import AlreadyExists, InvalidArgument, NotFound
+from syncd.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from syncd.layout import Catalog
 
 log = logging.getLogger(__name__)
@@ -27,6 +35,9 @@ log = logging.getLogger(__name__)
 ROLES = ("trainer", "generator")
 # Display order of mesh dims (protobuf maps are unordered); other dims follow alphabetically.
 DIM_ORDER = ("replica", "pp", "dp", "ep", "tp")
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_NAME_MAX = 253
+_RUN_ID = re.compile(r"[A-Za-z0-9._:-]{0,128}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,8 @@ class Member:
     catalog_hash: str
     session_id: str
     registered_at: float
+    run_id: str = ""  # trainers: the training run
+    weight_version: int | None = None  # what it held or served when it registered
 
     @property
     def stage(self) -> int:
@@ -51,6 +64,16 @@ class _Session:
     member: Member
     lease_deadline: float
     commands: queue.Queue[Command | None] = field(default_factory=queue.Queue)
+    watches: int = 0  # open Watch streams
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one member may make syncd hold or compute (documented in docs/syncd.md)."""
+
+    catalog_entries: int = 1_000_000  # canonical tensors + local tensors + pieces
+    tensor_elements: int = 1 << 40
+    watch_streams: int = 2  # per session
 
 
 @dataclass(frozen=True)
@@ -62,46 +85,74 @@ class Registration:
 
 
 LostListener = Callable[[Member, str], None]
+RegisteredListener = Callable[[Member], None]
 
 
 class Registry:
-    def __init__(self, lease_seconds: float) -> None:
+    def __init__(self, lease_seconds: float, limits: Limits = Limits()) -> None:
         self.lease_seconds = lease_seconds
+        self.limits = limits
         self._lock = threading.Lock()
         self._catalogs: dict[str, Catalog] = {}
         self._sessions: dict[str, _Session] = {}
         self._listeners: list[LostListener] = []
+        self._registered_listeners: list[RegisteredListener] = []
 
     def on_lost(self, listener: LostListener) -> None:
         self._listeners.append(listener)
 
+    def on_registered(self, listener: RegisteredListener) -> None:
+        self._registered_listeners.append(listener)
+
     def register(
         self, *, role: str, member_id: str, coords: Mapping[str, int], device: str, data_address: str,
-        catalog_hash: str, catalog: Catalog | None,
+        catalog_hash: str, catalog: Catalog | None, run_id: str = "", weight_version: int | None = None,
     ) -> Registration:
         """Validate and open a session; raises InvalidArgument / AlreadyExists and changes nothing."""
         if role not in ROLES:
             raise InvalidArgument(f"unknown role {role!r}; expected one of {list(ROLES)}")
-        if not member_id:
-            raise InvalidArgument("member_id is empty")
+        check_member_id(member_id)
+        if not _RUN_ID.fullmatch(run_id):
+            raise InvalidArgument(f"member {member_id}: run_id {run_id[:64]!r} is not 0-128 characters of "
+                                  "letters, digits, '.', '_', ':' or '-'")
+        negative = {d: v for d, v in coords.items() if v < 0}
+        if negative:
+            raise InvalidArgument(f"member {member_id}: coords {negative} are negative; mesh coordinates "
+                                  "count from 0")
+        if weight_version is not None and weight_version < 0:
+            raise InvalidArgument(f"member {member_id}: weight_version {weight_version} is negative")
         if role == "trainer" and "pp" not in coords:
             raise InvalidArgument(f"trainer {member_id}: coords {dict(coords)} lack the 'pp' dim")
         if catalog is not None:
-            _check_catalog(member_id, catalog, catalog_hash)
+            _check_catalog(member_id, catalog, catalog_hash, self.limits)
         with self._lock:
             if catalog is None and catalog_hash not in self._catalogs:
                 return Registration(catalog_required=True)
+            self._check_live(member_id)
             self._check_coords(role, member_id, coords)
             if catalog is not None:
                 self._catalogs.setdefault(catalog_hash, catalog)
             member = Member(member_id, role, _ordered(coords), device, data_address, catalog_hash,
-                            uuid.uuid4().hex, time.time())
+                            uuid.uuid4().hex, time.time(), run_id, weight_version)
             old = self._sessions.get(member_id)
             self._sessions[member_id] = _Session(member, time.monotonic() + self.lease_seconds)
         if old is not None:
-            self._end(old, "re-registered (new session)")
-        log.info("registered %s %s coords=%s catalog=%s", role, member_id, dict(coords), catalog_hash[:19])
+            self._end(old, "its lease ran out before it registered again")
+        log.info("registered %s %s coords=%s catalog=%s run=%r version=%s", role, member_id, dict(coords),
+                 catalog_hash[:19], run_id, weight_version)
+        for listener in self._registered_listeners:
+            listener(member)
         return Registration(catalog_required=False, member=member)
+
+    def _check_live(self, member_id: str) -> None:
+        s = self._sessions.get(member_id)
+        if s is not None:
+            left = s.lease_deadline - time.monotonic()
+            if left >= 0:
+                raise AlreadyExists(
+                    f"member id {member_id} is held by a live session (its lease ends in {left:.1f}s unless "
+                    "renewed); a restarted member registers again once that lease ran out"
+                )
 
     def _check_coords(self, role: str, member_id: str, coords: Mapping[str, int]) -> None:
         for s in self._sessions.values():
@@ -116,9 +167,22 @@ class Registry:
         with self._lock:
             self._session(member_id, session_id).lease_deadline = time.monotonic() + self.lease_seconds
 
-    def commands(self, member_id: str, session_id: str) -> queue.Queue[Command | None]:
+    @contextlib.contextmanager
+    def watching(self, member_id: str, session_id: str) -> Iterator[queue.Queue[Command | None]]:
+        """Count an open Watch stream of the session (each holds a gRPC worker thread)."""
         with self._lock:
-            return self._session(member_id, session_id).commands
+            s = self._session(member_id, session_id)
+            if s.watches >= self.limits.watch_streams:
+                raise ResourceExhausted(
+                    f"member {member_id} already has {s.watches} Watch streams open on this session "
+                    f"(limit {self.limits.watch_streams})"
+                )
+            s.watches += 1
+        try:
+            yield s.commands
+        finally:
+            with self._lock:
+                s.watches -= 1
 
     def member(self, member_id: str, session_id: str) -> Member:
         with self._lock:
@@ -147,6 +211,17 @@ class Registry:
         with self._lock:
             return self._catalogs[catalog_hash]
 
+    def set_weight_version(self, member_id: str, version: int) -> None:
+        """The member confirmed it now holds or serves `version`."""
+        with self._lock:
+            s = self._sessions.get(member_id)
+            if s is not None:
+                s.member = replace(s.member, weight_version=version)
+
+    def known_catalog(self, catalog_hash: str) -> Catalog | None:
+        with self._lock:
+            return self._catalogs.get(catalog_hash)
+
     def expire(self) -> None:
         now = time.monotonic()
         with self._lock:
@@ -169,12 +244,31 @@ class Registry:
             listener(s.member, reason)
 
 
+def check_member_id(member_id: str) -> None:
+    """Raises InvalidArgument unless `member_id` is a Kubernetes name (RFC 1123 subdomain)."""
+    if len(member_id) > _NAME_MAX or not _NAME.fullmatch(member_id):
+        shown = repr(member_id[:64]) + (f"... ({len(member_id)} characters)" if len(member_id) > 64 else "")
+        raise InvalidArgument(
+            f"member_id {shown} is not a Kubernetes name: 1-{_NAME_MAX} lowercase letters, digits, '-' "
+            "and '.', starting and ending with a letter or digit"
+        )
+
+
 def _ordered(coords: Mapping[str, int]) -> dict[str, int]:
     rank = {d: i for i, d in enumerate(DIM_ORDER)}
     return {d: coords[d] for d in sorted(coords, key=lambda d: (rank.get(d, len(rank)), d))}
 
 
-def _check_catalog(member_id: str, catalog: Catalog, claimed_hash: str) -> None:
+def _check_catalog(member_id: str, catalog: Catalog, claimed_hash: str, limits: Limits) -> None:
+    entries = len(catalog.canonical) + len(catalog.tensors) + sum(len(t.pieces) for t in catalog.tensors)
+    if entries > limits.catalog_entries:
+        raise InvalidArgument(f"catalog of {member_id}: {entries} tensors and pieces, more than the limit "
+                              f"{limits.catalog_entries} (max_catalog_entries)")
+    for t in (*catalog.canonical, *catalog.tensors):
+        elements = math.prod(t.shape)
+        if elements > limits.tensor_elements:
+            raise InvalidArgument(f"catalog of {member_id}: tensor {t.name[:200]} has {elements} elements, "
+                                  f"more than the limit {limits.tensor_elements} (max_tensor_elements)")
     try:
         catalog.validate()
     except ValueError as e:

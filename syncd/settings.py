@@ -27,6 +27,14 @@ class Settings:
     auth_token: str | None = _setting(
         None, "SYNCD_AUTH_TOKEN", "when set, mutating HTTP calls and all member RPCs need 'Bearer <token>'"
     )
+    store_busy_timeout: float = _setting(
+        5.0, "SYNCD_STORE_BUSY_TIMEOUT",
+        "seconds a store write waits for SQLite's lock (3 attempts); refits never wait for it",
+    )
+    auth_token_file: str | None = _setting(
+        None, "SYNCD_AUTH_TOKEN_FILE",
+        "file holding the token (e.g. a mounted Secret), so it never shows in /proc/PID/cmdline",
+    )
     lease_seconds: float = _setting(10.0, "SYNCD_LEASE_SECONDS", "member lease; renewed by heartbeats")
     prepare_timeout: float = _setting(120.0, "SYNCD_PREPARE_TIMEOUT", "seconds for PREPARING (plan + groups)")
     transfer_timeout: float = _setting(600.0, "SYNCD_TRANSFER_TIMEOUT", "seconds for TRANSFERRING")
@@ -43,13 +51,35 @@ class Settings:
     auto_refit: bool = _setting(
         False, "SYNCD_AUTO_REFIT", "start a refit whenever a trainer announces a version"
     )
+    max_message_bytes: int = _setting(
+        64 << 20, "SYNCD_MAX_MESSAGE_BYTES",
+        "largest gRPC message syncd reads; read only after the token was checked",
+    )
+    max_catalog_entries: int = _setting(
+        1_000_000, "SYNCD_MAX_CATALOG_ENTRIES", "canonical tensors + local tensors + pieces per catalog"
+    )
+    max_tensor_elements: int = _setting(
+        1 << 40, "SYNCD_MAX_TENSOR_ELEMENTS", "elements of one canonical or local tensor"
+    )
+    max_plan_buckets: int = _setting(
+        1_000_000, "SYNCD_MAX_PLAN_BUCKETS", "buckets a plan may need (received bytes / bucket bytes)"
+    )
+    max_watch_streams: int = _setting(
+        2, "SYNCD_MAX_WATCH_STREAMS", "open Watch streams per member session (each holds a gRPC thread)"
+    )
     log_level: str = _setting("INFO", "SYNCD_LOG_LEVEL", "logging level")
 
     def __post_init__(self) -> None:
+        if self.auth_token_file is not None:
+            token = _read_token(self.auth_token_file)
+            if self.auth_token not in (None, token):
+                raise ValueError("set auth_token or auth_token_file, not both")
+            object.__setattr__(self, "auth_token", token)
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be auto, gloo or nccl, not {self.backend!r}")
-        for name in ("lease_seconds", "prepare_timeout", "transfer_timeout", "verify_timeout",
-                     "commit_timeout", "bucket_bytes"):
+        for name in ("store_busy_timeout", "lease_seconds", "prepare_timeout", "transfer_timeout",
+                     "verify_timeout", "commit_timeout", "bucket_bytes", "max_message_bytes",
+                     "max_catalog_entries", "max_tensor_elements", "max_plan_buckets", "max_watch_streams"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
         if self.expected_trainers < 1 or self.expected_generators < 1:
@@ -85,6 +115,17 @@ class Settings:
         return {f.name: f.metadata["env"] for f in dataclasses.fields(Settings)}
 
 
+def _read_token(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"auth_token_file {path!r}: {e.strerror}") from None
+    if not token:
+        raise ValueError(f"auth_token_file {path!r} is empty")
+    return token
+
+
 def _parse(name: str, kind: str, raw: Any) -> Any:
     if isinstance(raw, bool):
         return raw
@@ -101,4 +142,4 @@ def _parse(name: str, kind: str, raw: Any) -> Any:
         if raw.lower() in ("0", "false", "no", "off", ""):
             return False
         raise ValueError(f"setting {name}: {raw!r} is not a boolean")
-    return raw or None if name == "auth_token" else raw
+    return raw or None if name in ("auth_token", "auth_token_file") else raw

@@ -1,8 +1,16 @@
-"""Durable state in SQLite (stdlib sqlite3): refit history and the committed weight version.
+"""Durable state in SQLite (stdlib sqlite3): refit history, the commit decisions and the committed
+weight version.
 
 Members are not stored: after a restart they re-register (their clients do it automatically).
-A refit that was running when syncd stopped is recorded as ABORTED when the store reopens, since
-its groups and staged weights did not survive.
+When the store reopens, a refit that was running is recorded as ABORTED (its groups and staged
+weights did not survive), except one whose commit decision had been written: that one stays
+COMMITTED, since members may already run its version, with the members that had not confirmed
+it listed as unconfirmed.
+
+Every thread gets its own connection, so reads never queue behind a write that waits for
+SQLite's lock (WAL readers do not block on writers). Writes wait up to `busy_timeout` seconds for
+the lock and are retried `attempts` times; then they raise `StoreUnavailable`, which callers
+treat as an outcome, never as a crash.
 """
 
 from __future__ import annotations
@@ -12,8 +20,10 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 TERMINAL = ("COMMITTED", "ABORTED")
+_STOPPED_NOTE = "syncd stopped while Commit was in flight; members report their version on registration"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS refits (
@@ -29,6 +39,15 @@ CREATE TABLE IF NOT EXISTS refits (
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+_COLUMNS = "id, state, weight_version, created_at, finished_at, error, phases, bytes, unconfirmed, run_id"
+# Columns added after the first release, with their definitions (added when a store opens).
+_ADDED_COLUMNS = {"unconfirmed": "TEXT NOT NULL DEFAULT '[]'", "run_id": "TEXT NOT NULL DEFAULT ''"}
+
+T = TypeVar("T")
+
+
+class StoreUnavailable(Exception):
+    """A write did not reach the database (locked for too long, disk full, I/O error)."""
 
 
 @dataclass(frozen=True)
@@ -41,41 +60,119 @@ class RefitRecord:
     error: str = ""
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds spent in it
     bytes: int = 0
+    unconfirmed: tuple[str, ...] = ()  # COMMITTED: members that did not confirm Commit
+    run_id: str = ""  # the training run of weight_version: (run_id, weight_version) names the weights
 
 
 class Store:
-    def __init__(self, path: str) -> None:
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(_SCHEMA)
-        with self._lock:
-            self._db.execute(
+    def __init__(self, path: str, busy_timeout: float = 5.0, attempts: int = 3) -> None:
+        self.path = path
+        self.busy_timeout = busy_timeout
+        self.attempts = attempts
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.Lock()
+        db = self._db()
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(_SCHEMA)
+        present = {row[1] for row in db.execute("PRAGMA table_info(refits)")}
+        for column, definition in _ADDED_COLUMNS.items():
+            if column not in present:
+                db.execute(f"ALTER TABLE refits ADD COLUMN {column} {definition}")
+        self._recover()
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None,
+                                 check_same_thread=False)
+            self._local.db = db
+            with self._connections_lock:
+                self._connections.append(db)
+        return db
+
+    def _recover(self) -> None:
+        now = time.time()
+        with self._transaction() as db:
+            db.execute(
                 "UPDATE refits SET state='ABORTED', error='syncd stopped during the refit', finished_at=? "
-                "WHERE state NOT IN ('COMMITTED', 'ABORTED')",
-                (time.time(),),
-            )
+                "WHERE state NOT IN ('COMMITTED', 'ABORTED')", (now,))
+            db.execute(
+                "UPDATE refits SET finished_at=?, error=? WHERE state='COMMITTED' AND finished_at IS NULL",
+                (now, _STOPPED_NOTE))
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        with self._connections_lock:
+            for db in self._connections:
+                db.close()
+            self._connections.clear()
 
-    def new_refit_id(self) -> str:
-        with self._lock:
-            (seq,) = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM refits").fetchone()
-        return f"refit-{seq}"
+    # ---- writes ----
 
-    def save(self, r: RefitRecord) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO refits "
-                "(id, state, weight_version, created_at, finished_at, error, phases, bytes) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET state=excluded.state, "
-                "finished_at=excluded.finished_at, error=excluded.error, phases=excluded.phases, "
-                "bytes=excluded.bytes",
-                (r.id, r.state, r.weight_version, r.created_at, r.finished_at, r.error,
-                 json.dumps(r.phases), r.bytes),
-            )
+    def create(self, state: str, weight_version: int, run_id: str, created_at: float) -> RefitRecord:
+        """Insert a new refit; its id is `refit-<n>`, n counting refits without gaps."""
+        def insert() -> str:
+            with self._transaction() as db:
+                (n,) = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM refits").fetchone()
+                db.execute("INSERT INTO refits (seq, id, state, weight_version, created_at, run_id) "
+                           "VALUES (?, ?, ?, ?, ?, ?)",
+                           (n, f"refit-{n}", state, weight_version, created_at, run_id))
+            return f"refit-{n}"
+        return RefitRecord(self._retry(insert), state, weight_version, created_at, run_id=run_id)
+
+    def update(self, r: RefitRecord) -> None:
+        self._retry(lambda: self._update(self._db(), r))
+
+    def decide_commit(self, r: RefitRecord) -> None:
+        """The commit decision: the refit COMMITTED (members still unconfirmed) and the committed
+        version, in one transaction, before any member is told to commit."""
+        def write() -> None:
+            with self._transaction() as db:
+                self._update(db, r)
+                self._set(db, "committed_version", str(r.weight_version))
+                self._set(db, "committed_run", r.run_id)
+        self._retry(write)
+
+    def set_meta(self, values: dict[str, str | None]) -> None:
+        """Set (None: delete) several meta keys in one transaction."""
+        def write() -> None:
+            with self._transaction() as db:
+                for key, value in values.items():
+                    if value is None:
+                        db.execute("DELETE FROM meta WHERE key = ?", (key,))
+                    else:
+                        self._set(db, key, value)
+        self._retry(write)
+
+    @staticmethod
+    def _update(db: sqlite3.Connection, r: RefitRecord) -> None:
+        db.execute(
+            "UPDATE refits SET state=?, finished_at=?, error=?, phases=?, bytes=?, unconfirmed=? WHERE id=?",
+            (r.state, r.finished_at, r.error, json.dumps(r.phases), r.bytes, json.dumps(list(r.unconfirmed)),
+             r.id))
+
+    @staticmethod
+    def _set(db: sqlite3.Connection, key: str, value: str) -> None:
+        db.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
+                   "ON CONFLICT(key) DO UPDATE SET value=excluded.value", (key, value))
+
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self._db())
+
+    def _retry(self, write: Callable[[], T]) -> T:
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return write()
+            except sqlite3.OperationalError as e:
+                if attempt == self.attempts:
+                    raise StoreUnavailable(
+                        f"store {self.path}: {e} ({self.attempts} attempts, {self.busy_timeout:g}s busy "
+                        f"timeout each)") from None
+            except (sqlite3.DatabaseError, OverflowError) as e:
+                raise StoreUnavailable(f"store {self.path}: {type(e).__name__}: {e}") from None
+        raise AssertionError("unreachable")
+
+    # ---- reads ----
 
     def get(self, refit_id: str) -> RefitRecord | None:
         rows = self._select("WHERE id = ?", (refit_id,))
@@ -86,22 +183,42 @@ class Store:
         return self._select("ORDER BY seq DESC LIMIT ?", (limit,))
 
     def _select(self, where: str, args: tuple) -> list[RefitRecord]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT id, state, weight_version, created_at, finished_at, error, phases, bytes "
-                f"FROM refits {where}", args,
-            ).fetchall()
-        return [RefitRecord(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), r[7]) for r in rows]
+        rows = self._db().execute(f"SELECT {_COLUMNS} FROM refits {where}", args).fetchall()
+        return [RefitRecord(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), r[7],
+                            tuple(json.loads(r[8])), r[9]) for r in rows]
+
+    def get_text(self, key: str) -> str | None:
+        row = self._db().execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
 
     def get_int(self, key: str) -> int | None:
-        with self._lock:
-            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else int(row[0])
+        row = self._db().execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        try:
+            return int(row[0])
+        except ValueError:
+            raise ValueError(
+                f"store {self.path}: meta.{key} is {row[0]!r}, not an integer; fix or delete that row"
+            ) from None
 
-    def set_int(self, key: str, value: int) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO meta (key, value) VALUES (?, ?) "
-                "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                (key, str(value)),
-            )
+
+class _Transaction:
+    """`with _Transaction(db) as db:` BEGIN IMMEDIATE ... COMMIT, ROLLBACK on error."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, kind: object, *_: object) -> None:
+        if kind is None:
+            try:
+                self.db.execute("COMMIT")
+                return
+            except sqlite3.Error:
+                self.db.execute("ROLLBACK")
+                raise
+        self.db.execute("ROLLBACK")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import uuid
 from typing import Iterator, Mapping, Sequence
 
 import torch
@@ -126,10 +127,13 @@ class RankAgent:
         catalog = build_catalog(trainer.args, mesh.dims, mesh.coords)
         shards = LocalShards(catalog, dict(trainer.model.named_parameters()), trainer.lock)
         member_id = f"trainer-{env.rank}"
+        run_id = [uuid.uuid4().hex]  # this training run, as syncd knows it: rank 0's id on every rank
+        if torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(run_id, src=0)
         client = MemberClient(
             target, role="trainer", member_id=member_id, coords=mesh.coords.as_dict(),
             catalog=catalog, device=str(trainer.device), data_address=data_host, group_size=env.world_size,
-            auth_token=auth_token,
+            auth_token=auth_token, run_id=run_id[0],
         )
         endpoint = TrainerEndpoint(shards, trainer, member_id)
         agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(trainer.device),

@@ -141,7 +141,7 @@ def command_to_pb(cmd: commands.Command) -> pb.Command:
                                                timeout_s=cmd.timeout_s))
         case commands.Commit():
             return pb.Command(commit=pb.Commit(refit_id=cmd.refit_id, weight_version=cmd.weight_version,
-                                               timeout_s=cmd.timeout_s))
+                                               timeout_s=cmd.timeout_s, run_id=cmd.run_id))
         case commands.Abort():
             return pb.Command(abort=pb.Abort(refit_id=cmd.refit_id, reason=cmd.reason))
     raise TypeError(f"not a command: {cmd!r}")
@@ -165,7 +165,8 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
     if kind == "verify":
         return commands.Verify(msg.verify.refit_id, msg.verify.weight_version, msg.verify.timeout_s)
     if kind == "commit":
-        return commands.Commit(msg.commit.refit_id, msg.commit.weight_version, msg.commit.timeout_s)
+        m = msg.commit
+        return commands.Commit(m.refit_id, m.weight_version, m.timeout_s, m.run_id)
     if kind == "abort":
         return commands.Abort(msg.abort.refit_id, msg.abort.reason)
     raise ValueError(f"command without a kind: {msg!r}")

@@ -67,6 +67,8 @@ class Behaviour:
     on_execute: Callable[[ExecutePlan], None] | None = None  # called before reporting TRANSFERRED
     fail_verify: str = ""  # error text to report instead of VERIFIED
     die_on_execute: bool = False  # on ExecutePlan: stop heartbeating and never answer (a crash)
+    reported_bytes: int | None = None  # bytes to report in TRANSFERRED instead of the plan's
+    on_commit: Callable[[Commit], None] | None = None  # called on Commit instead of confirming it
 
 
 @dataclass
@@ -104,6 +106,8 @@ class FakeMember:
                     c.report(cmd.refit_id, Phase.VERIFIED, ok=False, error=self.behaviour.fail_verify)
                 else:
                     c.report(cmd.refit_id, Phase.VERIFIED)
+            case Commit() if self.behaviour.on_commit is not None:
+                self.behaviour.on_commit(cmd)
             case Commit():
                 self.committed.append(cmd.weight_version)
                 c.report(cmd.refit_id, Phase.COMMITTED)
@@ -118,6 +122,8 @@ class FakeMember:
                 key = checksum_key(u.canonical, u.canon)
                 bad = b.dst == self.member_id and u.canonical in self.behaviour.corrupt
                 sums[key] = fake_checksum(key + ("flipped" if bad else ""))
+        if self.behaviour.reported_bytes is not None:
+            nbytes = self.behaviour.reported_bytes
         self.client.report(cmd.refit_id, Phase.TRANSFERRED, bytes=nbytes, checksums=sums,
                            timings={"transfer_s": 0.001})
 
@@ -130,10 +136,14 @@ MEMBERS = {
 }
 
 
-def make_member(target: str, member_id: str, token: str | None = None, **behaviour: object) -> FakeMember:
+def make_member(target: str, member_id: str, token: str | None = None, *, run_id: str = "",
+                weight_version: int | None = None, **behaviour: object) -> FakeMember:
     role, coords, catalog = MEMBERS[member_id]
+    # Only what a test sets is passed, so the harness also drives an older syncd (to show a
+    # regression test fails there).
+    optional = {k: v for k, v in (("run_id", run_id), ("weight_version", weight_version)) if v not in ("", None)}
     client = MemberClient(target, role=role, member_id=member_id, coords=coords, catalog=catalog(),
-                          auth_token=token)
+                          auth_token=token, **optional)
     return FakeMember(client, Behaviour(**behaviour))  # type: ignore[arg-type]
 
 
@@ -161,21 +171,36 @@ class Cluster:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.daemon.settings.http_port}"
 
-    def start_member(self, member_id: str, **behaviour: object) -> FakeMember:
-        m = make_member(self.target, member_id, self.daemon.settings.auth_token, **behaviour)
+    def start_member(self, member_id: str, *, run_id: str = "", weight_version: int | None = None,
+                     **behaviour: object) -> FakeMember:
+        m = make_member(self.target, member_id, self.daemon.settings.auth_token, run_id=run_id,
+                        weight_version=weight_version, **behaviour)
         m.client.start(m.handle)
         self.members[member_id] = m
         return m
 
-    def start_all(self, **behaviour_by_member: dict) -> None:
+    def start_all(self, run_id: str = "", **behaviour_by_member: dict) -> None:
         for member_id in MEMBERS:
-            self.start_member(member_id, **behaviour_by_member.get(member_id, {}))
+            self.start_member(member_id, run_id=run_id if member_id.startswith("trainer") else "",
+                              **behaviour_by_member.get(member_id, {}))
         wait_until(lambda: self.http.get("/readyz").status_code == 200, what="syncd ready")
 
     def announce(self, version: int) -> None:
         self.members["trainer-0"].client.announce_version(version)
 
+    def restart_trainers(self, run_id: str, weight_version: int | None = None) -> None:
+        """The trainer job restarts: every rank registers again (once its old lease ran out)."""
+        for member_id in ("trainer-0", "trainer-1"):
+            self.members.pop(member_id).client.close()
+        for member_id in ("trainer-0", "trainer-1"):
+            self.start_member(member_id, run_id=run_id, weight_version=weight_version)
+        for member_id in ("trainer-0", "trainer-1"):
+            assert self.members[member_id].client.wait_registered()
+
     def refit(self, **body: object) -> dict:
+        """Trigger a refit; a `weight_version` is first announced by the trainers (they hold it)."""
+        if "weight_version" in body:
+            self.announce(body["weight_version"])  # type: ignore[arg-type]
         token = self.daemon.settings.auth_token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         r = self.http.post("/v1/refits", json=body, headers=headers)
@@ -217,6 +242,12 @@ class SyncdProcess:
                 return False
         wait_until(healthy, what="syncd to serve")
         return self
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown path runs, as when the node or the OOM killer ends syncd."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=20)
 
     def stop(self) -> int:
         assert self.proc is not None

@@ -55,12 +55,14 @@ def test_groups_negotiated_once_then_reused_and_rebuilt_on_membership_change(clu
     assert len(gen.of_type(JoinGroup)) == 2, "unchanged membership reuses the groups"
 
     gen.client.close()  # the generator restarts: a new session, so its groups are rebuilt
-    # The old session is live until its lease runs out; the new registration replaces it.
+    # Its old session is live until its lease runs out; then it registers again and is caught up.
     assert cluster.start_member("generator-0-0").client.wait_registered()
+    wait_until(lambda: cluster.http.get("/readyz").status_code == 200, what="the catch-up refit")
+    assert cluster.members["generator-0-0"].committed == [2]
     assert cluster.wait_refit(cluster.refit(weight_version=3)["id"])["state"] == "COMMITTED"
     assert len(cluster.members["generator-0-0"].of_type(JoinGroup)) == 2
     assert len(cluster.members["trainer-1"].of_type(JoinGroup)) == 2
-    execute = cluster.members["generator-0-0"].of_type(ExecutePlan)[0]
+    execute = cluster.members["generator-0-0"].of_type(ExecutePlan)[-1]
     assert execute.weight_version == 3 and {g.stage for g in execute.groups} == {0, 1}
     assert all(b.dst == "generator-0-0" for b in execute.buckets)
 

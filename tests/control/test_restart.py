@@ -39,6 +39,7 @@ def test_restart_keeps_history_and_members_come_back(tmp_path: Path) -> None:
                    what="new sessions")
         assert "weightsync_committed_weight_version 11.0" in http.get("/metrics").text
 
+        members[0].client.announce_version(12)
         second = http.post("/v1/refits", json={"weight_version": 12}).json()["id"]
         assert second != refit_id
         wait_until(lambda: http.get(f"/v1/refits/{second}").json()["state"] == "COMMITTED",
@@ -65,3 +66,32 @@ def test_stopping_syncd_mid_refit_records_it_aborted(make_cluster) -> None:
     record = second.http.get(f"/v1/refits/{refit_id}").json()
     assert record["state"] == "ABORTED" and "shutting down" in record["error"]
     assert second.http.get("/v1/status").json()["state"] == "IDLE"
+
+
+def test_a_refit_killed_with_syncd_keeps_the_phases_it_reached(tmp_path: Path) -> None:
+    """Issue 19 #13 (syncd side): kill -9 mid-transfer leaves a record naming TRANSFERRING."""
+    db, ports = tmp_path / "state.db", (free_port(), free_port())
+    args = ("--lease-seconds", "5", "--expected-trainers", "2", "--expected-generators", "2", "--bucket-bytes", "256")
+    syncd = SyncdProcess(db, *ports, *args).start()
+    release = threading.Event()
+    members = [make_member(syncd.target, member_id) for member_id in MEMBERS]
+    members[0].behaviour.on_execute = lambda _: release.wait(30)
+    http = httpx.Client(base_url=syncd.url, timeout=30)
+    try:
+        for m in members:
+            m.client.start(m.handle)
+        wait_until(lambda: http.get("/readyz").status_code == 200, what="ready")
+        members[0].client.announce_version(1)
+        refit_id = http.post("/v1/refits", json={}).json()["id"]
+        wait_until(lambda: http.get(f"/v1/refits/{refit_id}").json()["state"] == "TRANSFERRING", what="transfer")
+        syncd.kill()
+        release.set()
+        syncd = SyncdProcess(db, *ports, *args).start()
+        record = http.get(f"/v1/refits/{refit_id}").json()
+        assert record["state"] == "ABORTED" and "stopped during the refit" in record["error"]
+        assert {"PREPARING", "TRANSFERRING"} <= set(record["phases"])
+    finally:
+        http.close()
+        for m in members:
+            m.client.close()
+        syncd.stop()

@@ -52,6 +52,7 @@ def test_operator_session(make_cluster) -> None:
 def test_refit_wait_fails_when_the_refit_aborts(make_cluster) -> None:
     cluster: Cluster = make_cluster()
     cluster.start_all(**{"generator-0-0": {"corrupt": frozenset({"model.embed_tokens.weight"})}})
+    cluster.announce(2)
     refit = syncctl(cluster.url, "refit", "--version", "2", "--wait")
     assert refit.returncode == 1
     assert "ABORTED" in refit.stderr and "model.embed_tokens.weight" in refit.stderr

@@ -87,7 +87,8 @@ class FakeTrainer:
             tuple(CanonicalTensor(n, tuple(t.shape), "float32") for n, t in self.tensors.items()),
             tuple(local_tensor(n, "float32", Canon(n, tuple(t.shape))) for n, t in self.tensors.items()))
         self.client = MemberClient(target, role="trainer", member_id="trainer-0",
-                                   coords={"pp": 0, "dp": 0, "ep": 0, "tp": 0}, catalog=catalog)
+                                   coords={"pp": 0, "dp": 0, "ep": 0, "tp": 0}, catalog=catalog,
+                                   weight_version=1)  # it holds checkpoint B as version 1
         self.transports: dict = {}
         self.client.start(self.handle)
 

@@ -137,7 +137,7 @@ def cluster(tmp_path: Path):
     while not http.get("/readyz").json()["ready"]:
         assert time.monotonic() < deadline, http.get("/readyz").json()
         time.sleep(0.1)
-    yield http, trainers, generators
+    yield http, trainers, generators, clients[0][0].announce_version
     for (c, _), agent in zip(clients, agents):
         c.close()
         agent.close()
@@ -145,7 +145,8 @@ def cluster(tmp_path: Path):
     daemon.stop()
 
 
-def _refit(http: httpx.Client, version: int) -> dict:
+def _refit(http: httpx.Client, announce, version: int) -> dict:  # noqa: ANN001
+    announce(version)  # the trainers hold `version`: syncd moves only announced versions
     r = http.post("/v1/refits", json={"weight_version": version})
     assert r.status_code == 202, r.text
     refit_id = r.json()["id"]
@@ -162,12 +163,12 @@ def _canonical(seed: int) -> dict[str, np.ndarray]:
 
 
 def test_two_refits_in_a_row_deliver_every_byte_through_per_stage_groups(cluster):
-    http, trainers, generators = cluster
+    http, trainers, generators, announce = cluster
     for version in (1, 2):
         canonical = _canonical(version)
         for ep in trainers.values():
             ep.load(canonical)
-        state = _refit(http, version)
+        state = _refit(http, announce, version)
         assert state["state"] == "COMMITTED", state
         for ep in generators.values():
             assert ep.version == version
@@ -179,11 +180,11 @@ def test_two_refits_in_a_row_deliver_every_byte_through_per_stage_groups(cluster
 
 
 def test_a_failed_sender_aborts_the_refit_and_the_next_refit_succeeds(cluster):
-    http, trainers, generators = cluster
+    http, trainers, generators, announce = cluster
     good = _canonical(1)
     for ep in trainers.values():
         ep.load(good)
-    assert _refit(http, 1)["state"] == "COMMITTED"
+    assert _refit(http, announce, 1)["state"] == "COMMITTED"
 
     broken = trainers[1]
     original_begin = broken.begin
@@ -195,7 +196,7 @@ def test_a_failed_sender_aborts_the_refit_and_the_next_refit_succeeds(cluster):
     broken.begin = crash_once
     for ep in trainers.values():
         ep.load(_canonical(2))
-    state = _refit(http, 2)
+    state = _refit(http, announce, 2)
     assert state["state"] == "ABORTED" and "trainer-1 lost its GPU" in str(state), state
     for ep in generators.values():  # still serving the committed version, untouched
         assert ep.version == 1 and ep.staging is None
@@ -203,6 +204,6 @@ def test_a_failed_sender_aborts_the_refit_and_the_next_refit_succeeds(cluster):
         for name, t in ep.live.items():
             np.testing.assert_array_equal(t.numpy(), expected[name])
 
-    state = _refit(http, 3)
+    state = _refit(http, announce, 3)
     assert state["state"] == "COMMITTED", state
     assert all(ep.version == 3 for ep in generators.values())
