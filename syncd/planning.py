@@ -9,7 +9,7 @@ from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
 from syncd.commands import checksum_key
-from syncd.layout import Catalog, dtype_bytes
+from syncd.layout import Catalog, dtype_bytes, dtypes
 from syncd.plan import DestMember, Plan, SourceMember, make_plan
 from syncd.registry import Member
 
@@ -56,14 +56,19 @@ class PlanCache:
 
 
 def dtype_mismatch(generator_id: str, generator: Catalog, trainers: Sequence[Catalog]) -> str | None:
-    """Why `generator` cannot receive what the trainers send, dtype-wise, or None. syncd moves
-    bytes and does not convert dtypes (vLLM's default dtype for a float32 checkpoint is bfloat16)."""
+    """Why `generator` cannot receive what the trainers send, dtype-wise, or None. Senders convert
+    while packing where `dtypes.conversion` allows it (float32 -> bfloat16, say); any other pair is
+    refused here, at registration, rather than when a refit runs."""
     sent = {c.name: c.dtype for catalog in trainers for c in catalog.canonical}
     for c in generator.canonical:
         want = sent.get(c.name)
-        if want is not None and want != c.dtype:
-            return (f"{generator_id} holds {c.name} as {c.dtype} but the trainers send {want}; syncd does "
-                    f"not convert dtypes: start the generator with --dtype {want}")
+        if want is None:
+            continue
+        try:
+            dtypes.conversion(want, c.dtype, tensor=c.name)
+        except ValueError as e:
+            return (f"{generator_id} holds {c.name} as {c.dtype} but the trainers send {want} ({e}): "
+                    f"start the generator with --dtype {want}")
     return None
 
 

@@ -86,25 +86,27 @@ def test_refit_ids_count_without_gaps(cluster: Cluster) -> None:
     assert [first["id"], second["id"], third["id"]] == ["refit-1", "refit-2", "refit-3"]
 
 
-def bf16_generator_catalog() -> Catalog:
-    """vLLM's default for a float32 checkpoint: every tensor in bfloat16."""
-    c = generator_catalog(0)
-    canonical = tuple(replace(t, dtype="bfloat16") for t in c.canonical)
-    return Catalog(canonical, tuple(replace(t, dtype="bfloat16") for t in c.tensors))
+def in_dtype(c: Catalog, dtype: str) -> Catalog:
+    return Catalog(tuple(replace(t, dtype=dtype) for t in c.canonical), tuple(replace(t, dtype=dtype) for t in c.tensors))
 
 
 def test_a_dtype_mismatch_is_refused_at_registration_with_the_hint(cluster: Cluster) -> None:
     cluster.start_member("trainer-0")
     cluster.start_member("trainer-1")
     wait_until(lambda: len(cluster.http.get("/v1/members").json()["members"]) == 2, what="trainers")
-    bf16 = bf16_generator_catalog()
+    # float32 -> bfloat16 is converted by the senders; float32 -> float8 (blockwise scales) is not yet.
     with grpc.insecure_channel(cluster.target) as channel:
-        request = pb.RegisterRequest(role=pb.ROLE_GENERATOR, member_id="generator-0-0",
-                                     coords={"replica": 0, "tp": 0}, catalog_hash=bf16.content_hash,
-                                     catalog=convert.catalog_to_pb(bf16))
-        details = refused(lambda: pb_grpc.SyncdStub(channel).Register(request, timeout=10),
-                          grpc.StatusCode.FAILED_PRECONDITION)
-    assert "model.embed_tokens.weight as bfloat16" in details and "--dtype float32" in details
+        for dtype, accepted in (("bfloat16", True), ("float8_e4m3fn", False)):
+            catalog = in_dtype(generator_catalog(0), dtype)
+            request = pb.RegisterRequest(role=pb.ROLE_GENERATOR, member_id=f"generator-{int(accepted)}-0",
+                                         coords={"replica": int(accepted), "tp": 0},
+                                         catalog_hash=catalog.content_hash, catalog=convert.catalog_to_pb(catalog))
+            register = lambda r=request: pb_grpc.SyncdStub(channel).Register(r, timeout=10)  # noqa: E731
+            if accepted:
+                register()
+                continue
+            details = refused(register, grpc.StatusCode.FAILED_PRECONDITION)
+    assert "model.embed_tokens.weight as float8_e4m3fn" in details and "--dtype float32" in details
 
 
 def test_readiness_shows_a_dtype_mismatch_and_agrees_with_the_plan(cluster: Cluster) -> None:
@@ -112,18 +114,16 @@ def test_readiness_shows_a_dtype_mismatch_and_agrees_with_the_plan(cluster: Clus
     cluster.start_member("generator-0-0")
     cluster.start_member("generator-0-1")
     wait_until(lambda: len(cluster.http.get("/v1/members").json()["members"]) == 2, what="generators")
-    fp16 = trainer_catalog(0)
-    fp16 = Catalog(tuple(replace(t, dtype="float16") for t in fp16.canonical),
-                   tuple(replace(t, dtype="float16") for t in fp16.tensors))
+    fp64 = in_dtype(trainer_catalog(0), "float64")  # float64 -> float32 is no conversion senders make
     odd = FakeMember(MemberClient(cluster.target, role="trainer", member_id="trainer-0", coords={"pp": 0},
-                                  catalog=fp16))
+                                  catalog=fp64))
     odd.client.start(odd.handle)
     cluster.members["trainer-0"] = odd
     cluster.start_member("trainer-1")
     wait_until(lambda: len(cluster.http.get("/v1/members").json()["members"]) == 4, what="all members")
     ready = cluster.http.get("/readyz")
     assert ready.status_code == 503
-    assert "--dtype float16" in ready.json()["reason"]
+    assert "--dtype float64" in ready.json()["reason"]
     assert cluster.http.get("/v1/plan").status_code == 409  # both say no
 
 
