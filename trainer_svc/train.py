@@ -1,4 +1,4 @@
-"""The training loop: build this rank's stage, train `steps` steps of AdamW, export.
+"""The training loop: build this rank's stage, train `steps` steps (AdamW or Muon), export.
 
 Lifecycle of a rank (`run`): `process_group(...)` joins the world (gloo on CPU, NCCL on GPU, same code),
 `Trainer.create` builds the mesh, the stage and the optimizer, `fit` runs the steps (and lets the
@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from trainer_svc import data
 from trainer_svc.config import ModelArgs
+from trainer_svc.optim.optimizer import build_optimizer
 from trainer_svc.parallel_dims import Mesh
 from trainer_svc.parallelize import build_stage, global_grad_norm, grad_sync_plan, sync_grads
 from trainer_svc.pipeline import train_microbatches
@@ -83,9 +84,7 @@ class Trainer:
         self.model = build_stage(args, mesh).to(device)
         load_into(self.model, canonical, mesh.dims, mesh.coords)
         self.plan = grad_sync_plan(self.model, mesh)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay
-        )
+        self.optimizer = build_optimizer(settings, self.model, mesh, args)
         self.lock = threading.Lock()
         self.version = 0
         self.after_step: list[Callable[[StepStats], None]] = []
