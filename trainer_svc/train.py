@@ -13,19 +13,23 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from syncd.dataplane import catalog_views
 from trainer_svc import data
+from trainer_svc.catalog import build_catalog
 from trainer_svc.config import ModelArgs
 from trainer_svc.optim.optimizer import build_optimizer
 from trainer_svc.parallel_dims import Mesh
 from trainer_svc.parallelize import build_stage, global_grad_norm, grad_sync_plan, sync_grads
 from trainer_svc.pipeline import train_microbatches
 from trainer_svc.settings import LaunchEnv, TrainSettings
-from trainer_svc.state_dict_adapter import gather_canonical, load_hf, load_into, random_canonical, save_hf
+from trainer_svc.sharded_io import read_shards
+from trainer_svc.state_dict_adapter import CONFIG_FILE, gather_canonical, load_into, random_canonical, save_hf
 
 log = logging.getLogger("trainer_svc")
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
@@ -79,10 +83,18 @@ class Trainer:
     (the optimizer step) and `version` (optimizer steps taken) with them: a syncd transfer reading
     the shards takes the lock too, so it sees one consistent version."""
 
-    def __init__(self, settings: TrainSettings, args: ModelArgs, mesh: Mesh, canonical: dict, device) -> None:
+    def __init__(self, settings: TrainSettings, args: ModelArgs, mesh: Mesh, canonical: dict | None, device) -> None:
+        """`canonical`: the whole model's tensors to cut this rank's shards from, or None to read
+        only this rank's boxes from `settings.model_dir`."""
         self.settings, self.args, self.mesh, self.device = settings, args, mesh, device
-        self.model = build_stage(args, mesh).to(device)
-        load_into(self.model, canonical, mesh.dims, mesh.coords)
+        self.model = build_stage(args, mesh)
+        if canonical is None:
+            catalog = build_catalog(args, mesh.dims, mesh.coords)
+            params = {n: p.detach() for n, p in self.model.named_parameters()}
+            read_shards(settings.model_dir, catalog, catalog_views(catalog, params))
+        else:
+            load_into(self.model, canonical, mesh.dims, mesh.coords)
+        self.model.to(device)
         self.plan = grad_sync_plan(self.model, mesh)
         self.optimizer = build_optimizer(settings, self.model, mesh, args)
         self.lock = threading.Lock()
@@ -92,7 +104,7 @@ class Trainer:
     @staticmethod
     def create(settings: TrainSettings, env: LaunchEnv, device: torch.device) -> Trainer:
         if settings.model_dir is not None:
-            args, canonical = load_hf(settings.model_dir)
+            args, canonical = ModelArgs.from_file(Path(settings.model_dir) / CONFIG_FILE), None
         else:
             args = ModelArgs.from_file(settings.init_config)
             canonical = random_canonical(args, settings.seed)
