@@ -74,7 +74,8 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     matrices, tp, replicas = args.scenario
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     torch.set_num_threads(1)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=tp * replicas)
     tp_groups = [dist.new_group(list(range(r * tp, (r + 1) * tp))) for r in range(replicas)]
     tp_group = tp_groups[rank // tp]
@@ -83,7 +84,8 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     gen = torch.Generator().manual_seed(rank % tp)  # replicas hold the same pieces
     pieces = [torch.randn(layout.piece_shape(m), generator=gen).to(device) for m in range(matrices)]
     methods = {
-        "planned": lambda: orthogonalized_pieces(pieces, layout, path, rank, dist.group.WORLD, tp_group, NS_STEPS),
+        "planned": lambda: orthogonalized_pieces(pieces, layout, path, rank, dist.group.WORLD, tp_group,
+                                                 NS_STEPS),
         "naive": lambda: _naive(pieces, layout, rank % tp, tp_group),
     }
     for a, b in zip(methods["planned"](), methods["naive"]()):  # the same result, or the timing is moot

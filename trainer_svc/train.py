@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from trainer_svc.catalog import build_catalog
 from trainer_svc.config import ModelArgs
 from trainer_svc.optim.optimizer import build_optimizer
 from trainer_svc.parallel_dims import Mesh
+from trainer_svc.parallel_export import export_parallel
 from trainer_svc.parallelize import build_stage, global_grad_norm, grad_sync_plan, sync_grads
 from trainer_svc.pipeline import train_microbatches
 from trainer_svc.settings import LaunchEnv, TrainSettings
@@ -83,7 +85,8 @@ class Trainer:
     (the optimizer step) and `version` (optimizer steps taken) with them: a syncd transfer reading
     the shards takes the lock too, so it sees one consistent version."""
 
-    def __init__(self, settings: TrainSettings, args: ModelArgs, mesh: Mesh, canonical: dict | None, device) -> None:
+    def __init__(self, settings: TrainSettings, args: ModelArgs, mesh: Mesh, canonical: dict | None,
+                 device) -> None:
         """`canonical`: the whole model's tensors to cut this rank's shards from, or None to read
         only this rank's boxes from `settings.model_dir`."""
         self.settings, self.args, self.mesh, self.device = settings, args, mesh, device
@@ -100,6 +103,7 @@ class Trainer:
         self.lock = threading.Lock()
         self.version = 0
         self.after_step: list[Callable[[StepStats], None]] = []
+        self._hosts: list[str] | None = None  # every rank's host name, once an export asked
 
     @staticmethod
     def create(settings: TrainSettings, env: LaunchEnv, device: torch.device) -> Trainer:
@@ -160,14 +164,29 @@ class Trainer:
         return result
 
     def export(self, out_dir: str) -> None:
-        """Collective: gather every shard; rank 0 writes config.json + model.safetensors. Returns
-        on every rank only once the files exist (anyone told about the step may read them)."""
+        """Collective: write config.json + model.safetensors. When all ranks share one host (so
+        one file system), writer ranks write their own tensors into the file in parallel
+        (`parallel_export`); otherwise every shard is gathered and rank 0 writes. Returns on every
+        rank only once the files exist (anyone told about the step may read them)."""
+        if self.distributed and self._one_host():
+            export_parallel(self.model, self.mesh, self.args, out_dir)
+            if self.mesh.rank == 0:
+                log.info("exported HF checkpoint to %s (parallel writers)", out_dir)
+            return
         canonical = gather_canonical(self.model, self.mesh, self.args)
         if self.mesh.rank == 0:
             save_hf(out_dir, self.args, canonical)
             log.info("exported HF checkpoint to %s", out_dir)
         if self.distributed:
             dist.barrier()
+
+
+    def _one_host(self) -> bool:
+        """Collective (first call only): whether every rank runs on this rank's host."""
+        if self._hosts is None:
+            self._hosts = [None] * self.mesh.dims.world_size
+            dist.all_gather_object(self._hosts, socket.gethostname())
+        return len(set(self._hosts)) == 1
 
 
 def run(settings: TrainSettings, env: LaunchEnv, init_method: str | None = None) -> tuple[Trainer, TrainResult]:

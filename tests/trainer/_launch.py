@@ -41,8 +41,8 @@ def _worker(rank: int, world: int, init_file: str, settings: TrainSettings, out_
     trainer, result = run(settings, env, init_method=f"file://{init_file}")
     params = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
     paths = getattr(trainer.optimizer, "paths", {})
-    out = RankOutput(trainer.mesh.coords.as_dict(), result.losses, [s.grad_norm for s in result.steps], params,
-                     paths)
+    out = RankOutput(trainer.mesh.coords.as_dict(), result.losses, [s.grad_norm for s in result.steps],
+                     params, paths)
     torch.save(dataclasses.asdict(out), Path(out_dir) / f"rank{rank}.pt")
 
 

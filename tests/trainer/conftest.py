@@ -31,8 +31,8 @@ def tiny_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def run_layout(tiny_dir, tmp_path_factory):
-    """run_layout(pp, dp, ep, tp, **overrides of TRAIN or of the model_dir) -> (rank outputs, export dir); each distinct
-    run trains once per session."""
+    """run_layout(pp, dp, ep, tp, **overrides of TRAIN or model_dir) -> (rank outputs, export dir);
+    each distinct run trains once per session."""
     cache: dict[tuple, tuple[list[_launch.RankOutput], Path]] = {}
 
     def run(pp: int, dp: int, ep: int, tp: int, **overrides):

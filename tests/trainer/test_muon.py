@@ -12,7 +12,6 @@ from trainer_svc.parallel_dims import Mesh
 from trainer_svc.parallelize import build_stage
 from trainer_svc.settings import TrainSettings
 from trainer_svc.state_dict_adapter import load_hf, load_into
-from trainer_svc.tiny import TINY_ARGS
 
 
 @pytest.mark.parametrize("shape", [(64, 128), (128, 64), (48, 96)])

@@ -14,10 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from syncd.dataplane import catalog_views
 from trainer_svc.catalog import build_catalog
 from trainer_svc.parallel_dims import ParallelDims
-from trainer_svc.parallelize import build_stage
 from trainer_svc.sharded_io import read_shards
 from trainer_svc.state_dict_adapter import load_hf, shard_for_rank
 from trainer_svc.tiny import TINY_ARGS, make_tiny_checkpoint

@@ -94,7 +94,8 @@ def _via_all_gather(pieces, layout: BatchLayout, t: int, tp_group, update) -> li
     per_rank = [g.split(sizes) for g in gathered]
     out = []
     for m in range(layout.matrices):
-        whole = _whole([per_rank[t2][m].view(layout.piece_shape(m)) for t2 in range(layout.tp)], layout.shard_dim)
+        parts = [per_rank[t2][m].view(layout.piece_shape(m)) for t2 in range(layout.tp)]
+        whole = _whole(parts, layout.shard_dim)
         out.append(_mine(update(whole), layout, t))
     return out
 

@@ -48,7 +48,8 @@ class BatchLayout:
             raise ValueError(f"tp and replicas must be >= 1, got tp {self.tp}, replicas {self.replicas}")
         for shape in self.shapes:
             if shape[self.shard_dim] % self.tp:
-                raise ValueError(f"matrix shape {shape} dim {self.shard_dim} is not divisible by tp {self.tp}")
+                raise ValueError(
+                    f"matrix shape {shape} dim {self.shard_dim} is not divisible by tp {self.tp}")
 
     @property
     def matrices(self) -> int:

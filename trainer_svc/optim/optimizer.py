@@ -112,7 +112,8 @@ class MuonWithAdamW:
                     rows, cols = piece.shape
                     shapes.append((rows * tp, cols) if kind.shard_dim == 0 else (rows, cols * tp))
             layout = BatchLayout(tuple(shapes), kind.shard_dim, tp, len(ranks) // tp)
-            batches.append(MuonBatch(key, params, layout, choose_path(layout), ranks, ranks.index(self.mesh.rank)))
+            me = ranks.index(self.mesh.rank)
+            batches.append(MuonBatch(key, params, layout, choose_path(layout), ranks, me))
         return batches
 
     def _log_paths(self) -> None:
