@@ -26,6 +26,7 @@ EXPECTED_PATHS = {
     (1, 1, 1, 4): (BATCHED, ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL),
     (1, 1, 4, 2): (BATCHED, ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL),
     (1, 2, 2, 1): (BATCHED, LOCAL, ALL_TO_ALL, ALL_TO_ALL),  # dp replicas split the experts' NS
+    (1, 2, 1, 2): (BATCHED, ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL),  # owners over dp and tp at once
 }
 KINDS = (("q_proj.weight", "k_proj.weight", "v_proj.weight"), ("o_proj.weight",), ("gate_up_proj",),
          ("down_proj",))
