@@ -25,6 +25,9 @@ class TrainSettings:
     seed: int = 0
     lr: float = 1e-3
     weight_decay: float = 0.0
+    optimizer: str = "adamw"  # adamw, or muon (hidden matrices; AdamW for the rest)
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per orthogonalization
     global_batch_size: int = 8
     seq_len: int = 32
     microbatches: int = 2
@@ -42,7 +45,8 @@ class TrainSettings:
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.init_config is None):
             raise ValueError("give exactly one of --model-dir (HF checkpoint) or --init-config (random init)")
-        for name in ("steps", "global_batch_size", "seq_len", "microbatches", "threads", "in_flight_buckets"):
+        for name in ("steps", "global_batch_size", "seq_len", "microbatches", "threads", "in_flight_buckets",
+                     "muon_ns_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.global_batch_size % (self.dp * self.ep * self.microbatches):
@@ -54,6 +58,10 @@ class TrainSettings:
             raise ValueError("--export-each-step needs --export-dir")
         if self.sync_refit and not self.syncd:
             raise ValueError("--sync-refit needs --syncd")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"--optimizer must be adamw or muon, got {self.optimizer!r}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(f"--muon-momentum must be in [0, 1), got {self.muon_momentum}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
         self.dims  # validates the mesh sizes
@@ -74,6 +82,10 @@ class TrainSettings:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--lr", type=float, default=1e-3)
         p.add_argument("--weight-decay", type=float, default=0.0)
+        p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
+                       help="muon: Muon for attention and expert matrices, AdamW for the rest")
+        p.add_argument("--muon-momentum", type=float, default=0.95, help="Muon's Nesterov momentum")
+        p.add_argument("--muon-ns-steps", type=int, default=5, help="Newton-Schulz iterations of Muon")
         p.add_argument("--global-batch-size", type=int, default=8, help="sequences per step, all ranks")
         p.add_argument("--seq-len", type=int, default=32)
         p.add_argument("--microbatches", type=int, default=2, help="pipeline microbatches per data rank")

@@ -1,4 +1,4 @@
-"""The training loop: build this rank's stage, train `steps` steps of AdamW, export.
+"""The training loop: build this rank's stage, train `steps` steps (AdamW or Muon), export.
 
 Lifecycle of a rank (`run`): `process_group(...)` joins the world (gloo on CPU, NCCL on GPU, same code),
 `Trainer.create` builds the mesh, the stage and the optimizer, `fit` runs the steps (and lets the
@@ -10,21 +10,28 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from syncd.dataplane import catalog_views
 from trainer_svc import data
+from trainer_svc.catalog import build_catalog
 from trainer_svc.config import ModelArgs
+from trainer_svc.optim.optimizer import build_optimizer
 from trainer_svc.parallel_dims import Mesh
+from trainer_svc.parallel_export import export_parallel
 from trainer_svc.parallelize import build_stage, global_grad_norm, grad_sync_plan, sync_grads
 from trainer_svc.pipeline import train_microbatches
 from trainer_svc.settings import LaunchEnv, TrainSettings
-from trainer_svc.state_dict_adapter import gather_canonical, load_hf, load_into, random_canonical, save_hf
+from trainer_svc.sharded_io import read_shards
+from trainer_svc.state_dict_adapter import CONFIG_FILE, gather_canonical, load_into, random_canonical, save_hf
 
 log = logging.getLogger("trainer_svc")
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
@@ -78,22 +85,30 @@ class Trainer:
     (the optimizer step) and `version` (optimizer steps taken) with them: a syncd transfer reading
     the shards takes the lock too, so it sees one consistent version."""
 
-    def __init__(self, settings: TrainSettings, args: ModelArgs, mesh: Mesh, canonical: dict, device) -> None:
+    def __init__(self, settings: TrainSettings, args: ModelArgs, mesh: Mesh, canonical: dict | None,
+                 device) -> None:
+        """`canonical`: the whole model's tensors to cut this rank's shards from, or None to read
+        only this rank's boxes from `settings.model_dir`."""
         self.settings, self.args, self.mesh, self.device = settings, args, mesh, device
-        self.model = build_stage(args, mesh).to(device)
-        load_into(self.model, canonical, mesh.dims, mesh.coords)
+        self.model = build_stage(args, mesh)
+        if canonical is None:
+            catalog = build_catalog(args, mesh.dims, mesh.coords)
+            params = {n: p.detach() for n, p in self.model.named_parameters()}
+            read_shards(settings.model_dir, catalog, catalog_views(catalog, params))
+        else:
+            load_into(self.model, canonical, mesh.dims, mesh.coords)
+        self.model.to(device)
         self.plan = grad_sync_plan(self.model, mesh)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay
-        )
+        self.optimizer = build_optimizer(settings, self.model, mesh, args)
         self.lock = threading.Lock()
         self.version = 0
         self.after_step: list[Callable[[StepStats], None]] = []
+        self._hosts: list[str] | None = None  # every rank's host name, once an export asked
 
     @staticmethod
     def create(settings: TrainSettings, env: LaunchEnv, device: torch.device) -> Trainer:
         if settings.model_dir is not None:
-            args, canonical = load_hf(settings.model_dir)
+            args, canonical = ModelArgs.from_file(Path(settings.model_dir) / CONFIG_FILE), None
         else:
             args = ModelArgs.from_file(settings.init_config)
             canonical = random_canonical(args, settings.seed)
@@ -149,14 +164,29 @@ class Trainer:
         return result
 
     def export(self, out_dir: str) -> None:
-        """Collective: gather every shard; rank 0 writes config.json + model.safetensors. Returns
-        on every rank only once the files exist (anyone told about the step may read them)."""
+        """Collective: write config.json + model.safetensors. When all ranks share one host (so
+        one file system), writer ranks write their own tensors into the file in parallel
+        (`parallel_export`); otherwise every shard is gathered and rank 0 writes. Returns on every
+        rank only once the files exist (anyone told about the step may read them)."""
+        if self.distributed and self._one_host():
+            export_parallel(self.model, self.mesh, self.args, out_dir)
+            if self.mesh.rank == 0:
+                log.info("exported HF checkpoint to %s (parallel writers)", out_dir)
+            return
         canonical = gather_canonical(self.model, self.mesh, self.args)
         if self.mesh.rank == 0:
             save_hf(out_dir, self.args, canonical)
             log.info("exported HF checkpoint to %s", out_dir)
         if self.distributed:
             dist.barrier()
+
+
+    def _one_host(self) -> bool:
+        """Collective (first call only): whether every rank runs on this rank's host."""
+        if self._hosts is None:
+            self._hosts = [None] * self.mesh.dims.world_size
+            dist.all_gather_object(self._hosts, socket.gethostname())
+        return len(set(self._hosts)) == 1
 
 
 def run(settings: TrainSettings, env: LaunchEnv, init_method: str | None = None) -> tuple[Trainer, TrainResult]:

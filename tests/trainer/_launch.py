@@ -33,13 +33,16 @@ class RankOutput:
     losses: list[float]
     grad_norms: list[float]
     params: dict[str, torch.Tensor]
+    muon_paths: dict[str, str]  # parameter name -> Muon communication path ({} under AdamW)
 
 
 def _worker(rank: int, world: int, init_file: str, settings: TrainSettings, out_dir: str) -> None:
     env = LaunchEnv(rank=rank, world_size=world, local_rank=rank)
     trainer, result = run(settings, env, init_method=f"file://{init_file}")
     params = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
-    out = RankOutput(trainer.mesh.coords.as_dict(), result.losses, [s.grad_norm for s in result.steps], params)
+    paths = getattr(trainer.optimizer, "paths", {})
+    out = RankOutput(trainer.mesh.coords.as_dict(), result.losses, [s.grad_norm for s in result.steps],
+                     params, paths)
     torch.save(dataclasses.asdict(out), Path(out_dir) / f"rank{rank}.pt")
 
 

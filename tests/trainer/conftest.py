@@ -31,16 +31,17 @@ def tiny_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def run_layout(tiny_dir, tmp_path_factory):
-    """run_layout(pp, dp, ep, tp, **overrides of TRAIN) -> (rank outputs, export dir); each distinct
-    run trains once per session."""
+    """run_layout(pp, dp, ep, tp, **overrides of TRAIN or model_dir) -> (rank outputs, export dir);
+    each distinct run trains once per session."""
     cache: dict[tuple, tuple[list[_launch.RankOutput], Path]] = {}
 
     def run(pp: int, dp: int, ep: int, tp: int, **overrides):
         key = (pp, dp, ep, tp, *sorted(overrides.items()))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"pp{pp}dp{dp}ep{ep}tp{tp}")
-            settings = TrainSettings(model_dir=tiny_dir, pp=pp, dp=dp, ep=ep, tp=tp, device="cpu",
-                                     export_dir=str(out / "export"), **{**TRAIN, **overrides})
+            settings = TrainSettings(**{"model_dir": tiny_dir, "pp": pp, "dp": dp, "ep": ep, "tp": tp,
+                                        "device": "cpu", "export_dir": str(out / "export"),
+                                        **TRAIN, **overrides})
             cache[key] = (_launch.run_job(settings, out), out / "export")
         return cache[key]
 
