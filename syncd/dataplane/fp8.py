@@ -34,7 +34,9 @@ def quantize_blockwise(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> 
     padded[..., :n, :k] = x
     blocks = padded.view(*lead, rows, block[0], cols, block[1])
     amax = blocks.abs().amax(dim=(-3, -1)).clamp_min(AMAX_FLOOR)
-    scale_inv = amax / E4M3_MAX
+    # A true division on every device: CUDA turns a division by a Python scalar into a
+    # multiplication by its rounded reciprocal, which differs from the CPU in the last bit.
+    scale_inv = amax / torch.full_like(amax, E4M3_MAX)
     q = (blocks / scale_inv[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(padded.shape)[..., :n, :k].contiguous(), scale_inv
 
