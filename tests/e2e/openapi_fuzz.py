@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+
 MAX_EXAMPLES = 10  # per operation and phase: keeps a run at seconds to a minute
 SEED = 20  # reproducible runs: a failure names a case that `st replay` can repeat
 # The stateful phase chains calls whose answers depend on timing (a refit still running or
@@ -20,9 +22,12 @@ def run_schemathesis(url: str, work: Path, config: str, *options: str) -> dict[t
     work.mkdir(parents=True, exist_ok=True)
     (work / "schemathesis.toml").write_text(config)
     report = work / "report.json"
+    # Fetched here: vLLM builds its large document on the first request, slower than st's timeout.
+    schema = work / "openapi.json"
+    schema.write_bytes(httpx.get(f"{url}/openapi.json", timeout=120).raise_for_status().content)
     st = Path(sys.executable).parent / "st"
     result = subprocess.run([
-        str(st), "--config-file", str(work / "schemathesis.toml"), "run", f"{url}/openapi.json",
+        str(st), "--config-file", str(work / "schemathesis.toml"), "run", str(schema), "--url", url,
         "--phases", PHASES, "--max-examples", str(MAX_EXAMPLES), "--seed", str(SEED), "--workers", "1", "--no-color",
         "--generation-database", "none", "--report", "json", "--report-json-path", str(report), *options,
     ], capture_output=True, text=True, timeout=540, cwd=work)

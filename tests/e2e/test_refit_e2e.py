@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from e2e_harness import Stack, wait_until
+from openapi_fuzz import run_schemathesis
 from prometheus_server import ALERTS, PrometheusServer, alert_rules, as_bool, dashboard_queries
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -186,3 +187,14 @@ def test_as_bool_makes_only_the_top_level_comparison_bool():
     assert as_bool('a{x="1"} < on() group_left() max(b{y=~"a|b"})') == 'a{x="1"} < bool on() group_left() max(b{y=~"a|b"})'
     with pytest.raises(ValueError, match="found 0"):
         as_bool("rate(x[5m])")
+
+
+def test_schemathesis_finds_nothing_in_the_generators_own_routes(generator, tmp_path):
+    """schemathesis against the generator's OpenAPI document, on generator_svc's routes (health,
+    versions, workers, manual weight routes; vLLM's OpenAI routes are vLLM's contract). Last in
+    this module: it sends the weight routes random input."""
+    url = str(generator.http.base_url).rstrip("/")
+    found = run_schemathesis(url, tmp_path, "", "--include-path-regex",
+                             r"^/(healthz|v1/weight_version|v1/workers.*|v1/weights/.*|internal/.*)$")
+    assert found == {}, f"schemathesis found: {found} (cases in {tmp_path / 'schemathesis.log'})"
+    assert generator.greedy()  # and it still serves
