@@ -6,13 +6,27 @@ STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup proto bench-plan clean
+.PHONY: demo test setup tools proto bench-plan clean
 
 demo: $(STAMP)  ## the main job: train a tiny MoE and refit a live vLLM generator after every step (CPU)
 	$(PY) -m deploy.local.demo $(DEMO_ARGS)
 
-test: $(STAMP)  ## the whole test suite (GPU tests skip without GPUs)
+test: $(STAMP) tools  ## the whole test suite (GPU tests skip without GPUs)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# System tools the deploy tests run as users do: promtool and the Prometheus server (Debian's
+# `prometheus` package). Installed with apt when missing and running as root (CI); a no-op when
+# present. Elsewhere their tests skip and say why; CI sets WEIGHTSYNC_REQUIRE_TOOLS=1 so they fail.
+SYSTEM_TOOLS := promtool prometheus
+tools:
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing Debian's prometheus package (for$$missing)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	else \
+	  echo "note:$$missing not installed and not root with apt-get; their tests skip (apt-get install prometheus)"; \
+	fi
 
 setup: $(STAMP)
 

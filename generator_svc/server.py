@@ -80,7 +80,21 @@ RefitterDep = Annotated[Refitter, Depends(_refitter)]
 router = APIRouter()
 
 
-@router.get("/healthz")
+class Detail(BaseModel):
+    detail: str
+
+
+# The statuses these routes answer, declared so the OpenAPI document tells clients (and
+# schemathesis) the truth: vLLM's app turns request validation errors into 400, not 422.
+_INVALID = {400: {"description": "invalid request (vLLM's error format)"}}
+_REFUSED = {409: {"model": Detail, "description": "refused; the served weights are unchanged"}}
+_FAILED = {500: {"model": Detail, "description": "the apply failed inside vLLM"}}
+_UNAUTHORIZED = {401: {"model": Detail, "description": "not the worker token of this generator"}}
+_LATE = {504: {"model": Detail, "description": "the install did not finish within the commit deadline; "
+                                             "the served weights are unchanged"}}
+
+
+@router.get("/healthz", responses={503: {"description": "engine dead, or refusing generation after a failed update"}})
 async def healthz(refitter: RefitterDep) -> JSONResponse:
     if refitter.engine.errored:
         return JSONResponse({"status": "engine dead"}, status_code=503)
@@ -112,7 +126,7 @@ async def workers(refitter: RefitterDep) -> list[dict]:
     return refitter.workers
 
 
-@router.get("/v1/workers/{tp_rank}/catalog")
+@router.get("/v1/workers/{tp_rank}/catalog", responses={**_INVALID, 404: {"model": Detail}})
 async def worker_catalog(tp_rank: int, refitter: RefitterDep) -> JSONResponse:
     catalogs = await refitter.engine.collective_rpc("ws_catalog")
     if not 0 <= tp_rank < len(catalogs):
@@ -120,7 +134,7 @@ async def worker_catalog(tp_rank: int, refitter: RefitterDep) -> JSONResponse:
     return JSONResponse(content=json.loads(catalogs[tp_rank]))
 
 
-@router.post("/v1/weights/stage")
+@router.post("/v1/weights/stage", responses={**_INVALID, **_REFUSED})
 async def stage(body: StageRequest, refitter: RefitterDep) -> JSONResponse:
     try:
         return JSONResponse({"workers": await refitter.stage_file(body.path, body.refit_id)})
@@ -128,12 +142,12 @@ async def stage(body: StageRequest, refitter: RefitterDep) -> JSONResponse:
         return JSONResponse({"detail": _message(e)}, status_code=409)
 
 
-@router.post("/v1/weights/apply")
+@router.post("/v1/weights/apply", responses={**_INVALID, **_REFUSED, **_FAILED})
 async def apply(body: ApplyRequest, refitter: RefitterDep) -> JSONResponse:
     return await _apply(refitter, body.version, body.refit_id)
 
 
-@router.post("/v1/weights/load")
+@router.post("/v1/weights/load", responses={**_INVALID, **_REFUSED, **_FAILED})
 async def load(body: LoadRequest, refitter: RefitterDep) -> JSONResponse:
     refit_id = f"load-{body.version}"
     try:
@@ -143,16 +157,17 @@ async def load(body: LoadRequest, refitter: RefitterDep) -> JSONResponse:
     return await _apply(refitter, body.version, "")
 
 
-@router.post("/v1/weights/abort")
+@router.post("/v1/weights/abort", responses=_INVALID)
 async def abort(body: AbortRequest, refitter: RefitterDep) -> JSONResponse:
     await refitter.abort(body.refit_id)
     return JSONResponse({"aborted": body.refit_id or "any"})
 
 
-@router.post("/internal/commit")
+@router.post("/internal/commit", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED, **_LATE})
 async def commit(body: CommitRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
     if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {refitter.commit_token}"):
-        return JSONResponse({"detail": "commit needs this generator's worker token"}, status_code=401)
+        return JSONResponse({"detail": "commit needs this generator's worker token"}, status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
     return await _apply(refitter, str(body.version), body.refit_id, body.timeout_s)
 
 

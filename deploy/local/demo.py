@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from deploy.local import openai_client
 from deploy.local.processes import PYTHON, Cluster, free_port
 
 LAYOUTS = {"ep2tp2": dict(pp=1, ep=2, tp=2), "pp2": dict(pp=2, ep=2, tp=1)}
@@ -53,21 +54,18 @@ class StepRow:
 
 
 class Generator:
-    """The generator's OpenAI-compatible API: sampled tokens and their logprobs."""
+    """The generator's OpenAI-compatible API, through the openai client: sampled tokens and their
+    logprobs."""
 
     def __init__(self, url: str) -> None:
-        self.http = httpx.Client(base_url=url, timeout=120)
+        self.api = openai_client.client(url)
 
     def sample(self, seed: int, max_tokens: int = 24) -> list[tuple[list[int], list[int], list[float]]]:
         out = []
         for i, prompt in enumerate(PROMPTS):
-            r = self.http.post("/v1/completions", json={
-                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
-                "seed": seed * 100 + i, "logprobs": 1, "detokenize": False, "return_tokens_as_token_ids": True,
-            })
-            r.raise_for_status()
-            lp = r.json()["choices"][0]["logprobs"]
-            out.append((prompt, [int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]))
+            tokens, logprobs = openai_client.complete(self.api, "tiny", prompt, max_tokens=max_tokens,
+                                                      temperature=1.0, seed=seed * 100 + i)
+            out.append((prompt, tokens, logprobs))
         return out
 
     def install_seconds(self, version: int) -> float:

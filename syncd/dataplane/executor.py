@@ -12,7 +12,8 @@ second one, transfers on the transport's, and every hand-over between them (buck
 send; arrived -> unpack and checksum; unpacked and checksummed -> the slot is received into
 again) is a stream wait. So the per-bucket host cost (Python, kernel launches) overlaps the wire
 instead of adding to it; the host waits only to stay a few buckets ahead (`_RUN_AHEAD`) and at
-the end. On CPU (gloo) the same code waits on the host at those points.
+the end. On CPU (gloo) the same code waits on the host at those points, and checksums run on a
+worker thread.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import gc
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
@@ -57,17 +59,21 @@ class TransferStats:
 
 
 class _SideStream:
-    """GPU checksums on a stream of their own, so they read bucket i while bucket i+1 is packed
-    and sent; a buffer is reused only after its checksum finished (an event the work stream
-    waits for, on the GPU). On CPU everything runs inline."""
+    """Checksums off the loop's critical path, so bucket i is hashed while bucket i+1 is packed or
+    unpacked and the wire moves another; a staging slot is reused only after its checksum finished.
+    GPU: a stream of their own, ordered by events the work stream waits for, on the GPU.
+    CPU: one worker thread (xxh3 and torch's copies release the GIL, so the hash, the pack or
+    unpack and gloo's own thread all run at once); one thread keeps the regions in plan order."""
 
     def __init__(self, device: torch.device, slots: int) -> None:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.done: list[torch.cuda.Event | None] = [None] * slots
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="weightsync-checksum") if self.stream is None else None
+        self._pending: list[Future | None] = [None] * slots
 
     def run(self, slot: int, fn) -> None:
-        if self.stream is None:
-            fn()
+        if self._worker is not None:
+            self._pending[slot] = self._worker.submit(fn)
             return
         self.stream.wait_stream(torch.cuda.current_stream())  # the bytes are packed / arrived
         with torch.cuda.stream(self.stream):
@@ -77,13 +83,19 @@ class _SideStream:
         self.done[slot] = event
 
     def before_reuse(self, slot: int) -> None:
-        if self.stream is not None and self.done[slot] is not None:
+        if self._worker is not None:
+            if self._pending[slot] is not None:
+                self._pending[slot].result()  # re-raises a failed checksum here
+            return
+        if self.done[slot] is not None:
             torch.cuda.current_stream().wait_event(self.done[slot])
 
     def collect(self, sums: Checksums) -> dict[str, str]:
         """The checksums' fold runs on this stream, queued behind the last region's reductions
         while the last unpack still runs, instead of after a host sync."""
-        if self.stream is None:
+        if self._worker is not None:
+            for slot in range(len(self._pending)):
+                self.before_reuse(slot)
             return sums.result()
         with torch.cuda.stream(self.stream):
             return sums.result()
@@ -91,6 +103,11 @@ class _SideStream:
     def join(self) -> None:
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
+
+    def close(self) -> None:
+        """Ends the CPU worker after the hash it is running (on abort too: it only reads staging)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass
@@ -290,9 +307,12 @@ def _run(direction: str, buckets: Sequence[Bucket], tensors, transport, ranks, *
     start = time.perf_counter()
     with _GC_PAUSE.held(), _work_stream(loop.device):
         loop.side = _SideStream(loop.device, in_flight)
-        loop.send(buckets) if direction == "send" else loop.recv(buckets)
-        loop.stats.checksums = loop.side.collect(loop.sums)
-        loop.side.join()
+        try:
+            loop.send(buckets) if direction == "send" else loop.recv(buckets)
+            loop.stats.checksums = loop.side.collect(loop.sums)
+            loop.side.join()
+        finally:
+            loop.side.close()
     if loop.graphs is not None:
         loop.graphs.retain_used()
     loop.stats.seconds = time.perf_counter() - start

@@ -4,6 +4,7 @@ about ports, flags, env vars and probe paths is what the services actually accep
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import jsonschema
@@ -11,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy_kustomize import K8S, OVERLAYS, render
+from deploy_tools import K8S, OVERLAYS, kustomizations, kustomize
 
 K8S_VERSION = "1.33.0"  # the Kubernetes release whose OpenAPI schemas the manifests must satisfy
 CRD_KINDS = {"ServiceMonitor"}
@@ -39,24 +40,20 @@ SERVICE_MONITOR_SCHEMA = {
 
 
 def _kustomizations() -> dict[Path, dict]:
-    return {p.parent: yaml.safe_load(p.read_text()) for p in K8S.rglob("kustomization.yaml")}
+    return {d: yaml.safe_load((d / "kustomization.yaml").read_text()) for d in kustomizations()}
 
 
-def _rendered() -> list[tuple[str, dict]]:
-    """Every kustomization's output: the base and monitoring resources, and each overlay's result."""
-    return [(f"{d.relative_to(K8S)}:{r['kind']}/{r['metadata']['name']}", r)
-            for d in sorted(_kustomizations()) for r in render(d)]
-
-
-MANIFESTS = _rendered()
-
-
-@pytest.mark.parametrize("resource", [m for _, m in MANIFESTS], ids=[i for i, _ in MANIFESTS])
-def test_manifest_matches_the_kubernetes_schema(resource):
-    if resource["kind"] in CRD_KINDS:
-        jsonschema.validate(resource, SERVICE_MONITOR_SCHEMA)
-    else:
-        _validate_strict(resource)
+@pytest.mark.parametrize("directory", kustomizations(), ids=lambda d: str(d.relative_to(K8S)))
+def test_every_rendered_manifest_matches_the_kubernetes_schema(directory):
+    """Every kustomization's output as kubectl renders it: the base and monitoring resources, and
+    each overlay's result."""
+    resources = kustomize(directory)
+    assert resources, f"kubectl kustomize {directory} rendered nothing"
+    for resource in resources:
+        if resource["kind"] in CRD_KINDS:
+            jsonschema.validate(resource, SERVICE_MONITOR_SCHEMA)
+        else:
+            _validate_strict(resource)
 
 
 def test_every_yaml_file_is_a_resource_or_a_patch_of_some_kustomization():
@@ -76,16 +73,12 @@ def _validate_strict(resource: dict) -> None:
         pytest.fail(f"{resource['kind']}/{resource['metadata']['name']}: {e.message} at {list(e.path)}")
 
 
-def test_rendered_overlays_are_complete_and_validate():
-    for name in OVERLAYS:
-        resources = render(K8S / "overlays" / name)
-        kinds = {(r["kind"], r["metadata"]["name"]) for r in resources}
-        assert {("Deployment", "syncd"), ("Service", "syncd"), ("Secret", "syncd-auth"),
-                ("PersistentVolumeClaim", "syncd-data"), ("Deployment", "generator"),
-                ("StatefulSet", "trainer"), ("Service", "trainer")} <= kinds
-        for r in resources:
-            if r["kind"] not in CRD_KINDS:
-                _validate_strict(r)
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_rendered_overlays_are_complete(name):
+    kinds = {(r["kind"], r["metadata"]["name"]) for r in kustomize(K8S / "overlays" / name)}
+    assert {("Deployment", "syncd"), ("Service", "syncd"), ("Secret", "syncd-auth"),
+            ("PersistentVolumeClaim", "syncd-data"), ("Deployment", "generator"),
+            ("StatefulSet", "trainer"), ("Service", "trainer")} <= kinds
 
 
 def test_overlays_pick_their_image_variant(overlay):
@@ -93,10 +86,14 @@ def test_overlays_pick_their_image_variant(overlay):
     assert len(images) == 1 and images.pop().split(":")[1] in ("cpu", "gpu")
 
 
-def test_renderer_refuses_kustomize_features_it_does_not_implement(tmp_path):
-    (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: x-\n")
-    with pytest.raises(ValueError, match="namePrefix"):
-        render(tmp_path)
+def test_a_patch_of_a_missing_resource_fails_the_render(tmp_path):
+    """kubectl's errors reach the tests: an overlay patching something the base lacks is an error,
+    not a silently unpatched manifest."""
+    shutil.copytree(K8S / "base", tmp_path / "base")
+    (tmp_path / "kustomization.yaml").write_text("resources: [base]\npatches: [{path: typo.yaml}]\n")
+    (tmp_path / "typo.yaml").write_text("apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: syncdd}\n")
+    with pytest.raises(RuntimeError, match="syncdd"):
+        kustomize(tmp_path)
 
 
 # -- agreement with the services' settings ---------------------------------------------------------
@@ -253,7 +250,7 @@ def test_syncd_expects_exactly_the_members_the_overlay_runs(overlay, monkeypatch
 
 
 def test_gpu_overlay_requests_one_gpu_per_rank():
-    resources = {(r["kind"], r["metadata"]["name"]): r for r in render(K8S / "overlays" / "gpu")}
+    resources = {(r["kind"], r["metadata"]["name"]): r for r in kustomize(K8S / "overlays" / "gpu")}
     trainer = _container(resources, "StatefulSet", "trainer")
     env = _literal_env(trainer)
     assert trainer["resources"]["limits"]["nvidia.com/gpu"] == env["TRAINER_NPROC_PER_NODE"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy_kustomize import REPO
+from deploy_tools import REPO
 
 OBSERVABILITY = REPO / "deploy" / "observability"
 # Series Prometheus itself makes for every target: not ours to export.

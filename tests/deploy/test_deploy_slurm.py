@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy_kustomize import REPO
+from deploy_tools import REPO
 from deploy.local.processes import free_port
 from deploy.local.processes import group_members
 from deploy.slurm.launcher import command

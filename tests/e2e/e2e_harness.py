@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 
+from deploy.local import openai_client
 from deploy.local.processes import PYTHON, Cluster, Proc, free_port
 from tests.polling import wait_until
 
@@ -22,15 +23,10 @@ class Generator:
     http: httpx.Client
 
     def greedy(self, max_tokens: int = 8) -> dict[str, tuple[list[int], list[float]]]:
-        out = {}
-        for name, prompt in PROMPTS.items():
-            r = self.http.post("/v1/completions", json={
-                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
-                "detokenize": False, "return_tokens_as_token_ids": True})
-            assert r.status_code == 200, r.text
-            lp = r.json()["choices"][0]["logprobs"]
-            out[name] = ([int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"])
-        return out
+        """Greedy completions of every prompt, through the openai client as users call it."""
+        api = openai_client.client(str(self.http.base_url))
+        return {name: openai_client.complete(api, "tiny", prompt, max_tokens=max_tokens, temperature=0)
+                for name, prompt in PROMPTS.items()}
 
     def load(self, checkpoint: Path, version: int) -> None:
         """Load an HF checkpoint through vLLM's own loaders (no syncd, no data plane)."""
