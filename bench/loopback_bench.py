@@ -23,7 +23,6 @@ import gc
 import json
 import statistics
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -72,25 +71,7 @@ class Setup:
 
     def refit(self, plan, verify: bool = True, **options):
         """Both loops at once, each in its own thread; returns (sender stats, receiver stats)."""
-        out: dict = {}
-
-        def run(name, fn, member, views, endpoint):
-            try:
-                out[name] = fn(plan.for_member(member), views, endpoint, _RANKS, timeout_s=120, verify=verify, **options)
-            except BaseException as e:  # re-raised in the caller: a failed side must fail the run
-                out[name] = e
-
-        threads = [threading.Thread(target=run, args=("send", send_buckets, _SRC, self.src, self.wire.sender)),
-                   threading.Thread(target=run, args=("recv", recv_buckets, _DST, self.dst, self.wire.receiver))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        torch.cuda.synchronize()
-        for side in out.values():
-            if isinstance(side, BaseException):
-                raise side
-        return out["send"], out["recv"]
+        return self.wire.refit(plan, (_SRC, self.src), (_DST, self.dst), verify=verify, **options)
 
     def check(self, plan) -> bool:
         """Every unit's destination region holds the source region's bits, and both sides'

@@ -102,6 +102,33 @@ class LoopbackWire:
         self.marks.append((start, done))
         return done
 
+    def refit(self, plan, sender: tuple[str, dict], receiver: tuple[str, dict], **options):
+        """The executor's send and receive loops of `plan` at once, each in its own thread, over
+        this wire; `sender`/`receiver` are (member id, catalog views). Options go to both loops
+        (`verify`, `graphs`, ...). Returns (sender stats, receiver stats); a failed side raises."""
+        from syncd.dataplane import recv_buckets, send_buckets
+
+        ranks = {sender[0]: 0, receiver[0]: 1}
+        out: dict = {}
+
+        def run(name, fn, member, views, endpoint):
+            try:
+                out[name] = fn(plan.for_member(member), views, endpoint, ranks, timeout_s=120, **options)
+            except BaseException as e:  # re-raised in the caller: a failed side must fail the run
+                out[name] = e
+
+        threads = [threading.Thread(target=run, args=("send", send_buckets, *sender, self.sender)),
+                   threading.Thread(target=run, args=("recv", recv_buckets, *receiver, self.receiver))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        torch.cuda.synchronize()
+        for side in out.values():
+            if isinstance(side, BaseException):
+                raise side
+        return out["send"], out["recv"]
+
     def timeline(self) -> dict:
         """How busy the wire was between its first and last copy, and its idle gaps (ms)."""
         t0 = self.marks[0][0]

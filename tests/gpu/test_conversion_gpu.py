@@ -4,7 +4,6 @@ quantizer gives the same bytes on the GPU as on the CPU."""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import replace
 
 import pytest
@@ -12,25 +11,9 @@ import torch
 
 pytestmark = pytest.mark.gpu(count=1)
 
-_RANKS = {"trainer-0": 0, "generator-0-1": 1}
-
 
 def _refit(plan, src, dst, wire, graphs: bool):
-    from syncd.dataplane import recv_buckets, send_buckets
-
-    out = {}
-
-    def run(name, fn, member, views, endpoint):
-        out[name] = fn(plan.for_member(member), views, endpoint, _RANKS, timeout_s=60, graphs=graphs)
-
-    threads = [threading.Thread(target=run, args=("send", send_buckets, "trainer-0", src, wire.sender)),
-               threading.Thread(target=run, args=("recv", recv_buckets, "generator-0-1", dst, wire.receiver))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    torch.cuda.synchronize()
-    return out["send"], out["recv"]
+    return wire.refit(plan, ("trainer-0", src), ("generator-0-1", dst), graphs=graphs)
 
 
 @pytest.mark.parametrize("graphs", [False, True])

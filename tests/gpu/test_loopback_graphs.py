@@ -3,14 +3,11 @@ per-bucket work captured as CUDA graphs on the first refit and replayed on later
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu(count=1)
-
-_RANKS = {"trainer-0": 0, "generator-0-1": 1}
 
 
 def _setup():
@@ -31,21 +28,8 @@ def _setup():
 
 
 def _refit(plan, src, dst, wire, graphs: bool):
-    from syncd.dataplane import recv_buckets, send_buckets
-
-    out = {}
-
-    def run(name, fn, member, views, endpoint):
-        out[name] = fn(plan.for_member(member), views, endpoint, _RANKS, timeout_s=60, graphs=graphs)
-
-    threads = [threading.Thread(target=run, args=("send", send_buckets, "trainer-0", src, wire.sender)),
-               threading.Thread(target=run, args=("recv", recv_buckets, "generator-0-1", dst, wire.receiver))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    torch.cuda.synchronize()
-    return out["send"].checksums, out["recv"].checksums
+    sent, received = wire.refit(plan, ("trainer-0", src), ("generator-0-1", dst), graphs=graphs)
+    return sent.checksums, received.checksums
 
 
 def _expected(plan, src, dst):
