@@ -109,7 +109,8 @@ def _health_problem(refitter: Refitter) -> tuple[str, str] | None:
     if quiet := quiet_workers(refitter.status_dir, refitter.workers):
         return "worker not answering", quiet
     if not refitter.serving:
-        return "refusing generation until the next good refit", "the last update failed inside vLLM"
+        return ("refusing generation until the next good refit",
+                "the last update failed or missed its deadline")
     return None
 
 

@@ -110,9 +110,9 @@ class RefitOut(BaseModel):
     finished_at: float | None
     error: str = Field(description="the cause when ABORTED; when COMMITTED, why members are unconfirmed")
     phases: dict[str, float] = Field(description="seconds spent per phase")
-    bytes: int = Field(description="bytes received by generators (as they reported, after TRANSFERRING)")
-    planned_bytes: int = Field(description="bytes the plan moves to generators; set once TRANSFERRING starts, "
-                                           "so a refit cut short still shows what it was moving")
+    bytes: int = Field(description="bytes received by generators, as they reported after TRANSFERRING")
+    planned_bytes: int = Field(description="bytes the plan moves to generators; set once TRANSFERRING "
+                                           "starts, so a refit cut short still shows what it was moving")
     run_id: str = Field(description="training run of weight_version; the pair names one weight set")
     unconfirmed: list[str] = Field(
         description="COMMITTED: members that did not confirm Commit (the cause is in `error`)"

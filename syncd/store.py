@@ -150,8 +150,8 @@ class Store:
     @staticmethod
     def _update(db: sqlite3.Connection, r: RefitRecord) -> None:
         db.execute(
-            "UPDATE refits SET state=?, finished_at=?, error=?, phases=?, bytes=?, unconfirmed=?, planned_bytes=? "
-            "WHERE id=?",
+            "UPDATE refits SET state=?, finished_at=?, error=?, phases=?, bytes=?, unconfirmed=?, "
+            "planned_bytes=? WHERE id=?",
             (r.state, r.finished_at, r.error, json.dumps(r.phases), r.bytes, json.dumps(list(r.unconfirmed)),
              r.planned_bytes, r.id))
 
