@@ -105,7 +105,10 @@ def start_member(target: str, *, member_id: str, coords: dict[str, int], staging
                  in_flight: int = 2) -> GeneratorMember:
     client = MemberClient(target, role="generator", member_id=member_id, coords=coords, catalog=staging.catalog,
                           device=str(staging.device), data_address=data_host, auth_token=auth_token,
-                          group_size=group_size)
+                          group_size=group_size,
+                          # The engine starts on its --model checkpoint, which is no trainer version:
+                          # it registers serving none, so syncd holds it not ready and catches it up.
+                          weight_version=None)
     endpoint = GeneratorEndpoint(staging, member_id, commit_url, commit_token)
     agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(staging.device),
                                                         in_flight=in_flight))

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -85,6 +86,8 @@ class Refitter:
         # through collective_rpc, never over the network.
         self.commit_token = secrets.token_urlsafe(32)
         self.workers: list[dict] = []
+        # Where the workers publish their status (`worker_status`), read by /healthz and /readyz.
+        self.status_dir = tempfile.mkdtemp(prefix="generator-workers-")
         self.last_install: LastInstall | None = None
 
     @property
@@ -99,7 +102,8 @@ class Refitter:
                                 "auth_token": self.settings.auth_token, "commit_url": commit_url,
                                 "commit_token": self.commit_token,
                                 "data_host": self.settings.data_host,
-                                "in_flight": self.settings.in_flight_buckets})
+                                "in_flight": self.settings.in_flight_buckets,
+                                "status_dir": self.status_dir})
         await self.engine.update_weight_version(self.version)
         metrics.CATALOG_BYTES.set(sum(w["nbytes"] for w in self.workers))
         metrics.SERVING.set(1)

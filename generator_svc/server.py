@@ -2,7 +2,10 @@
 
     POST /v1/completions, /v1/chat/completions ...   vLLM (prompts as token-id lists, logprobs)
     GET  /metrics                                    vLLM's metrics plus weightsync_*
-    GET  /healthz                                    200 while the engine is alive and serving
+    GET  /healthz                                    liveness: 200 while the engine is alive, every
+                                                     worker answers and generation is allowed
+    GET  /readyz                                     readiness: /healthz, and every worker serves
+                                                     syncd's committed version (503 while behind)
     GET  /v1/weight_version                          committed version and refit state
     GET  /v1/install                                 refit mode and what the last install did
     GET  /v1/workers                                 per worker: member id, tp rank, catalog hash, bytes
@@ -35,6 +38,7 @@ from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from generator_svc.refit import DeadlineExceeded, Refitter, RefitRefused
+from generator_svc.worker_status import behind_workers, quiet_workers
 
 log = logging.getLogger("generator_svc.server")
 
@@ -94,12 +98,40 @@ _LATE = {504: {"model": Detail, "description": "the install did not finish withi
                                              "the served weights are unchanged"}}
 
 
-@router.get("/healthz", responses={503: {"description": "engine dead, or refusing generation after a failed update"}})
-async def healthz(refitter: RefitterDep) -> JSONResponse:
+_NOT_HEALTHY = "engine dead, a worker not answering, or refusing generation after a failed update"
+
+
+def _health_problem(refitter: Refitter) -> tuple[str, str] | None:
+    """(status, reason) of why the generator is not healthy; reads only the API server's own
+    state and the workers' status files, so it answers at once even when a worker is frozen."""
     if refitter.engine.errored:
-        return JSONResponse({"status": "engine dead"}, status_code=503)
+        return "engine dead", "the vLLM engine has died"
+    if quiet := quiet_workers(refitter.status_dir, refitter.workers):
+        return "worker not answering", quiet
     if not refitter.serving:
-        return JSONResponse({"status": "refusing generation until the next good refit"}, status_code=503)
+        return ("refusing generation until the next good refit",
+                "the last update failed or missed its deadline")
+    return None
+
+
+@router.get("/healthz", responses={503: {"description": _NOT_HEALTHY}})
+async def healthz(refitter: RefitterDep) -> JSONResponse:
+    if problem := _health_problem(refitter):
+        return JSONResponse({"status": problem[0], "reason": problem[1]}, status_code=503)
+    return JSONResponse({"status": "ok", "version": refitter.version})
+
+
+@router.get("/readyz",
+            responses={503: {"description": f"{_NOT_HEALTHY}, or behind syncd's committed version"}})
+async def readyz(refitter: RefitterDep) -> JSONResponse:
+    """Ready to take traffic: healthy and serving syncd's committed version. A generator that is
+    behind keeps generating for callers that reach it directly (its /v1/weight_version says what
+    it serves); readiness only keeps load balancers away until a catch-up refit reaches it."""
+    problem = _health_problem(refitter)
+    if problem is None and (behind := behind_workers(refitter.status_dir, refitter.workers)):
+        problem = ("behind the committed version", behind)
+    if problem:
+        return JSONResponse({"status": problem[0], "reason": problem[1]}, status_code=503)
     return JSONResponse({"status": "ok", "version": refitter.version})
 
 

@@ -7,7 +7,8 @@ Our flags sit on top of vLLM's own server flags (every `vllm serve` flag works, 
     --replica N           this generator's replica index, the `replica` mesh coordinate (env GENERATOR_REPLICA)
     --refit-mode staged   receive into staging, apply only complete verified versions (default);
                           `inplace` is reserved for memory-tight GPUs and not implemented yet
-    --initial-version V   version label of the checkpoint the engine starts on (default "0")
+    --initial-version V   version label of the checkpoint the engine starts on (default "0"); a label
+                          only: the workers tell syncd they serve no trainer version until a Commit
     --auth-token          bearer token for syncd (env GENERATOR_AUTH_TOKEN)
     --data-host           address peers reach this host's data plane on (env GENERATOR_DATA_HOST)
     --in-flight-buckets   staging buffers per stage the data plane receives into (default 2)

@@ -16,6 +16,8 @@ every worker and carries only plain data (no tensors). What runs where:
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from generator_svc.catalog import build_catalog, catalog_to_json
 from generator_svc.cpu_moe_fix import apply_cpu_moe_fix
 from generator_svc.staging import Staging
 from generator_svc.vllm_layout import allocated_shapes, param_specs
+from generator_svc.worker_status import StatusPublisher, WorkerStatus
 
 log = logging.getLogger("generator_svc.worker")
 
@@ -45,8 +48,10 @@ class WeightSyncExtension:
         return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
     def ws_setup(self, replica: int, syncd: str = "", auth_token: str = "", commit_url: str = "",
-                 commit_token: str = "", data_host: str = "127.0.0.1", in_flight: int = 2) -> dict[str, Any]:
-        """Build this worker's catalog and staging, and register with syncd when `syncd` is set.
+                 commit_token: str = "", data_host: str = "127.0.0.1", in_flight: int = 2,
+                 status_dir: str = "") -> dict[str, Any]:
+        """Build this worker's catalog and staging, register with syncd when `syncd` is set, and
+        publish this worker's status into `status_dir` when set (`worker_status`).
         Raises ValueError naming any parameter the catalog cannot cover."""
         model = self._ws_model()
         tp_rank, tp_size = self._ws_tp()
@@ -70,11 +75,25 @@ class WeightSyncExtension:
                 commit_url=commit_url if tp_rank == 0 else "", commit_token=commit_token, data_host=data_host,
                 in_flight=in_flight,
             )
+        if status_dir:
+            self._ws_status_publisher = StatusPublisher(status_dir, self._ws_member_id,
+                                                        self._ws_worker_status)
         log.info("%s: catalog %s, %d tensors, %d bytes", self._ws_member_id, catalog.content_hash[:19],
                  len(catalog.tensors), catalog.nbytes)
-        return {"member_id": self._ws_member_id, "tp_rank": tp_rank, "tp_size": tp_size,
+        return {"member_id": self._ws_member_id, "pid": os.getpid(), "tp_rank": tp_rank, "tp_size": tp_size,
                 "catalog_hash": catalog.content_hash, "nbytes": catalog.nbytes,
                 "shapes_checked": sum(t.name in shapes for t in catalog.tensors)}
+
+    def _ws_worker_status(self) -> WorkerStatus:
+        # The member's client knows the version of this worker's last confirmed Commit (None after
+        # a start: the --model checkpoint is no trainer version) and syncd's committed version.
+        client = self._ws_member.client if self._ws_member is not None else None
+        return WorkerStatus(
+            member_id=self._ws_member_id, pid=os.getpid(),
+            unregistered=client is not None and not client.wait_registered(0),
+            serves=client.weight_version if client else None,
+            committed=client.committed_version if client else None,
+            committing=tuple(sorted(client.committing_versions)) if client else (), written_at=time.time())
 
     def ws_catalog(self) -> str:
         return catalog_to_json(self._ws_staging.catalog)

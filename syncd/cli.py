@@ -113,9 +113,9 @@ def cmd_plan(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
 def cmd_history(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     body = api.call("GET", "/v1/refits", params={"limit": args.limit})
     rows = [(r["id"], r["state"], _label(r["run_id"], r["weight_version"]), _duration(r),
-             human_bytes(r["bytes"]), r["error"])
+             human_bytes(r["bytes"]), human_bytes(r["planned_bytes"]), r["error"])
             for r in body["refits"]]
-    return body, table(("REFIT", "STATE", "VERSION", "DURATION", "BYTES", "ERROR"), rows)
+    return body, table(("REFIT", "STATE", "VERSION", "DURATION", "BYTES", "PLANNED", "ERROR"), rows)
 
 
 def cmd_abort(api: Api, args: argparse.Namespace) -> tuple[Any, str]:

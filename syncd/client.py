@@ -9,7 +9,8 @@
 Trainers pass `run_id` (the same for every rank of one training run) and announce each version
 they hold; a client registers with the newest version it holds (trainer) or runs (generator: the
 version of its last confirmed Commit, or the `weight_version` it was started with), so a
-restarted syncd learns where every member stands.
+restarted syncd learns where every member stands. Registration and every heartbeat tell the
+member syncd's committed version (`committed_version`), so a generator knows when it is behind.
 
 Lifecycle: `start` spawns a session thread that registers (catalog hash first, the full catalog
 only when syncd asks), then heartbeats every lease/3 while a Watch thread receives commands. When
@@ -65,6 +66,7 @@ class MemberClient:
         self.run_id = run_id
         self.weight_version = weight_version
         self._commit_versions: dict[str, int] = {}  # refit id -> version of its Commit
+        self.committed_version: int | None = None  # syncd's, as of the last Register or Heartbeat
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self._channel = grpc.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
         self._stub = pb_grpc.SyncdStub(self._channel)
@@ -103,8 +105,15 @@ class MemberClient:
             refit_id=refit_id, phase=convert.phase_to_pb(phase), ok=ok, error=error, bytes=bytes,
             checksums=checksums or {}, timings=timings or {}, address=address,
         ))
-        if phase == Phase.COMMITTED and ok and refit_id in self._commit_versions:
-            self.weight_version = self._commit_versions.pop(refit_id)
+        if phase == Phase.COMMITTED and refit_id in self._commit_versions:
+            version = self._commit_versions.pop(refit_id)
+            if ok:  # syncd recorded the decision before it sent Commit: this is the committed version
+                self.weight_version = self.committed_version = version
+
+    @property
+    def committing_versions(self) -> set[int]:
+        """Versions whose Commit this member received and has not yet confirmed."""
+        return set(self._commit_versions.copy().values())  # copy: atomic under the GIL
 
     def announce_version(self, version: int) -> None:
         """Trainers: weight version `version` is ready to be moved (auto-refit may start one)."""
@@ -158,6 +167,7 @@ class MemberClient:
             request.catalog.CopyFrom(self._catalog_pb)
             response = self._stub.Register(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
         self._session_id, self._lease_s = response.session_id, response.lease_seconds
+        self._learn_committed(response)
         self._registered.set()
         log.info("%s registered with syncd (session %s)", self.member_id, self._session_id[:8])
 
@@ -171,10 +181,15 @@ class MemberClient:
         try:
             beat = pb.HeartbeatRequest(member_id=self.member_id, session_id=self._session_id)
             while watcher.is_alive() and not self._closed.wait(self._lease_s / 3):
-                self._stub.Heartbeat(beat, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
+                beaten = self._stub.Heartbeat(beat, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
+                self._learn_committed(beaten)
         finally:
             call.cancel()
             watcher.join(timeout=5)
+
+    def _learn_committed(self, response: pb.RegisterResponse | pb.HeartbeatResponse) -> None:
+        has = response.HasField("committed_version")
+        self.committed_version = response.committed_version if has else None
 
     def _watch(self, call: grpc.Future) -> None:
         try:

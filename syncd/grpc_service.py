@@ -105,12 +105,18 @@ class SyncdServicer(pb_grpc.SyncdServicer):
             return pb.RegisterResponse(catalog_required=True)
         assert result.member is not None
         return pb.RegisterResponse(session_id=result.member.session_id,
-                                   lease_seconds=self.registry.lease_seconds)
+                                   lease_seconds=self.registry.lease_seconds,
+                                   committed_version=self._committed_version())
 
     @_guarded
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         self.registry.heartbeat(request.member_id, request.session_id)
-        return pb.HeartbeatResponse(lease_seconds=self.registry.lease_seconds)
+        return pb.HeartbeatResponse(lease_seconds=self.registry.lease_seconds,
+                                    committed_version=self._committed_version())
+
+    def _committed_version(self) -> int | None:
+        committed = self.coordinator.versions.committed
+        return committed.version if committed is not None else None
 
     @_guarded
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Command]:

@@ -110,7 +110,9 @@ class RefitOut(BaseModel):
     finished_at: float | None
     error: str = Field(description="the cause when ABORTED; when COMMITTED, why members are unconfirmed")
     phases: dict[str, float] = Field(description="seconds spent per phase")
-    bytes: int = Field(description="bytes received by generators")
+    bytes: int = Field(description="bytes received by generators, as they reported after TRANSFERRING")
+    planned_bytes: int = Field(description="bytes the plan moves to generators; set once TRANSFERRING "
+                                           "starts, so a refit cut short still shows what it was moving")
     run_id: str = Field(description="training run of weight_version; the pair names one weight set")
     unconfirmed: list[str] = Field(
         description="COMMITTED: members that did not confirm Commit (the cause is in `error`)"
@@ -120,7 +122,7 @@ class RefitOut(BaseModel):
     def of(cls, r: RefitRecord) -> RefitOut:
         return cls(id=r.id, state=r.state, weight_version=r.weight_version, created_at=r.created_at,
                    finished_at=r.finished_at, error=r.error, phases=r.phases, bytes=r.bytes,
-                   run_id=r.run_id, unconfirmed=list(r.unconfirmed))
+                   planned_bytes=r.planned_bytes, run_id=r.run_id, unconfirmed=list(r.unconfirmed))
 
 
 class RefitsOut(BaseModel):

@@ -301,6 +301,8 @@ class Coordinator:
         log.info("group %s joined: %s (%s)", group.group_id, ", ".join(group.members), group.backend)
 
     def _transfer(self, run: Run, plan: Plan, groups: dict[int, StageGroup]) -> dict[str, MemberReport]:
+        # Recorded with TRANSFERRING, so a refit cut short (syncd killed) still says what it was moving.
+        run.planned_bytes = plan.total_bytes
         deadline = self._enter(run, "TRANSFERRING", self.settings.transfer_timeout)
         ids = plan_members(plan)
         for m in ids:
@@ -378,7 +380,7 @@ class Coordinator:
                 finished: float | None = None) -> RefitRecord:
         return RefitRecord(run.id, state, run.version, run.record.created_at, finished, error,
                            run.timings() if finished is None else dict(run.phases), run.bytes, unconfirmed,
-                           run.record.run_id)
+                           run.record.run_id, run.planned_bytes)
 
     def _conclude(self, run: Run, state: str, error: str, unconfirmed: tuple[str, ...] = ()) -> None:
         """End the refit once: free the slot and record the outcome (in memory at once, in the

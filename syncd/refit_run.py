@@ -43,7 +43,8 @@ class Run:
         self.record = record
         self.involved = involved
         self.phases: dict[str, float] = {}
-        self.bytes = 0
+        self.bytes = 0  # received by generators, as they reported it
+        self.planned_bytes = 0  # what the plan moves to generators, known from TRANSFERRING on
         self.state = record.state
         self.done = threading.Event()
         self.concluded = False  # set once, under the coordinator's lock, by whoever ends the refit

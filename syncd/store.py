@@ -39,9 +39,11 @@ CREATE TABLE IF NOT EXISTS refits (
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-_COLUMNS = "id, state, weight_version, created_at, finished_at, error, phases, bytes, unconfirmed, run_id"
+_COLUMNS = ("id, state, weight_version, created_at, finished_at, error, phases, bytes, unconfirmed, run_id, "
+            "planned_bytes")
 # Columns added after the first release, with their definitions (added when a store opens).
-_ADDED_COLUMNS = {"unconfirmed": "TEXT NOT NULL DEFAULT '[]'", "run_id": "TEXT NOT NULL DEFAULT ''"}
+_ADDED_COLUMNS = {"unconfirmed": "TEXT NOT NULL DEFAULT '[]'", "run_id": "TEXT NOT NULL DEFAULT ''",
+                  "planned_bytes": "INTEGER NOT NULL DEFAULT 0"}
 
 T = TypeVar("T")
 
@@ -62,6 +64,7 @@ class RefitRecord:
     bytes: int = 0
     unconfirmed: tuple[str, ...] = ()  # COMMITTED: members that did not confirm Commit
     run_id: str = ""  # the training run of weight_version: (run_id, weight_version) names the weights
+    planned_bytes: int = 0  # bytes the plan moves to generators, set when TRANSFERRING starts
 
 
 class Store:
@@ -147,9 +150,10 @@ class Store:
     @staticmethod
     def _update(db: sqlite3.Connection, r: RefitRecord) -> None:
         db.execute(
-            "UPDATE refits SET state=?, finished_at=?, error=?, phases=?, bytes=?, unconfirmed=? WHERE id=?",
+            "UPDATE refits SET state=?, finished_at=?, error=?, phases=?, bytes=?, unconfirmed=?, "
+            "planned_bytes=? WHERE id=?",
             (r.state, r.finished_at, r.error, json.dumps(r.phases), r.bytes, json.dumps(list(r.unconfirmed)),
-             r.id))
+             r.planned_bytes, r.id))
 
     @staticmethod
     def _set(db: sqlite3.Connection, key: str, value: str) -> None:
@@ -185,7 +189,7 @@ class Store:
     def _select(self, where: str, args: tuple) -> list[RefitRecord]:
         rows = self._db().execute(f"SELECT {_COLUMNS} FROM refits {where}", args).fetchall()
         return [RefitRecord(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), r[7],
-                            tuple(json.loads(r[8])), r[9]) for r in rows]
+                            tuple(json.loads(r[8])), r[9], r[10]) for r in rows]
 
     def get_text(self, key: str) -> str | None:
         row = self._db().execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

@@ -149,14 +149,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., member_id: _Optional[str] = ..., coords: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., data_address: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., catalog: _Optional[_Union[Catalog, _Mapping]] = ..., run_id: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("catalog_required", "session_id", "lease_seconds")
+    __slots__ = ("catalog_required", "session_id", "lease_seconds", "committed_version")
     CATALOG_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     catalog_required: bool
     session_id: str
     lease_seconds: float
-    def __init__(self, catalog_required: _Optional[bool] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    committed_version: int
+    def __init__(self, catalog_required: _Optional[bool] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., committed_version: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("member_id", "session_id")
@@ -167,10 +169,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, member_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_seconds",)
+    __slots__ = ("lease_seconds", "committed_version")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
-    def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
+    committed_version: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., committed_version: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("member_id", "session_id")

@@ -19,7 +19,7 @@ def test_full_refit_commits_and_reports_everywhere(cluster: Cluster) -> None:
     assert done["state"] == "COMMITTED", done["error"]
     assert set(done["phases"]) >= {"PREPARING", "TRANSFERRING", "VERIFYING", "COMMITTING"}
     # Generators received every byte of the model: 16x8 + 16x8 float32 + 4x6x8 bfloat16.
-    assert done["bytes"] == 2 * 16 * 8 * 4 + 4 * 6 * 8 * 2
+    assert done["bytes"] == done["planned_bytes"] == 2 * 16 * 8 * 4 + 4 * 6 * 8 * 2
     for m in cluster.members.values():
         assert m.committed == [7]
         assert not m.of_type(Abort)

@@ -82,6 +82,7 @@ def test_a_refit_killed_with_syncd_keeps_the_phases_it_reached(tmp_path: Path) -
             m.client.start(m.handle)
         wait_until(lambda: http.get("/readyz").status_code == 200, what="ready")
         members[0].client.announce_version(1)
+        planned = http.get("/v1/plan").json()["total_bytes"]
         refit_id = http.post("/v1/refits", json={}).json()["id"]
         wait_until(lambda: http.get(f"/v1/refits/{refit_id}").json()["state"] == "TRANSFERRING", what="transfer")
         syncd.kill()
@@ -90,6 +91,7 @@ def test_a_refit_killed_with_syncd_keeps_the_phases_it_reached(tmp_path: Path) -
         record = http.get(f"/v1/refits/{refit_id}").json()
         assert record["state"] == "ABORTED" and "stopped during the refit" in record["error"]
         assert {"PREPARING", "TRANSFERRING"} <= set(record["phases"])
+        assert (record["bytes"], record["planned_bytes"]) == (0, planned)  # nothing confirmed, the plan known
     finally:
         http.close()
         for m in members:

@@ -196,9 +196,11 @@ def test_generator_flags_env_and_probes_agree_with_generator_svc(overlay, monkey
     assert host == "syncd" and int(port) == _service_port(overlay, "syncd", "grpc")
     assert settings.auth_token == "token-from-secret" and settings.data_host == "10.0.0.7"
     routes = {r.path for r in router.routes}
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+    # Readiness is /readyz: it also waits for syncd's committed version, which liveness must not.
+    probes = (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"))
+    for probe, path in probes:
         get = container[probe]["httpGet"]
-        assert get["path"] in routes and _port(container, get["port"]) == args.port
+        assert get["path"] == path and path in routes and _port(container, get["port"]) == args.port
     annotations = overlay[("Deployment", "generator")]["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == args.port
     assert args.model.startswith(container["volumeMounts"][0]["mountPath"] + "/")

@@ -195,6 +195,6 @@ def test_schemathesis_finds_nothing_in_the_generators_own_routes(generator, tmp_
     this module: it sends the weight routes random input."""
     url = str(generator.http.base_url).rstrip("/")
     found = run_schemathesis(url, tmp_path, "", "--include-path-regex",
-                             r"^/(healthz|v1/weight_version|v1/workers.*|v1/weights/.*|internal/.*)$")
+                             r"^/(healthz|readyz|v1/weight_version|v1/workers.*|v1/weights/.*|internal/.*)$")
     assert found == {}, f"schemathesis found: {found} (cases in {tmp_path / 'schemathesis.log'})"
     assert generator.greedy()  # and it still serves

@@ -3,8 +3,11 @@ syncd (`python -m syncd`)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -75,7 +78,7 @@ class FakeTrainer:
     """A one-rank trainer that holds checkpoint `path` whole and speaks syncd's member protocol
     with the real client and gloo data plane (the generator side is what is under test)."""
 
-    def __init__(self, target: str, path: Path) -> None:
+    def __init__(self, target: str, path: Path, hold: threading.Event | None = None) -> None:
         import torch
         from safetensors.torch import load_file
 
@@ -90,6 +93,7 @@ class FakeTrainer:
                                    coords={"pp": 0, "dp": 0, "ep": 0, "tp": 0}, catalog=catalog,
                                    weight_version=1)  # it holds checkpoint B as version 1
         self.transports: dict = {}
+        self.hold = hold  # ExecutePlan waits for it: a refit stays in TRANSFERRING until it is set
         self.client.start(self.handle)
 
     def handle(self, cmd) -> None:  # noqa: ANN001
@@ -106,6 +110,8 @@ class FakeTrainer:
                 GlooTransport.connect(address, cmd.rank, cmd.world_size, cmd.group_id, 60, store=store), cmd.members)
             report(cmd.refit_id, Phase.JOINED)
         elif isinstance(cmd, ExecutePlan):
+            if self.hold is not None:
+                self.hold.wait(120)
             stats_bytes, sums = 0, {}
             for group in cmd.groups:
                 transport, members = self.transports[group.group_id]
@@ -146,3 +152,70 @@ def test_refit_driven_by_syncd_moves_b_into_the_generator(syncd, generator, chec
         assert service.outputs() == outputs_fresh_b
     finally:
         trainer.close()
+
+
+def _wait(what: str, condition, timeout: float = 120):  # noqa: ANN001, ANN202
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+def test_a_frozen_worker_makes_healthz_answer_503_at_once(generator) -> None:  # noqa: ANN001
+    """Issue 19 #13: SIGSTOP on the vLLM worker turns /healthz 503 (answered, not hung); SIGCONT heals."""
+    (worker,) = generator.http.get("/v1/workers").json()
+    probe = httpx.Client(base_url=generator.url, timeout=5)  # a hung /healthz fails the test
+    assert probe.get("/healthz").status_code == 200
+    os.kill(worker["pid"], signal.SIGSTOP)
+    try:
+        frozen = _wait("503 from /healthz", lambda: (r := probe.get("/healthz")).status_code == 503 and r, 30)
+        assert frozen.json()["status"] == "worker not answering"
+        assert f"generator-3-0 (pid {worker['pid']}) has not answered" in frozen.json()["reason"]
+    finally:
+        os.kill(worker["pid"], signal.SIGCONT)
+    _wait("200 from /healthz after SIGCONT", lambda: probe.get("/healthz").status_code == 200, 30)
+    probe.close()
+
+
+def test_a_restarted_generator_is_not_ready_until_caught_up(  # noqa: ANN201
+        syncd, generator, checkpoints, tmp_path):  # noqa: ANN001
+    """Issue 19 #11: restarted after version 1 committed, the generator serves its --model checkpoint
+    (A) and says so in /readyz (503) until syncd's catch-up refit of version 1 (B) reaches it; then
+    it generates exactly what it generated before the restart, and is ready."""
+    target, syncd_http = syncd
+    hold = threading.Event()
+    trainer = FakeTrainer(target, checkpoints["B"], hold)
+    restarted = None
+    try:
+        _wait("syncd ready", lambda: syncd_http.get("/readyz").status_code == 200)
+        if syncd_http.get("/v1/status").json()["committed_version"] != 1:
+            hold.set()
+            refit_id = syncd_http.post("/v1/refits", json={"weight_version": 1}).json()["id"]
+            ended = ("COMMITTED", "ABORTED")
+            _wait("version 1 committed", lambda: syncd_http.get(f"/v1/refits/{refit_id}").json()["state"] in ended)
+            hold.clear()
+        _wait("generator ready", lambda: generator.http.get("/readyz").status_code == 200)
+        assert generator.http.get("/v1/weight_version").json()["version"] == "1"
+        before = generator.outputs()
+
+        generator.stop()
+        restarted = Service(checkpoints["A"], tmp_path / "restarted.log", "--syncd", target, "--replica", "3")
+        restarted.wait_ready()  # /healthz: alive (liveness), serving checkpoint A
+        behind = _wait("/readyz naming the catch-up", lambda: "catch-up" in (
+            r := restarted.http.get("/readyz")).json().get("reason", "") and r)
+        assert behind.status_code == 503
+        assert "serves its start-up checkpoint but syncd committed version 1" in behind.json()["reason"]
+        assert syncd_http.get("/readyz").status_code == 503  # syncd holds the catch-up refit (held by `hold`)
+
+        hold.set()
+        _wait("generator caught up", lambda: restarted.http.get("/readyz").status_code == 200)
+        assert restarted.http.get("/v1/weight_version").json()["version"] == "1"
+        assert restarted.outputs() == before
+        refits = syncd_http.get("/v1/refits").json()["refits"]
+        assert (refits[0]["weight_version"], refits[0]["state"]) == (1, "COMMITTED")
+    finally:
+        hold.set()
+        trainer.close()
+        if restarted is not None:
+            restarted.stop()

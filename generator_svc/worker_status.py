@@ -1,0 +1,117 @@
+"""What each vLLM worker publishes about itself, read by the API server without calling into it.
+
+Every worker writes a small JSON file (`WorkerStatus`) into a directory the API server made, every
+`PUBLISH_INTERVAL_S`, from a thread of its own. The API server's `/healthz` and `/readyz` read these
+files and never wait on the engine: a worker that is frozen (SIGSTOP), dead or wedged stops
+writing, and a probe still answers at once, with 503 and which worker went quiet.
+
+Readiness also needs the weights: a worker must be registered with syncd (when one is configured)
+to know the committed version, and it is behind when syncd has a committed version and the
+worker serves another one (after a restart it serves its `--model` checkpoint, which is no trainer
+version: `serves` is None) and no Commit of the committed version is being applied on it.
+
+The files live on the worker's host: this assumes the workers share the API server's host (vLLM's
+multiprocessing executor; not multi-node tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+log = logging.getLogger("generator_svc.worker_status")
+
+PUBLISH_INTERVAL_S = 0.5
+# A worker whose status is older than this is reported not answering: six missed writes, so a busy
+# host does not flap the probe, and still well within a liveness probe's period.
+QUIET_AFTER_S = 3.0
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    member_id: str
+    pid: int
+    unregistered: bool  # syncd is configured but this worker has no session with it (yet)
+    serves: int | None  # the trainer version this worker serves; None: none (its start-up checkpoint)
+    committed: int | None  # syncd's committed version as this worker last heard it; None: none or no syncd
+    committing: tuple[int, ...]  # versions whose Commit this worker is applying
+    written_at: float  # time.time() of the write
+
+    def behind(self) -> bool:
+        if self.committed is None or self.serves == self.committed:
+            return False
+        return self.committed not in self.committing  # a Commit being applied is not behind
+
+
+def status_path(directory: str, member_id: str) -> Path:
+    return Path(directory) / f"{member_id}.json"
+
+
+class StatusPublisher:
+    """Writes `current()` to this worker's status file every PUBLISH_INTERVAL_S until `stop`."""
+
+    def __init__(self, directory: str, member_id: str, current: Callable[[], WorkerStatus]) -> None:
+        self.path = status_path(directory, member_id)
+        self._current = current
+        self._stopped = threading.Event()
+        self.publish()  # the file exists before ws_setup returns
+        self._thread = threading.Thread(target=self._loop, name=f"{member_id}-status", daemon=True)
+        self._thread.start()
+
+    def publish(self) -> None:
+        scratch = self.path.with_suffix(".tmp")
+        scratch.write_text(json.dumps(asdict(self._current())))
+        os.replace(scratch, self.path)  # readers never see half a file
+
+    def _loop(self) -> None:
+        while not self._stopped.wait(PUBLISH_INTERVAL_S):
+            try:
+                self.publish()
+            except Exception:  # keep publishing: a missing status reads as a dead worker
+                log.exception("could not write %s", self.path)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def read_status(directory: str, member_id: str) -> WorkerStatus | None:
+    try:
+        raw = json.loads(status_path(directory, member_id).read_text())
+    except (OSError, ValueError):
+        return None
+    return WorkerStatus(**{**raw, "committing": tuple(raw["committing"])})
+
+
+def quiet_workers(directory: str, workers: Sequence[dict], now: float | None = None) -> str:
+    """Why some worker is not answering ('' when every one published within QUIET_AFTER_S)."""
+    now = time.time() if now is None else now
+    problems = []
+    for worker in workers:
+        status = read_status(directory, worker["member_id"])
+        if status is None:
+            problems.append(f"worker {worker['member_id']} (pid {worker['pid']}) has published no status")
+        elif (age := now - status.written_at) > QUIET_AFTER_S:
+            problems.append(f"worker {worker['member_id']} (pid {worker['pid']}) has not answered for "
+                            f"{age:.1f} s (frozen or dead)")
+    return "; ".join(problems)
+
+
+def behind_workers(directory: str, workers: Sequence[dict]) -> str:
+    """Why some worker does not serve syncd's committed version ('' when none is behind)."""
+    problems = []
+    for worker in workers:
+        status = read_status(directory, worker["member_id"])
+        if status is not None and status.unregistered:
+            problems.append(f"worker {status.member_id} is not registered with syncd yet, so it cannot "
+                            "know the committed version")
+        elif status is not None and status.behind():
+            serves = "its start-up checkpoint" if status.serves is None else f"version {status.serves}"
+            problems.append(f"worker {status.member_id} serves {serves} but syncd committed version "
+                            f"{status.committed}: waiting for a catch-up refit")
+    return "; ".join(problems)
