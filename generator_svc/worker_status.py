@@ -8,7 +8,8 @@ writing, and a probe still answers at once, with 503 and which worker went quiet
 Readiness also needs the weights: a worker must be registered with syncd (when one is configured)
 to know the committed version, and it is behind when syncd has a committed version and the
 worker serves another one (after a restart it serves its `--model` checkpoint, which is no trainer
-version: `serves` is None) and no Commit of the committed version is being applied on it.
+version: `serves` is None), unless it serves an earlier trainer version and a Commit of the
+committed version is being applied on it (an ordinary refit in progress).
 
 The files live on the worker's host: this assumes the workers share the API server's host (vLLM's
 multiprocessing executor; not multi-node tensor parallelism).
@@ -46,7 +47,10 @@ class WorkerStatus:
     def behind(self) -> bool:
         if self.committed is None or self.serves == self.committed:
             return False
-        return self.committed not in self.committing  # a Commit being applied is not behind
+        # A Commit of the committed version being applied on a worker that serves an earlier
+        # trainer version is a refit in progress, not a worker left behind. A worker on its
+        # start-up checkpoint stays behind until the install has landed.
+        return self.serves is None or self.committed not in self.committing
 
 
 def status_path(directory: str, member_id: str) -> Path:

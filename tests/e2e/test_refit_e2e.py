@@ -167,8 +167,14 @@ def test_prometheus_sees_the_refit_and_every_dashboard_and_alert_query_returns_s
         served = 'weightsync_weight_version{job="generator"}'
         wait_until(lambda: list(prometheus.values(served).values()) == [1.0], 30, "the generator's version 1 in Prometheus")
 
-        empty = [f"{title}: {expr}" for title, expr in dashboard_queries() if not prometheus.query(expr)]
-        assert not empty, "dashboard queries without samples after a refit:\n" + "\n".join(empty)
+        # rate() over a series born in this refit (the phase histograms) needs two scrapes of it.
+        def empty() -> list[str]:
+            return [f"{title}: {expr}" for title, expr in dashboard_queries() if not prometheus.query(expr)]
+
+        try:
+            wait_until(lambda: not empty(), 30, "every dashboard query to return samples")
+        except AssertionError:
+            raise AssertionError("dashboard queries without samples after a refit:\n" + "\n".join(empty())) from None
         for alert, expr in alert_rules().items():
             values = prometheus.values(as_bool(expr))
             assert values, f"{alert}: {expr} selects no series"
