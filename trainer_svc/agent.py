@@ -146,9 +146,13 @@ class RankAgent:
     def on_step(self, stats: StepStats) -> None:
         try:
             self.client.announce_version(stats.step)
-        except Exception as e:  # syncd down must not stop training; the client re-registers
-            log.warning("could not announce version %d to syncd: %s", stats.step, e)
-            return
+        except Exception as e:  # syncd down must not stop training
+            # Not lost: the client holds the version and re-registers with it once syncd is back,
+            # which announces it (`syncd.versions`). So a synchronous trainer still waits for its
+            # refit; returning here let a job's last step finish, unannounced, while syncd
+            # restarted, and the job exit before anyone could move its weights.
+            log.warning("could not announce version %d to syncd now (%s); it is announced when this rank "
+                        "re-registers", stats.step, e)
         if self.sync_refit_s is not None:
             outcome = self.endpoint.wait_refit(stats.step, self.sync_refit_s)
             if outcome != "committed":

@@ -93,7 +93,12 @@ class Cluster:
     def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = self.logs / f"{name}.log"
-        popen = subprocess.Popen(cmd, cwd=REPO, env={**self.env, **(env or {})}, stdout=open(log, "w"),
+        # Appended, with a header per start: a service restarted under the same name (syncd in the
+        # restart tests) keeps the log of its previous life, which is where a failure's cause is.
+        out = open(log, "a")
+        out.write(f"==== {time.strftime('%H:%M:%S')} start: {' '.join(cmd)}\n")
+        out.flush()
+        popen = subprocess.Popen(cmd, cwd=REPO, env={**self.env, **(env or {})}, stdout=out,
                                  stderr=subprocess.STDOUT, start_new_session=True)
         proc = Proc(name, popen, log)
         self.procs.append(proc)

@@ -76,8 +76,8 @@ def start_syncd(tmp_path):
     procs: list[subprocess.Popen] = []
     clients: list[httpx.Client] = []
 
-    def start(trainers: int, generators: int, token: str | None = None):
-        grpc_port, http_port = _free_port(), _free_port()
+    def start(trainers: int, generators: int, token: str | None = None, ports: tuple[int, int] | None = None):
+        grpc_port, http_port = ports or (_free_port(), _free_port())
         proc = subprocess.Popen(
             [sys.executable, "-m", "syncd", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
              "--http-port", str(http_port), "--db", str(tmp_path / "syncd.db"), "--lease-seconds", "60",
@@ -93,6 +93,12 @@ def start_syncd(tmp_path):
             pytest.fail(f"syncd exited: {proc.stderr.read().decode()[-2000:]}")
         return f"127.0.0.1:{grpc_port}", http
 
+    def stop() -> None:
+        """Stop the syncd started last (start it again with its `ports` to restart it)."""
+        procs[-1].terminate()
+        procs[-1].wait(timeout=10)
+
+    start.stop = stop
     yield start
     for http in clients:
         http.close()
@@ -207,4 +213,37 @@ def test_a_rank_registers_with_a_token_protected_syncd_only_with_the_token(start
         members = http.get("/v1/members").json()["members"]
         assert [m["member_id"] for m in members] == ["trainer-0"]
     finally:
+        agent.close()
+
+
+def test_a_synchronous_rank_waits_for_the_refit_of_a_step_it_could_not_announce(start_syncd, tiny_dir, caplog):
+    """syncd restarts while a --sync-refit rank announces its step: the version reaches the new
+    syncd through the rank's re-registration, and the rank waits for that refit instead of moving
+    on (a job's last step used to finish unannounced and the job exit before anyone moved it)."""
+    target, http = start_syncd(trainers=1, generators=1)
+    ports = (int(target.rpartition(":")[2]), http.base_url.port)
+    settings = TrainSettings(model_dir=tiny_dir, device="cpu", syncd=target, **TRAIN)
+    trainer = Trainer.create(settings, LaunchEnv(0, 1, 0), torch.device("cpu"))
+    agent = RankAgent.start(target, trainer, LaunchEnv(0, 1, 0), sync_refit_s=120)
+    receiver = _Receiver(target)
+    try:
+        wait_until(lambda: _get_ok(http, "/readyz"), 30, "syncd ready")
+        start_syncd.stop()
+        step = threading.Thread(target=trainer.train_step, args=(1,))
+        step.start()
+        wait_until(lambda: "could not announce version 1" in caplog.text, 60, "the announcement to fail")
+        _, http = start_syncd(trainers=1, generators=1, ports=ports)
+        wait_until(lambda: _get_ok(http, "/readyz"), 60, "both members back with the restarted syncd")
+        assert step.is_alive(), "the rank moved on without the refit of its step"
+        assert http.get("/v1/status").json()["announced_version"] == 1
+        r = http.post("/v1/refits", json={})
+        assert r.status_code == 202, r.text
+        refit_id = r.json()["id"]
+        done = wait_until(lambda: (b := http.get(f"/v1/refits/{refit_id}").json())["state"] in ("COMMITTED", "ABORTED")
+                          and b, 60, "the refit")
+        assert done["state"] == "COMMITTED", done["error"]
+        step.join(60)
+        assert not step.is_alive() and receiver.committed == [1]
+    finally:
+        receiver.close()
         agent.close()
