@@ -116,6 +116,24 @@ def bucket_from_pb(m: pb.Bucket) -> Bucket:
     )
 
 
+# The last plan this process decoded, by its wire bytes. syncd sends the same plan refit after
+# refit while the layouts stay, and the data plane keeps per-bucket work (prepared copies and
+# views, CUDA graphs) keyed by the bucket objects; decoding anew would make new objects every
+# refit, and costs tens of milliseconds of Python for a large model besides.
+_LAST_PLAN: tuple[bytes, tuple[Bucket, ...]] = (b"", ())
+
+
+def _buckets_from_pb(buckets) -> tuple[Bucket, ...]:
+    global _LAST_PLAN
+    wire = pb.ExecutePlan(buckets=buckets).SerializeToString(deterministic=True)
+    last_wire, last = _LAST_PLAN
+    if wire == last_wire and last:
+        return last
+    decoded = tuple(bucket_from_pb(b) for b in buckets)
+    _LAST_PLAN = (wire, decoded)  # one tuple assignment: a concurrent decoder sees old or new
+    return decoded
+
+
 # ---- commands ----
 
 def _group_to_pb(g: commands.StageGroup) -> pb.StageGroup:
@@ -158,7 +176,7 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
     if kind == "execute_plan":
         m = msg.execute_plan
         return commands.ExecutePlan(
-            m.refit_id, m.weight_version, tuple(bucket_from_pb(b) for b in m.buckets),
+            m.refit_id, m.weight_version, _buckets_from_pb(m.buckets),
             tuple(commands.StageGroup(g.stage, g.group_id, g.backend, tuple(g.members)) for g in m.groups),
             m.timeout_s,
         )

@@ -30,9 +30,9 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from torch.profiler import record_function
 
-from syncd.dataplane.checksum import Checksums, unit_key
+from syncd.dataplane.checksum import Checksums
 from syncd.dataplane.graphs import ENQUEUE_LOCK, BucketProgram, LoopGraphs
-from syncd.dataplane.pack import pack_into, unpack_from
+from syncd.dataplane.prepared import PreparedBucket, PreparedLoop
 from syncd.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
 
@@ -44,6 +44,14 @@ _RUN_AHEAD = 4
 # and so do the CUDA graphs of the buckets packed into or unpacked from them (per direction).
 _STAGING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NO_LABEL = contextlib.nullcontext()
+
+
+def _step(name: str):
+    """A profiler label for an executor step, only while a profiler records: `record_function`
+    dispatches an operator on enter and exit, microseconds the host cannot spare per bucket."""
+    return record_function(name) if torch.autograd._profiler_enabled() else _NO_LABEL
 
 
 class TransferAborted(RuntimeError):
@@ -78,9 +86,9 @@ class _SideStream:
         self.stream.wait_stream(torch.cuda.current_stream())  # the bytes are packed / arrived
         with torch.cuda.stream(self.stream):
             fn()
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        self.done[slot] = event
+        if self.done[slot] is None:  # one event per slot, re-recorded: a wait binds the last record
+            self.done[slot] = torch.cuda.Event()
+        self.done[slot].record(self.stream)
 
     def before_reuse(self, slot: int) -> None:
         if self._worker is not None:
@@ -123,6 +131,7 @@ class _Loop:
     sums: Checksums = field(default_factory=Checksums)
     side: _SideStream | None = None
     graphs: LoopGraphs | None = None
+    prepared: PreparedLoop | None = None
 
     @property
     def device(self) -> torch.device:
@@ -138,45 +147,36 @@ class _Loop:
             _STAGING[self.transport] = pool
         return pool
 
-    def programs(self, direction: str, ordered: Sequence[Bucket], bufs: Sequence[torch.Tensor]) -> list[BucketProgram | None]:
-        """Per bucket, its captured copies and checksums in its slot (on GPUs with graphs on; the
-        first refit of a plan captures them all here, before anything is enqueued)."""
-        if self.graphs is None:
-            return [None] * len(ordered)
+    def programs(self, direction: str, ordered: Sequence[Bucket], bufs: Sequence[torch.Tensor]) -> list[BucketProgram | PreparedBucket]:
+        """Per bucket, its work in its slot: captured copies and checksums (on GPUs with graphs
+        on; the first refit of a plan captures them all here, before anything is enqueued), or
+        the prepared eager work (`syncd.dataplane.prepared`)."""
         flats = [bufs[i % self.in_flight][: b.nbytes] for i, b in enumerate(ordered)]
+        if self.graphs is None:
+            return self.prepared.buckets(ordered, self.tensors, flats)
         return self.graphs.programs(direction, ordered, self.tensors, flats)
 
     def enqueuing(self):
         """Held while this loop enqueues device work (never across a wait), when graphs are on."""
         return ENQUEUE_LOCK if self.graphs is not None else contextlib.nullcontext()
 
-    def pack(self, bucket: Bucket, buf: torch.Tensor, program: BucketProgram | None) -> torch.Tensor:
-        with record_function("weightsync.pack"):
-            if program is None:
-                return pack_into(bucket, self.tensors, buf)
+    def pack(self, bucket: Bucket, buf: torch.Tensor, program: BucketProgram | PreparedBucket) -> torch.Tensor:
+        """The bytes to send: packed into the staging slice, or the tensor's own bytes (`direct`)."""
+        with _step("weightsync.pack"):
             program.copy()
-            return buf[: bucket.nbytes]
+            return buf[: bucket.nbytes] if program.direct is None else program.direct
 
-    def unpack(self, bucket: Bucket, flat: torch.Tensor, program: BucketProgram | None) -> None:
-        with record_function("weightsync.unpack"):
-            unpack_from(bucket, flat, self.tensors) if program is None else program.copy()
+    def unpack(self, bucket: Bucket, flat: torch.Tensor, program: BucketProgram | PreparedBucket) -> None:
+        with _step("weightsync.unpack"):
+            program.copy()
 
-    def account(self, slot: int, bucket: Bucket, flat: torch.Tensor, program: BucketProgram | None) -> None:
+    def account(self, slot: int, bucket: Bucket, flat: torch.Tensor, program: BucketProgram | PreparedBucket) -> None:
         """Both sides checksum the packed bytes of every unit: the same bytes in the same order."""
         if self.verify:
-            with record_function("weightsync.checksum"):
-                if program is None:
-                    self.side.run(slot, lambda: self._checksum(bucket, flat))
-                else:
-                    self.side.run(slot, lambda: program.checksum(self.sums))
+            with _step("weightsync.checksum"):
+                self.side.run(slot, lambda: program.checksum(self.sums))
         self.stats.bytes += bucket.nbytes
         self.stats.buckets += 1
-
-    def _checksum(self, bucket: Bucket, flat: torch.Tensor) -> None:
-        offset = 0
-        for u in bucket.units:
-            self.sums.add(unit_key(u.canonical, u.canon.start, u.canon.stop), flat[offset : offset + u.nbytes])
-            offset += u.nbytes
 
     def check_cancel(self) -> None:
         if self.cancel is not None and self.cancel.is_set():
@@ -187,7 +187,7 @@ class _Loop:
         loop only enqueues work (the device orders it), so a failed peer is noticed by this wait."""
         behind = i - self.in_flight - _RUN_AHEAD
         if behind >= 0:
-            with record_function("weightsync.throttle"):
+            with _step("weightsync.throttle"):
                 handles[behind].wait(self.timeout_s)
 
     def finish(self, handles: Sequence[Handle]) -> None:
@@ -210,7 +210,7 @@ class _Loop:
                 if i >= self.in_flight:
                     self.side.before_reuse(slot)
                 flat = self.pack(bucket, bufs[slot], programs[i])
-                with record_function("weightsync.isend"):
+                with _step("weightsync.isend"):
                     handles.append(self.transport.isend(flat, self.ranks[bucket.dst]))
                 self.account(slot, bucket, flat, programs[i])  # after isend: the checksum overlaps the transfer
         self.finish(handles)
@@ -222,8 +222,8 @@ class _Loop:
         handles: list[Handle] = []
 
         def post(i: int) -> None:
-            flat = bufs[i % self.in_flight][: ordered[i].nbytes]
-            with record_function("weightsync.irecv"):  # ordered after the current stream's unpacks
+            flat = _received_into(programs[i], bufs[i % self.in_flight], ordered[i])
+            with _step("weightsync.irecv"):  # ordered after the current stream's unpacks
                 handles.append(self.transport.irecv(flat, self.ranks[ordered[i].src]))
 
         with self.enqueuing():
@@ -233,7 +233,7 @@ class _Loop:
             self.check_cancel()
             self.throttle(handles, i)
             slot = i % self.in_flight
-            flat = bufs[slot][: bucket.nbytes]
+            flat = _received_into(programs[i], bufs[slot], bucket)
             handles[i].fence(self.timeout_s)  # what follows reads the bucket once it arrived
             with self.enqueuing():
                 self.account(slot, bucket, flat, programs[i])
@@ -242,6 +242,11 @@ class _Loop:
                     self.side.before_reuse(slot)  # the next receive into the slot waits for the checksum
                     post(i + self.in_flight)
         self.finish(handles)
+
+
+def _received_into(program: BucketProgram | PreparedBucket, buf: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    """Where a bucket arrives: its staging slice, or straight into its tensor (`direct`)."""
+    return buf[: bucket.nbytes] if program.direct is None else program.direct
 
 
 @contextlib.contextmanager
@@ -304,6 +309,8 @@ def _run(direction: str, buckets: Sequence[Bucket], tensors, transport, ranks, *
         return loop.stats
     if graphs and loop.device.type == "cuda":
         loop.graphs = _loop_graphs(transport, direction, loop.device)
+    else:
+        loop.prepared = _PREPARED.setdefault(transport, {}).setdefault(direction, PreparedLoop(direction))
     start = time.perf_counter()
     with _GC_PAUSE.held(), _work_stream(loop.device):
         loop.side = _SideStream(loop.device, in_flight)
@@ -313,8 +320,7 @@ def _run(direction: str, buckets: Sequence[Bucket], tensors, transport, ranks, *
             loop.side.join()
         finally:
             loop.side.close()
-    if loop.graphs is not None:
-        loop.graphs.retain_used()
+    (loop.graphs or loop.prepared).retain_used()
     loop.stats.seconds = time.perf_counter() - start
     return loop.stats
 

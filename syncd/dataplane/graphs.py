@@ -41,6 +41,8 @@ from syncd.plan.types import Bucket
 class BucketProgram:
     """The captured copies and checksums of one bucket in one staging slot."""
 
+    direct = None  # always through staging (see `prepared.PreparedBucket.direct`)
+
     def __init__(self, bucket: Bucket, copy_graph: torch.cuda.CUDAGraph, sums_graph: torch.cuda.CUDAGraph,
                  outputs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         self.bucket = bucket  # held, so that the id in the cache key stays this bucket's

@@ -39,26 +39,36 @@ def catalog_views(catalog: Catalog, tensors: Mapping[str, torch.Tensor]) -> dict
     return out
 
 
-def _region(t: torch.Tensor, box) -> torch.Tensor:
-    return t[box.slices()]
+def copy_pairs(direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor],
+               flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(destinations, sources) of the bucket's copies, unit by unit: for "send" from the source
+    regions into the byte buffer `flat` (each unit's slice viewed in the unit's dtype, so the copy
+    casts), for "recv" from `flat` into the destination regions. Views only, no copies."""
+    dsts, srcs = [], []
+    offset = 0
+    for u in bucket.units:
+        packed = flat[offset : offset + u.nbytes]
+        offset += u.nbytes
+        if direction == "send":
+            src = tensors[u.src_tensor][u.src_box.slices()]
+            dsts.append(packed.view(torch_dtype(u.dtype)).view(src.shape))
+            srcs.append(src)
+        else:
+            dst = tensors[u.dst_tensor][u.dst_box.slices()]
+            dsts.append(dst)
+            srcs.append(packed.view(dst.dtype).view(dst.shape))
+    return dsts, srcs
 
 
 def pack_into(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Copy the bucket's source regions into the byte buffer `out` (at least `bucket.nbytes`),
     converted to each unit's dtype; returns the filled prefix."""
-    offset = 0
-    for u in bucket.units:
-        src = _region(tensors[u.src_tensor], u.src_box)
-        dst = out[offset : offset + u.nbytes].view(torch_dtype(u.dtype)).view(src.shape)
+    for dst, src in zip(*copy_pairs("send", bucket, tensors, out)):
         dst.copy_(src)
-        offset += u.nbytes
-    return out[:offset]
+    return out[: bucket.nbytes]
 
 
 def unpack_from(bucket: Bucket, flat: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
     """Scatter a packed byte buffer into the bucket's destination regions."""
-    offset = 0
-    for u in bucket.units:
-        dst = _region(tensors[u.dst_tensor], u.dst_box)
-        dst.copy_(flat[offset : offset + u.nbytes].view(dst.dtype).view(dst.shape))
-        offset += u.nbytes
+    for dst, src in zip(*copy_pairs("recv", bucket, tensors, flat)):
+        dst.copy_(src)

@@ -1,0 +1,113 @@
+"""Per-bucket work of the eager loops, prepared once per plan and reused by every later refit.
+
+Why: at small buckets the loops are host-bound. Before this, each bucket cost the host, per unit,
+the slicing of its source or destination region, two dtype views, the staging slice, a checksum
+key string and three output allocations, before the one copy and the two reductions that do the
+work: tens of microseconds per unit in Python, while a 64 MiB bucket crosses NVLink in 0.19 ms
+(py-spy of the 2x H200 benchmark, 2026-11-23). A plan is fixed between refits (the member reuses
+the decoded plan when syncd sends the same one, `syncd.api.convert`), and so are the tensors and the
+staging buffers, so all of that is computed on the first refit and kept: what remains per bucket
+is the copies (one `torch._foreach_copy_` call) and the reductions into outputs allocated once.
+
+The values are the same as the unprepared path's: the same copies (`pack_into` and `unpack_from`
+semantics, the cast included) and `Checksums.add` / `reduce_region` on the same bytes.
+
+Lifecycle as `graphs.LoopGraphs`: one `PreparedLoop` per direction of a transport (kept with its
+staging buffers); a bucket's work is keyed by the bucket object, its staging slice and the
+addresses of the tensors it touches; `retain_used` keeps one plan's worth.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from syncd.dataplane.checksum import Checksums, reduce_region, region_outputs, unit_key
+from syncd.dataplane.pack import copy_pairs
+from syncd.plan.types import Bucket
+
+
+class PreparedBucket:
+    """One bucket's copies and checksum inputs in one staging slice."""
+
+    def __init__(self, direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor) -> None:
+        self.bucket = bucket  # held, so that the id in the cache key stays this bucket's
+        self.flat = flat
+        self._dsts, self._srcs = copy_pairs(direction, bucket, tensors, flat)
+        self.direct = _direct_bytes(direction, bucket, self._dsts, self._srcs)
+        self.wire = flat if self.direct is None else self.direct
+        self._regions: list[tuple[str, torch.Tensor]] = []  # (checksum key, packed bytes)
+        offset = 0
+        for u in bucket.units:
+            self._regions.append((unit_key(u.canonical, u.canon.start, u.canon.stop), self.wire[offset : offset + u.nbytes]))
+            offset += u.nbytes
+        self._outputs: list[tuple[torch.Tensor, ...]] | None = None  # GPU reduction outputs, made on first use
+
+    def copy(self) -> None:
+        """Pack (send) or unpack (recv) the bucket on the current stream (nothing to do when the
+        bucket travels straight from or into its tensor)."""
+        if self.direct is not None:
+            return
+        if len(self._dsts) == 1:
+            self._dsts[0].copy_(self._srcs[0])
+        else:  # one call for all units: the per-copy dispatch runs in C++, not in Python
+            torch._foreach_copy_(self._dsts, self._srcs)
+
+    def checksum(self, sums: Checksums) -> None:
+        """Checksum every unit's packed bytes into `sums` (on GPUs: enqueue the reductions on the
+        current stream into outputs owned by this bucket; they are read when `sums` folds)."""
+        if self.flat.device.type == "cpu":
+            for key, packed in self._regions:
+                sums.add(key, packed)
+            return
+        if self._outputs is None:
+            self._outputs = [region_outputs(packed.numel(), packed.device) for _, packed in self._regions]
+        for (key, packed), (cols, rows, rest) in zip(self._regions, self._outputs):
+            reduce_region(packed, cols, rows, rest)
+            sums.add_reduced(key, packed.numel(), cols, rows, rest)
+
+
+def _direct_bytes(direction: str, bucket: Bucket, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> torch.Tensor | None:
+    """The bytes of a one-unit bucket whose region in the member's own tensor is one contiguous
+    range, with no cast: those bytes are exactly what the bucket carries, so they can go on the
+    wire as they are, without the copy into (or out of) staging. (A third of the bytes of the
+    benchmark's plan at 64-512 MiB buckets; the copy competes with the transfer for memory
+    bandwidth.) None otherwise."""
+    if len(bucket.units) != 1:
+        return None
+    mine = srcs[0] if direction == "send" else dsts[0]
+    if mine.dtype != dsts[0].dtype or mine.dtype != srcs[0].dtype or not mine.is_contiguous():
+        return None
+    return mine.reshape(-1).view(torch.uint8)
+
+
+class PreparedLoop:
+    """The prepared buckets of one loop (one direction of one transport)."""
+
+    def __init__(self, direction: str) -> None:
+        self.direction = direction
+        self._buckets: dict[tuple, PreparedBucket] = {}
+        self._used: set[tuple] = set()
+
+    def buckets(self, ordered: Sequence[Bucket], tensors: Mapping[str, torch.Tensor],
+                flats: Sequence[torch.Tensor]) -> list[PreparedBucket]:
+        """The prepared work of each bucket in its staging slice, preparing those not seen before."""
+        out = []
+        for bucket, flat in zip(ordered, flats):
+            key = self._key(bucket, tensors, flat)
+            prepared = self._buckets.get(key)
+            if prepared is None:
+                prepared = self._buckets[key] = PreparedBucket(self.direction, bucket, tensors, flat)
+            self._used.add(key)
+            out.append(prepared)
+        return out
+
+    def _key(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor) -> tuple:
+        names = [u.src_tensor if self.direction == "send" else u.dst_tensor for u in bucket.units]
+        return (id(bucket), flat.data_ptr(), flat.numel(), tuple(tensors[n].data_ptr() for n in names))
+
+    def retain_used(self) -> None:
+        """Forget the buckets the refit that just ended did not use (an older plan's)."""
+        self._buckets = {k: b for k, b in self._buckets.items() if k in self._used}
+        self._used = set()
