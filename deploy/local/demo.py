@@ -61,6 +61,7 @@ class Generator:
 
     def __init__(self, url: str) -> None:
         self.api = openai_client.client(url)
+        self.http = httpx.Client(base_url=url, timeout=30)  # the generator's own routes (/v1/install)
 
     def sample(self, seed: int, max_tokens: int = 24) -> list[tuple[list[int], list[int], list[float]]]:
         out = []
