@@ -78,8 +78,9 @@ class ModelArgs:
     def from_file(path: str | Path) -> ModelArgs:
         return ModelArgs.from_hf(json.loads(Path(path).read_text()))
 
-    def to_hf(self) -> dict[str, Any]:
-        """An HF config.json dict that transformers and vLLM load as Qwen3MoeForCausalLM."""
+    def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
+        """An HF config.json dict that transformers and vLLM load as Qwen3MoeForCausalLM, for
+        weights stored in `dtype`."""
         d = asdict(self)
         rope_theta = d.pop("rope_theta")
         d.update(
@@ -99,7 +100,7 @@ class ModelArgs:
             rope_scaling=None,
             output_router_logits=False,
             router_aux_loss_coef=0.0,
-            torch_dtype="float32",
+            torch_dtype=dtype,
             use_cache=True,
         )
         return dict(sorted(d.items()))

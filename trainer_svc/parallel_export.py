@@ -1,8 +1,8 @@
 """Export without gathering the model on one rank: every writer rank writes its own tensors into
 one shared safetensors file at offsets all ranks compute alike.
 
-The file's layout (header, then every HF tensor in name order, float32) depends only on the model
-args, so rank 0 writes the header and sizes the file while nobody waits for data; then, per stage,
+The file's layout (header, then every HF tensor in name order, in the export dtype) depends only
+on the model args and that dtype, so rank 0 writes the header and sizes the file while nobody waits for data; then, per stage,
 the rank (dp 0, ep 0, tp 0) writes the stage's non-expert tensors and every rank (dp 0, ep e, tp 0)
 its whole experts, after an all-gather over its tp group, one parameter at a time. No rank holds
 more than one parameter gathered over tp besides its own shards. All ranks must see the same
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from syncd.layout import hf_names
+from syncd.layout.dtypes import lookup, torch_dtype
 from trainer_svc import comm
 from trainer_svc.config import ModelArgs
 from trainer_svc.parallel_dims import Mesh
@@ -32,11 +33,10 @@ from trainer_svc.state_dict_adapter import (
     canonical_shapes,
 )
 
-F32_BYTES = 4
-
-
-def file_layout(args: ModelArgs) -> tuple[bytes, dict[str, int], int]:
-    """(header bytes, absolute file offset of every HF tensor, file size) of the safetensors file."""
+def file_layout(args: ModelArgs, dtype: str = "float32") -> tuple[bytes, dict[str, int], int]:
+    """(header bytes, absolute file offset of every HF tensor, file size) of the safetensors file
+    holding every tensor in `dtype`."""
+    code, itemsize = lookup(dtype).safetensors, lookup(dtype).itemsize
     entries = []
     for name, shape in canonical_shapes(args).items():
         if hf_names.is_grouped_expert(name):
@@ -46,8 +46,8 @@ def file_layout(args: ModelArgs) -> tuple[bytes, dict[str, int], int]:
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in sorted(entries):
-        size = math.prod(shape) * F32_BYTES
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        size = math.prod(shape) * itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as safetensors writes it
@@ -97,17 +97,19 @@ def _writes(name: str, mesh: Mesh) -> tuple[bool, bool]:
 
 
 @torch.no_grad()
-def export_parallel(model: torch.nn.Module, mesh: Mesh, args: ModelArgs, out_dir: str | Path) -> None:
-    """Collective over the world: write config.json + model.safetensors from every writer rank."""
+def export_parallel(model: torch.nn.Module, mesh: Mesh, args: ModelArgs, out_dir: str | Path,
+                    dtype: str = "float32") -> None:
+    """Collective over the world: write config.json + model.safetensors (in `dtype`, rounded to
+    nearest even from the float32 parameters) from every writer rank."""
     out_dir = Path(out_dir)
     path = out_dir / WEIGHTS_FILE
-    prefix, starts, size = file_layout(args)
+    prefix, starts, size = file_layout(args, dtype)
     if mesh.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:
             f.write(prefix)
             f.truncate(size)
-        (out_dir / CONFIG_FILE).write_text(json.dumps(args.to_hf(), indent=2) + "\n")
+        (out_dir / CONFIG_FILE).write_text(json.dumps(args.to_hf(dtype), indent=2) + "\n")
     dist.barrier()
     with open(path, "r+b") as f:
         for name, p in model.named_parameters():
@@ -116,12 +118,12 @@ def export_parallel(model: torch.nn.Module, mesh: Mesh, args: ModelArgs, out_dir
                 continue
             for hf_name, t in _hf_tensors(name, p, mesh, args):
                 if write:
-                    _pwrite_all(f.fileno(), t.to("cpu", torch.float32).contiguous(), starts[hf_name])
+                    _pwrite_all(f.fileno(), t.to("cpu", torch_dtype(dtype)).contiguous(), starts[hf_name])
     dist.barrier()
 
 
 def _pwrite_all(fd: int, t: torch.Tensor, offset: int) -> None:
-    view = memoryview(t.numpy()).cast("B")
+    view = memoryview(t.view(torch.uint8).numpy()).cast("B")  # bytes: numpy has no bfloat16
     while view:  # pwrite may write less than asked (e.g. above 2 GiB on Linux)
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written

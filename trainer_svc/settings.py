@@ -11,6 +11,8 @@ from trainer_svc.parallel_dims import ParallelDims
 # The environment variables trainer_svc reads: torchrun's, and the syncd token (kept off argv).
 ENV_RANK, ENV_WORLD_SIZE, ENV_LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
 ENV_AUTH_TOKEN = "TRAINER_AUTH_TOKEN"
+# The trainer holds float32; these are the exported checkpoint's dtypes (the casts a refit makes).
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class TrainSettings:
     microbatches: int = 2
     export_dir: str | None = None
     export_each_step: bool = False  # also write export_dir/step-N after every step
+    export_dtype: str = "float32"  # the exported checkpoint's dtype (float32 masters rounded to nearest even)
     syncd: str | None = None
     auth_token: str | None = None  # bearer token when syncd requires one
     sync_refit: bool = False  # after announcing a step, wait until a refit of it commits or aborts
@@ -54,6 +57,8 @@ class TrainSettings:
                 f"--global-batch-size {self.global_batch_size} must be divisible by dp {self.dp} x "
                 f"ep {self.ep} x microbatches {self.microbatches}"
             )
+        if self.export_dtype not in EXPORT_DTYPES:
+            raise ValueError(f"--export-dtype must be one of {', '.join(EXPORT_DTYPES)}, got {self.export_dtype!r}")
         if self.export_each_step and not self.export_dir:
             raise ValueError("--export-each-step needs --export-dir")
         if self.sync_refit and not self.syncd:
@@ -92,6 +97,9 @@ class TrainSettings:
         p.add_argument("--export-dir", help="write the HF checkpoint here after the last step")
         p.add_argument("--export-each-step", action="store_true",
                        help="also export after every step, to EXPORT_DIR/step-N")
+        p.add_argument("--export-dtype", default="float32", choices=EXPORT_DTYPES,
+                       help="dtype of the exported checkpoint: what a generator serving that dtype holds "
+                            "(the float32 weights rounded to nearest even, as a refit converts them)")
         p.add_argument("--syncd", help="syncd gRPC address host:port (omit to train standalone)")
         p.add_argument("--auth-token", default=os.environ.get(ENV_AUTH_TOKEN) or None,
                        help=f"syncd bearer token (default: ${ENV_AUTH_TOKEN})")

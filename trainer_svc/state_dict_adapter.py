@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from syncd.layout import hf_names
+from syncd.layout.dtypes import torch_dtype
 from trainer_svc import comm
 from trainer_svc.config import ModelArgs
 from trainer_svc.parallel_dims import Coords, Mesh, ParallelDims
@@ -89,16 +90,16 @@ def load_hf(model_dir: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     return args, {k: canonical[k] for k in expected}
 
 
-def save_hf(out_dir: str | Path, args: ModelArgs, canonical: dict[str, torch.Tensor]) -> Path:
-    """Write config.json + model.safetensors with per-expert HF names."""
+def save_hf(out_dir: str | Path, args: ModelArgs, canonical: dict[str, torch.Tensor], dtype: str = "float32") -> Path:
+    """Write config.json + model.safetensors with per-expert HF names, in `dtype`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in canonical.items():
         for hf_name, part in hf_names.split_to_hf(name, t, args.num_experts):
-            tensors[hf_name] = part.detach().to("cpu", torch.float32).contiguous()
+            tensors[hf_name] = part.detach().to("cpu", torch_dtype(dtype)).contiguous()
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(args.to_hf(), indent=2) + "\n")
+    (out_dir / CONFIG_FILE).write_text(json.dumps(args.to_hf(dtype), indent=2) + "\n")
     return out_dir
 
 

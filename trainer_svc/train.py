@@ -169,13 +169,13 @@ class Trainer:
         (`parallel_export`); otherwise every shard is gathered and rank 0 writes. Returns on every
         rank only once the files exist (anyone told about the step may read them)."""
         if self.distributed and self._one_host():
-            export_parallel(self.model, self.mesh, self.args, out_dir)
+            export_parallel(self.model, self.mesh, self.args, out_dir, self.settings.export_dtype)
             if self.mesh.rank == 0:
                 log.info("exported HF checkpoint to %s (parallel writers)", out_dir)
             return
         canonical = gather_canonical(self.model, self.mesh, self.args)
         if self.mesh.rank == 0:
-            save_hf(out_dir, self.args, canonical)
+            save_hf(out_dir, self.args, canonical, self.settings.export_dtype)
             log.info("exported HF checkpoint to %s", out_dir)
         if self.distributed:
             dist.barrier()

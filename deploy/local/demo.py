@@ -1,13 +1,15 @@
 """`make demo`: train a tiny Qwen3-MoE with expert TP and refit a live vLLM generator every step.
 
-    python -m deploy.local.demo [--steps 3] [--layout ep2tp2|pp2] [--model-dir DIR] [--summary-json PATH]
+    python -m deploy.local.demo [--steps 3] [--layout ep2tp2|pp2] [--dtype bfloat16|float32] [--model-dir DIR]
+                                [--summary-json PATH]
 
 Starts syncd, the vLLM generator (CPU) and a 4-rank gloo trainer (`--layout ep2tp2`: ep 2 x tp 2,
 experts split over TP; `--layout pp2`: pp 2 x ep 2), all on this machine. The trainer waits after
 each step (`--sync-refit`) while this driver measures how far the generator's policy is from the
 trainer's (KL of sampled tokens), triggers the refit through syncd's HTTP API, and measures again.
-`--model-dir` starts both from any Qwen3-MoE HF directory (float32 here) instead of the tiny random
-model. Per refit the summary gives the seconds of `transfer` and `verify` (syncd's phases),
+The generator serves bfloat16 by default (`--dtype`): the trainer keeps float32 weights, exports
+each step in the served dtype, and the refit rounds to it on the way (half the bytes of float32).
+`--model-dir` starts both from any Qwen3-MoE HF directory instead of the tiny random model. Per refit the summary gives the seconds of `transfer` and `verify` (syncd's phases),
 `install` (how long the generator held generation to install) and `total`, and the bytes moved.
 Every process it starts, it stops.
 """
@@ -59,6 +61,7 @@ class Generator:
 
     def __init__(self, url: str) -> None:
         self.api = openai_client.client(url)
+        self.http = httpx.Client(base_url=url, timeout=30)  # the generator's own routes (/v1/install)
 
     def sample(self, seed: int, max_tokens: int = 24) -> list[tuple[list[int], list[int], list[float]]]:
         out = []
@@ -132,7 +135,7 @@ def start_services(cluster: Cluster, work: Path, layout: dict, args) -> tuple[Sy
     log.info("syncd up (http %d, grpc %d); starting the vLLM generator (about 30 s)", http_port, grpc_port)
     generator = cluster.start("generator", [
         PYTHON, "-m", "generator_svc", "--model", str(model), "--syncd", f"127.0.0.1:{grpc_port}",
-        "--port", str(gen_port), "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager",
+        "--port", str(gen_port), "--served-model-name", "tiny", "--dtype", args.dtype, "--enforce-eager",
         "--max-model-len", "256", "--skip-tokenizer-init",
     ], env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     cluster.wait_http(generator, f"http://127.0.0.1:{gen_port}/healthz", 300)
@@ -142,7 +145,7 @@ def start_services(cluster: Cluster, work: Path, layout: dict, args) -> tuple[Sy
         "--pp", str(layout["pp"]), "--ep", str(layout["ep"]), "--tp", str(layout["tp"]),
         "--model-dir", str(model), "--steps", str(args.steps), "--seed", str(args.seed), "--lr", str(args.lr),
         "--device", "cpu", "--syncd", f"127.0.0.1:{grpc_port}", "--sync-refit",
-        "--export-dir", str(work / "export"), "--export-each-step",
+        "--export-dir", str(work / "export"), "--export-each-step", "--export-dtype", args.dtype,
     ], env={"OMP_NUM_THREADS": "1"})
     return Syncd(f"http://127.0.0.1:{http_port}"), Generator(f"http://127.0.0.1:{gen_port}"), trainer
 
@@ -202,6 +205,9 @@ def main() -> int:
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="ep2tp2")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="what the generator serves; the trainer trains in float32 and the refit "
+                             "rounds to it (to nearest even), moving half the bytes for bfloat16")
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--model-dir", default="", help="a Qwen3-MoE HF directory (config.json + *.safetensors) "
                                                         "to train and serve instead of the tiny random model")

@@ -28,23 +28,24 @@ class DType:
 
     name: str
     itemsize: int
+    safetensors: str  # the dtype code in a safetensors header
 
 
 DTYPES: dict[str, DType] = {
     d.name: d
     for d in (
-        DType("float64", 8),
-        DType("float32", 4),
-        DType("bfloat16", 2),
-        DType("float16", 2),
-        DType("float8_e4m3fn", 1),
-        DType("float8_e5m2", 1),
-        DType("int64", 8),
-        DType("int32", 4),
-        DType("int16", 2),
-        DType("int8", 1),
-        DType("uint8", 1),
-        DType("bool", 1),
+        DType("float64", 8, "F64"),
+        DType("float32", 4, "F32"),
+        DType("bfloat16", 2, "BF16"),
+        DType("float16", 2, "F16"),
+        DType("float8_e4m3fn", 1, "F8_E4M3"),
+        DType("float8_e5m2", 1, "F8_E5M2"),
+        DType("int64", 8, "I64"),
+        DType("int32", 4, "I32"),
+        DType("int16", 2, "I16"),
+        DType("int8", 1, "I8"),
+        DType("uint8", 1, "U8"),
+        DType("bool", 1, "BOOL"),
     )
 }
 

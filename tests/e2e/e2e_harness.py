@@ -13,8 +13,7 @@ from deploy.local.processes import PYTHON, Cluster, Proc, free_port
 from tests.polling import wait_until
 
 PROMPTS = {"short": [1, 2, 3, 4, 5], "long": [(i * 37 + 11) % 512 for i in range(200)]}
-GENERATOR_FLAGS = ["--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-                   "--skip-tokenizer-init"]
+GENERATOR_FLAGS = ["--served-model-name", "tiny", "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init"]
 
 
 @dataclass
@@ -65,27 +64,28 @@ class Stack:
             self.syncd = None
 
     def start_generator(self, model: Path, tp: int = 1, syncd: bool = True, name: str = "generator",
-                        replica: int = 0) -> Generator:
+                        replica: int = 0, dtype: str = "float32") -> Generator:
         port = free_port()
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
         flags = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         if tp > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
         proc = self.cluster.start(name, [
-            PYTHON, "-m", "generator_svc", "--model", str(model), "--port", str(port), *GENERATOR_FLAGS, *flags,
+            PYTHON, "-m", "generator_svc", "--model", str(model), "--port", str(port), "--dtype", dtype,
+            *GENERATOR_FLAGS, *flags,
             "--replica", str(replica), *(["--syncd", self.target] if syncd else []),
         ], env=env)
         self.cluster.wait_http(proc, f"http://127.0.0.1:{port}/healthz", 300)
         return Generator(proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
 
     def train(self, model: Path, *, pp: int, ep: int, tp: int, steps: int, export: Path, name: str = "trainer",
-              sync_refit: bool = True) -> Proc:
+              sync_refit: bool = True, export_dtype: str = "float32") -> Proc:
         world = pp * ep * tp
         return self.cluster.start(name, [
             PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "-m", "trainer_svc",
             "--pp", str(pp), "--ep", str(ep), "--tp", str(tp), "--model-dir", str(model), "--steps", str(steps),
             "--lr", "3e-3", "--device", "cpu", "--syncd", self.target, "--export-dir", str(export),
-            "--export-each-step", *(["--sync-refit"] if sync_refit else []),
+            "--export-each-step", "--export-dtype", export_dtype, *(["--sync-refit"] if sync_refit else []),
         ], env={"OMP_NUM_THREADS": "1"})
 
     def wait_ready(self, timeout_s: float = 120) -> None:
