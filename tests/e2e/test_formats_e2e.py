@@ -14,23 +14,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from e2e_harness import Stack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    from trainer_svc.tiny import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("model"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    stack = Stack(tmp_path_factory.mktemp("formats"))
-    yield stack
-    stack.stop()
 
 
 def _elements(checkpoint: Path) -> int:

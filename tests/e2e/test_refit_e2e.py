@@ -25,20 +25,6 @@ LAYOUTS = [(1, 1, 1), (1, 2, 1), (1, 1, 2), (1, 2, 2), (2, 1, 1), (2, 2, 1)]  # 
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    from trainer_svc.tiny import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("model"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    stack = Stack(tmp_path_factory.mktemp("e2e"))
-    yield stack
-    stack.stop()
-
-
-@pytest.fixture(scope="module")
 def generator(stack, model):
     stack.start_syncd(trainers=1)
     return stack.start_generator(model)
