@@ -65,10 +65,12 @@ class InplaceReceiver:
     """Receives one version into a model inside vLLM's layerwise reload. Thread-safe: each PP
     stage's receive runs on its own thread; `close` may come from any thread."""
 
-    def __init__(self, model: torch.nn.Module, catalog: Catalog, vllm_config=None) -> None:  # noqa: ANN001
+    def __init__(self, model: torch.nn.Module, catalog: Catalog, device: torch.device,
+                 vllm_config=None) -> None:  # noqa: ANN001
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-        self.device = next(model.parameters()).device
+        # Where the weights live (the model's own parameters are on the meta device by now).
+        self.device = torch.device(device)
         self.report = InstallReport()
         self.open_bytes = 0
         self.peak_open_bytes = 0

@@ -69,7 +69,7 @@ class StagingTransferEngine(WeightTransferEngine[StagingInitInfo, StagingUpdateI
             self.staging.require_complete()
         initialize_layerwise_reload(self.model)
         if self.inplace_catalog is not None:
-            self.receiver = InplaceReceiver(self.model, self.inplace_catalog, self.vllm_config)
+            self.receiver = InplaceReceiver(self.model, self.inplace_catalog, self.device, self.vllm_config)
 
     def receive_weights(self, update_info: StagingUpdateInfo) -> None:
         """Install staging into the parameters by copies (`generator_svc.install`); only layers the

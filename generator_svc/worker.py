@@ -250,7 +250,7 @@ class WeightSyncExtension:
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
                 initialize_layerwise_reload(model)
                 try:
-                    receiver = InplaceReceiver(model, self._ws_catalog, self.vllm_config)  # type: ignore[attr-defined]
+                    receiver = InplaceReceiver(model, self._ws_catalog, self.device, self.vllm_config)  # type: ignore[attr-defined]
                     flat = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
                     for bucket in plan.for_member(self._ws_member_id):
                         receiver.unpack(bucket, pack_into(bucket, canonical, flat))

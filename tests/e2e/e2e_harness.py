@@ -64,7 +64,7 @@ class Stack:
             self.syncd = None
 
     def start_generator(self, model: Path, tp: int = 1, syncd: bool = True, name: str = "generator",
-                        replica: int = 0, dtype: str = "float32") -> Generator:
+                        replica: int = 0, dtype: str = "float32", refit_mode: str = "staged") -> Generator:
         port = free_port()
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
         flags = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
@@ -73,7 +73,7 @@ class Stack:
         proc = self.cluster.start(name, [
             PYTHON, "-m", "generator_svc", "--model", str(model), "--port", str(port), "--dtype", dtype,
             *GENERATOR_FLAGS, *flags,
-            "--replica", str(replica), *(["--syncd", self.target] if syncd else []),
+            "--replica", str(replica), "--refit-mode", refit_mode, *(["--syncd", self.target] if syncd else []),
         ], env=env)
         self.cluster.wait_http(proc, f"http://127.0.0.1:{port}/healthz", 300)
         return Generator(proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
