@@ -6,11 +6,13 @@ every worker and carries only plain data (no tensors). What runs where:
 - API server (generator_svc.refit): the update lifecycle (`pause_generation`, `start_weight_update`,
   `update_weights`, `finish_weight_update`, `reset_prefix_cache`, `resume_generation`), because it
   must be entered by all TP workers together and generation must be held meanwhile.
-- worker, via collective_rpc: `ws_setup` (catalog, staging, syncd registration), `ws_stage_file`,
-  `ws_status`, `ws_abort`, `ws_recover`, `ws_committed`, `ws_last_install`, `ws_dump_loaded` and
-  `ws_dump_installed` (tests).
+- worker, via collective_rpc: `ws_setup` (catalog, staging or the inplace receiver's catalog, syncd
+  registration), `ws_stage_file`, `ws_status`, `ws_hold` and `ws_release` (inplace), `ws_abort`,
+  `ws_recover`, `ws_committed`, `ws_last_install`, `ws_dump_loaded`, `ws_dump_installed` and
+  `ws_dump_inplace` (tests).
 - worker, on the syncd member's handler thread: the data plane writing received buckets into
-  staging (`generator_svc.member`), concurrently with serving: staging is separate memory.
+  staging (`generator_svc.member`), concurrently with serving: staging is separate memory; or, in
+  inplace mode, into the live layers while generation is held (`generator_svc.inplace`).
 """
 
 from __future__ import annotations
