@@ -189,13 +189,7 @@ class Refitter:
         start = time.perf_counter()
         update = asyncio.ensure_future(self._update(version, deadline))
         try:
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            await asyncio.wait_for(asyncio.shield(update), remaining)
-        except asyncio.TimeoutError:
-            self._refuse_generation()
-            self._late_update = asyncio.ensure_future(self._settle_late_update(update, version))
-            raise DeadlineExceeded(f"version {version} was not installed before the commit deadline; "
-                                   "generation is refused until a complete refit succeeds") from None
+            await self._within(deadline, update, version)
         except _Untouched as e:  # the deadline passed in the same instant: nothing changed
             await self.engine.resume_generation()
             raise RefitRefused(str(e)) from None
@@ -311,14 +305,10 @@ class Refitter:
         try:
             update = asyncio.ensure_future(self._end_update(version))
             try:
-                remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                await asyncio.wait_for(asyncio.shield(update), remaining)
-            except asyncio.TimeoutError:
-                self._refuse_generation()
-                self._late_update = asyncio.ensure_future(self._settle_late_update(update, version))
+                await self._within(deadline, update, version)
+            except DeadlineExceeded:
                 metrics.REFITS.labels("timeout").inc()
-                raise DeadlineExceeded(f"version {version} was not installed before the commit deadline; "
-                                       "generation is refused until a complete refit succeeds") from None
+                raise
             except Exception as e:
                 log.exception("in-place install of version %s failed; refusing generation", version)
                 self._refuse_generation()
@@ -333,6 +323,18 @@ class Refitter:
             return self.state
         finally:
             self._lock.release()
+
+    async def _within(self, deadline: float | None, update: asyncio.Future, version: str) -> None:
+        """Wait for `update` until `deadline`. Past it, refuse generation, let the update finish in
+        the background without ever making `version` live, and raise DeadlineExceeded."""
+        try:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            await asyncio.wait_for(asyncio.shield(update), remaining)
+        except asyncio.TimeoutError:
+            self._refuse_generation()
+            self._late_update = asyncio.ensure_future(self._settle_late_update(update, version))
+            raise DeadlineExceeded(f"version {version} was not installed before the commit deadline; "
+                                   "generation is refused until a complete refit succeeds") from None
 
     async def _end_update(self, version: str) -> None:
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))

@@ -33,6 +33,12 @@ class Generator:
         assert r.status_code == 200, r.text
 
 
+def rank_pids(torchrun_pid: int) -> list[int]:
+    """The trainer ranks of a torchrun job (its children)."""
+    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
+    return [int(p) for p in children]
+
+
 class Stack:
     """One syncd (restartable on the same ports and database) plus generators and trainer jobs."""
 
@@ -87,6 +93,18 @@ class Stack:
             "--lr", "3e-3", "--device", "cpu", "--syncd", self.target, "--export-dir", str(export),
             "--export-each-step", "--export-dtype", export_dtype, *(["--sync-refit"] if sync_refit else []),
         ], env={"OMP_NUM_THREADS": "1"})
+
+    def train_and_refit(self, model: Path, layout: tuple[int, int, int], export: Path, steps: int = 1) -> list[dict]:
+        """A trainer job of `layout` (pp, ep, tp) taking `steps` steps, each refitted once announced;
+        the refits' final states."""
+        pp, ep, tp = layout
+        trainer = self.train(model, pp=pp, ep=ep, tp=tp, steps=steps, export=export)
+        states = []
+        for step in range(1, steps + 1):
+            self.wait_announced(step)
+            states.append(self.refit(step))
+        assert trainer.popen.wait(180) == 0, trainer.tail()
+        return states
 
     def wait_ready(self, timeout_s: float = 120) -> None:
         wait_until(lambda: self.http.get("/readyz").status_code == 200, timeout_s, "syncd ready")

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e_harness import Stack, wait_until
+from e2e_harness import Stack, rank_pids, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -28,17 +28,6 @@ def generator(stack, model):
     # TP 1, so that a fresh TP-1 engine is the exact reference (TP 2 sums in another order); the
     # in-place install at TP 2 is held to vLLM's loader bit for bit in tests/generator.
     return stack.start_generator(model, refit_mode="inplace")
-
-
-def _train_and_refit(stack: Stack, model: Path, layout, export: Path, steps: int = 1) -> list[dict]:
-    pp, ep, tp = layout
-    trainer = stack.train(model, pp=pp, ep=ep, tp=tp, steps=steps, export=export)
-    states = []
-    for step in range(1, steps + 1):
-        stack.wait_announced(step)
-        states.append(stack.refit(step))
-    assert trainer.popen.wait(180) == 0, trainer.tail()
-    return states
 
 
 def _fresh_engine_outputs(stack: Stack, checkpoint: Path) -> dict:
@@ -57,7 +46,7 @@ def test_an_inplace_refit_generates_as_a_fresh_engine_with_less_than_half_the_st
     # 64 KiB buckets: smaller than a layer, as 256 MiB buckets are for real models.
     stack.start_syncd(trainers=4, db="inplace.db", bucket_bytes=64 << 10)
     # Expert TP (1, 2, 2): the generator assembles each parameter from four trainer ranks.
-    states = _train_and_refit(stack, model, (1, 2, 2), tmp_path / "export")
+    states = stack.train_and_refit(model, (1, 2, 2), tmp_path / "export")
     assert [s["state"] for s in states] == ["COMMITTED"], states
     assert generator.greedy() == _fresh_engine_outputs(stack, tmp_path / "export" / "step-1")
 
@@ -72,11 +61,6 @@ def test_an_inplace_refit_generates_as_a_fresh_engine_with_less_than_half_the_st
     assert last["bucket_bytes"] < last["extra_bytes"] < staged_extra / 2, (last, staged_extra)
 
 
-def _rank_pids(torchrun_pid: int) -> list[int]:
-    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
-    return [int(p) for p in children]
-
-
 def test_a_trainer_killed_mid_transfer_never_leaves_mixed_weights_served(stack, generator, model, tmp_path):
     committed = generator.greedy()
     # Tiny buckets stretch the transfer over seconds, so the kill lands mid-transfer.
@@ -89,7 +73,7 @@ def test_a_trainer_killed_mid_transfer_never_leaves_mixed_weights_served(stack, 
     refit_id = r.json()["id"]
     wait_until(lambda: stack.http.get(f"/v1/refits/{refit_id}").json()["state"] == "TRANSFERRING", 60,
                "the transfer to start")
-    os.kill(_rank_pids(trainer.popen.pid)[0], signal.SIGKILL)
+    os.kill(rank_pids(trainer.popen.pid)[0], signal.SIGKILL)
     assert stack.wait_refit(refit_id)["state"] == "ABORTED"
     trainer.stop()
 
@@ -109,7 +93,7 @@ def test_a_trainer_killed_mid_transfer_never_leaves_mixed_weights_served(stack, 
         assert api.status_code == 503, api.text
 
     stack.start_syncd(trainers=1, db="inplace-after-abort.db")
-    states = _train_and_refit(stack, model, (1, 1, 1), tmp_path / "export2")
+    states = stack.train_and_refit(model, (1, 1, 1), tmp_path / "export2")
     assert [s["state"] for s in states] == ["COMMITTED"], states
     assert generator.http.get("/v1/weight_version").json()["serving"]
     assert generator.greedy() == _fresh_engine_outputs(stack, tmp_path / "export2" / "step-1")
