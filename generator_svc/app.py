@@ -25,7 +25,7 @@ async def serve(settings: Settings, args: Namespace) -> None:
     try:
         async with build_async_engine_client(args) as engine:
             refitter = Refitter(engine, settings)
-            workers = await refitter.setup(commit_url=f"http://127.0.0.1:{args.port}/internal/commit")
+            workers = await refitter.setup(internal_url=f"http://127.0.0.1:{args.port}/internal")
             log.info("weight sync ready on %d worker(s): %s", len(workers), [w["member_id"] for w in workers])
             tasks = await engine.get_supported_tasks()
             app = build_app(args, tasks, engine.model_config)

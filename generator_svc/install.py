@@ -37,7 +37,9 @@ log = logging.getLogger("generator_svc.install")
 
 @dataclass
 class InstallReport:
-    """What one install did and how long each part took (seconds, summed over layers)."""
+    """What one install did and how long each part took (seconds, summed over layers). The memory
+    fields are the in-place install's (`generator_svc.inplace`): its receive buffers, the largest
+    bucket, and the peak of the checkpoint tensors of layers being received."""
 
     params_copied: int = 0
     bytes_copied: int = 0
@@ -46,6 +48,9 @@ class InstallReport:
     copy_s: float = 0.0
     process_s: float = 0.0
     total_s: float = 0.0
+    receive_buffer_bytes: int = 0
+    bucket_bytes: int = 0
+    peak_open_bytes: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -99,13 +104,13 @@ def install_into_model(model: torch.nn.Module, buffers: dict[str, torch.Tensor])
         info = get_layerwise_info(layer)
         if not info.can_load() or info.kernel_tensors is None:
             raise RuntimeError(f"{path}: not inside a layerwise reload (start_weight_update first)")
-        uncovered = _uncovered_tensors(layer, info, path, buffers)
+        uncovered = uncovered_tensors(layer, info, path, buffers)
         if uncovered:
             log.warning("%s: %s not in the catalog; installing this layer through vLLM's loaders",
                         path, ", ".join(uncovered))
             report.fallback_params.extend(names)
             continue
-        if getattr(layer, "quant_method", None) is None:
+        if is_plain(layer):
             _install_plain(layer, info, path, buffers, report)
         else:
             _install_processed(layer, info, path, buffers, report)
@@ -113,47 +118,75 @@ def install_into_model(model: torch.nn.Module, buffers: dict[str, torch.Tensor])
     return report
 
 
-def _uncovered_tensors(layer, info, path: str, buffers: dict[str, torch.Tensor]) -> list[str]:  # noqa: ANN001
+def uncovered_tensors(layer, info, path: str, names) -> list[str]:  # noqa: ANN001 (names: a container)
     """Loadable tensors of the layer (checkpoint-format parameters and persistent buffers) that no
     staged buffer fills."""
     params, layer_buffers = info.restore_metadata
     loadable = list(params) + [n for n in layer_buffers if n not in layer._non_persistent_buffers_set]
-    return [n for n in loadable if f"{path}.{n}" not in buffers]
+    return [n for n in loadable if f"{path}.{n}" not in names]
 
 
 def _install_plain(layer, info, path: str, buffers, report: InstallReport) -> None:  # noqa: ANN001
-    from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
-
-    kernel_params, _ = info.kernel_tensors
+    kernel_params = plain_targets(info)
     t0 = time.perf_counter()
-    report.bytes_copied += copy_parameters({n: p.data for n, p in kernel_params.items()},
-                                           {n: buffers[f"{path}.{n}"] for n in kernel_params})
+    report.bytes_copied += copy_parameters(kernel_params, {n: buffers[f"{path}.{n}"] for n in kernel_params})
     report.params_copied += len(kernel_params)
     report.copy_s += time.perf_counter() - t0
+    close_plain(layer, info)
+
+
+def _install_processed(layer, info, path: str, buffers, report: InstallReport) -> None:  # noqa: ANN001
+    open_processed(layer, info)
+    t0 = time.perf_counter()
+    for name in info.restore_metadata[0]:
+        _copy(getattr(layer, name).data, buffers[f"{path}.{name}"], report)
+    report.copy_s += time.perf_counter() - t0
+    close_processed(layer, info, report)
+
+
+# The per-layer steps, shared with the in-place receive (`generator_svc.inplace`), which writes the
+# arriving bytes between a layer's open and close instead of copying from staging.
+
+def is_plain(layer) -> bool:  # noqa: ANN001
+    """A layer without a quantization method (norms): its kernel tensors are its checkpoint
+    tensors, so the bytes go straight into them."""
+    return getattr(layer, "quant_method", None) is None
+
+
+def plain_targets(info) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """The kept kernel tensors of a plain layer, by parameter name: where its bytes are written."""
+    kernel_params, _ = info.kernel_tensors
+    return {n: p.data for n, p in kernel_params.items()}
+
+
+def close_plain(layer, info) -> None:  # noqa: ANN001
+    from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
+
     _place_kernel_tensors(layer, info)
     info.reset()
 
 
-def _install_processed(layer, info, path: str, buffers, report: InstallReport) -> None:  # noqa: ANN001
-    # vLLM's own steps of `_layerwise_process`, with the loader calls replaced by one copy each.
-    from vllm.model_executor.model_loader.reload.layerwise import _copy_and_restore_kernel_tensors
+def open_processed(layer, info) -> None:  # noqa: ANN001
+    """Give the layer real checkpoint-format tensors (new memory, freed by `close_processed`)."""
     from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
     materialize_layer(layer, info)
     if hasattr(layer, "_already_called_process_weights_after_loading"):
         delattr(layer, "_already_called_process_weights_after_loading")
+
+
+def close_processed(layer, info, report: InstallReport) -> None:  # noqa: ANN001
+    """vLLM's post-processing of the filled checkpoint tensors, whose results go into the kept
+    kernel tensors (vLLM's own steps of `_layerwise_process`, without the loader calls)."""
+    from vllm.model_executor.model_loader.reload.layerwise import _copy_and_restore_kernel_tensors
+
     t0 = time.perf_counter()
-    for name in info.restore_metadata[0]:
-        _copy(getattr(layer, name).data, buffers[f"{path}.{name}"], report)
-    t1 = time.perf_counter()
     layer.quant_method.process_weights_after_loading(layer)
     if hasattr(layer, "update_param_tp_status"):
         layer.update_param_tp_status()
-    t2 = time.perf_counter()
+    report.process_s += time.perf_counter() - t0
     _copy_and_restore_kernel_tensors(layer, info)
     info.reset()
-    report.copy_s += t1 - t0
-    report.process_s += t2 - t1
     report.layers_processed += 1
 
 

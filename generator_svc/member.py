@@ -1,16 +1,22 @@
-"""The syncd member of one vLLM worker: the shared `MemberAgent` with this worker's staging area
-as its endpoint. Runs inside the worker process, on the MemberClient's threads.
+"""The syncd member of one vLLM worker: the shared `MemberAgent` with this worker's endpoint, one
+per refit mode. Runs inside the worker process, on the MemberClient's threads.
 
-    ExecutePlan -> receive this member's buckets straight into the staging buffers (serving goes
-                   on: staging is not the live weights); every arrived unit is recorded
-    Verify      -> every staged element arrived
-    Commit      -> tp rank 0 asks the API server to apply (`commit_url`, authenticated with the
-                   worker token, bounded by syncd's `timeout_s`); the API server runs the update
-                   lifecycle on all workers and tells each worker the outcome
-                   (`GeneratorEndpoint.applied`); every worker then reports COMMITTED or the error,
-                   or, when the deadline passes first, the timeout (the version never goes live)
-    Abort       -> the agent cancels the transfer and closes the groups; staging is dropped, the
-                   engine keeps serving the committed version
+                staged (`StagedEndpoint`)                inplace (`InplaceEndpoint`)
+    ExecutePlan receive into the staging buffers while   tp rank 0 asks the API server to hold
+                serving goes on; every unit is recorded  generation and open the install on every
+                                                         worker (`/internal/hold`), then receive
+                                                         into the live layers (`InplaceReceiver`)
+    Verify      every staged element arrived             every layer arrived and was post-processed
+    Commit      tp rank 0 asks the API server to apply (`/internal/commit`, authenticated with the
+                worker token, bounded by syncd's `timeout_s`); the API server runs (staged) or ends
+                (inplace) the update lifecycle on all workers and tells each worker the outcome
+                (`applied`); every worker then reports COMMITTED or the error, or, when the deadline
+                passes first, the timeout (the version never goes live)
+    Abort       the agent cancels the transfer and       the receiver takes no more bytes; tp rank 0
+                closes the groups; staging is dropped,   releases the hold (`/internal/release`):
+                the engine keeps serving the committed   the engine serves on if nothing was
+                version                                  installed yet, else answers 503 until a
+                                                         complete refit
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from typing import Mapping, Sequence
 import httpx
 import torch
 
+from generator_svc.inplace import InplaceReceiver
 from generator_svc.staging import Staging
 from syncd.agent import AgentSettings, MemberAgent
 from syncd.client import MemberClient
+from syncd.layout import Catalog
 from syncd.plan.types import Bucket
 
 log = logging.getLogger("generator_svc.member")
@@ -36,25 +44,18 @@ def _answer_margin_s(timeout_s: float) -> float:
     return min(2.0, 0.1 * timeout_s)
 
 
-class GeneratorEndpoint:
-    def __init__(self, staging: Staging, member_id: str, commit_url: str, commit_token: str = "") -> None:
-        self.staging, self.member_id, self.commit_url = staging, member_id, commit_url
-        self.commit_token = commit_token
-        self._buckets: tuple[Bucket, ...] = ()
+class _CommitRelay:
+    """Commit for both modes: tp rank 0 relays syncd's Commit to the API server; every worker waits
+    for the API server's word on the outcome (`applied`)."""
+
+    def __init__(self, member_id: str, internal_url: str, token: str = "") -> None:
+        self.member_id, self.internal_url, self.token = member_id, internal_url, token
         self._outcomes: dict[str, tuple[bool, str]] = {}  # version -> (ok, error) of its apply
         self._applied = threading.Condition()
 
-    def begin(self, refit_id: str, weight_version: int, buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
-        self.staging.begin(refit_id)
-        self._buckets = tuple(buckets)
-        return self.staging.buffers
-
-    def end(self, refit_id: str, ok: bool) -> None:
-        if ok:
-            self.staging.mark_received(self._buckets, self.member_id)
-
-    def verify(self, refit_id: str) -> None:
-        self.staging.require_complete()
+    def _post(self, route: str, body: dict, timeout_s: float) -> httpx.Response:
+        return httpx.post(f"{self.internal_url}/{route}", timeout=timeout_s, json=body,
+                          headers={"Authorization": f"Bearer {self.token}"})
 
     def commit(self, refit_id: str, weight_version: int, timeout_s: float) -> None:
         """Return once this worker runs `weight_version`; raise if applying it failed or did not
@@ -63,13 +64,12 @@ class GeneratorEndpoint:
         a version reported failed is never made live."""
         version = str(weight_version)
         deadline = time.monotonic() + timeout_s
-        if self.commit_url:
+        if self.internal_url:
             budget = timeout_s - _answer_margin_s(timeout_s)
             if budget <= 0:
                 raise TimeoutError(f"version {version}: {timeout_s:.1f} s left is too little to install")
-            response = httpx.post(self.commit_url, timeout=timeout_s,
-                                  json={"refit_id": refit_id, "version": weight_version, "timeout_s": budget},
-                                  headers={"Authorization": f"Bearer {self.commit_token}"})
+            response = self._post("commit", {"refit_id": refit_id, "version": weight_version, "timeout_s": budget},
+                                  timeout_s)
             if response.status_code >= 400:
                 raise RuntimeError(f"apply of version {version} failed ({response.status_code}): {response.text}")
         with self._applied:
@@ -85,14 +85,102 @@ class GeneratorEndpoint:
             self._outcomes[str(version)] = (ok, error)
             self._applied.notify_all()
 
+
+class StagedEndpoint(_CommitRelay):
+    """`staged` mode: receive into staging while serving goes on; the commit installs it."""
+
+    def __init__(self, staging: Staging, member_id: str, internal_url: str, token: str = "") -> None:
+        super().__init__(member_id, internal_url, token)
+        self.staging = staging
+        self._buckets: tuple[Bucket, ...] = ()
+
+    def begin(self, refit_id: str, weight_version: int, buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
+        self.staging.begin(refit_id)
+        self._buckets = tuple(buckets)
+        return self.staging.buffers
+
+    def end(self, refit_id: str, ok: bool) -> None:
+        if ok:
+            self.staging.mark_received(self._buckets, self.member_id)
+
+    def verify(self, refit_id: str) -> None:
+        self.staging.require_complete()
+
     def abort(self) -> None:
         self.staging.discard()
+
+
+class InplaceEndpoint(_CommitRelay):
+    """`inplace` mode (`generator_svc.inplace`): before receiving, tp rank 0 asks the API server to
+    hold generation and open the install on every worker (`/internal/hold`); each worker receives
+    into its `InplaceReceiver`; Abort releases the hold (`/internal/release`: 503 until a complete
+    refit when layers were already installed)."""
+
+    def __init__(self, member_id: str, internal_url: str, token: str, hold_limit_s: float, in_flight: int) -> None:
+        super().__init__(member_id, internal_url, token)
+        self.hold_limit_s, self.in_flight = hold_limit_s, in_flight
+        self._held = threading.Condition()
+        self._receiver: tuple[str, InplaceReceiver] | None = None  # (refit id, receiver) once held
+        self._refit_id = ""
+        self._aborted = False
+
+    def begin(self, refit_id: str, weight_version: int, buckets: Sequence[Bucket]) -> InplaceReceiver:
+        with self._held:
+            self._refit_id, self._aborted = refit_id, False
+        if self.internal_url:
+            response = self._post("hold", {"refit_id": refit_id, "version": weight_version}, self.hold_limit_s)
+            if response.status_code >= 400:
+                raise RuntimeError(f"holding generation for refit {refit_id} failed ({response.status_code}): "
+                                   f"{response.text}")
+        with self._held:
+            if not self._held.wait_for(lambda: self._aborted or (self._receiver or ("",))[0] == refit_id,
+                                       self.hold_limit_s):
+                raise TimeoutError(f"refit {refit_id}: generation was not held within {self.hold_limit_s:.0f} s")
+            if self._aborted:
+                raise RuntimeError(f"refit {refit_id} was aborted before its transfer began")
+            receiver = self._receiver[1]
+        receiver.receive_buffers(max((b.nbytes for b in buckets if b.dst == self.member_id), default=0), self.in_flight)
+        return receiver
+
+    def held(self, refit_id: str, receiver: InplaceReceiver) -> None:
+        """The API server holds generation and this worker's install is open (`ws_hold`)."""
+        with self._held:
+            self._receiver = (refit_id, receiver)
+            self._held.notify_all()
+
+    def released(self) -> None:
+        """The install was closed (committed, or released by the API server)."""
+        with self._held:
+            self._receiver = None
+
+    def end(self, refit_id: str, ok: bool) -> None:
+        """Nothing to record: the receiver counted every arrived element."""
+
+    def verify(self, refit_id: str) -> None:
+        with self._held:
+            held = self._receiver
+        if held is None or held[0] != refit_id:
+            raise RuntimeError(f"refit {refit_id}: no in-place install is open on {self.member_id}")
+        held[1].require_complete()
+
+    def abort(self) -> None:
+        with self._held:
+            refit_id, held = self._refit_id, self._receiver
+            self._aborted = True
+            self._held.notify_all()
+        if held is not None:
+            held[1].close()  # no more bytes into the engine from this refit
+        if self.internal_url and refit_id:
+            response = self._post("release", {"refit_id": refit_id}, self.hold_limit_s)
+            if response.status_code >= 400:
+                log.warning("%s: releasing refit %s: %s %s", self.member_id, refit_id, response.status_code,
+                            response.text)
 
 
 class GeneratorMember:
     """Registration plus the agent; `close` leaves syncd and tears the groups down."""
 
-    def __init__(self, client: MemberClient, endpoint: GeneratorEndpoint, agent: MemberAgent) -> None:
+    def __init__(self, client: MemberClient, endpoint: StagedEndpoint | InplaceEndpoint, agent: MemberAgent) -> None:
         self.client, self.endpoint, self.agent = client, endpoint, agent
 
     def close(self) -> None:
@@ -100,17 +188,15 @@ class GeneratorMember:
         self.client.close()
 
 
-def start_member(target: str, *, member_id: str, coords: dict[str, int], staging: Staging, group_size: int,
-                 auth_token: str | None, commit_url: str, commit_token: str = "", data_host: str = "127.0.0.1",
-                 in_flight: int = 2) -> GeneratorMember:
-    client = MemberClient(target, role="generator", member_id=member_id, coords=coords, catalog=staging.catalog,
-                          device=str(staging.device), data_address=data_host, auth_token=auth_token,
+def start_member(target: str, *, member_id: str, coords: dict[str, int], catalog: Catalog, device: torch.device,
+                 endpoint: StagedEndpoint | InplaceEndpoint, group_size: int, auth_token: str | None,
+                 data_host: str = "127.0.0.1", in_flight: int = 2) -> GeneratorMember:
+    client = MemberClient(target, role="generator", member_id=member_id, coords=coords, catalog=catalog,
+                          device=str(device), data_address=data_host, auth_token=auth_token,
                           group_size=group_size,
                           # The engine starts on its --model checkpoint, which is no trainer version:
                           # it registers serving none, so syncd holds it not ready and catches it up.
                           weight_version=None)
-    endpoint = GeneratorEndpoint(staging, member_id, commit_url, commit_token)
-    agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(staging.device),
-                                                        in_flight=in_flight))
+    agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(device), in_flight=in_flight))
     client.start(agent)
     return GeneratorMember(client, endpoint, agent)

@@ -17,6 +17,9 @@
     POST /internal/commit    {refit_id, version, timeout_s}
                              the tp-0 worker relays syncd's Commit here, with the worker token
                              (`Authorization: Bearer`, made at startup, known only to the workers)
+    POST /internal/hold      {refit_id, version}   inplace mode: hold generation, open the install
+    POST /internal/release   {refit_id}            inplace mode: end a hold without committing
+                             (both relayed by the tp-0 worker, with the worker token)
 
 Errors: a refit that is refused (incomplete or invalid staging, no time left) is 409 with the
 reason, the engine untouched; a failure inside the update lifecycle is 500, a missed commit
@@ -68,6 +71,15 @@ class CommitRequest(BaseModel):
     refit_id: str
     version: int
     timeout_s: float = Field(gt=0, description="seconds left to install and go live (syncd's commit deadline)")
+
+
+class HoldRequest(BaseModel):
+    refit_id: str = Field(min_length=1)
+    version: int
+
+
+class ReleaseRequest(BaseModel):
+    refit_id: str = Field(min_length=1)
 
 
 class WeightVersion(BaseModel):
@@ -142,7 +154,8 @@ async def weight_version(refitter: RefitterDep) -> WeightVersion:
 
 
 class InstallStatus(BaseModel):
-    mode: str = Field(description="refit mode: 'staged' (receive beside the live weights, install on commit)")
+    mode: str = Field(description="refit mode: 'staged' (receive beside the live weights, install on commit) or "
+                                  "'inplace' (hold generation, receive into the live layers)")
     last: dict | None = Field(description="the last committed install: hold, copy and post-processing seconds, "
                                           "parameters, bytes, loader fallbacks; null before the first")
 
@@ -195,12 +208,40 @@ async def abort(body: AbortRequest, refitter: RefitterDep) -> JSONResponse:
     return JSONResponse({"aborted": body.refit_id or "any"})
 
 
+def _not_a_worker(refitter: Refitter, request: Request) -> JSONResponse | None:
+    """The 401 for a caller without this generator's worker token, None for a worker."""
+    if secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {refitter.commit_token}"):
+        return None
+    return JSONResponse({"detail": f"{request.url.path} needs this generator's worker token"}, status_code=401,
+                        headers={"WWW-Authenticate": "Bearer"})
+
+
 @router.post("/internal/commit", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED, **_LATE})
 async def commit(body: CommitRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
-    if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {refitter.commit_token}"):
-        return JSONResponse({"detail": "commit needs this generator's worker token"}, status_code=401,
-                            headers={"WWW-Authenticate": "Bearer"})
+    if (refused := _not_a_worker(refitter, request)) is not None:
+        return refused
     return await _apply(refitter, str(body.version), body.refit_id, body.timeout_s)
+
+
+@router.post("/internal/hold", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED})
+async def hold(body: HoldRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
+    if (refused := _not_a_worker(refitter, request)) is not None:
+        return refused
+    try:
+        await refitter.hold(body.refit_id)
+    except RefitRefused as e:
+        return JSONResponse({"detail": str(e)}, status_code=409)
+    except Exception as e:
+        return JSONResponse({"detail": _message(e)}, status_code=500)
+    return JSONResponse({"held": body.refit_id})
+
+
+@router.post("/internal/release", responses={**_INVALID, **_UNAUTHORIZED})
+async def release(body: ReleaseRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
+    if (refused := _not_a_worker(refitter, request)) is not None:
+        return refused
+    released = await refitter.release(body.refit_id, "aborted by syncd")
+    return JSONResponse({"released": released, "serving": refitter.serving})
 
 
 async def _apply(refitter: Refitter, version: str, refit_id: str, timeout_s: float | None = None) -> JSONResponse:

@@ -5,13 +5,19 @@ Our flags sit on top of vLLM's own server flags (every `vllm serve` flag works, 
 
     --syncd ADDR          syncd gRPC address; empty: serve without registering (env GENERATOR_SYNCD)
     --replica N           this generator's replica index, the `replica` mesh coordinate (env GENERATOR_REPLICA)
-    --refit-mode staged   receive into staging, apply only complete verified versions (default);
-                          `inplace` is reserved for memory-tight GPUs and not implemented yet
+    --refit-mode MODE     `staged` (default): receive into staging beside the live weights while
+                          serving goes on, install only complete verified versions (holds
+                          generation for the install); `inplace`: no staging memory, generation
+                          is held for the whole transfer and the bytes go into the live layers
+                          (see generator_svc/README.md for which to pick)
+    --hold-limit-s S      inplace: a refit that neither commits nor aborts within S seconds of
+                          holding generation is released as failed (default 300)
     --initial-version V   version label of the checkpoint the engine starts on (default "0"); a label
                           only: the workers tell syncd they serve no trainer version until a Commit
     --auth-token          bearer token for syncd (env GENERATOR_AUTH_TOKEN)
     --data-host           address peers reach this host's data plane on (env GENERATOR_DATA_HOST)
-    --in-flight-buckets   staging buffers per stage the data plane receives into (default 2)
+    --in-flight-buckets   receive buffers per stage of the data plane (default: 2 staged, 1 inplace,
+                          whose extra memory is these buffers plus the layers being received)
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ ENV_DATA_HOST = "GENERATOR_DATA_HOST"
 
 WORKER_EXTENSION = "generator_svc.worker.WeightSyncExtension"
 REFIT_MODES = ("staged", "inplace")
+# inplace trades the overlap of a second receive buffer for memory: its extra memory is the receive
+# buffers plus the layers being received.
+_IN_FLIGHT_DEFAULT = {"staged": 2, "inplace": 1}
 
 
 @dataclass(frozen=True)
@@ -38,12 +47,13 @@ class Settings:
     auth_token: str
     data_host: str
     in_flight_buckets: int = 2
+    hold_limit_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.refit_mode not in REFIT_MODES:
             raise ValueError(f"refit_mode must be one of {REFIT_MODES}, got {self.refit_mode!r}")
-        if self.refit_mode == "inplace":
-            raise ValueError("refit_mode 'inplace' is not implemented yet; use 'staged'")
+        if not self.hold_limit_s > 0:
+            raise ValueError(f"hold_limit_s must be > 0, got {self.hold_limit_s}")
         if self.in_flight_buckets < 1:
             raise ValueError(f"in_flight_buckets must be >= 1, got {self.in_flight_buckets}")
         if self.replica < 0:
@@ -58,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--initial-version", default="0")
     group.add_argument("--auth-token", default=os.environ.get(ENV_AUTH_TOKEN, ""))
     group.add_argument("--data-host", default=os.environ.get(ENV_DATA_HOST, "127.0.0.1"))
-    group.add_argument("--in-flight-buckets", type=int, default=2)
+    group.add_argument("--in-flight-buckets", type=int, default=None)
+    group.add_argument("--hold-limit-s", type=float, default=300.0)
 
 
 def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
@@ -79,5 +90,7 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     validate_parsed_serve_args(args)
     settings = Settings(syncd=args.syncd, replica=args.replica, refit_mode=args.refit_mode,
                         initial_version=args.initial_version, auth_token=args.auth_token, data_host=args.data_host,
-                        in_flight_buckets=args.in_flight_buckets)
+                        in_flight_buckets=(_IN_FLIGHT_DEFAULT[args.refit_mode] if args.in_flight_buckets is None
+                                           else args.in_flight_buckets),
+                        hold_limit_s=args.hold_limit_s)
     return settings, args

@@ -44,7 +44,8 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
-def _covered(t: LocalTensor) -> int:
+def covered_elements(t: LocalTensor) -> int:
+    """Elements of `t` that some piece fills (a padded vocab shard has more that none does)."""
     return sum(p.local.numel for p in t.pieces)
 
 
@@ -140,7 +141,7 @@ class Staging:
         """Local tensors not completely received, as 'name (got/expected elements)'."""
         out = []
         for name, t in self.tensors.items():
-            got, want = self._received.get(name, 0), _covered(t)
+            got, want = self._received.get(name, 0), covered_elements(t)
             if got != want:
                 out.append(f"{name} ({got}/{want} elements)")
         return out

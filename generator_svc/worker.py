@@ -6,11 +6,13 @@ every worker and carries only plain data (no tensors). What runs where:
 - API server (generator_svc.refit): the update lifecycle (`pause_generation`, `start_weight_update`,
   `update_weights`, `finish_weight_update`, `reset_prefix_cache`, `resume_generation`), because it
   must be entered by all TP workers together and generation must be held meanwhile.
-- worker, via collective_rpc: `ws_setup` (catalog, staging, syncd registration), `ws_stage_file`,
-  `ws_status`, `ws_abort`, `ws_recover`, `ws_committed`, `ws_last_install`, `ws_dump_loaded` and
-  `ws_dump_installed` (tests).
+- worker, via collective_rpc: `ws_setup` (catalog, staging or the inplace receiver's catalog, syncd
+  registration), `ws_stage_file`, `ws_status`, `ws_hold` and `ws_release` (inplace), `ws_abort`,
+  `ws_recover`, `ws_committed`, `ws_last_install`, `ws_dump_loaded`, `ws_dump_installed` and
+  `ws_dump_inplace` (tests).
 - worker, on the syncd member's handler thread: the data plane writing received buckets into
-  staging (`generator_svc.member`), concurrently with serving: staging is separate memory.
+  staging (`generator_svc.member`), concurrently with serving: staging is separate memory; or, in
+  inplace mode, into the live layers while generation is held (`generator_svc.inplace`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +29,7 @@ from generator_svc import transfer_engine
 from generator_svc.catalog import build_catalog, catalog_to_json
 from generator_svc.cpu_moe_fix import apply_cpu_moe_fix
 from generator_svc.staging import Staging
+from syncd.layout.dtypes import torch_dtype
 from generator_svc.vllm_layout import allocated_shapes, param_specs
 from generator_svc.worker_status import StatusPublisher, WorkerStatus
 
@@ -47,33 +51,43 @@ class WeightSyncExtension:
 
         return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
-    def ws_setup(self, replica: int, syncd: str = "", auth_token: str = "", commit_url: str = "",
+    def ws_setup(self, replica: int, syncd: str = "", auth_token: str = "", internal_url: str = "",
                  commit_token: str = "", data_host: str = "127.0.0.1", in_flight: int = 2,
-                 status_dir: str = "") -> dict[str, Any]:
-        """Build this worker's catalog and staging, register with syncd when `syncd` is set, and
-        publish this worker's status into `status_dir` when set (`worker_status`).
-        Raises ValueError naming any parameter the catalog cannot cover."""
+                 status_dir: str = "", refit_mode: str = "staged", hold_limit_s: float = 300.0) -> dict[str, Any]:
+        """Build this worker's catalog and, in staged mode, its staging; register with syncd when
+        `syncd` is set, and publish this worker's status into `status_dir` when set
+        (`worker_status`). Raises ValueError naming any parameter the catalog cannot cover."""
+        from generator_svc.member import InplaceEndpoint, StagedEndpoint
+
         model = self._ws_model()
         tp_rank, tp_size = self._ws_tp()
         shapes = allocated_shapes(model)
         catalog = build_catalog(param_specs(model), expected_shapes=shapes)
-        # Staging lives where the weights live, so the data plane writes into it with the
-        # transport of that device (gloo on CPU, NCCL on GPU) and loaders copy device-to-device.
-        self._ws_staging = Staging(catalog, device=self.device)  # type: ignore[attr-defined]
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, transfer_engine.StagingTransferEngine):
             raise RuntimeError(f"weight_transfer_config.backend must be {transfer_engine.BACKEND!r}")
-        engine.staging = self._ws_staging
+        self._ws_catalog = catalog
         self._ws_member_id = f"generator-{replica}-{tp_rank}"
+        relay = internal_url if tp_rank == 0 else ""
+        if refit_mode == "inplace":
+            self._ws_staging = None  # the point of the mode: no second copy of the weights
+            engine.inplace_catalog = catalog
+            self._ws_endpoint = InplaceEndpoint(self._ws_member_id, relay, commit_token, hold_limit_s, in_flight)
+        else:
+            # Staging lives where the weights live, so the data plane writes into it with the
+            # transport of that device (gloo on CPU, NCCL on GPU) and the install copies
+            # device-to-device.
+            self._ws_staging = Staging(catalog, device=self.device)  # type: ignore[attr-defined]
+            engine.staging = self._ws_staging
+            self._ws_endpoint = StagedEndpoint(self._ws_staging, self._ws_member_id, relay, commit_token)
         self._ws_member = None
         if syncd:
             from generator_svc.member import start_member
 
             self._ws_member = start_member(
-                syncd, member_id=self._ws_member_id, coords={"replica": replica, "tp": tp_rank},
-                staging=self._ws_staging, group_size=tp_size, auth_token=auth_token or None,
-                commit_url=commit_url if tp_rank == 0 else "", commit_token=commit_token, data_host=data_host,
-                in_flight=in_flight,
+                syncd, member_id=self._ws_member_id, coords={"replica": replica, "tp": tp_rank}, catalog=catalog,
+                device=self.device, endpoint=self._ws_endpoint, group_size=tp_size,  # type: ignore[attr-defined]
+                auth_token=auth_token or None, data_host=data_host, in_flight=in_flight,
             )
         if status_dir:
             self._ws_status_publisher = StatusPublisher(status_dir, self._ws_member_id,
@@ -96,7 +110,7 @@ class WeightSyncExtension:
             committing=tuple(sorted(client.committing_versions)) if client else (), written_at=time.time())
 
     def ws_catalog(self) -> str:
-        return catalog_to_json(self._ws_staging.catalog)
+        return catalog_to_json(self._ws_catalog)
 
     def ws_param_names(self) -> list[str]:
         return [n for n, _ in self._ws_model().named_parameters()]
@@ -104,17 +118,39 @@ class WeightSyncExtension:
     def ws_stage_file(self, path: str, refit_id: str) -> dict[str, Any]:
         """Stage this worker's boxes of a safetensors checkpoint (the data plane's stand-in for
         operators and tests). Starts refit `refit_id`: earlier staged bytes no longer count."""
+        if self._ws_staging is None:
+            raise ValueError("this generator runs --refit-mode inplace: it has no staging to load a file into")
         self._ws_staging.begin(refit_id)
         return self._ws_staging.fill_from_safetensors(path)
 
     def ws_status(self) -> dict[str, Any]:
+        """What is ready to commit: staging (staged) or the open in-place install (inplace)."""
+        if self._ws_staging is None:
+            receiver = self.weight_transfer_engine.receiver  # type: ignore[attr-defined]
+            return {"member_id": self._ws_member_id, "refit_id": "inplace" if receiver else None,
+                    "missing": receiver.missing()[:10] if receiver else []}
         s = self._ws_staging
         return {"member_id": self._ws_member_id, "refit_id": s.refit_id,
                 "missing": s.missing()[:10] if s.refit_id else []}
 
+    def ws_hold(self, refit_id: str) -> None:
+        """inplace: generation is held and this worker's install is open (start_weight_update made
+        the receiver); the member may receive."""
+        self._ws_endpoint.held(refit_id, self.weight_transfer_engine.receiver)  # type: ignore[attr-defined]
+
+    def ws_release(self) -> int:
+        """inplace: close the open install (it takes no more bytes); returns how many layers it had
+        installed (0: the engine still holds the committed version whole). `ws_recover` follows."""
+        receiver = self.weight_transfer_engine.receiver  # type: ignore[attr-defined]
+        if receiver is None:
+            return 0
+        receiver.close()
+        self._ws_endpoint.released()
+        return receiver.installed_layers
+
     def ws_abort(self, refit_id: str = "") -> None:
         """Drop staged bytes of `refit_id` (any when empty); serving is unaffected."""
-        if not refit_id or self._ws_staging.refit_id == refit_id:
+        if self._ws_staging is not None and (not refit_id or self._ws_staging.refit_id == refit_id):
             self._ws_staging.discard()
 
     def ws_recover(self) -> None:
@@ -124,7 +160,11 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        self.weight_transfer_engine.reset_weight_update_target()  # type: ignore[attr-defined]
+        engine = self.weight_transfer_engine  # type: ignore[attr-defined]
+        if engine.receiver is not None:
+            engine.receiver.close()
+            engine.receiver = None
+        engine.reset_weight_update_target()
         self._weight_update_active = False
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             finalize_layerwise_reload(self._ws_model(), self.model_config)  # type: ignore[attr-defined]
@@ -132,8 +172,10 @@ class WeightSyncExtension:
     def ws_committed(self, refit_id: str, version: int, ok: bool, error: str = "") -> None:
         """Tell syncd this worker's outcome of a Commit (the API server applied it)."""
         if self._ws_member is not None and refit_id:
-            self._ws_member.endpoint.applied(version, ok, error)
-        if ok:
+            self._ws_endpoint.applied(version, ok, error)
+        if self._ws_staging is None:
+            self._ws_endpoint.released()
+        elif ok:
             self._ws_staging.discard()
 
     def ws_last_install(self) -> dict[str, Any]:
@@ -164,8 +206,9 @@ class WeightSyncExtension:
         return self._ws_dump(load, f"{out_dir}/tp{self._ws_tp()[0]}.safetensors")
 
     def ws_dump_installed(self, checkpoint: str, out_dir: str) -> str:
-        """Test aid: like `ws_dump_loaded`, but through the refit path (stage `checkpoint`, then the
-        update lifecycle with the install by parameter), to `{out_dir}/installed-tp{rank}.safetensors`."""
+        """Test aid: like `ws_dump_loaded`, but through the staged refit path (stage `checkpoint`,
+        then the update lifecycle with the install by parameter), to
+        `{out_dir}/installed-tp{rank}.safetensors`."""
         def install() -> None:
             self._ws_staging.begin("dump")
             self._ws_staging.fill_from_safetensors(checkpoint)
@@ -175,6 +218,51 @@ class WeightSyncExtension:
             self._ws_staging.discard()
 
         return self._ws_dump(install, f"{out_dir}/installed-tp{self._ws_tp()[0]}.safetensors")
+
+    def ws_dump_inplace(self, checkpoint: str, out_dir: str, bucket_bytes: int = 1 << 16) -> dict[str, Any]:
+        """Test aid: like `ws_dump_installed`, through the in-place install: `checkpoint` planned
+        as one trainer rank holding every canonical tensor whole, packed into buckets of
+        `bucket_bytes` as a sender would, each bucket handed to an `InplaceReceiver` inside the
+        layerwise reload. Saves `{out_dir}/inplace-tp{rank}.safetensors`; returns the receiver's
+        report and its peak open bytes."""
+        from safetensors.torch import load_file
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        from generator_svc.inplace import InplaceReceiver
+        from syncd.dataplane import pack_into
+        from syncd.layout import Canon, CanonicalTensor, Catalog, hf_names, local_tensor
+        from syncd.plan import DestMember, SourceMember, make_plan
+
+        canonical = {}
+        for file in sorted(Path(checkpoint).glob("*.safetensors")):
+            canonical.update(hf_names.group_from_hf(load_file(str(file)).items(), torch.stack))
+        dtype = {c.name: c.dtype for c in self._ws_catalog.canonical}
+        canonical = {n: t.to(torch_dtype(dtype[n])) for n, t in canonical.items() if n in dtype}
+        source = Catalog(tuple(CanonicalTensor(n, tuple(t.shape), dtype[n]) for n, t in canonical.items()),
+                         tuple(local_tensor(n, dtype[n], Canon(n, tuple(t.shape))) for n, t in canonical.items()))
+        plan = make_plan([SourceMember("dump", 0, source)], [DestMember(self._ws_member_id, self._ws_catalog)],
+                         bucket_bytes=bucket_bytes)
+        model, out = self._ws_model(), {}
+
+        def install() -> None:
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                initialize_layerwise_reload(model)
+                try:
+                    receiver = InplaceReceiver(model, self._ws_catalog, self.device, self.vllm_config)  # type: ignore[attr-defined]
+                    flat = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
+                    for bucket in plan.for_member(self._ws_member_id):
+                        receiver.unpack(bucket, pack_into(bucket, canonical, flat))
+                    receiver.require_complete()
+                    out.update(receiver.report.as_dict(), peak_open_bytes=receiver.peak_open_bytes)
+                finally:
+                    finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
+
+        self._ws_dump(install, f"{out_dir}/inplace-tp{self._ws_tp()[0]}.safetensors")
+        return out
 
     def _ws_dump(self, run, out_path: str) -> str:  # noqa: ANN001 (run: () -> None)
         """Run `run` and save every parameter in checkpoint format: the values each layer's

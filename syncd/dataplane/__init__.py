@@ -3,10 +3,12 @@
 from syncd.dataplane.checksum import checksum, unit_key
 from syncd.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
 from syncd.dataplane.pack import catalog_views, pack_into, unpack_from
+from syncd.dataplane.prepared import ReceiveSink
 from syncd.dataplane.transport import GlooTransport, TransferError, TransferTimeout, Transport
 
 __all__ = [
     "GlooTransport",
+    "ReceiveSink",
     "TransferAborted",
     "TransferStats",
     "TransferError",

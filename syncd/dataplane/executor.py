@@ -32,7 +32,7 @@ from torch.profiler import record_function
 
 from syncd.dataplane.checksum import Checksums
 from syncd.dataplane.graphs import ENQUEUE_LOCK, BucketProgram, LoopGraphs
-from syncd.dataplane.prepared import PreparedBucket, PreparedLoop
+from syncd.dataplane.prepared import PreparedBucket, PreparedLoop, ReceiveSink, SinkBucket
 from syncd.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
 
@@ -134,7 +134,13 @@ class _Loop:
     prepared: PreparedLoop | None = None
 
     @property
+    def sink(self) -> ReceiveSink | None:
+        return self.tensors if isinstance(self.tensors, ReceiveSink) else None
+
+    @property
     def device(self) -> torch.device:
+        if self.sink is not None:
+            return self.sink.device
         return next(iter(self.tensors.values())).device
 
     def buffers(self, buckets: Sequence[Bucket]) -> list[torch.Tensor]:
@@ -152,6 +158,8 @@ class _Loop:
         on; the first refit of a plan captures them all here, before anything is enqueued), or
         the prepared eager work (`syncd.dataplane.prepared`)."""
         flats = [bufs[i % self.in_flight][: b.nbytes] for i, b in enumerate(ordered)]
+        if self.sink is not None:
+            return [SinkBucket(b, flat, self.sink) for b, flat in zip(ordered, flats)]
         if self.graphs is None:
             return self.prepared.buckets(ordered, self.tensors, flats)
         return self.graphs.programs(direction, ordered, self.tensors, flats)
@@ -216,7 +224,11 @@ class _Loop:
         self.finish(handles)
 
     def recv(self, buckets: Sequence[Bucket]) -> None:
-        ordered = sorted(buckets, key=lambda b: (b.src, b.index))
+        # A sink installs layer by layer and holds a layer's memory until all of it arrived, so it
+        # takes the links in turn (every source's first bucket, then every second...): each link's
+        # units follow the catalog, so a layer's parts from several sources arrive close together.
+        # Every sender serves its destinations in the same order, so any receive order completes.
+        ordered = sorted(buckets, key=(lambda b: (b.index, b.src)) if self.sink is not None else (lambda b: (b.src, b.index)))
         bufs = self.buffers(ordered)
         programs = self.programs("recv", ordered, bufs)
         handles: list[Handle] = []
@@ -307,7 +319,7 @@ def _run(direction: str, buckets: Sequence[Bucket], tensors, transport, ranks, *
     loop = _Loop(tensors, transport, ranks, timeout_s, in_flight, verify, cancel)
     if not buckets:
         return loop.stats
-    if graphs and loop.device.type == "cuda":
+    if graphs and loop.device.type == "cuda" and loop.sink is None:
         loop.graphs = _loop_graphs(transport, direction, loop.device)
     else:
         loop.prepared = _PREPARED.setdefault(transport, {}).setdefault(direction, PreparedLoop(direction))
@@ -334,7 +346,8 @@ def send_buckets(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor],
     return _run("send", buckets, tensors, transport, ranks, **options)
 
 
-def recv_buckets(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], transport: Transport,
+def recv_buckets(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor] | ReceiveSink, transport: Transport,
                  ranks: Mapping[str, int], **options) -> TransferStats:
-    """Receive `buckets` (this member is their dst) into `tensors` (catalog views). Same options."""
+    """Receive `buckets` (this member is their dst) into `tensors` (catalog views), or hand each
+    arrived bucket to a `ReceiveSink`. Same options."""
     return _run("recv", buckets, tensors, transport, ranks, **options)

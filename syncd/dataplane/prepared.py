@@ -19,7 +19,7 @@ addresses of the tensors it touches; `retain_used` keeps one plan's worth.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -32,11 +32,14 @@ class PreparedBucket:
     """One bucket's copies and checksum inputs in one staging slice."""
 
     def __init__(self, direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor) -> None:
+        self._dsts, self._srcs = copy_pairs(direction, bucket, tensors, flat)
+        self._regions_of(bucket, flat, _direct_bytes(direction, bucket, self._dsts, self._srcs))
+
+    def _regions_of(self, bucket: Bucket, flat: torch.Tensor, direct: torch.Tensor | None) -> None:
         self.bucket = bucket  # held, so that the id in the cache key stays this bucket's
         self.flat = flat
-        self._dsts, self._srcs = copy_pairs(direction, bucket, tensors, flat)
-        self.direct = _direct_bytes(direction, bucket, self._dsts, self._srcs)
-        self.wire = flat if self.direct is None else self.direct
+        self.direct = direct
+        self.wire = flat if direct is None else direct
         self._regions: list[tuple[str, torch.Tensor]] = []  # (checksum key, packed bytes)
         offset = 0
         for u in bucket.units:
@@ -80,6 +83,29 @@ def _direct_bytes(direction: str, bucket: Bucket, dsts: list[torch.Tensor], srcs
     if mine.dtype != dsts[0].dtype or mine.dtype != srcs[0].dtype or not mine.is_contiguous():
         return None
     return mine.reshape(-1).view(torch.uint8)
+
+
+@runtime_checkable
+class ReceiveSink(Protocol):
+    """A receiver that takes each arrived bucket itself instead of naming tensors to unpack into
+    (the generator's in-place install: the destinations exist only while their layer is open)."""
+
+    device: torch.device
+
+    def unpack(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """Take the bucket's packed bytes (`flat`, valid only during the call)."""
+        ...
+
+
+class SinkBucket(PreparedBucket):
+    """A received bucket handed to a `ReceiveSink`; checksummed like any other bucket."""
+
+    def __init__(self, bucket: Bucket, flat: torch.Tensor, sink: ReceiveSink) -> None:
+        self._sink = sink
+        self._regions_of(bucket, flat, None)
+
+    def copy(self) -> None:
+        self._sink.unpack(self.bucket, self.flat)
 
 
 class PreparedLoop:

@@ -33,6 +33,12 @@ class Generator:
         assert r.status_code == 200, r.text
 
 
+def rank_pids(torchrun_pid: int) -> list[int]:
+    """The trainer ranks of a torchrun job (its children)."""
+    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
+    return [int(p) for p in children]
+
+
 class Stack:
     """One syncd (restartable on the same ports and database) plus generators and trainer jobs."""
 
@@ -64,7 +70,7 @@ class Stack:
             self.syncd = None
 
     def start_generator(self, model: Path, tp: int = 1, syncd: bool = True, name: str = "generator",
-                        replica: int = 0, dtype: str = "float32") -> Generator:
+                        replica: int = 0, dtype: str = "float32", refit_mode: str = "staged") -> Generator:
         port = free_port()
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
         flags = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
@@ -73,7 +79,7 @@ class Stack:
         proc = self.cluster.start(name, [
             PYTHON, "-m", "generator_svc", "--model", str(model), "--port", str(port), "--dtype", dtype,
             *GENERATOR_FLAGS, *flags,
-            "--replica", str(replica), *(["--syncd", self.target] if syncd else []),
+            "--replica", str(replica), "--refit-mode", refit_mode, *(["--syncd", self.target] if syncd else []),
         ], env=env)
         self.cluster.wait_http(proc, f"http://127.0.0.1:{port}/healthz", 300)
         return Generator(proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
@@ -87,6 +93,18 @@ class Stack:
             "--lr", "3e-3", "--device", "cpu", "--syncd", self.target, "--export-dir", str(export),
             "--export-each-step", "--export-dtype", export_dtype, *(["--sync-refit"] if sync_refit else []),
         ], env={"OMP_NUM_THREADS": "1"})
+
+    def train_and_refit(self, model: Path, layout: tuple[int, int, int], export: Path, steps: int = 1) -> list[dict]:
+        """A trainer job of `layout` (pp, ep, tp) taking `steps` steps, each refitted once announced;
+        the refits' final states."""
+        pp, ep, tp = layout
+        trainer = self.train(model, pp=pp, ep=ep, tp=tp, steps=steps, export=export)
+        states = []
+        for step in range(1, steps + 1):
+            self.wait_announced(step)
+            states.append(self.refit(step))
+        assert trainer.popen.wait(180) == 0, trainer.tail()
+        return states
 
     def wait_ready(self, timeout_s: float = 120) -> None:
         wait_until(lambda: self.http.get("/readyz").status_code == 200, timeout_s, "syncd ready")

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 
-from e2e_harness import Stack, wait_until
+from e2e_harness import rank_pids, wait_until
 from openapi_fuzz import run_schemathesis
 from prometheus_server import ALERTS, PrometheusServer, alert_rules, as_bool, dashboard_queries
 
@@ -30,22 +29,11 @@ def generator(stack, model):
     return stack.start_generator(model)
 
 
-def _train_and_refit(stack: Stack, model: Path, layout, export: Path, steps: int = 1) -> list[dict]:
-    pp, ep, tp = layout
-    trainer = stack.train(model, pp=pp, ep=ep, tp=tp, steps=steps, export=export)
-    states = []
-    for step in range(1, steps + 1):
-        stack.wait_announced(step)
-        states.append(stack.refit(step))
-    assert trainer.popen.wait(180) == 0, trainer.tail()
-    return states
-
-
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "pp{}-ep{}-tp{}".format(*l))
 def test_refit_from_every_trainer_layout_equals_the_trainers_export(stack, generator, model, layout, tmp_path):
     stack.start_syncd(trainers=layout[0] * layout[1] * layout[2], db=f"{tmp_path.name}.db")
     steps = 2 if layout == (2, 2, 1) else 1  # two refits in a row, through two stage groups
-    states = _train_and_refit(stack, model, layout, tmp_path / "export", steps)
+    states = stack.train_and_refit(model, layout, tmp_path / "export", steps)
     assert [s["state"] for s in states] == ["COMMITTED"] * steps, states
     after_refit = generator.greedy()
 
@@ -66,7 +54,7 @@ def test_refit_into_a_tensor_parallel_generator(stack, model, tmp_path):
     stack.start_syncd(trainers=2, db="tp2.db")
     generator = stack.start_generator(model, tp=2, name="generator-tp2", replica=1)
     try:
-        states = _train_and_refit(stack, model, (1, 2, 1), tmp_path / "export")
+        states = stack.train_and_refit(model, (1, 2, 1), tmp_path / "export")
         assert states[0]["state"] == "COMMITTED", states
         after_refit = generator.greedy()
         generator.load(tmp_path / "export" / "step-1", version=2000)
@@ -98,11 +86,6 @@ def test_refit_after_a_syncd_restart_keeps_history_and_commits(stack, generator,
     assert after_refit == generator.greedy()
 
 
-def _rank_pids(torchrun_pid: int) -> list[int]:
-    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
-    return [int(p) for p in children]
-
-
 def test_sender_killed_mid_transfer_aborts_and_the_generator_keeps_serving(stack, generator, model, tmp_path):
     # Tiny buckets stretch the transfer over seconds, so the kill lands mid-transfer.
     stack.start_syncd(trainers=2, db="abort.db", bucket_bytes=512)
@@ -115,7 +98,7 @@ def test_sender_killed_mid_transfer_aborts_and_the_generator_keeps_serving(stack
     refit_id = r.json()["id"]
     wait_until(lambda: stack.http.get(f"/v1/refits/{refit_id}").json()["state"] == "TRANSFERRING", 60,
                "the transfer to start")
-    victim = _rank_pids(trainer.popen.pid)[0]
+    victim = rank_pids(trainer.popen.pid)[0]
     os.kill(victim, signal.SIGKILL)
     state = stack.wait_refit(refit_id)
     assert state["state"] == "ABORTED", state
@@ -125,7 +108,7 @@ def test_sender_killed_mid_transfer_aborts_and_the_generator_keeps_serving(stack
     # A new trainer job; a fresh database, since the killed job's announced version would
     # otherwise trigger the refit before the new job has taken its step.
     stack.start_syncd(trainers=1, db="after-abort.db")
-    states = _train_and_refit(stack, model, (1, 1, 1), tmp_path / "export2")
+    states = stack.train_and_refit(model, (1, 1, 1), tmp_path / "export2")
     assert states[0]["state"] == "COMMITTED", states
     # Against the new job's export, not "different from before": the generator is shared by the
     # module's tests, and what an earlier test left it serving may equal this job's step.
@@ -152,7 +135,7 @@ def test_prometheus_sees_the_refit_and_every_dashboard_and_alert_query_returns_s
         up = {(("instance", syncd_target), ("job", "syncd")): 1.0, (("instance", generator_target), ("job", "generator")): 1.0}
         wait_until(lambda: prometheus.values("up") == up, 60, "Prometheus scraping syncd and the generator")  # before the refit
 
-        states = _train_and_refit(stack, model, (1, 1, 1), tmp_path / "export")
+        states = stack.train_and_refit(model, (1, 1, 1), tmp_path / "export")
         assert states[0]["state"] == "COMMITTED", states
         refits = 'sum by (outcome) (weightsync_refits_total{job="syncd"})'
         wait_until(lambda: prometheus.values(refits) == {(("outcome", "committed"),): 1.0, (("outcome", "aborted"),): 0.0},

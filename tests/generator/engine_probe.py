@@ -41,8 +41,9 @@ def main() -> None:
     llm.collective_rpc("ws_dump_loaded", args=(args.model, args.out))
     llm.collective_rpc("ws_dump_installed", args=(args.model, args.out))
     installs = llm.collective_rpc("ws_last_install")
-    doc = [{"setup": s, "catalog": json.loads(c), "params": n, "install": i}
-           for s, c, n, i in zip(setup, catalogs, names, installs)]
+    inplace = llm.collective_rpc("ws_dump_inplace", args=(args.model, args.out))
+    doc = [{"setup": s, "catalog": json.loads(c), "params": n, "install": i, "inplace": p}
+           for s, c, n, i, p in zip(setup, catalogs, names, installs, inplace)]
     Path(args.out, "catalogs.json").write_text(json.dumps(doc))
     prompts = json.loads(os.environ.get("PROBE_PROMPTS", "{}"))
     if args.refit_to or args.fail_to:

@@ -54,14 +54,22 @@ def test_registered_catalog_covers_every_parameter_exactly_once(tp: int, checkpo
         assert [t.name for t in catalog.tensors] == worker["params"], "one local tensor per vLLM parameter"
         assert {c.name for c in catalog.canonical} == set(canon), "every checkpoint tensor is registered"
         loaded = load_file(str(tmp_path / f"tp{rank}.safetensors"))
-        installed = load_file(str(tmp_path / f"installed-tp{rank}.safetensors"))
-        # The install by parameter writes exactly what vLLM's loaders write, padding included,
-        # and needs no loader fallback for any parameter.
-        assert sorted(installed) == sorted(loaded)
-        for name in loaded:
-            np.testing.assert_array_equal(installed[name], loaded[name], err_msg=f"tp{rank} {name} installed")
+        # Both install modes write exactly what vLLM's loaders write, padding included: by
+        # parameter from staging (no loader fallback for any parameter), and in place from
+        # buckets (64 KiB: a layer's bytes span several buckets).
+        for mode in ("installed", "inplace"):
+            installed = load_file(str(tmp_path / f"{mode}-tp{rank}.safetensors"))
+            assert sorted(installed) == sorted(loaded)
+            for name in loaded:
+                np.testing.assert_array_equal(installed[name], loaded[name], err_msg=f"tp{rank} {name} {mode}")
         assert worker["install"]["fallback_params"] == []
         assert worker["install"]["params_copied"] == len(catalog.tensors)
+        assert worker["inplace"]["params_copied"] == len(catalog.tensors)
+        covered = sum(p.local.numel for t in catalog.tensors for p in t.pieces)
+        assert worker["inplace"]["bytes_copied"] == covered * 4  # float32; padding rows travel nowhere
+        # One bucket's layers at a time: the checkpoint tensors of layers being received stay
+        # below a layer or two of the model, never the model.
+        assert 0 < worker["inplace"]["peak_open_bytes"] < catalog.nbytes / 4
         for t in catalog.tensors:
             filled = np.full(t.shape, np.nan, dtype=np.float32)
             for p in t.pieces:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from syncd.dataplane import GlooTransport, TransferError, TransferTimeout, catalog_views, recv_buckets, send_buckets
+from syncd.dataplane import (GlooTransport, TransferError, TransferTimeout, catalog_views, recv_buckets, send_buckets,
+                             unpack_from)
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Replicate, Shard, Sharded, Stack, local_tensor
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan import DestMember, SourceMember, make_plan
@@ -56,11 +57,24 @@ def _run_threads(fns):
     return errors
 
 
+class _Sink:
+    """A receiver that takes whole buckets (as the generator's in-place install does)."""
+
+    def __init__(self, views) -> None:  # noqa: ANN001
+        self.views, self.device, self.buckets = views, torch.device("cpu"), 0
+
+    def unpack(self, bucket, flat) -> None:  # noqa: ANN001
+        unpack_from(bucket, flat, self.views)
+        self.buckets += 1
+
+
+@pytest.mark.parametrize("sink", [False, True], ids=["views", "sink"])
 @pytest.mark.parametrize("wire_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bucket_bytes", [64, 1 << 20])
-def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype):
+def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype, sink):
     """A float32 trainer refits a float32 or a bfloat16 generator: the sender casts while packing,
-    so the generator holds exactly torch's cast of the trainer's weights."""
+    so the generator holds exactly torch's cast of the trainer's weights; a receiver that takes
+    whole buckets itself (`ReceiveSink`) gets every bucket once and checksums the same bytes."""
     rng = np.random.default_rng(1)
     canonical = {c.name: rng.standard_normal(c.shape).astype(np.float32) for c in ALL}
     sources = [SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(e, t)) for e in range(2) for t in range(2)]
@@ -72,11 +86,13 @@ def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype):
     local = {m.member_id: {k: torch.from_numpy(v) for k, v in materialize(m.catalog, canonical).items()} for m in sources}
     wire = torch_dtype(wire_dtype)
     received = {m.member_id: {t.name: torch.full(t.shape, float("nan"), dtype=wire) for t in m.catalog.tensors} for m in dests}
-    stats = {}
+    stats, sinks = {}, {}
 
     def member(m, catalog, sending):
         transport = GlooTransport.connect(address, ranks[m], len(members), "g0", 30, store if ranks[m] == 0 else None)
         views = catalog_views(catalog, local[m] if sending else received[m])
+        if sink and not sending:
+            views = sinks[m] = _Sink(views)
         run = send_buckets if sending else recv_buckets
         stats[m] = run(plan.for_member(m), views, transport, ranks, timeout_s=30)
 
@@ -93,6 +109,8 @@ def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype):
     got = {k: v for d in dests for k, v in stats[d.member_id].checksums.items()}
     assert got and sent == got
     assert sum(stats[d.member_id].bytes for d in dests) == sum(m.catalog.nbytes for m in dests)
+    if sink:
+        assert sum(s.buckets for s in sinks.values()) == len(plan.buckets)
 
 
 @pytest.mark.parametrize("sender_dies", [False, True])

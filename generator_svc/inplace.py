@@ -1,0 +1,205 @@
+"""The in-place install (`--refit-mode inplace`): received bytes go into the engine's own tensors
+while generation is held, layer by layer, with no staging copy of the model.
+
+Before the first byte arrives the API server has paused generation and entered vLLM's layerwise
+reload on every worker (`Refitter.hold`). The data plane then hands each received bucket to
+`InplaceReceiver.unpack` (a `ReceiveSink`), which writes every unit into its layer:
+- a plain layer (norms) straight into its live (kernel) tensors;
+- a processed layer (linear, vocab, fused MoE) into checkpoint-format tensors made when its first
+  byte arrives: vLLM CPU repacks linear weights into oneDNN handles and prepacks MoE experts, so
+  the live kernel tensors cannot take checkpoint bytes. As soon as the layer is complete, vLLM's
+  post-processing turns them into the kernel tensors (`install.close_processed`), which frees them.
+Extra memory is the data plane's in-flight receive buffers plus the checkpoint tensors of the
+layers being received (`peak_open_bytes`): the receiver takes buckets link by link in index
+order (`executor`), so a layer's bytes from several trainer ranks arrive close together.
+
+Verification: both ends checksum the bytes on the wire (the data plane); Verify also requires every
+element of every parameter to have arrived, so every layer was post-processed.
+
+Failure after the first layer was installed leaves mixed weights (new layers, old layers). The API
+server then never resumes generation: it answers 503 until a complete refit succeeds
+(`Refitter.release`). A failure before any layer was installed leaves the engine as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from generator_svc.install import (
+    InstallReport,
+    close_plain,
+    close_processed,
+    is_plain,
+    open_processed,
+    params_by_layer,
+    plain_targets,
+    uncovered_tensors,
+)
+from generator_svc.staging import covered_elements
+from syncd.layout import Catalog
+from syncd.plan.types import Bucket
+
+
+class InstallClosed(RuntimeError):
+    """The refit was released (aborted or expired) while bytes still arrived."""
+
+
+@dataclass
+class _Layer:
+    path: str
+    module: torch.nn.Module
+    info: object  # vLLM's LayerReloadingInfo
+    shapes: dict[str, tuple[int, ...]]  # catalog tensor name -> the shape its boxes are in
+    partial: set[str]  # catalog tensors that pieces do not cover whole: zeroed when opened
+    remaining: int  # elements still to arrive, over all its catalog tensors
+    targets: dict[str, torch.Tensor] = field(default_factory=dict)  # while open: name -> receive view
+    open_bytes: int = 0
+    closed: bool = False
+
+
+class InplaceReceiver:
+    """Receives one version into a model inside vLLM's layerwise reload. Thread-safe: each PP
+    stage's receive runs on its own thread; `close` may come from any thread."""
+
+    def __init__(self, model: torch.nn.Module, catalog: Catalog, device: torch.device,
+                 vllm_config=None) -> None:  # noqa: ANN001
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        # Where the weights live (the model's own parameters are on the meta device by now).
+        self.device = torch.device(device)
+        self.report = InstallReport()
+        self.open_bytes = 0
+        self.peak_open_bytes = 0
+        self._vllm_config = vllm_config
+        self._lock = threading.Lock()
+        self._closed = False
+        modules = dict(model.named_modules())
+        by_name = {t.name: t for t in catalog.tensors}
+        self._layers: dict[str, _Layer] = {}
+        self._layer_of: dict[str, _Layer] = {}
+        for path, names in params_by_layer(list(by_name)).items():
+            module = modules[path]
+            info = get_layerwise_info(module)
+            if not info.can_load() or info.kernel_tensors is None:
+                raise RuntimeError(f"{path}: not inside a layerwise reload (start_weight_update first)")
+            uncovered = uncovered_tensors(module, info, path, set(names))
+            if uncovered:
+                raise ValueError(f"{path}: {', '.join(uncovered)} not in the catalog, so the in-place install "
+                                 "cannot fill this layer; use --refit-mode staged (it falls back to vLLM's loaders)")
+            covered = {n: covered_elements(by_name[n]) for n in names}
+            layer = _Layer(path, module, info, {n: by_name[n].shape for n in names},
+                           {n for n in names if covered[n] < torch.Size(by_name[n].shape).numel()},
+                           sum(covered.values()))
+            self._layers[path] = layer
+            self._layer_of.update(dict.fromkeys(names, layer))
+
+    def receive_buffers(self, bucket_bytes: int, in_flight: int) -> None:
+        """Record the data plane's receive buffers (`in_flight` of the largest bucket) in the report."""
+        self.report.bucket_bytes = bucket_bytes
+        self.report.receive_buffer_bytes = bucket_bytes * in_flight
+
+    @property
+    def installed_layers(self) -> int:
+        return sum(layer.closed for layer in self._layers.values())
+
+    def unpack(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """Write the bucket's units into their layers; post-process every layer it completes."""
+        with self._lock, self._config():
+            if self._closed:
+                raise InstallClosed("the in-place install was released; not writing more bytes")
+            t0 = time.perf_counter()
+            offset = 0
+            for u in bucket.units:
+                layer = self._layer_of[u.dst_tensor]
+                target = self._target(layer, u.dst_tensor)[u.dst_box.slices()]
+                target.copy_(flat[offset : offset + u.nbytes].view(target.dtype).view(target.shape))
+                offset += u.nbytes
+                self.report.bytes_copied += u.nbytes
+                layer.remaining -= u.dst_box.numel
+                if layer.remaining == 0:
+                    self.report.copy_s += time.perf_counter() - t0
+                    self._close_layer(layer)
+                    t0 = time.perf_counter()
+            self.report.copy_s += time.perf_counter() - t0
+
+    def missing(self) -> list[str]:
+        """Layers not completely received, as 'path (N elements missing)'."""
+        return [f"{layer.path} ({layer.remaining} elements missing)" for layer in self._layers.values()
+                if not layer.closed]
+
+    def require_complete(self) -> None:
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"in-place install incomplete: {shown}")
+
+    def close(self) -> None:
+        """Accept no more bytes (the refit was released); open layers' tensors are dropped, and
+        `finalize_layerwise_reload` puts their previous kernel tensors back."""
+        with self._lock:
+            self._closed = True
+            for layer in self._layers.values():
+                layer.targets.clear()
+
+    def _target(self, layer: _Layer, name: str) -> torch.Tensor:
+        target = layer.targets.get(name)
+        if target is not None:
+            return target
+        if not layer.targets and not is_plain(layer.module):
+            open_processed(layer.module, layer.info)
+            layer.open_bytes = sum(p.numel() * p.element_size() for p in layer.module.parameters(recurse=False))
+            self._opened(layer.open_bytes)
+        live = plain_targets(layer.info)[_param(name)] if is_plain(layer.module) else \
+            getattr(layer.module, _param(name)).data
+        layer.targets[name] = target = _receive_view(live, layer.shapes[name], name)
+        if name in layer.partial:  # what no piece fills is zero, as in staging
+            target.zero_()
+        self.report.params_copied += 1
+        return target
+
+    def _close_layer(self, layer: _Layer) -> None:
+        if is_plain(layer.module):
+            close_plain(layer.module, layer.info)
+        else:
+            close_processed(layer.module, layer.info, self.report)
+        layer.targets.clear()
+        layer.closed = True
+        self._opened(-layer.open_bytes)
+
+    def _opened(self, nbytes: int) -> None:
+        self.open_bytes += nbytes
+        self.peak_open_bytes = max(self.peak_open_bytes, self.open_bytes)
+        self.report.peak_open_bytes = self.peak_open_bytes
+
+    def _config(self):  # noqa: ANN202
+        """vLLM's current config while post-processing runs on the data plane's thread."""
+        import contextlib
+
+        if self._vllm_config is None:
+            return contextlib.nullcontext()
+        from vllm.config import set_current_vllm_config
+
+        return set_current_vllm_config(self._vllm_config)
+
+
+def _param(name: str) -> str:
+    return name.rpartition(".")[2]
+
+
+def _receive_view(live: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """`live` seen in the catalog's shape. A vocab-parallel shard has more rows than the catalog
+    covers (padding, filled by no canonical tensor): its padding is zeroed, as vLLM's loader does
+    (`install.copy_into`), and the view is its first rows."""
+    if tuple(live.shape) == tuple(shape):
+        return live
+    if live.numel() == torch.Size(shape).numel():
+        return live.view(shape)
+    rows = shape[0]
+    if live.dim() != len(shape) or tuple(live.shape[1:]) != tuple(shape[1:]) or live.shape[0] < rows:
+        raise ValueError(f"{name}: catalog shape {tuple(shape)} does not fit parameter shape {tuple(live.shape)}")
+    live[rows:].zero_()
+    return live[:rows]
