@@ -1,6 +1,6 @@
 """How long installing a staged version into a live vLLM engine takes (CPU, one process, one run).
 
-    python -m bench.apply_bench [--layers 24 --experts 128 --dtype bfloat16 --rounds 3]
+    python -m bench.apply_bench [--layers 24 --experts 128 --dtype bfloat16 --rounds 3 --bucket-mib 16]
                                 [--out bench/results/apply-cpu.json] [--keep-model DIR]
 
 A random Qwen3-MoE with tiny dims (hidden 128, MoE intermediate 64) but a real model's layer and
@@ -13,7 +13,11 @@ once in the generator's staging buffers; then each round times, inside the engin
 - install: the generator's install (`start_weight_update` / `update_weights` / `finish_weight_update`
   with `generator_svc.install`), with its own split into copies and post-processing
   (`process_weights_after_loading` of each layer, the CPU linear repack and MoE prepack), which is
-  the "post-processing alone" figure.
+  the "post-processing alone" figure;
+- inplace: the `inplace` mode's install (`generator_svc.inplace`): the checkpoint packed once (outside
+  the timing) into `--bucket-mib` buckets as a one-rank trainer sends them, each unpacked into the
+  live layers inside the layerwise reload, every layer post-processed when complete; with its peak
+  of open layers, i.e. its extra memory beside one receive buffer.
 
 Medians over the rounds (the first round also warms up). Every install is checked to install every
 parameter without the loader fallback.
@@ -90,6 +94,24 @@ def time_install(worker) -> dict:  # noqa: ANN001
                                                           "params_copied", "bytes_copied", "fallback_params")}}
 
 
+def time_inplace(worker, checkpoint: str, bucket_bytes: int) -> dict:  # noqa: ANN001
+    """The inplace mode's install (`generator_svc.inplace`): already packed buckets (packed once,
+    outside the timing, as a one-rank trainer sends them) unpacked into the live layers inside the
+    layerwise reload, each layer post-processed as it completes."""
+    from generator_svc.inplace import checkpoint_buckets, install_buckets
+
+    packed = getattr(worker, "_bench_packed", None)
+    if packed is None:
+        packed = worker._bench_packed = checkpoint_buckets(worker._ws_catalog, worker._ws_member_id, checkpoint,
+                                                           bucket_bytes)
+    start = time.perf_counter()
+    receiver = install_buckets(worker._ws_model(), worker._ws_catalog, worker.device, worker.vllm_config, packed)
+    total = time.perf_counter() - start
+    report = receiver.report.as_dict()
+    return {"total_s": total, "buckets": len(packed), "largest_bucket_bytes": max(b.nbytes for b, _ in packed),
+            **{k: report[k] for k in ("copy_s", "process_s", "peak_open_bytes")}}
+
+
 def run(args: argparse.Namespace) -> dict:
     from vllm import LLM
 
@@ -104,17 +126,20 @@ def run(args: argparse.Namespace) -> dict:
               weight_transfer_config={"backend": "syncd_staging"})
     setup = llm.collective_rpc("ws_setup", args=(0,))[0]
     staged = llm.collective_rpc("ws_stage_file", args=(str(model), "bench"))[0]
-    rounds: dict[str, list] = {"loader": [], "copy": [], "install": []}
+    rounds: dict[str, list] = {"loader": [], "copy": [], "install": [], "inplace": []}
     for _ in range(args.rounds + 1):  # round 0 warms up
         rounds["loader"].append(llm.collective_rpc(time_loader_path)[0])
         rounds["copy"].append(llm.collective_rpc(time_plain_copy)[0])
         rounds["install"].append(llm.collective_rpc(time_install)[0])
+        rounds["inplace"].append(llm.collective_rpc(time_inplace, args=(str(model), args.bucket_mib << 20))[0])
     installs = rounds["install"][1:]
     if any(i["fallback_params"] for i in installs):
         raise RuntimeError(f"the install fell back to vLLM's loaders for {installs[0]['fallback_params'][:5]}")
     med = statistics.median
     loader, copy = med(rounds["loader"][1:]), med(rounds["copy"][1:])
     install, process = med(i["total_s"] for i in installs), med(i["process_s"] for i in installs)
+    inplace = rounds["inplace"][1:]
+    inplace_s = med(i["total_s"] for i in inplace)
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()}, {os.cpu_count()} cores, {_cpu_model()}, load {os.getloadavg()[0]:.1f}",
@@ -122,8 +147,14 @@ def run(args: argparse.Namespace) -> dict:
                   "vllm_parameters": installs[0]["params_copied"], "canonical_tensors": staged["tensors"], "hf_tensors": hf_tensors},
         "rounds": args.rounds,
         "seconds": {"loader_path": loader, "plain_copy": copy, "post_processing": process,
-                    "install_staged": install, "install_copies": med(i["copy_s"] for i in installs)},
-        "ratios": {"install_over_loader": install / loader, "install_over_copy_plus_post": install / (copy + process)},
+                    "install_staged": install, "install_copies": med(i["copy_s"] for i in installs),
+                    "install_inplace": inplace_s},
+        "ratios": {"install_over_loader": install / loader, "install_over_copy_plus_post": install / (copy + process),
+                   "inplace_over_loader": inplace_s / loader, "inplace_over_copy_plus_post": inplace_s / (copy + process)},
+        "inplace": {"bucket_bytes": inplace[0]["largest_bucket_bytes"], "buckets": inplace[0]["buckets"],
+                    "peak_open_bytes": max(i["peak_open_bytes"] for i in inplace),
+                    # one receive buffer (inplace's default depth) plus the layers open at the peak
+                    "extra_bytes": inplace[0]["largest_bucket_bytes"] + max(i["peak_open_bytes"] for i in inplace)},
         "goal": {"install_over_loader_max": 1 / 8, "install_over_copy_plus_post_max": 3.0},
         "layers_processed": installs[0]["layers_processed"],
         "raw": rounds,
@@ -144,6 +175,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bucket-mib", type=int, default=16, help="inplace: bucket size the checkpoint is packed in")
     parser.add_argument("--out", default="")
     parser.add_argument("--keep-model", default="", help="write the model here and keep it (e.g. for the demo's "
                                                          "--model-dir)")
@@ -157,6 +189,12 @@ def main() -> None:
         print(f"  {name:<16} {value:8.4f} s")
     print(f"  install / loader path            {r['install_over_loader']:.3f}  (goal <= 0.125)")
     print(f"  install / (copy + post-process)  {r['install_over_copy_plus_post']:.2f}  (goal <= 3)")
+    print(f"  inplace / loader path            {r['inplace_over_loader']:.3f}")
+    print(f"  inplace / (copy + post-process)  {r['inplace_over_copy_plus_post']:.2f}")
+    ip = result["inplace"]
+    print(f"  inplace extra memory: one {ip['bucket_bytes'] / 1e6:.1f} MB bucket + {ip['peak_open_bytes'] / 1e6:.1f} MB of "
+          f"layers open at the peak = {ip['extra_bytes'] / 1e6:.1f} MB ({ip['extra_bytes'] / ip['bucket_bytes']:.2f} buckets); "
+          f"staged keeps {result['model']['bytes'] / 1e6:.1f} MB")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     os._exit(0)  # skip vLLM's slow teardown

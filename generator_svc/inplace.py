@@ -10,8 +10,9 @@ reload on every worker (`Refitter.hold`). The data plane then hands each receive
   the live kernel tensors cannot take checkpoint bytes. As soon as the layer is complete, vLLM's
   post-processing turns them into the kernel tensors (`install.close_processed`), which frees them.
 Extra memory is the data plane's in-flight receive buffers plus the checkpoint tensors of the
-layers being received (`peak_open_bytes`): the receiver takes buckets link by link in index
-order (`executor`), so a layer's bytes from several trainer ranks arrive close together.
+layers being received (`peak_open_bytes`): the data plane receives the buckets of all links in
+the catalog order of where they land (`position`), so a layer's parts from several trainer ranks
+arrive together and it is open about as long as one layer takes to arrive.
 
 Verification: both ends checksum the bytes on the wire (the data plane); Verify also requires every
 element of every parameter to have arrived, so every layer was post-processed.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -81,6 +83,7 @@ class InplaceReceiver:
         by_name = {t.name: t for t in catalog.tensors}
         self._layers: dict[str, _Layer] = {}
         self._layer_of: dict[str, _Layer] = {}
+        self._order = {name: i for i, name in enumerate(by_name)}  # catalog order: layer by layer
         for path, names in params_by_layer(list(by_name)).items():
             module = modules[path]
             info = get_layerwise_info(module)
@@ -125,6 +128,12 @@ class InplaceReceiver:
                     self._close_layer(layer)
                     t0 = time.perf_counter()
             self.report.copy_s += time.perf_counter() - t0
+
+    def position(self, bucket: Bucket) -> tuple:
+        """Receive order (`ReceiveSink`): by the catalog position of the bucket's first unit, so
+        that the data plane fills layers one after another whichever trainer rank sends them."""
+        first = bucket.units[0]
+        return self._order[first.dst_tensor], first.dst_box.start
 
     def missing(self) -> list[str]:
         """Layers not completely received, as 'path (N elements missing)'."""
@@ -184,6 +193,50 @@ class InplaceReceiver:
         from vllm.config import set_current_vllm_config
 
         return set_current_vllm_config(self._vllm_config)
+
+
+def checkpoint_buckets(catalog: Catalog, member_id: str, checkpoint: str,
+                       bucket_bytes: int) -> list[tuple[Bucket, torch.Tensor]]:
+    """(bucket, packed bytes) of `checkpoint` as a sender would send them to `member_id`, planned
+    as one source holding every canonical tensor whole (a test and benchmark aid: the same buckets
+    a one-rank trainer sends, without a network)."""
+    from safetensors.torch import load_file
+
+    from syncd.dataplane import pack_into
+    from syncd.layout import Canon, CanonicalTensor, hf_names, local_tensor
+    from syncd.layout.dtypes import torch_dtype
+    from syncd.plan import DestMember, SourceMember, make_plan
+
+    dtype = {c.name: c.dtype for c in catalog.canonical}
+    canonical = {}
+    for file in sorted(Path(checkpoint).glob("*.safetensors")):
+        for name, t in hf_names.group_from_hf(load_file(str(file)).items(), torch.stack).items():
+            if name in dtype:
+                canonical[name] = t.to(torch_dtype(dtype[name]))
+    source = Catalog(tuple(CanonicalTensor(n, tuple(t.shape), dtype[n]) for n, t in canonical.items()),
+                     tuple(local_tensor(n, dtype[n], Canon(n, tuple(t.shape))) for n, t in canonical.items()))
+    plan = make_plan([SourceMember("checkpoint", 0, source)], [DestMember(member_id, catalog)], bucket_bytes=bucket_bytes)
+    return [(b, pack_into(b, canonical, torch.empty(b.nbytes, dtype=torch.uint8)).clone())
+            for b in plan.for_member(member_id)]
+
+
+def install_buckets(model: torch.nn.Module, catalog: Catalog, device: torch.device, vllm_config,  # noqa: ANN001
+                    packed: list[tuple[Bucket, torch.Tensor]]) -> InplaceReceiver:
+    """The whole in-place install of already packed buckets inside vLLM's layerwise reload (what a
+    refit does between hold and commit, without the wire). Returns the receiver (its report)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    with set_current_vllm_config(vllm_config):
+        initialize_layerwise_reload(model)
+        try:
+            receiver = InplaceReceiver(model, catalog, device, vllm_config)
+            for bucket, flat in packed:
+                receiver.unpack(bucket, flat)
+            receiver.require_complete()
+        finally:
+            finalize_layerwise_reload(model, vllm_config.model_config)
+    return receiver
 
 
 def _param(name: str) -> str:

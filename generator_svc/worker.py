@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +28,6 @@ from generator_svc import transfer_engine
 from generator_svc.catalog import build_catalog, catalog_to_json
 from generator_svc.cpu_moe_fix import apply_cpu_moe_fix
 from generator_svc.staging import Staging
-from syncd.layout.dtypes import torch_dtype
 from generator_svc.vllm_layout import allocated_shapes, param_specs
 from generator_svc.worker_status import StatusPublisher, WorkerStatus
 
@@ -220,46 +218,19 @@ class WeightSyncExtension:
         return self._ws_dump(install, f"{out_dir}/installed-tp{self._ws_tp()[0]}.safetensors")
 
     def ws_dump_inplace(self, checkpoint: str, out_dir: str, bucket_bytes: int = 1 << 16) -> dict[str, Any]:
-        """Test aid: like `ws_dump_installed`, through the in-place install: `checkpoint` planned
-        as one trainer rank holding every canonical tensor whole, packed into buckets of
-        `bucket_bytes` as a sender would, each bucket handed to an `InplaceReceiver` inside the
-        layerwise reload. Saves `{out_dir}/inplace-tp{rank}.safetensors`; returns the receiver's
-        report and its peak open bytes."""
-        from safetensors.torch import load_file
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
+        """Test aid: like `ws_dump_installed`, through the in-place install: `checkpoint` packed into
+        buckets of `bucket_bytes` as a one-rank trainer would send them (`inplace.checkpoint_buckets`),
+        each handed to an `InplaceReceiver` inside the layerwise reload. Saves
+        `{out_dir}/inplace-tp{rank}.safetensors`; returns the receiver's report."""
+        from generator_svc.inplace import checkpoint_buckets, install_buckets
 
-        from generator_svc.inplace import InplaceReceiver
-        from syncd.dataplane import pack_into
-        from syncd.layout import Canon, CanonicalTensor, Catalog, hf_names, local_tensor
-        from syncd.plan import DestMember, SourceMember, make_plan
-
-        canonical = {}
-        for file in sorted(Path(checkpoint).glob("*.safetensors")):
-            canonical.update(hf_names.group_from_hf(load_file(str(file)).items(), torch.stack))
-        dtype = {c.name: c.dtype for c in self._ws_catalog.canonical}
-        canonical = {n: t.to(torch_dtype(dtype[n])) for n, t in canonical.items() if n in dtype}
-        source = Catalog(tuple(CanonicalTensor(n, tuple(t.shape), dtype[n]) for n, t in canonical.items()),
-                         tuple(local_tensor(n, dtype[n], Canon(n, tuple(t.shape))) for n, t in canonical.items()))
-        plan = make_plan([SourceMember("dump", 0, source)], [DestMember(self._ws_member_id, self._ws_catalog)],
-                         bucket_bytes=bucket_bytes)
-        model, out = self._ws_model(), {}
+        packed = checkpoint_buckets(self._ws_catalog, self._ws_member_id, checkpoint, bucket_bytes)
+        out: dict[str, Any] = {}
 
         def install() -> None:
-            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-                initialize_layerwise_reload(model)
-                try:
-                    receiver = InplaceReceiver(model, self._ws_catalog, self.device, self.vllm_config)  # type: ignore[attr-defined]
-                    flat = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
-                    for bucket in plan.for_member(self._ws_member_id):
-                        receiver.unpack(bucket, pack_into(bucket, canonical, flat))
-                    receiver.require_complete()
-                    out.update(receiver.report.as_dict(), peak_open_bytes=receiver.peak_open_bytes)
-                finally:
-                    finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
+            receiver = install_buckets(self._ws_model(), self._ws_catalog, self.device,  # type: ignore[attr-defined]
+                                       self.vllm_config, packed)  # type: ignore[attr-defined]
+            out.update(receiver.report.as_dict())
 
         self._ws_dump(install, f"{out_dir}/inplace-tp{self._ws_tp()[0]}.safetensors")
         return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import heapq
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -224,11 +225,9 @@ class _Loop:
         self.finish(handles)
 
     def recv(self, buckets: Sequence[Bucket]) -> None:
-        # A sink installs layer by layer and holds a layer's memory until all of it arrived, so it
-        # takes the links in turn (every source's first bucket, then every second...): each link's
-        # units follow the catalog, so a layer's parts from several sources arrive close together.
-        # Every sender serves its destinations in the same order, so any receive order completes.
-        ordered = sorted(buckets, key=(lambda b: (b.index, b.src)) if self.sink is not None else (lambda b: (b.src, b.index)))
+        ordered = sorted(buckets, key=lambda b: (b.src, b.index))
+        if self.sink is not None:
+            ordered = _interleaved(ordered, self.sink.position)
         bufs = self.buffers(ordered)
         programs = self.programs("recv", ordered, bufs)
         handles: list[Handle] = []
@@ -254,6 +253,18 @@ class _Loop:
                     self.side.before_reuse(slot)  # the next receive into the slot waits for the checksum
                     post(i + self.in_flight)
         self.finish(handles)
+
+
+def _interleaved(ordered: Sequence[Bucket], position) -> list[Bucket]:  # noqa: ANN001 (position: Bucket -> tuple)
+    """The links' buckets merged by where they land (`ReceiveSink.position`), each link's still in
+    index order: a transport matches the messages of one peer in the order they were sent, while
+    different peers' may be taken in any order (every sender serves its destinations in the same
+    order, so this completes). A sink that installs layer by layer so gets a layer's parts from
+    several sources together and holds its memory for less time."""
+    links: dict[str, list[Bucket]] = {}
+    for b in ordered:
+        links.setdefault(b.src, []).append(b)
+    return list(heapq.merge(*links.values(), key=position))
 
 
 def _received_into(program: BucketProgram | PreparedBucket, buf: torch.Tensor, bucket: Bucket) -> torch.Tensor:

@@ -96,6 +96,10 @@ class ReceiveSink(Protocol):
         """Take the bucket's packed bytes (`flat`, valid only during the call)."""
         ...
 
+    def position(self, bucket: Bucket) -> tuple:
+        """Where the bucket's first byte lands, in the order the sink wants its buckets."""
+        ...
+
 
 class SinkBucket(PreparedBucket):
     """A received bucket handed to a `ReceiveSink`; checksummed like any other bucket."""

@@ -58,7 +58,11 @@ def make_plan(
     dst_holdings = _holdings_by_canonical([m.catalog for m in destinations])
     load = [0] * len(sources)
     links: dict[tuple[int, int], list[TransferUnit]] = defaultdict(list)
-    for name in sorted(dst_holdings):
+    # In the destinations' catalog order (the first destination's tensors first), not by name: a
+    # generator's catalog lists its parameters layer by layer, so every link's units, and so its
+    # buckets, go through the layers in the same order, which lets an in-place receiver finish a
+    # layer before the next one opens (by name, "lm_head" came before every layer).
+    for name in dst_holdings:
         holders = src_holdings.get(name)
         if not holders:
             raise ValueError(f"no source holds canonical tensor {name}, which a destination needs")

@@ -1,11 +1,12 @@
 """End to end in the generator's `inplace` refit mode (no staging: generation is held and the bytes
 go into the live layers), with real trainer jobs, syncd and vLLM on CPU:
-- after a refit the generator generates exactly as a fresh engine on the trainer's export, and its
-  extra memory during the refit (receive buffer plus the checkpoint tensors of the layers being
-  received, `GET /v1/install`) stayed well below the staging copy the staged mode keeps;
+- after a refit the generator generates exactly as a fresh engine on the trainer's export; its extra
+  memory during the refit (receive buffer plus the checkpoint tensors of the layers being received,
+  `GET /v1/install`) is at most two buckets from one trainer rank, and below half the staged copy
+  from four;
 - a trainer rank killed mid-transfer never leaves mixed weights served: the generator answers 503
   (layers were installed) or serves the committed version whole (none were), and the next complete
-  refit serves the new version exactly.
+  refit serves the new version exactly, within two buckets of extra memory.
 """
 
 from __future__ import annotations
@@ -39,11 +40,10 @@ def _fresh_engine_outputs(stack: Stack, checkpoint: Path) -> dict:
         stack.cluster.procs.remove(reference.proc)
 
 
-def test_an_inplace_refit_generates_as_a_fresh_engine_with_less_than_half_the_staged_memory(stack, generator, model,
-                                                                                            tmp_path):
+def test_an_inplace_refit_generates_as_a_fresh_engine_with_less_than_half_the_staged_memory(stack, generator, model, tmp_path):
     install = generator.http.get("/v1/install").json()
     assert install["mode"] == "inplace"
-    # 64 KiB buckets: smaller than a layer, as 256 MiB buckets are for real models.
+    # 64 KiB buckets: each trainer rank's bucket holds its part of about one layer.
     stack.start_syncd(trainers=4, db="inplace.db", bucket_bytes=64 << 10)
     # Expert TP (1, 2, 2): the generator assembles each parameter from four trainer ranks.
     states = stack.train_and_refit(model, (1, 2, 2), tmp_path / "export")
@@ -53,11 +53,10 @@ def test_an_inplace_refit_generates_as_a_fresh_engine_with_less_than_half_the_st
     last = generator.http.get("/v1/install").json()["last"]
     assert last["version"] == "1" and last["hold_seconds"] > 0 and last["fallback_params"] == []
     # Extra memory of the worker: its receive buffer (one bucket) plus the checkpoint tensors of
-    # the layers it was receiving, at their peak. vLLM CPU post-processes a layer only whole, so a
-    # layer stays open until all four ranks' parts arrived: more than two buckets, but far below
-    # the staged mode's copy of every parameter.
+    # the layers it was receiving, at their peak. vLLM post-processes a layer only whole, so a
+    # layer stays open until all four ranks' parts of it arrived: more than two of these small
+    # buckets (a one-rank trainer's refit stays within two, see below), far below the staged copy.
     staged_extra = sum(w["nbytes"] for w in generator.http.get("/v1/workers").json())
-    assert last["bucket_bytes"] <= 64 << 10
     assert last["bucket_bytes"] < last["extra_bytes"] < staged_extra / 2, (last, staged_extra)
 
 
@@ -92,8 +91,12 @@ def test_a_trainer_killed_mid_transfer_never_leaves_mixed_weights_served(stack, 
                          json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
         assert api.status_code == 503, api.text
 
-    stack.start_syncd(trainers=1, db="inplace-after-abort.db")
+    stack.start_syncd(trainers=1, db="inplace-after-abort.db")  # 1 MiB buckets: larger than a layer
     states = stack.train_and_refit(model, (1, 1, 1), tmp_path / "export2")
     assert [s["state"] for s in states] == ["COMMITTED"], states
     assert generator.http.get("/v1/weight_version").json()["serving"]
     assert generator.greedy() == _fresh_engine_outputs(stack, tmp_path / "export2" / "step-1")
+    # From one trainer rank the layers arrive one after another: the extra memory is the receive
+    # buffer plus at most the layers one bucket spans, within two buckets.
+    last = generator.http.get("/v1/install").json()["last"]
+    assert last["bucket_bytes"] < last["extra_bytes"] <= 2 * last["bucket_bytes"], last

@@ -67,6 +67,9 @@ class _Sink:
         unpack_from(bucket, flat, self.views)
         self.buckets += 1
 
+    def position(self, bucket) -> tuple:  # noqa: ANN001
+        return (-bucket.index,)  # asks for the links' last buckets first: each link's order is kept
+
 
 @pytest.mark.parametrize("sink", [False, True], ids=["views", "sink"])
 @pytest.mark.parametrize("wire_dtype", ["float32", "bfloat16"])
