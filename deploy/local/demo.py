@@ -1,6 +1,7 @@
 """`make demo`: train a tiny Qwen3-MoE with expert TP and refit a live vLLM generator every step.
 
     python -m deploy.local.demo [--steps 3] [--layout ep2tp2|pp2] [--dtype bfloat16|float32] [--model-dir DIR]
+                                [--refit-mode staged|inplace]
                                 [--summary-json PATH]
 
 Starts syncd, the vLLM generator (CPU) and a 4-rank gloo trainer (`--layout ep2tp2`: ep 2 x tp 2,
@@ -136,6 +137,7 @@ def start_services(cluster: Cluster, work: Path, layout: dict, args) -> tuple[Sy
     generator = cluster.start("generator", [
         PYTHON, "-m", "generator_svc", "--model", str(model), "--syncd", f"127.0.0.1:{grpc_port}",
         "--port", str(gen_port), "--served-model-name", "tiny", "--dtype", args.dtype, "--enforce-eager",
+        "--refit-mode", args.refit_mode,
         "--max-model-len", "256", "--skip-tokenizer-init",
     ], env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     cluster.wait_http(generator, f"http://127.0.0.1:{gen_port}/healthz", 300)
@@ -208,6 +210,8 @@ def main() -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="what the generator serves; the trainer trains in float32 and the refit "
                              "rounds to it (to nearest even), moving half the bytes for bfloat16")
+    parser.add_argument("--refit-mode", choices=("staged", "inplace"), default="staged",
+                        help="the generator's refit mode (generator_svc/README.md, 'Refit modes')")
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--model-dir", default="", help="a Qwen3-MoE HF directory (config.json + *.safetensors) "
                                                         "to train and serve instead of the tiny random model")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +107,23 @@ class Stack:
             states.append(self.refit(step))
         assert trainer.popen.wait(180) == 0, trainer.tail()
         return states
+
+    def refit_with_a_rank_killed(self, model: Path, export: Path) -> dict:
+        """A two-rank (ep 2) trainer job whose first rank is killed once its refit of step 1 is
+        transferring (start syncd with tiny buckets so that the transfer lasts); returns the refit's
+        final state. The job is stopped."""
+        trainer = self.train(model, pp=1, ep=2, tp=1, steps=1, export=export)
+        self.wait_announced(1)
+        self.wait_ready()
+        r = self.http.post("/v1/refits", json={"weight_version": 1})
+        assert r.status_code == 202, r.text
+        refit_id = r.json()["id"]
+        wait_until(lambda: self.http.get(f"/v1/refits/{refit_id}").json()["state"] == "TRANSFERRING", 60,
+                   "the transfer to start")
+        os.kill(rank_pids(trainer.popen.pid)[0], signal.SIGKILL)
+        state = self.wait_refit(refit_id)
+        trainer.stop()
+        return state
 
     def wait_ready(self, timeout_s: float = 120) -> None:
         wait_until(lambda: self.http.get("/readyz").status_code == 200, timeout_s, "syncd ready")

@@ -11,14 +11,12 @@ go into the live layers), with real trainer jobs, syncd and vLLM on CPU:
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import httpx
 import pytest
 
-from e2e_harness import Stack, rank_pids, wait_until
+from e2e_harness import Stack, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -64,17 +62,7 @@ def test_a_trainer_killed_mid_transfer_never_leaves_mixed_weights_served(stack, 
     committed = generator.greedy()
     # Tiny buckets stretch the transfer over seconds, so the kill lands mid-transfer.
     stack.start_syncd(trainers=2, db="inplace-abort.db", bucket_bytes=2048)
-    trainer = stack.train(model, pp=1, ep=2, tp=1, steps=1, export=tmp_path / "export")
-    stack.wait_announced(1)
-    stack.wait_ready()
-    r = stack.http.post("/v1/refits", json={"weight_version": 1})
-    assert r.status_code == 202, r.text
-    refit_id = r.json()["id"]
-    wait_until(lambda: stack.http.get(f"/v1/refits/{refit_id}").json()["state"] == "TRANSFERRING", 60,
-               "the transfer to start")
-    os.kill(rank_pids(trainer.popen.pid)[0], signal.SIGKILL)
-    assert stack.wait_refit(refit_id)["state"] == "ABORTED"
-    trainer.stop()
+    assert stack.refit_with_a_rank_killed(model, tmp_path / "export")["state"] == "ABORTED"
 
     def settled() -> str | None:  # 503 (mixed weights refused) or serving the committed version whole
         state = generator.http.get("/v1/weight_version").json()

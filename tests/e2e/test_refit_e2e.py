@@ -9,12 +9,10 @@ A real Prometheus scrapes one of these refits and runs the dashboard's and the a
 
 from __future__ import annotations
 
-import os
-import signal
 
 import pytest
 
-from e2e_harness import rank_pids, wait_until
+from e2e_harness import wait_until
 from openapi_fuzz import run_schemathesis
 from prometheus_server import ALERTS, PrometheusServer, alert_rules, as_bool, dashboard_queries
 
@@ -90,20 +88,9 @@ def test_sender_killed_mid_transfer_aborts_and_the_generator_keeps_serving(stack
     # Tiny buckets stretch the transfer over seconds, so the kill lands mid-transfer.
     stack.start_syncd(trainers=2, db="abort.db", bucket_bytes=512)
     committed = generator.greedy()
-    trainer = stack.train(model, pp=1, ep=2, tp=1, steps=1, export=tmp_path / "export")
-    stack.wait_announced(1)
-    stack.wait_ready()
-    r = stack.http.post("/v1/refits", json={"weight_version": 1})
-    assert r.status_code == 202, r.text
-    refit_id = r.json()["id"]
-    wait_until(lambda: stack.http.get(f"/v1/refits/{refit_id}").json()["state"] == "TRANSFERRING", 60,
-               "the transfer to start")
-    victim = rank_pids(trainer.popen.pid)[0]
-    os.kill(victim, signal.SIGKILL)
-    state = stack.wait_refit(refit_id)
+    state = stack.refit_with_a_rank_killed(model, tmp_path / "export")
     assert state["state"] == "ABORTED", state
     assert generator.greedy() == committed  # the committed version, untouched
-    trainer.stop()
 
     # A new trainer job; a fresh database, since the killed job's announced version would
     # otherwise trigger the refit before the new job has taken its step.
