@@ -110,7 +110,9 @@ class VocabParam:
 @dataclass(frozen=True)
 class ExpertsParam:
     """Fused MoE experts of one layer. `w13 [E, 2I/tp, H]` holds per expert `[gate slice; up slice]`;
-    `w2 [E, H, I/tp]`. `prefix` names the canonical grouped tensors (`{prefix}.gate_proj.weight`)."""
+    `w2 [E, H, I/tp]`. `prefix` names the canonical grouped tensors (`{prefix}.gate_proj.weight`).
+    With vLLM's expert parallelism a rank holds the experts `local_experts` = (first, count) whole
+    (E above is then that count); without it, all `num_experts`."""
 
     name: str
     dtype: str
@@ -120,6 +122,7 @@ class ExpertsParam:
     intermediate: int
     hidden: int
     tp: TP
+    local_experts: tuple[int, int] | None = None  # (first, count); None: all of them
 
 
 ParamSpec = ReplicatedParam | ShardedParam | QKVParam | MergedParam | VocabParam | ExpertsParam
@@ -152,12 +155,20 @@ def _experts_expr(p: ExpertsParam) -> Expr:
     if p.intermediate % p.tp.size:
         raise ValueError(f"{p.name}: intermediate size {p.intermediate} does not split over tp={p.tp.size}")
     E, I, H = p.num_experts, p.intermediate, p.hidden  # noqa: N806 (shape legend)
+    first, count = p.local_experts or (0, E)
+    if not (0 <= first and count > 0 and first + count <= E):
+        raise ValueError(f"{p.name}: local experts {first}..{first + count - 1} are not within the {E} experts")
+
+    def held(name: str, shape: tuple[int, ...]) -> Canon:  # this rank's experts (all but under EP)
+        box = Box((first, *(0 for _ in shape[1:])), (first + count, *shape[1:]))
+        return Canon(name, shape, box)
+
     if p.kind == "w13":
-        gate = _tp_shard(Canon(f"{p.prefix}.gate_proj.weight", (E, I, H)), 1, p.tp)
-        up = _tp_shard(Canon(f"{p.prefix}.up_proj.weight", (E, I, H)), 1, p.tp)
+        gate = _tp_shard(held(f"{p.prefix}.gate_proj.weight", (E, I, H)), 1, p.tp)
+        up = _tp_shard(held(f"{p.prefix}.up_proj.weight", (E, I, H)), 1, p.tp)
         return Concat(1, (gate, up))
     if p.kind == "w2":
-        return _tp_shard(Canon(f"{p.prefix}.down_proj.weight", (E, H, I)), 2, p.tp)
+        return _tp_shard(held(f"{p.prefix}.down_proj.weight", (E, H, I)), 2, p.tp)
     raise ValueError(f"{p.name}: unknown experts kind {p.kind!r}; expected 'w13' or 'w2'")
 
 

@@ -79,15 +79,13 @@ def _module_specs(model: torch.nn.Module, path: str, module: torch.nn.Module) ->
     params = dict(module.named_parameters(recurse=False))
     if isinstance(module, RoutedExperts):
         cfg = module.moe_config
-        if module.local_num_experts != module.global_num_experts:
-            raise ValueError(f"{path}.w13_weight: expert parallelism is not supported yet "
-                             f"({module.local_num_experts} of {module.global_num_experts} experts local)")
+        first = _local_experts_start(path, module)
         tp = TP(cfg.tp_size, cfg.tp_rank)
         # The loader receives HF names relative to the runner that owns `routed_experts`.
         prefix = path.rpartition(".")[0] if path.endswith(".routed_experts") else path
         total_i = cfg.intermediate_size_per_partition * cfg.tp_size
         common = dict(prefix=prefix, num_experts=module.global_num_experts, intermediate=total_i,
-                      hidden=cfg.hidden_dim, tp=tp)
+                      hidden=cfg.hidden_dim, tp=tp, local_experts=(first, module.local_num_experts))
         out: list[ParamSpec] = []
         for pname, p in params.items():
             kind = pname.removesuffix("_weight")
@@ -110,6 +108,25 @@ def _module_specs(model: torch.nn.Module, path: str, module: torch.nn.Module) ->
         return [ReplicatedParam(f"{path}.{n}", _dtype(p), f"{path}.{n}", tuple(p.shape)) for n, p in params.items()]
     name = f"{path}.{next(iter(params))}"
     raise ValueError(f"parameter {name}: no layout rule for layer type {type(module).__name__}")
+
+
+def _local_experts_start(path: str, module) -> int:  # noqa: ANN001 (vLLM RoutedExperts)
+    """The first global expert this rank holds. Without expert parallelism that is 0 (all held);
+    with it, vLLM's `expert_map` (global id -> local index, -1 elsewhere) must place a contiguous
+    range in order (vLLM's default "linear" placement); other placements are refused by name."""
+    local, total = module.local_num_experts, module.global_num_experts
+    if local == total:
+        return 0
+    expert_map = module.expert_map
+    if expert_map is None:
+        raise ValueError(f"{path}: {local} of {total} experts local but no expert_map")
+    mapping = [int(x) for x in expert_map.tolist()]
+    held = [e for e, i in enumerate(mapping) if i >= 0]
+    first = held[0] if held else 0
+    if held != list(range(first, first + local)) or [mapping[e] for e in held] != list(range(local)):
+        raise ValueError(f"{path}: expert placement {mapping} is not a contiguous range in order (vLLM's "
+                         "'linear' placement); only that placement is supported")
+    return first
 
 
 def param_specs(model: torch.nn.Module) -> list[ParamSpec]:

@@ -2,7 +2,8 @@
 
     python tests/generator/engine_probe.py --model DIR --tp N --out DIR
 
-With `--refit-to B` it also refits the engine to checkpoint B through the staging receive path
+With `--ep`, vLLM's expert parallelism (on CPU it loads, registers and installs, but its forward
+crashes the worker, so use it without --refit-to/--fail-to). With `--refit-to B` it also refits the engine to checkpoint B through the staging receive path
 and back, and writes the greedy outputs (`outputs.json`). Writes `catalogs.json` (per tp rank: the registered catalog and vLLM's parameter names) and
 `tp{rank}.safetensors` (every parameter as vLLM's own loaders wrote it, checkpoint format) and
 `installed-tp{rank}.safetensors` (the same, as the install by parameter wrote it). A
@@ -24,6 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", action="store_true", help="vLLM's expert parallelism (experts whole over the TP ranks)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--refit-to", default="", help="also refit to this checkpoint and back, recording outputs")
     parser.add_argument("--fail-to", default="", help="also fail an update to this checkpoint half way, recover, "
@@ -32,8 +34,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, tensor_parallel_size=args.tp, skip_tokenizer_init=True, enforce_eager=True,
-              max_model_len=256, dtype="float32", worker_extension_cls="generator_svc.worker.WeightSyncExtension",
+    llm = LLM(model=args.model, tensor_parallel_size=args.tp, enable_expert_parallel=args.ep, skip_tokenizer_init=True,
+              enforce_eager=True, max_model_len=256, dtype="float32", worker_extension_cls="generator_svc.worker.WeightSyncExtension",
               weight_transfer_config={"backend": "syncd_staging"})
     setup = llm.collective_rpc("ws_setup", args=(0,))
     catalogs = llm.collective_rpc("ws_catalog")

@@ -172,3 +172,26 @@ def test_a_parameter_without_layout_rule_is_an_error_naming_it() -> None:
     model.score = torch.nn.Linear(4, 2, bias=False)  # not a vLLM layer: nothing says how it is sharded
     with pytest.raises(ValueError, match="parameter score.weight: no layout rule for layer type Linear"):
         param_specs(model)
+
+
+def test_expert_parallel_ranks_hold_their_experts_whole_and_together_every_expert_once() -> None:
+    E, I, H, ranks = 8, 6, 4, 2  # noqa: N806 (shape legend)
+    prefix = "model.layers.0.mlp.experts"
+    held = np.zeros((E, I, H), dtype=int)
+    for rank in range(ranks):
+        first, count = rank * E // ranks, E // ranks
+        spec = ExpertsParam(f"{prefix}.routed_experts.w13_weight", "float32", "w13", prefix, E, I, H, TP(1, 0),
+                            local_experts=(first, count))
+        [w13] = build_catalog([spec]).tensors
+        assert w13.shape == (count, 2 * I, H)
+        for p in w13.pieces:
+            if p.canonical == f"{prefix}.gate_proj.weight":
+                held[p.canon.slices()] += 1
+                assert p.canon.start[0] >= first and p.canon.stop[0] <= first + count
+    assert (held == 1).all()
+
+
+def test_experts_outside_the_layer_are_an_error_naming_the_parameter() -> None:
+    spec = ExpertsParam("m.routed_experts.w13_weight", "float32", "w13", "m", 8, 6, 4, TP(1, 0), local_experts=(6, 4))
+    with pytest.raises(ValueError, match="m.routed_experts.w13_weight: local experts 6..9"):
+        build_catalog([spec])

@@ -26,13 +26,16 @@ def canonical_arrays(checkpoint) -> dict[str, np.ndarray]:  # noqa: ANN001
     return hf_names.group_from_hf(tensors.items(), np.stack)
 
 
+# vLLM's expert parallelism (experts whole over the two TP ranks): on CPU vLLM loads it, and the
+# catalog, the install and the in-place install are checked against its own loader as at TP 1 and 2,
+# but its forward crashes the worker (SIGSEGV in vLLM 0.32 CPU), so nothing is generated.
 @pytest.mark.vllm
-@pytest.mark.parametrize("tp", [1, 2])
-def test_registered_catalog_covers_every_parameter_exactly_once(tp: int, checkpoints, outputs_fresh_b,  # noqa: ANN001
-                                                                 tmp_path) -> None:
+@pytest.mark.parametrize("tp,ep", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-ep"])
+def test_registered_catalog_covers_every_parameter_exactly_once(tp: int, ep: bool, checkpoints,  # noqa: ANN001
+                                                                 outputs_fresh_b, tmp_path) -> None:
     env = engine_env(PROBE_PROMPTS=json.dumps(PROMPTS), VLLM_ALLOW_INSECURE_SERIALIZATION="1",
                      **({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}))
-    refit = ["--refit-to" if tp == 2 else "--fail-to", str(checkpoints["B"])]
+    refit = ["--ep"] if ep else ["--refit-to" if tp == 2 else "--fail-to", str(checkpoints["B"])]
     log = tmp_path / "probe.log"
     with open(log, "w") as out:
         probe = subprocess.Popen([sys.executable, str(REPO / "tests/generator/engine_probe.py"), "--model",
@@ -78,6 +81,12 @@ def test_registered_catalog_covers_every_parameter_exactly_once(tp: int, checkpo
             real = param.reshape(-1)[: filled.size].reshape(t.shape)  # padded vocab rows follow the real ones
             np.testing.assert_array_equal(filled, real, err_msg=f"tp{rank} {t.name}")
             assert not param.reshape(-1)[filled.size:].any(), f"tp{rank} {t.name}: padding must stay zero"
+    if ep:  # each rank holds half the experts whole: w13 [E/2, 2I, H], w2 [E/2, H, I]
+        for rank, worker in enumerate(workers):
+            shapes = {t[0]: t[1] for t in worker["catalog"]["tensors"]}
+            assert shapes["model.layers.0.mlp.experts.routed_experts.w13_weight"] == [4, 128, 128]
+            assert shapes["model.layers.0.mlp.experts.routed_experts.w2_weight"] == [4, 128, 64]
+        return
     record = json.loads((tmp_path / "outputs.json").read_text())
     assert record["A_again"] == record["A"]
     if tp == 1:
