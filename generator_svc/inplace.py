@@ -43,7 +43,7 @@ from generator_svc.install import (
 )
 from generator_svc.staging import covered_elements
 from syncd.layout import Catalog
-from syncd.plan.types import Bucket
+from syncd.plan import Bucket, landing_order
 
 
 class InstallClosed(RuntimeError):
@@ -83,7 +83,7 @@ class InplaceReceiver:
         by_name = {t.name: t for t in catalog.tensors}
         self._layers: dict[str, _Layer] = {}
         self._layer_of: dict[str, _Layer] = {}
-        self._order = {name: i for i, name in enumerate(by_name)}  # catalog order: layer by layer
+        self._landing = landing_order(catalog)
         for path, names in params_by_layer(list(by_name)).items():
             module = modules[path]
             info = get_layerwise_info(module)
@@ -132,8 +132,7 @@ class InplaceReceiver:
     def position(self, bucket: Bucket) -> tuple:
         """Receive order (`ReceiveSink`): by the catalog position of the bucket's first unit, so
         that the data plane fills layers one after another whichever trainer rank sends them."""
-        first = bucket.units[0]
-        return self._order[first.dst_tensor], first.dst_box.start
+        return self._landing(bucket)
 
     def missing(self) -> list[str]:
         """Layers not completely received, as 'path (N elements missing)'."""
@@ -215,7 +214,8 @@ def checkpoint_buckets(catalog: Catalog, member_id: str, checkpoint: str,
                 canonical[name] = t.to(torch_dtype(dtype[name]))
     source = Catalog(tuple(CanonicalTensor(n, tuple(t.shape), dtype[n]) for n, t in canonical.items()),
                      tuple(local_tensor(n, dtype[n], Canon(n, tuple(t.shape))) for n, t in canonical.items()))
-    plan = make_plan([SourceMember("checkpoint", 0, source)], [DestMember(member_id, catalog)], bucket_bytes=bucket_bytes)
+    plan = make_plan([SourceMember("checkpoint", 0, source)], [DestMember(member_id, catalog, by_layer=True)],
+                     bucket_bytes=bucket_bytes)
     return [(b, pack_into(b, canonical, torch.empty(b.nbytes, dtype=torch.uint8)).clone())
             for b in plan.for_member(member_id)]
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from syncd.layout import owning_layer
+
 log = logging.getLogger("generator_svc.install")
 
 
@@ -85,7 +87,7 @@ def params_by_layer(names: list[str]) -> dict[str, list[str]]:
     """Catalog tensor names (full parameter names) grouped by owning module path, in order."""
     out: dict[str, list[str]] = defaultdict(list)
     for name in names:
-        out[name.rpartition(".")[0]].append(name)
+        out[owning_layer(name)].append(name)
     return dict(out)
 
 

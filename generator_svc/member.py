@@ -196,7 +196,9 @@ def start_member(target: str, *, member_id: str, coords: dict[str, int], catalog
                           group_size=group_size,
                           # The engine starts on its --model checkpoint, which is no trainer version:
                           # it registers serving none, so syncd holds it not ready and catches it up.
-                          weight_version=None)
+                          weight_version=None,
+                          # An in-place install post-processes whole layers: ask for layer-cut buckets.
+                          receive_by_layer=isinstance(endpoint, InplaceEndpoint))
     agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(device), in_flight=in_flight))
     client.start(agent)
     return GeneratorMember(client, endpoint, agent)

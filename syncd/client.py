@@ -52,7 +52,7 @@ class MemberClient:
     def __init__(
         self, target: str, *, role: str, member_id: str, coords: dict[str, int], catalog: Catalog,
         device: str = "cpu", data_address: str = "", auth_token: str | None = None, group_size: int = 1,
-        run_id: str = "", weight_version: int | None = None,
+        run_id: str = "", weight_version: int | None = None, receive_by_layer: bool = False,
     ) -> None:
         convert.role_to_pb(role)  # fail here, not in a background thread
         self.target = target
@@ -65,6 +65,7 @@ class MemberClient:
         self.group_size = group_size  # ranks of the member's local process group (informational)
         self.run_id = run_id
         self.weight_version = weight_version
+        self.receive_by_layer = receive_by_layer
         self._commit_versions: dict[str, int] = {}  # refit id -> version of its Commit
         self.committed_version: int | None = None  # syncd's, as of the last Register or Heartbeat
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
@@ -158,7 +159,7 @@ class MemberClient:
         request = pb.RegisterRequest(
             role=convert.role_to_pb(self.role), member_id=self.member_id, coords=self.coords,
             device=self.device, data_address=self.data_address, catalog_hash=self.catalog.content_hash,
-            run_id=self.run_id, weight_version=self.weight_version,
+            run_id=self.run_id, weight_version=self.weight_version, receive_by_layer=self.receive_by_layer,
         )
         response = self._stub.Register(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
         if response.catalog_required:

@@ -18,7 +18,8 @@ PlanKey = tuple
 
 def plan_key(members: Sequence[Member], bucket_bytes: int) -> PlanKey:
     """Everything a plan depends on: who sits where with which catalog, and the bucket size."""
-    return (bucket_bytes, tuple(sorted((m.role, m.member_id, m.stage, m.catalog_hash) for m in members)))
+    return (bucket_bytes,
+            tuple(sorted((m.role, m.member_id, m.stage, m.catalog_hash, m.receive_by_layer) for m in members)))
 
 
 class PlanCache:
@@ -37,7 +38,8 @@ class PlanCache:
                 return self._plans[key]
         sources = [SourceMember(m.member_id, m.stage, catalog(m.catalog_hash)) for m in members
                    if m.role == "trainer"]
-        dests = [DestMember(m.member_id, catalog(m.catalog_hash)) for m in members if m.role == "generator"]
+        dests = [DestMember(m.member_id, catalog(m.catalog_hash), by_layer=m.receive_by_layer)
+                 for m in members if m.role == "generator"]
         if not sources or not dests:
             raise ValueError(f"a plan needs trainers and generators; have {len(sources)} and {len(dests)}")
         # Planning costs at least one bucket per `bucket_bytes` received: refuse absurd catalogs

@@ -52,6 +52,7 @@ class Member:
     registered_at: float
     run_id: str = ""  # trainers: the training run
     weight_version: int | None = None  # what it held or served when it registered
+    receive_by_layer: bool = False  # generators installing while they receive (see the proto)
 
     @property
     def stage(self) -> int:
@@ -107,6 +108,7 @@ class Registry:
     def register(
         self, *, role: str, member_id: str, coords: Mapping[str, int], device: str, data_address: str,
         catalog_hash: str, catalog: Catalog | None, run_id: str = "", weight_version: int | None = None,
+        receive_by_layer: bool = False,
     ) -> Registration:
         """Validate and open a session; raises InvalidArgument / AlreadyExists and changes nothing."""
         if role not in ROLES:
@@ -121,6 +123,8 @@ class Registry:
                                   "count from 0")
         if weight_version is not None and weight_version < 0:
             raise InvalidArgument(f"member {member_id}: weight_version {weight_version} is negative")
+        if role == "trainer" and receive_by_layer:
+            raise InvalidArgument(f"trainer {member_id}: receive_by_layer is for generators (trainers only send)")
         if role == "trainer" and "pp" not in coords:
             raise InvalidArgument(f"trainer {member_id}: coords {dict(coords)} lack the 'pp' dim")
         if catalog is not None:
@@ -133,7 +137,7 @@ class Registry:
             if catalog is not None:
                 self._catalogs.setdefault(catalog_hash, catalog)
             member = Member(member_id, role, _ordered(coords), device, data_address, catalog_hash,
-                            uuid.uuid4().hex, time.time(), run_id, weight_version)
+                            uuid.uuid4().hex, time.time(), run_id, weight_version, receive_by_layer)
             old = self._sessions.get(member_id)
             self._sessions[member_id] = _Session(member, time.monotonic() + self.lease_seconds)
         if old is not None:

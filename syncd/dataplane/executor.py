@@ -227,7 +227,7 @@ class _Loop:
     def recv(self, buckets: Sequence[Bucket]) -> None:
         ordered = sorted(buckets, key=lambda b: (b.src, b.index))
         if self.sink is not None:
-            ordered = _interleaved(ordered, self.sink.position)
+            ordered = interleaved(ordered, self.sink.position)
         bufs = self.buffers(ordered)
         programs = self.programs("recv", ordered, bufs)
         handles: list[Handle] = []
@@ -255,7 +255,7 @@ class _Loop:
         self.finish(handles)
 
 
-def _interleaved(ordered: Sequence[Bucket], position) -> list[Bucket]:  # noqa: ANN001 (position: Bucket -> tuple)
+def interleaved(ordered: Sequence[Bucket], position) -> list[Bucket]:  # noqa: ANN001 (position: Bucket -> tuple)
     """The links' buckets merged by where they land (`ReceiveSink.position`), each link's still in
     index order: a transport matches the messages of one peer in the order they were sent, while
     different peers' may be taken in any order (every sender serves its destinations in the same

@@ -1,7 +1,7 @@
 """The layout language: every local tensor is a set of boxes of named canonical tensors."""
 
 from syncd.layout.box import Box, split_range
-from syncd.layout.catalog import CanonicalTensor, Catalog, LocalTensor, Piece
+from syncd.layout.catalog import CanonicalTensor, Catalog, LocalTensor, Piece, owning_layer
 from syncd.layout.dtypes import Conversion, conversion, dtype_bytes
 from syncd.layout.placements import (
     Canon,
@@ -33,5 +33,6 @@ __all__ = [
     "conversion",
     "dtype_bytes",
     "local_tensor",
+    "owning_layer",
     "split_range",
 ]

@@ -154,6 +154,13 @@ def _validate_local(t: LocalTensor, canon: dict[str, CanonicalTensor], full_cove
         )
 
 
+def owning_layer(tensor_name: str) -> str:
+    """The layer (module path) that holds a local tensor: its name without the last component
+    ("model.layers.3.mlp.experts.w13_weight" -> "model.layers.3.mlp.experts"). A generator that
+    installs while it receives post-processes one such layer once all of it arrived."""
+    return tensor_name.rpartition(".")[0]
+
+
 def first_overlap(boxes: list[Box]) -> tuple[Box, Box] | None:
     """A pair of overlapping boxes, or None. Sweep over dim 0 so that grids of many boxes stay
     near O(n log n)."""

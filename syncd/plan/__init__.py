@@ -1,6 +1,6 @@
 """Transfer planning: pure functions of the catalogs and the topology."""
 
-from syncd.plan.planner import DEFAULT_BUCKET_BYTES, make_plan
+from syncd.plan.planner import DEFAULT_BUCKET_BYTES, landing_order, make_plan
 from syncd.plan.types import Bucket, DestMember, LinkSummary, Plan, SourceMember, TransferUnit
 
 __all__ = [
@@ -11,5 +11,6 @@ __all__ = [
     "Plan",
     "SourceMember",
     "TransferUnit",
+    "landing_order",
     "make_plan",
 ]

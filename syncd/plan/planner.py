@@ -11,6 +11,13 @@ Each side declares the dtype it holds a canonical tensor in; when they differ, u
 conversion and are sized in the destination's dtype, since the sender converts while packing.
 Units larger than a bucket are cut into slabs; the units of each (stage, src, dst) link are
 packed greedily, in a deterministic order, into buckets of at most `bucket_bytes`.
+
+A destination that installs while it receives (`DestMember.by_layer`) keeps a layer's received
+parts until the whole layer arrived. Its layers are therefore grouped, in its catalog's order, into
+runs of whole layers of at most `bucket_bytes` together (over all its links), and every link's
+buckets into it end where a group ends: the receiver, taking buckets in catalog order, holds at
+most one group open, so its extra memory stays within its receive buffer plus one bucket. A layer
+larger than a bucket is a group of its own (then that layer is what it holds).
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ import bisect
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
-from syncd.layout import Box, CanonicalTensor, Conversion, Piece, conversion, dtype_bytes
+from syncd.layout import Box, CanonicalTensor, Catalog, Conversion, Piece, conversion, dtype_bytes, owning_layer
 from syncd.layout.catalog import first_overlap
 from syncd.plan.types import Bucket, DestMember, Plan, SourceMember, TransferUnit
 
@@ -226,13 +233,20 @@ def _pack(
 ) -> Plan:
     buckets: list[Bucket] = []
     stage_members: dict[int, set[str]] = defaultdict(set)
+    layer_groups = {d: _layer_groups(dst, links, d, bucket_bytes)
+                    for d, dst in enumerate(destinations) if dst.by_layer}
     for (s, d), units in sorted(links.items(), key=lambda kv: (sources[kv[0][0]].stage, kv[0])):
         src, dst = sources[s], destinations[d]
         stage_members[src.stage].update((src.member_id, dst.member_id))
+        group_of = layer_groups.get(d)
+        if group_of is not None:  # in the destination's own catalog order (`landing_order`)
+            units = sorted(units, key=_landing_key(dst.catalog))
         groups: list[list[TransferUnit]] = [[]]
         size = 0
         for unit in units:
-            if groups[-1] and size + unit.nbytes > bucket_bytes:
+            full = size + unit.nbytes > bucket_bytes
+            if groups[-1] and (full or (group_of is not None and
+                                        group_of[unit.dst_tensor] != group_of[groups[-1][-1].dst_tensor])):
                 groups.append([])
                 size = 0
             groups[-1].append(unit)
@@ -245,3 +259,39 @@ def _pack(
         bucket_bytes=bucket_bytes,
         stage_members={k: tuple(sorted(v)) for k, v in sorted(stage_members.items())},
     )
+
+
+def _layer_groups(dst: DestMember, links: dict[tuple[int, int], list[TransferUnit]], d: int,
+                  bucket_bytes: int) -> dict[str, int]:
+    """For a `by_layer` destination: its tensors' group numbers. Layers (`owning_layer`) are taken
+    in the destination's catalog order and grouped greedily while the bytes it receives for them,
+    from every source, fit in `bucket_bytes`."""
+    received: dict[str, int] = defaultdict(int)
+    for (_, dd), units in links.items():
+        if dd == d:
+            for u in units:
+                received[owning_layer(u.dst_tensor)] += u.nbytes
+    group_of_layer: dict[str, int] = {}
+    group, size = 0, 0
+    for t in dst.catalog.tensors:
+        layer = owning_layer(t.name)
+        if layer in group_of_layer:
+            continue
+        if size and size + received[layer] > bucket_bytes:
+            group, size = group + 1, 0
+        group_of_layer[layer] = group
+        size += received[layer]
+    return {t.name: group_of_layer[owning_layer(t.name)] for t in dst.catalog.tensors}
+
+
+def landing_order(catalog: Catalog) -> Callable[[Bucket], tuple]:
+    """The order in which a `by_layer` destination takes its buckets: by where each lands in its
+    catalog (first unit's tensor, then its box start). Catalogs list parameters layer by layer, so
+    every group of `_layer_groups` arrives whole before the next one starts."""
+    key = _landing_key(catalog)
+    return lambda bucket: key(bucket.units[0])
+
+
+def _landing_key(catalog: Catalog) -> Callable[[TransferUnit], tuple]:
+    index = {t.name: i for i, t in enumerate(catalog.tensors)}
+    return lambda unit: (index[unit.dst_tensor], unit.dst_box.start)

@@ -20,10 +20,12 @@ class SourceMember:
 
 @dataclass(frozen=True)
 class DestMember:
-    """A receiving member (generator worker)."""
+    """A receiving member (generator worker). `by_layer`: it installs while it receives, so its
+    buckets are cut at groups of whole layers (`syncd.plan.planner` says how)."""
 
     member_id: str
     catalog: Catalog
+    by_layer: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,6 +100,16 @@ def test_unspecified_role_and_trainer_without_stage(cluster: Cluster, stub) -> N
     assert member_ids(cluster) == []
 
 
+def test_a_trainer_asking_for_layer_cut_buckets_is_refused(cluster: Cluster, stub) -> None:
+    catalog = generator_catalog(0)
+    request = pb.RegisterRequest(role=pb.ROLE_TRAINER, member_id="trainer-9", coords={"pp": 0},
+                                 catalog_hash=catalog.content_hash, catalog=convert.catalog_to_pb(catalog),
+                                 receive_by_layer=True)
+    details = refused(lambda: stub.Register(request, timeout=10), grpc.StatusCode.INVALID_ARGUMENT)
+    assert "receive_by_layer is for generators" in details
+    assert member_ids(cluster) == []
+
+
 def test_unknown_session_must_register_again(cluster: Cluster, stub) -> None:
     beat = pb.HeartbeatRequest(member_id="ghost", session_id="nope")
     details = refused(lambda: stub.Heartbeat(beat, timeout=10), grpc.StatusCode.NOT_FOUND)

@@ -24,9 +24,11 @@ from syncd.layout import (
     Sharded,
     dtype_bytes,
     local_tensor,
+    owning_layer,
 )
+from syncd.dataplane.executor import interleaved
 from syncd.layout.dtypes import CASTS, torch_dtype
-from syncd.plan import DestMember, SourceMember, make_plan
+from syncd.plan import DestMember, SourceMember, landing_order, make_plan
 from syncd.plan.simulate import NUMPY_DTYPES, execute, materialize
 
 DTYPE_PAIRS = sorted(CASTS | {(d, d) for d in ("float32", "bfloat16", "float16")})
@@ -80,7 +82,7 @@ def side(draw, groups, prefix: str, dtype: str = "float32"):
                 exprs.append((t.name, [t], draw(placements(rank, mesh, t.shape)), "plain"))
         else:
             fused = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
-            exprs.append((f"fused{g}", tensors, draw(placements(rank, mesh, fused)), style))
+            exprs.append((f"g{g}.fused", tensors, draw(placements(rank, mesh, fused)), style))
     members = []
     for coords in itertools.product(*(range(n) for n in mesh)):
         locals_, canon = [], {}
@@ -130,10 +132,11 @@ def test_random_layouts_reproduce_every_destination_bit_exactly(data):
     srcs = data.draw(side(groups, "src", src_dtype))
     dsts = data.draw(side(groups, "dst", dst_dtype))
     bucket_bytes = data.draw(st.sampled_from([4, 64, 1 << 20]))
+    by_layer = data.draw(st.booleans())
     for _, _, catalog in srcs + dsts:
         catalog.validate()
     sources = [SourceMember(m, coords[0] % 2, c) for m, coords, c in srcs]
-    plan = make_plan(sources, [DestMember(m, c) for m, _, c in dsts], bucket_bytes=bucket_bytes)
+    plan = make_plan(sources, [DestMember(m, c, by_layer=by_layer) for m, _, c in dsts], bucket_bytes=bucket_bytes)
     canonical = _canonical_arrays(groups, data.draw(st.integers(0, 2**16)), src_dtype)
     src_arrays = {m: materialize(c, canonical) for m, _, c in srcs}
     dst_arrays = {m: {t.name: _sentinel(t.shape, dst_dtype) for t in c.tensors} for m, _, c in dsts}
@@ -156,6 +159,40 @@ def test_random_layouts_reproduce_every_destination_bit_exactly(data):
     for m, per_tensor in writes.items():
         for name, count in per_tensor.items():
             assert (count == 1).all(), f"{m}/{name}: an element was written {count.min()}..{count.max()} times"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_by_layer_destination_holds_at_most_one_bucket_of_layers_open(data):
+    """A receiver that installs while it receives (the generator's inplace mode) opens a layer at
+    its first byte and closes it when all of it arrived. Taking its buckets as the data plane does
+    (links merged by `landing_order`, each link in index order), the layers open at once stay
+    within one bucket, or within the one layer that is larger than a bucket, whatever the sources'
+    layout. Layers here are the tensor groups (local tensors g<k>.*)."""
+    groups = data.draw(tensor_groups())
+    srcs = data.draw(side(groups, "src"))
+    dsts = data.draw(side(groups, "dst"))
+    bucket_bytes = data.draw(st.sampled_from([16, 64, 256, 1 << 20]))
+    sources = [SourceMember(m, 0, c) for m, _, c in srcs]
+    plan = make_plan(sources, [DestMember(m, c, by_layer=True) for m, _, c in dsts], bucket_bytes=bucket_bytes)
+    for m, _, catalog in dsts:
+        layer_bytes: dict[str, int] = defaultdict(int)
+        for t in catalog.tensors:
+            layer_bytes[owning_layer(t.name)] += t.nbytes
+        remaining = dict(layer_bytes)
+        into = sorted((b for b in plan.buckets if b.dst == m), key=lambda b: (b.src, b.index))
+        open_bytes = peak = 0
+        for bucket in interleaved(into, landing_order(catalog)):
+            for u in bucket.units:
+                layer = owning_layer(u.dst_tensor)
+                if remaining[layer] == layer_bytes[layer]:
+                    open_bytes += layer_bytes[layer]
+                    peak = max(peak, open_bytes)
+                remaining[layer] -= u.nbytes
+                if remaining[layer] == 0:
+                    open_bytes -= layer_bytes[layer]
+        assert not any(remaining.values()), remaining
+        assert peak <= max([bucket_bytes, *layer_bytes.values()]), (m, peak, dict(layer_bytes))
 
 
 @settings(max_examples=60, deadline=None)
