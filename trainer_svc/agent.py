@@ -124,8 +124,10 @@ class RankAgent:
         from syncd.client import MemberClient
 
         mesh = trainer.mesh
-        catalog = build_catalog(trainer.args, mesh.dims, mesh.coords)
-        shards = LocalShards(catalog, dict(trainer.model.named_parameters()), trainer.lock)
+        # The weights the model computes with (bfloat16 copies of the float32 masters, when it
+        # trains in bfloat16): what a generator serves.
+        catalog = build_catalog(trainer.args, mesh.dims, mesh.coords, trainer.precision.dtype)
+        shards = LocalShards(catalog, trainer.precision.weights, trainer.lock)
         member_id = f"trainer-{env.rank}"
         run_id = [uuid.uuid4().hex]  # this training run, as syncd knows it: rank 0's id on every rank
         if torch.distributed.is_initialized():

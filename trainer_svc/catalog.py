@@ -29,13 +29,14 @@ from trainer_svc.parallel_dims import Coords, ParallelDims
 from trainer_svc.parallelize import stage_layers
 from trainer_svc.state_dict_adapter import COLUMN_PARALLEL, ROW_PARALLEL, canonical_shapes
 
-DTYPE = "float32"
+MASTER_DTYPE = "float32"  # what the stage's parameters hold (`trainer_svc.precision`)
 
 
-def build_catalog(args: ModelArgs, dims: ParallelDims, c: Coords) -> Catalog:
-    """The catalog of the rank at `c`: its pipeline stage's parameters, all canonical tensors declared."""
+def build_catalog(args: ModelArgs, dims: ParallelDims, c: Coords, dtype: str = MASTER_DTYPE) -> Catalog:
+    """The catalog of the rank at `c`: its pipeline stage's parameters held in `dtype` (the masters,
+    or the weights the model computes with), all canonical tensors declared."""
     shapes = canonical_shapes(args)
-    canonical = tuple(CanonicalTensor(name, shape, DTYPE) for name, shape in shapes.items())
+    canonical = tuple(CanonicalTensor(name, shape, dtype) for name, shape in shapes.items())
     tensors: list[LocalTensor] = []
     for name in _stage_canonical_names(args, dims, c):
         shape = shapes[name]
@@ -43,16 +44,16 @@ def build_catalog(args: ModelArgs, dims: ParallelDims, c: Coords) -> Catalog:
             continue  # covered by the fused gate_up entry, or below
         if name.endswith(".experts.gate_proj.weight"):
             prefix = name[: -len(".experts.gate_proj.weight")]
-            tensors.append(gate_up_view_tensor(prefix, args, dims, c))
+            tensors.append(gate_up_view_tensor(prefix, args, dims, c, dtype))
             down = grouped_expert_name(prefix, "down_proj")
             expr = Sharded(Canon(down, shapes[down]), (Shard(0), Shard(2)), (dims.ep, dims.tp), (c.ep, c.tp))
-            tensors.append(local_tensor(f"{prefix}.experts.down_proj", DTYPE, expr))
+            tensors.append(local_tensor(f"{prefix}.experts.down_proj", dtype, expr))
         elif name.endswith(COLUMN_PARALLEL):
-            tensors.append(local_tensor(name, DTYPE, Sharded(Canon(name, shape), (Shard(0),), (dims.tp,), (c.tp,))))
+            tensors.append(local_tensor(name, dtype, Sharded(Canon(name, shape), (Shard(0),), (dims.tp,), (c.tp,))))
         elif name.endswith(ROW_PARALLEL):
-            tensors.append(local_tensor(name, DTYPE, Sharded(Canon(name, shape), (Shard(1),), (dims.tp,), (c.tp,))))
+            tensors.append(local_tensor(name, dtype, Sharded(Canon(name, shape), (Shard(1),), (dims.tp,), (c.tp,))))
         else:
-            tensors.append(local_tensor(name, DTYPE, Canon(name, shape)))
+            tensors.append(local_tensor(name, dtype, Canon(name, shape)))
     catalog = Catalog(canonical, tuple(tensors))
     catalog.validate()
     return catalog
@@ -72,7 +73,8 @@ def _stage_canonical_names(args: ModelArgs, dims: ParallelDims, c: Coords) -> li
     return names
 
 
-def gate_up_view_tensor(prefix: str, args: ModelArgs, dims: ParallelDims, c: Coords) -> LocalTensor:
+def gate_up_view_tensor(prefix: str, args: ModelArgs, dims: ParallelDims, c: Coords,
+                        dtype: str = MASTER_DTYPE) -> LocalTensor:
     """`{prefix}.experts.gate_up_proj` as the view [E_l, 2, I_l, H]: projection p (0 gate, 1 up)
     of the local experts is box [:, p, :, :], holding this rank's ep/tp shard of that projection."""
     E, I, H = args.num_experts, args.moe_intermediate_size, args.hidden_size
@@ -83,7 +85,7 @@ def gate_up_view_tensor(prefix: str, args: ModelArgs, dims: ParallelDims, c: Coo
         expr = Sharded(Canon(name, (E, I, H)), (Shard(0), Shard(1)), (dims.ep, dims.tp), (c.ep, c.tp))
         (piece,) = expr.pieces()
         pieces.append(Piece(name, piece.canon, Box((0, p, 0, 0), (E_l, p + 1, I_l, H))))
-    return LocalTensor(f"{prefix}.experts.gate_up_proj", (E_l, 2, I_l, H), DTYPE, tuple(pieces))
+    return LocalTensor(f"{prefix}.experts.gate_up_proj", (E_l, 2, I_l, H), dtype, tuple(pieces))
 
 
 def gate_up_interleaved_expr(prefix: str, args: ModelArgs, dims: ParallelDims, c: Coords) -> Sharded:

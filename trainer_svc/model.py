@@ -122,7 +122,7 @@ class Qwen3MoeStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.first else x
-        cos, sin = rope_cos_sin(h.shape[1], self.args, h.device)
+        cos, sin = (t.to(h.dtype) for t in rope_cos_sin(h.shape[1], self.args, h.device))
         for layer in self.model.layers.values():
             h = layer(h, cos, sin)
         if self.last:

@@ -16,6 +16,7 @@ import math
 import os
 import struct
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -97,10 +98,11 @@ def _writes(name: str, mesh: Mesh) -> tuple[bool, bool]:
 
 
 @torch.no_grad()
-def export_parallel(model: torch.nn.Module, mesh: Mesh, args: ModelArgs, out_dir: str | Path,
+def export_parallel(weights: Mapping[str, torch.Tensor], mesh: Mesh, args: ModelArgs, out_dir: str | Path,
                     dtype: str = "float32") -> None:
     """Collective over the world: write config.json + model.safetensors (in `dtype`, rounded to
-    nearest even from the float32 parameters) from every writer rank."""
+    nearest even where it is narrower than the weights) from every writer rank. `weights`: this
+    rank's stage parameters by name."""
     out_dir = Path(out_dir)
     path = out_dir / WEIGHTS_FILE
     prefix, starts, size = file_layout(args, dtype)
@@ -112,7 +114,7 @@ def export_parallel(model: torch.nn.Module, mesh: Mesh, args: ModelArgs, out_dir
         (out_dir / CONFIG_FILE).write_text(json.dumps(args.to_hf(dtype), indent=2) + "\n")
     dist.barrier()
     with open(path, "r+b") as f:
-        for name, p in model.named_parameters():
+        for name, p in weights.items():
             part, write = _writes(name, mesh)
             if not part:
                 continue

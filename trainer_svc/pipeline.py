@@ -15,26 +15,29 @@ import torch.nn.functional as F
 from trainer_svc.data import Microbatch
 from trainer_svc.model import Qwen3MoeStage
 from trainer_svc.parallel_dims import Mesh
+from trainer_svc.precision import Precision
 
 
 def train_microbatches(
-    stage: Qwen3MoeStage, mesh: Mesh, microbatches: list[Microbatch], global_tokens: int
+    precision: Precision, mesh: Mesh, microbatches: list[Microbatch], global_tokens: int
 ) -> torch.Tensor:
-    """Run forward and backward of every microbatch; gradients accumulate in `stage`.
-    Returns this rank's loss contribution (sum of token losses / global_tokens; 0 off the last stage)."""
+    """Run forward and backward of every microbatch in the training precision; gradients
+    accumulate in the stage's (float32) parameters. Returns this rank's loss contribution (sum of
+    token losses / global_tokens, in float32; 0 off the last stage)."""
     inputs, outputs = [], []
     loss_sum = torch.zeros((), device=microbatches[0].inputs.device)
+    stage: Qwen3MoeStage = precision.model
     H = stage.args.hidden_size
     for mb in microbatches:
         if mesh.is_first_stage:
             x = mb.inputs
         else:
-            x = torch.empty((*mb.inputs.shape, H), device=mb.inputs.device)
+            x = torch.empty((*mb.inputs.shape, H), dtype=precision.torch_dtype, device=mb.inputs.device)
             dist.recv(x, src=mesh.stage_peer(-1))
             x.requires_grad_(True)
-        y = stage(x)
+        y = precision.forward(x)
         if mesh.is_last_stage:
-            logits = y.reshape(-1, y.shape[-1])
+            logits = y.reshape(-1, y.shape[-1]).float()
             y = F.cross_entropy(logits, mb.labels.reshape(-1), reduction="sum") / global_tokens
             loss_sum = loss_sum + y.detach()
         else:

@@ -11,7 +11,9 @@ from trainer_svc.parallel_dims import ParallelDims
 # The environment variables trainer_svc reads: torchrun's, and the syncd token (kept off argv).
 ENV_RANK, ENV_WORLD_SIZE, ENV_LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
 ENV_AUTH_TOKEN = "TRAINER_AUTH_TOKEN"
-# The trainer holds float32; these are the exported checkpoint's dtypes (the casts a refit makes).
+# The training precisions (`trainer_svc.precision`: bfloat16 computes with float32 masters) and
+# the exported checkpoint's dtypes (the casts a refit makes).
+TRAIN_DTYPES = ("float32", "bfloat16")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -26,6 +28,7 @@ class TrainSettings:
     steps: int = 3
     seed: int = 0
     lr: float = 1e-3
+    dtype: str = "float32"  # parameters and compute; bfloat16 keeps float32 masters and optimizer state
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # adamw, or muon (hidden matrices; AdamW for the rest)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
@@ -35,7 +38,7 @@ class TrainSettings:
     microbatches: int = 2
     export_dir: str | None = None
     export_each_step: bool = False  # also write export_dir/step-N after every step
-    export_dtype: str = "float32"  # the exported checkpoint's dtype (float32 masters rounded to nearest even)
+    export_dtype: str | None = None  # the exported checkpoint's dtype; None: the training dtype
     syncd: str | None = None
     auth_token: str | None = None  # bearer token when syncd requires one
     sync_refit: bool = False  # after announcing a step, wait until a refit of it commits or aborts
@@ -57,6 +60,10 @@ class TrainSettings:
                 f"--global-batch-size {self.global_batch_size} must be divisible by dp {self.dp} x "
                 f"ep {self.ep} x microbatches {self.microbatches}"
             )
+        if self.dtype not in TRAIN_DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(TRAIN_DTYPES)}, got {self.dtype!r}")
+        if self.export_dtype is None:
+            object.__setattr__(self, "export_dtype", self.dtype)
         if self.export_dtype not in EXPORT_DTYPES:
             raise ValueError(f"--export-dtype must be one of {', '.join(EXPORT_DTYPES)}, got {self.export_dtype!r}")
         if self.export_each_step and not self.export_dir:
@@ -86,6 +93,9 @@ class TrainSettings:
         p.add_argument("--steps", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--lr", type=float, default=1e-3)
+        p.add_argument("--dtype", default="float32", choices=TRAIN_DTYPES,
+                       help="parameters and compute; bfloat16 keeps float32 master weights and optimizer "
+                            "state, and exports and refits the bfloat16 weights it computes with")
         p.add_argument("--weight-decay", type=float, default=0.0)
         p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
                        help="muon: Muon for attention and expert matrices, AdamW for the rest")
@@ -97,9 +107,9 @@ class TrainSettings:
         p.add_argument("--export-dir", help="write the HF checkpoint here after the last step")
         p.add_argument("--export-each-step", action="store_true",
                        help="also export after every step, to EXPORT_DIR/step-N")
-        p.add_argument("--export-dtype", default="float32", choices=EXPORT_DTYPES,
-                       help="dtype of the exported checkpoint: what a generator serving that dtype holds "
-                            "(the float32 weights rounded to nearest even, as a refit converts them)")
+        p.add_argument("--export-dtype", default=None, choices=EXPORT_DTYPES,
+                       help="dtype of the exported checkpoint (default: --dtype): what a generator serving "
+                            "that dtype holds (the weights rounded to nearest even, as a refit converts them)")
         p.add_argument("--syncd", help="syncd gRPC address host:port (omit to train standalone)")
         p.add_argument("--auth-token", default=os.environ.get(ENV_AUTH_TOKEN) or None,
                        help=f"syncd bearer token (default: ${ENV_AUTH_TOKEN})")

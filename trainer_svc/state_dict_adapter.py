@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -138,13 +139,14 @@ def load_into(model: torch.nn.Module, canonical: dict[str, torch.Tensor], dims: 
 
 
 @torch.no_grad()
-def gather_canonical(model: torch.nn.Module, mesh: Mesh, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Collective over the whole world: rank 0 gets every canonical tensor, others get {}.
+def gather_canonical(weights: Mapping[str, torch.Tensor], mesh: Mesh, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Collective over the whole world: rank 0 gets every canonical tensor of `weights` (each
+    rank's stage parameters by name), others get {}.
     Shards are all-gathered over tp (interleaved gate/up re-interleaved), then over ep; one rank
     per stage (dp = ep = tp = 0) then ships its stage's tensors to rank 0."""
     stage: dict[str, torch.Tensor] = {}
     E_l = args.num_experts // mesh.dims.ep
-    for name, p in model.named_parameters():
+    for name, p in weights.items():
         prefix = _expert_prefix(name)
         if prefix is None:
             if name.endswith(COLUMN_PARALLEL):

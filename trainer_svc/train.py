@@ -29,6 +29,7 @@ from trainer_svc.parallel_dims import Mesh
 from trainer_svc.parallel_export import export_parallel
 from trainer_svc.parallelize import build_stage, global_grad_norm, grad_sync_plan, sync_grads
 from trainer_svc.pipeline import train_microbatches
+from trainer_svc.precision import Precision
 from trainer_svc.settings import LaunchEnv, TrainSettings
 from trainer_svc.sharded_io import read_shards
 from trainer_svc.state_dict_adapter import CONFIG_FILE, gather_canonical, load_into, random_canonical, save_hf
@@ -98,6 +99,7 @@ class Trainer:
         else:
             load_into(self.model, canonical, mesh.dims, mesh.coords)
         self.model.to(device)
+        self.precision = Precision(self.model, settings.dtype)
         self.plan = grad_sync_plan(self.model, mesh)
         self.optimizer = build_optimizer(settings, self.model, mesh, args)
         self.lock = threading.Lock()
@@ -129,11 +131,12 @@ class Trainer:
         mbs = data.local_microbatches(tokens, self.mesh.data_rank, self.mesh.dims.data_ranks,
                                       s.microbatches, self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = train_microbatches(self.model, self.mesh, mbs, s.global_batch_size * s.seq_len)
+        loss = train_microbatches(self.precision, self.mesh, mbs, s.global_batch_size * s.seq_len)
         sync_grads(self.plan)
         norm = global_grad_norm(self.plan, world=self.distributed)
         with self.lock:
             self.optimizer.step()
+            self.precision.refresh()
             self.version = step
         loss = self._global_loss(loss)
         elapsed = time.perf_counter() - start
@@ -169,11 +172,11 @@ class Trainer:
         (`parallel_export`); otherwise every shard is gathered and rank 0 writes. Returns on every
         rank only once the files exist (anyone told about the step may read them)."""
         if self.distributed and self._one_host():
-            export_parallel(self.model, self.mesh, self.args, out_dir, self.settings.export_dtype)
+            export_parallel(self.precision.weights, self.mesh, self.args, out_dir, self.settings.export_dtype)
             if self.mesh.rank == 0:
                 log.info("exported HF checkpoint to %s (parallel writers)", out_dir)
             return
-        canonical = gather_canonical(self.model, self.mesh, self.args)
+        canonical = gather_canonical(self.precision.weights, self.mesh, self.args)
         if self.mesh.rank == 0:
             save_hf(out_dir, self.args, canonical, self.settings.export_dtype)
             log.info("exported HF checkpoint to %s", out_dir)

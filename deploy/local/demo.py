@@ -1,6 +1,7 @@
 """`make demo`: train a tiny Qwen3-MoE with expert TP and refit a live vLLM generator every step.
 
-    python -m deploy.local.demo [--steps 3] [--layout ep2tp2|pp2] [--dtype bfloat16|float32] [--model-dir DIR]
+    python -m deploy.local.demo [--steps 3] [--layout ep2tp2|pp2] [--dtype bfloat16|float32]
+                                [--train-dtype bfloat16|float32] [--model-dir DIR]
                                 [--refit-mode staged|inplace]
                                 [--summary-json PATH]
 
@@ -8,8 +9,10 @@ Starts syncd, the vLLM generator (CPU) and a 4-rank gloo trainer (`--layout ep2t
 experts split over TP; `--layout pp2`: pp 2 x ep 2), all on this machine. The trainer waits after
 each step (`--sync-refit`) while this driver measures how far the generator's policy is from the
 trainer's (KL of sampled tokens), triggers the refit through syncd's HTTP API, and measures again.
-The generator serves bfloat16 by default (`--dtype`): the trainer keeps float32 weights, exports
-each step in the served dtype, and the refit rounds to it on the way (half the bytes of float32).
+By default the trainer trains in bfloat16 (`--train-dtype`; float32 master weights and optimizer
+state) and the generator serves bfloat16 (`--dtype`): the refit carries the bfloat16 weights the
+trainer computes with. The trainer exports each step in the served dtype; a float32 trainer's
+refit into a bfloat16 generator rounds on the way (half the bytes of float32 to float32).
 `--model-dir` starts both from any Qwen3-MoE HF directory instead of the tiny random model. Per refit the summary gives the seconds of `transfer` and `verify` (syncd's phases),
 `install` (how long the generator held generation to install) and `total`, and the bytes moved.
 Every process it starts, it stops.
@@ -147,7 +150,8 @@ def start_services(cluster: Cluster, work: Path, layout: dict, args) -> tuple[Sy
         "--pp", str(layout["pp"]), "--ep", str(layout["ep"]), "--tp", str(layout["tp"]),
         "--model-dir", str(model), "--steps", str(args.steps), "--seed", str(args.seed), "--lr", str(args.lr),
         "--device", "cpu", "--syncd", f"127.0.0.1:{grpc_port}", "--sync-refit",
-        "--export-dir", str(work / "export"), "--export-each-step", "--export-dtype", args.dtype,
+        "--export-dir", str(work / "export"), "--export-each-step", "--dtype", args.train_dtype,
+        "--export-dtype", args.dtype,
     ], env={"OMP_NUM_THREADS": "1"})
     return Syncd(f"http://127.0.0.1:{http_port}"), Generator(f"http://127.0.0.1:{gen_port}"), trainer
 
@@ -190,6 +194,8 @@ def run(args) -> dict:
         "kl_after_max": max((r.kl_after for r in rows), default=None),
         "total_seconds": round(time.monotonic() - start, 1),
         "layout": args.layout,
+        "train_dtype": args.train_dtype,
+        "served_dtype": args.dtype,
         "refit_phases": [{"step": r.step, "transfer": r.transfer_seconds, "verify": r.verify_seconds,
                           "install": r.install_seconds, "total": r.refit_seconds, "bytes": r.bytes} for r in rows],
         "steps": [asdict(r) for r in rows],
@@ -208,8 +214,10 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="what the generator serves; the trainer trains in float32 and the refit "
-                             "rounds to it (to nearest even), moving half the bytes for bfloat16")
+                        help="what the generator serves (and the trainer exports); from a float32 trainer "
+                             "the refit rounds to it (to nearest even), moving half the bytes for bfloat16")
+    parser.add_argument("--train-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the trainer's parameters and compute (bfloat16 keeps float32 masters)")
     parser.add_argument("--refit-mode", choices=("staged", "inplace"), default="staged",
                         help="the generator's refit mode (generator_svc/README.md, 'Refit modes')")
     parser.add_argument("--workdir", default="runs/demo")

@@ -72,7 +72,7 @@ class Stack:
             self.syncd = None
 
     def start_generator(self, model: Path, tp: int = 1, syncd: bool = True, name: str = "generator",
-                        replica: int = 0, dtype: str = "float32", refit_mode: str = "staged") -> Generator:
+                        replica: int = 0, dtype: str = "bfloat16", refit_mode: str = "staged") -> Generator:
         port = free_port()
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
         flags = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
@@ -87,13 +87,16 @@ class Stack:
         return Generator(proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
 
     def train(self, model: Path, *, pp: int, ep: int, tp: int, steps: int, export: Path, name: str = "trainer",
-              sync_refit: bool = True, export_dtype: str = "float32") -> Proc:
+              sync_refit: bool = True, dtype: str = "bfloat16", export_dtype: str | None = None) -> Proc:
+        """A torchrun trainer job training in `dtype` (bfloat16: float32 masters), exporting every
+        step in `export_dtype` (default: `dtype`)."""
         world = pp * ep * tp
         return self.cluster.start(name, [
             PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "-m", "trainer_svc",
             "--pp", str(pp), "--ep", str(ep), "--tp", str(tp), "--model-dir", str(model), "--steps", str(steps),
             "--lr", "3e-3", "--device", "cpu", "--syncd", self.target, "--export-dir", str(export),
-            "--export-each-step", "--export-dtype", export_dtype, *(["--sync-refit"] if sync_refit else []),
+            "--export-each-step", "--dtype", dtype, "--export-dtype", export_dtype or dtype,
+            *(["--sync-refit"] if sync_refit else []),
         ], env={"OMP_NUM_THREADS": "1"})
 
     def train_and_refit(self, model: Path, layout: tuple[int, int, int], export: Path, steps: int = 1) -> list[dict]:

@@ -1,9 +1,11 @@
-"""Serving bfloat16 end to end: a float32 trainer refits a bfloat16 vLLM generator (real processes).
-
-The trainer keeps float32 weights and exports each step in bfloat16; the refit rounds the same
-float32 values to bfloat16 on the sender (to nearest even, as the export does), so after a refit
-the generator must generate exactly as when it loads that bfloat16 export through vLLM's own
-loaders, and the wire must carry half the bytes of the float32 weights.
+"""Serving bfloat16 end to end, as users run it (real processes):
+- a bfloat16 trainer (float32 masters) refits a bfloat16 vLLM generator after every step, and after
+  each refit the generator generates exactly as a separate vLLM engine holding the trainer's
+  bfloat16 export of that step: started fresh on step 1's, then given step 2's through vLLM's own
+  loader; for the trainer layouts (1,2,2) and (2,2,1), into vLLM TP 1 and TP 2;
+- a float32 trainer refits the same generator with the sender rounding to bfloat16 (to nearest
+  even, as the export does): exactly its bfloat16 export, with 2 bytes per weight on the wire, half
+  of float32.
 """
 
 from __future__ import annotations
@@ -23,27 +25,53 @@ def _elements(checkpoint: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
-@pytest.mark.parametrize("layout, tp, steps", [((1, 2, 2), 1, 1), ((2, 2, 1), 2, 2)],
-                         ids=["pp1-ep2-tp2-into-tp1", "pp2-ep2-tp1-into-tp2-two-steps"])
-def test_a_float32_trainer_refits_a_bfloat16_generator_exactly_as_its_bfloat16_export(stack, model, tmp_path,
-                                                                                       layout, tp, steps):
+@pytest.mark.parametrize("layout, tp", [((1, 2, 2), 1), ((2, 2, 1), 2)],
+                         ids=["pp1-ep2-tp2-into-tp1", "pp2-ep2-tp1-into-tp2"])
+def test_a_bfloat16_trainer_refit_generates_as_vllm_on_its_export_after_every_step(stack, model, tmp_path, layout, tp):
     pp, ep, ttp = layout
+    steps = 2
     stack.start_syncd(trainers=pp * ep * ttp, db=f"{tmp_path.name}.db")
-    generator = stack.start_generator(model, tp=tp, dtype="bfloat16", name=f"generator-bf16-tp{tp}")
+    generator = stack.start_generator(model, tp=tp, name=f"generator-bf16-tp{tp}")
     try:
-        trainer = stack.train(model, pp=pp, ep=ep, tp=ttp, steps=steps, export=tmp_path / "export",
-                              export_dtype="bfloat16")
-        states = []
+        trainer = stack.train(model, pp=pp, ep=ep, tp=ttp, steps=steps, export=tmp_path / "export")
+        served = []
         for step in range(1, steps + 1):
             stack.wait_announced(step)
-            states.append(stack.refit(step))
+            state = stack.refit(step)
+            assert state["state"] == "COMMITTED", state
+            served.append(generator.greedy())
         assert trainer.popen.wait(180) == 0, trainer.tail()
-        assert [s["state"] for s in states] == ["COMMITTED"] * steps, states
-        export = tmp_path / "export" / f"step-{steps}"
-        if tp == 1:  # one receiver holding every element once: bfloat16 on the wire, 2 bytes each
-            assert all(s["bytes"] == 2 * _elements(export) for s in states), states
+    finally:
+        generator.proc.stop()
+        stack.cluster.procs.remove(generator.proc)
+
+    export = tmp_path / "export"
+    reference = stack.start_generator(export / "step-1", tp=tp, syncd=False, name=f"reference-bf16-tp{tp}")
+    try:
+        assert served[0] == reference.greedy(), "step 1"
+        reference.load(export / "step-2", version=2)
+        assert served[1] == reference.greedy(), "step 2"
+    finally:
+        reference.proc.stop()
+        stack.cluster.procs.remove(reference.proc)
+
+
+def test_a_float32_trainer_refits_a_bfloat16_generator_with_half_the_bytes(stack, model, tmp_path):
+    stack.start_syncd(trainers=4, db="float32-trainer.db")
+    generator = stack.start_generator(model, name="generator-bf16-from-f32")
+    try:
+        trainer = stack.train(model, pp=1, ep=2, tp=2, steps=1, export=tmp_path / "export",
+                              dtype="float32", export_dtype="bfloat16")
+        stack.wait_announced(1)
+        state = stack.refit(1)
+        assert trainer.popen.wait(180) == 0, trainer.tail()
+        assert state["state"] == "COMMITTED", state
+        export = tmp_path / "export" / "step-1"
+        # one TP-1 receiver holding every element once: bfloat16 on the wire, 2 bytes each
+        assert state["bytes"] == 2 * _elements(export), state
         after_refit = generator.greedy()
-        generator.load(export, version=5000 + steps)
+        generator.load(export, version=5001)
         assert after_refit == generator.greedy()
     finally:
         generator.proc.stop()
+        stack.cluster.procs.remove(generator.proc)

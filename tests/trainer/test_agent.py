@@ -25,8 +25,8 @@ from trainer_svc.tiny import TINY_ARGS
 from trainer_svc.train import Trainer
 
 
-def _single_trainer(tiny_dir: str) -> Trainer:
-    settings = TrainSettings(model_dir=tiny_dir, device="cpu", **TRAIN)
+def _single_trainer(tiny_dir: str, dtype: str = "float32") -> Trainer:
+    settings = TrainSettings(model_dir=tiny_dir, device="cpu", dtype=dtype, **TRAIN)
     return Trainer.create(settings, LaunchEnv(0, 1, 0), torch.device("cpu"))
 
 
@@ -44,6 +44,22 @@ def test_local_shards_are_live_views_of_the_parameters(tiny_dir):
     trainer.train_step(1)
     assert not torch.equal(before, shards[fused]), "the view must see the optimizer's update"
     torch.testing.assert_close(shards[fused].reshape(-1, 128), params[fused].detach(), rtol=0, atol=0)
+
+
+def test_bf16_shards_are_the_weights_the_model_computes_with_and_the_optimizer_keeps_float32(tiny_dir):
+    trainer = _single_trainer(tiny_dir, "bfloat16")
+    catalog = build_catalog(trainer.args, trainer.mesh.dims, trainer.mesh.coords, trainer.precision.dtype)
+    assert {t.dtype for t in catalog.tensors} == {"bfloat16"}
+    shards = LocalShards(catalog, trainer.precision.weights, trainer.lock)
+    masters = dict(trainer.model.named_parameters())
+    for step in (1, 2):
+        trainer.train_step(step)
+        for name, master in masters.items():
+            assert master.dtype == torch.float32 and master.grad.dtype == torch.float32, name
+            weights = shards[name].reshape(master.shape)
+            assert weights.dtype == torch.bfloat16 and torch.equal(weights, master.detach().to(torch.bfloat16)), name
+    states = [t for state in trainer.optimizer.state.values() for t in state.values() if t.numel() > 1]
+    assert states and all(t.dtype == torch.float32 for t in states)
 
 
 def test_optimizer_waits_while_shards_are_read(tiny_dir):
@@ -186,7 +202,7 @@ def test_refit_moves_the_trained_weights_bit_exactly(start_syncd, tiny_dir):
                      and b, 60, "the refit")
         assert done["state"] == "COMMITTED", done["error"]
         assert done["weight_version"] == 1 and receiver.committed == [1]
-        expected = gather_canonical(trainer.model, trainer.mesh, trainer.args)
+        expected = gather_canonical(trainer.precision.weights, trainer.mesh, trainer.args)
         for name, want in expected.items():
             assert torch.equal(receiver.tensors[name], want), name
 
