@@ -226,7 +226,8 @@ def main() -> int:
     parser.add_argument("--summary-json", help="also write the summary here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s demo %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for noisy in ("httpx", "openai"):  # one line per request otherwise
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     summary = run(args)
     line = {k: v for k, v in summary.items() if k not in ("steps", "refit_phases")}
