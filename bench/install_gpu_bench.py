@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.refit_bench import shape_for  # noqa: E402
 from bench.synthetic_moe import vllm_catalog  # noqa: E402
 from generator_svc.install import copy_parameters  # noqa: E402
-from generator_svc.staging import torch_dtype  # noqa: E402
+from syncd.layout.dtypes import torch_dtype  # noqa: E402
 
 
 def timed(fn, device: torch.device) -> float:  # noqa: ANN001

@@ -20,7 +20,6 @@ import datetime
 import gzip
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog  # noqa: E402
+from deploy.local.processes import free_port  # noqa: E402
 from syncd.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets  # noqa: E402
 from syncd.dataplane.executor import _STAGING  # noqa: E402
 
@@ -289,9 +289,7 @@ def _bucketed_bcast(hf, rank: int, bucket_bytes: int, device) -> None:
 def spawn_workers(worker, args, nprocs: int) -> dict:
     """Run `worker(rank, args, port, out_path)` in `nprocs` processes rendezvousing on a free local
     port; returns the JSON object rank 0 wrote to `out_path`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_{os.getpid()}.json"
     mp.spawn(worker, args=(args, port, str(out)), nprocs=nprocs, join=True)
     try:

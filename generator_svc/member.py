@@ -189,11 +189,10 @@ class GeneratorMember:
 
 
 def start_member(target: str, *, member_id: str, coords: dict[str, int], catalog: Catalog, device: torch.device,
-                 endpoint: StagedEndpoint | InplaceEndpoint, group_size: int, auth_token: str | None,
+                 endpoint: StagedEndpoint | InplaceEndpoint, auth_token: str | None,
                  data_host: str = "127.0.0.1", in_flight: int = 2) -> GeneratorMember:
     client = MemberClient(target, role="generator", member_id=member_id, coords=coords, catalog=catalog,
                           device=str(device), data_address=data_host, auth_token=auth_token,
-                          group_size=group_size,
                           # The engine starts on its --model checkpoint, which is no trainer version:
                           # it registers serving none, so syncd holds it not ready and catches it up.
                           weight_version=None,

@@ -29,20 +29,9 @@ from typing import Iterator
 import torch
 
 from syncd.layout import Box, Catalog, LocalTensor, Piece
-from syncd.dataplane.checksum import checksum, unit_key
 from syncd.layout import hf_names
+from syncd.layout.dtypes import torch_dtype
 from syncd.plan.types import Bucket
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
-
 
 def covered_elements(t: LocalTensor) -> int:
     """Elements of `t` that some piece fills (a padded vocab shard has more that none does)."""
@@ -153,15 +142,6 @@ class Staging:
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"refit {self.refit_id}: staging incomplete: {shown}")
-
-    def checksums(self) -> dict[str, str]:
-        """Checksum of the staged bytes per piece, keyed like the data plane's (`unit_key`)."""
-        out = {}
-        for name, t in self.tensors.items():
-            for p in t.pieces:
-                out[unit_key(p.canonical, p.canon.start, p.canon.stop)] = checksum(
-                    self.buffers[name][p.local.slices()])
-        return out
 
     def mark_received(self, buckets: tuple[Bucket, ...], member_id: str) -> int:
         """Count the units the data plane unpacked straight into `buffers` for `member_id`."""

@@ -84,7 +84,7 @@ class WeightSyncExtension:
 
             self._ws_member = start_member(
                 syncd, member_id=self._ws_member_id, coords={"replica": replica, "tp": tp_rank}, catalog=catalog,
-                device=self.device, endpoint=self._ws_endpoint, group_size=tp_size,  # type: ignore[attr-defined]
+                device=self.device, endpoint=self._ws_endpoint,  # type: ignore[attr-defined]
                 auth_token=auth_token or None, data_host=data_host, in_flight=in_flight,
             )
         if status_dir:

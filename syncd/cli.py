@@ -19,8 +19,9 @@ from typing import Any, Sequence
 
 import httpx
 
+from syncd.states import TERMINAL
+
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 3
-TERMINAL = ("COMMITTED", "ABORTED")
 
 
 class CliError(Exception):

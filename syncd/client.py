@@ -51,7 +51,7 @@ _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.1, 5.0
 class MemberClient:
     def __init__(
         self, target: str, *, role: str, member_id: str, coords: dict[str, int], catalog: Catalog,
-        device: str = "cpu", data_address: str = "", auth_token: str | None = None, group_size: int = 1,
+        device: str = "cpu", data_address: str = "", auth_token: str | None = None,
         run_id: str = "", weight_version: int | None = None, receive_by_layer: bool = False,
     ) -> None:
         convert.role_to_pb(role)  # fail here, not in a background thread
@@ -62,7 +62,6 @@ class MemberClient:
         self.catalog = catalog
         self.device = device
         self.data_address = data_address
-        self.group_size = group_size  # ranks of the member's local process group (informational)
         self.run_id = run_id
         self.weight_version = weight_version
         self.receive_by_layer = receive_by_layer

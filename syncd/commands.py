@@ -104,6 +104,6 @@ Command = JoinGroup | ExecutePlan | Verify | Commit | Abort
 
 def checksum_key(canonical: str, canon: Box) -> str:
     """The key of a checksum report: a canonical tensor and a box of it, e.g. `w[0:8,0:16]`.
-    Senders and receivers of the same unit produce the same key. Same spelling as
-    `syncd.dataplane.checksum.unit_key` (not imported: the control plane does not need torch)."""
+    Senders and receivers of the same unit produce the same key (the data plane names its
+    checksums with it) and syncd's comparison looks them up by it."""
     return canonical + "[" + ",".join(f"{a}:{b}" for a, b in zip(canon.start, canon.stop)) + "]"

@@ -37,6 +37,7 @@ from syncd.readiness import Readiness, behind, behind_reason, refit_problems
 from syncd.refit_run import MemberReport, RefitAborted, Run, transfer_report_problem
 from syncd.registry import ROLES, Member, Registry
 from syncd.settings import Settings
+from syncd.states import RefitState
 from syncd.store import RefitRecord, Store, StoreUnavailable
 from syncd.versions import Versions, WeightSet
 
@@ -145,7 +146,7 @@ class Coordinator:
             weights = self.versions.to_move(weight_version, allow_rollback)
             self._starting = True
         try:
-            record = self.store.create("PREPARING", weights.version, weights.run_id, time.time())
+            record = self.store.create(RefitState.PREPARING, weights.version, weights.run_id, time.time())
         except StoreUnavailable as e:
             raise Unavailable(f"cannot record a new refit: {e}") from None
         finally:
@@ -251,7 +252,7 @@ class Coordinator:
             self._auto_pending = False
             self._maybe_auto_refit()
     def _prepare(self, run: Run) -> tuple[Plan, dict[int, StageGroup]]:
-        deadline = run.enter("PREPARING", self.settings.prepare_timeout)
+        deadline = run.enter(RefitState.PREPARING, self.settings.prepare_timeout)
         problems = self._refit_problems()
         if problems:
             raise RefitAborted(f"not ready to refit: {'; '.join(problems)}")
@@ -303,7 +304,7 @@ class Coordinator:
     def _transfer(self, run: Run, plan: Plan, groups: dict[int, StageGroup]) -> dict[str, MemberReport]:
         # Recorded with TRANSFERRING, so a refit cut short (syncd killed) still says what it was moving.
         run.planned_bytes = plan.total_bytes
-        deadline = self._enter(run, "TRANSFERRING", self.settings.transfer_timeout)
+        deadline = self._enter(run, RefitState.TRANSFERRING, self.settings.transfer_timeout)
         ids = plan_members(plan)
         for m in ids:
             mine = tuple(g for g in groups.values() if m in g.members)
@@ -316,7 +317,7 @@ class Coordinator:
         return reports
 
     def _verify(self, run: Run, plan: Plan, transferred: dict[str, MemberReport]) -> None:
-        deadline = self._enter(run, "VERIFYING", self.settings.verify_timeout)
+        deadline = self._enter(run, RefitState.VERIFYING, self.settings.verify_timeout)
         ids = plan_members(plan)
         for m in ids:
             self._send(run, m, Verify(run.id, run.version, _left(deadline)))
@@ -330,9 +331,9 @@ class Coordinator:
         """Write the commit decision durably; only then may any member hear of it. Returns the
         commit deadline. The state stays VERIFYING until the members confirmed or the deadline
         passed; the time is kept as the COMMITTING phase."""
-        deadline = run.enter("COMMITTING", self.settings.commit_timeout)
+        deadline = run.enter(RefitState.COMMITTING, self.settings.commit_timeout)
         run.decide()
-        decision = self._record(run, "COMMITTED", "", unconfirmed=plan_members(plan))
+        decision = self._record(run, RefitState.COMMITTED, "", unconfirmed=plan_members(plan))
         try:
             self.store.decide_commit(decision)
         except StoreUnavailable as e:
@@ -350,7 +351,7 @@ class Coordinator:
         for m in ids:
             if m not in unconfirmed:
                 self.registry.set_weight_version(m, run.version)
-        self._conclude(run, "COMMITTED", "; ".join(unconfirmed.values()), tuple(unconfirmed))
+        self._conclude(run, RefitState.COMMITTED, "; ".join(unconfirmed.values()), tuple(unconfirmed))
 
     def _enter(self, run: Run, state: str, timeout: float) -> float:
         deadline = run.enter(state, timeout)
@@ -374,7 +375,7 @@ class Coordinator:
         log.warning("refit %s aborted: %s", run.id, reason)
         for m in self.registry.members():
             self.registry.send(m.member_id, Abort(run.id, reason))
-        self._conclude(run, "ABORTED", reason)
+        self._conclude(run, RefitState.ABORTED, reason)
 
     def _record(self, run: Run, state: str, error: str, unconfirmed: tuple[str, ...] = (),
                 finished: float | None = None) -> RefitRecord:
@@ -395,7 +396,7 @@ class Coordinator:
             self.journal.record(record)
             if self._run is run:
                 self._run = None
-        if state == "COMMITTED":
+        if state == RefitState.COMMITTED:
             self.metrics.bytes_moved.inc(run.bytes)
         self.metrics.refits.labels(outcome=state.lower()).inc()
         self.metrics.refit_duration.observe(record.finished_at - record.created_at)  # type: ignore[operator]

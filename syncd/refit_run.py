@@ -16,6 +16,7 @@ from typing import Mapping
 
 from syncd.commands import Phase
 from syncd.plan import Plan
+from syncd.states import RefitState
 from syncd.store import RefitRecord
 
 
@@ -53,7 +54,7 @@ class Run:
         self._abort_reason: str | None = None
         self._decided = False
         self._commit_notes: dict[str, str] = {}  # member -> why it did not confirm Commit
-        self._phase, self._phase_start = "PREPARING", time.monotonic()
+        self._phase, self._phase_start = RefitState.PREPARING, time.monotonic()
 
     @property
     def id(self) -> str:

@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-TERMINAL = ("COMMITTED", "ABORTED")
+from syncd.states import TERMINAL, RefitState
+
 _STOPPED_NOTE = "syncd stopped while Commit was in flight; members report their version on registration"
 
 _SCHEMA = """
@@ -98,11 +99,11 @@ class Store:
         now = time.time()
         with self._transaction() as db:
             db.execute(
-                "UPDATE refits SET state='ABORTED', error='syncd stopped during the refit', finished_at=? "
-                "WHERE state NOT IN ('COMMITTED', 'ABORTED')", (now,))
+                f"UPDATE refits SET state=?, error='syncd stopped during the refit', finished_at=? "
+                f"WHERE state NOT IN ({', '.join('?' * len(TERMINAL))})", (RefitState.ABORTED, now, *sorted(TERMINAL)))
             db.execute(
-                "UPDATE refits SET finished_at=?, error=? WHERE state='COMMITTED' AND finished_at IS NULL",
-                (now, _STOPPED_NOTE))
+                "UPDATE refits SET finished_at=?, error=? WHERE state=? AND finished_at IS NULL",
+                (now, _STOPPED_NOTE, RefitState.COMMITTED))
 
     def close(self) -> None:
         with self._connections_lock:

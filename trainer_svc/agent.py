@@ -134,7 +134,7 @@ class RankAgent:
             torch.distributed.broadcast_object_list(run_id, src=0)
         client = MemberClient(
             target, role="trainer", member_id=member_id, coords=mesh.coords.as_dict(),
-            catalog=catalog, device=str(trainer.device), data_address=data_host, group_size=env.world_size,
+            catalog=catalog, device=str(trainer.device), data_address=data_host,
             auth_token=auth_token, run_id=run_id[0],
         )
         endpoint = TrainerEndpoint(shards, trainer, member_id)

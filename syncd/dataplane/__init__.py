@@ -1,6 +1,6 @@
 """The data plane: bucket packing, checksums, transports (gloo, NCCL) and the send/recv loops."""
 
-from syncd.dataplane.checksum import checksum, unit_key
+from syncd.dataplane.checksum import checksum
 from syncd.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
 from syncd.dataplane.pack import catalog_views, pack_into, unpack_from
 from syncd.dataplane.prepared import ReceiveSink
@@ -19,6 +19,5 @@ __all__ = [
     "pack_into",
     "recv_buckets",
     "send_buckets",
-    "unit_key",
     "unpack_from",
 ]

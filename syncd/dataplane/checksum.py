@@ -147,11 +147,6 @@ def checksum(region: torch.Tensor) -> str:
     return sums.result()["x"]
 
 
-def unit_key(canonical: str, start: tuple[int, ...], stop: tuple[int, ...]) -> str:
-    """How checksums name a canonical region, on both sides and in syncd's comparison."""
-    return canonical + "[" + ",".join(f"{a}:{b}" for a, b in zip(start, stop)) + "]"
-
-
 class Checksums:
     """Collects region checksums; on GPUs `result()` reads them all back at once."""
 

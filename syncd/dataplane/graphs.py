@@ -33,7 +33,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from syncd.dataplane.checksum import Checksums, reduce_region, region_outputs, unit_key
+from syncd.commands import checksum_key
+from syncd.dataplane.checksum import Checksums, reduce_region, region_outputs
 from syncd.dataplane.pack import pack_into, unpack_from
 from syncd.plan.types import Bucket
 
@@ -47,7 +48,7 @@ class BucketProgram:
                  outputs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         self.bucket = bucket  # held, so that the id in the cache key stays this bucket's
         self._copy_graph, self._sums_graph = copy_graph, sums_graph
-        self._keys = [unit_key(u.canonical, u.canon.start, u.canon.stop) for u in bucket.units]
+        self._keys = [checksum_key(u.canonical, u.canon) for u in bucket.units]
         self._outputs = outputs
 
     def copy(self) -> None:

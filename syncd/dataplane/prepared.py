@@ -23,7 +23,8 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from syncd.dataplane.checksum import Checksums, reduce_region, region_outputs, unit_key
+from syncd.commands import checksum_key
+from syncd.dataplane.checksum import Checksums, reduce_region, region_outputs
 from syncd.dataplane.pack import copy_pairs
 from syncd.plan.types import Bucket
 
@@ -43,7 +44,7 @@ class PreparedBucket:
         self._regions: list[tuple[str, torch.Tensor]] = []  # (checksum key, packed bytes)
         offset = 0
         for u in bucket.units:
-            self._regions.append((unit_key(u.canonical, u.canon.start, u.canon.stop), self.wire[offset : offset + u.nbytes]))
+            self._regions.append((checksum_key(u.canonical, u.canon), self.wire[offset : offset + u.nbytes]))
             offset += u.nbytes
         self._outputs: list[tuple[torch.Tensor, ...]] | None = None  # GPU reduction outputs, made on first use
 

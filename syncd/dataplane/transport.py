@@ -62,6 +62,14 @@ class _GlooHandle:
     fence = wait
 
 
+def _require_host(buf: torch.Tensor, what: str) -> None:
+    """gloo moves host memory only. Given a tensor elsewhere (the meta device, say, as a model's
+    parameters are inside vLLM's layerwise reload) it resets the connection, and the peers see a
+    broken transfer instead of the cause: refuse it here, by name."""
+    if buf.device.type != "cpu":
+        raise ValueError(f"gloo cannot {what} a tensor on the {buf.device} device (host memory only)")
+
+
 class GlooTransport:
     """A standalone gloo process group (not torch's default group, which vLLM and the trainer
     already use), rendezvousing on a TCPStore hosted by group rank 0."""
@@ -94,9 +102,11 @@ class GlooTransport:
         return cls(store, rank, world_size, group_id, timeout_s)
 
     def isend(self, buf: torch.Tensor, peer: int) -> Handle:
+        _require_host(buf, "send from")
         return _GlooHandle(self._pg.send([buf], peer, 0), f"send of {buf.numel()} bytes to rank {peer}")
 
     def irecv(self, buf: torch.Tensor, peer: int) -> Handle:
+        _require_host(buf, "receive into")
         return _GlooHandle(self._pg.recv([buf], peer, 0), f"receive of {buf.numel()} bytes from rank {peer}")
 
     def abort(self) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,11 +15,13 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+from deploy.local.processes import free_port
 from syncd.client import MemberClient
 from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase, Verify, checksum_key
 from syncd.daemon import Daemon
 from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, local_tensor
 from syncd.settings import Settings
+from syncd.states import TERMINAL
 from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,12 +33,6 @@ EMBED = CanonicalTensor("model.embed_tokens.weight", (16, 8), "float32")
 GATE = CanonicalTensor("model.layers.0.mlp.experts.gate_proj.weight", (4, 6, 8), "bfloat16")
 HEAD = CanonicalTensor("lm_head.weight", (16, 8), "float32")
 STAGES = {0: (EMBED,), 1: (GATE, HEAD)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer_catalog(stage: int) -> Catalog:
@@ -210,7 +205,7 @@ class Cluster:
     def wait_refit(self, refit_id: str) -> dict:
         def finished() -> dict | None:
             body = self.http.get(f"/v1/refits/{refit_id}").json()
-            return body if body["state"] in ("COMMITTED", "ABORTED") else None
+            return body if body["state"] in TERMINAL else None
         return wait_until(finished, what=f"refit {refit_id} to finish")  # type: ignore[return-value]
 
     def close(self) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deploy.local.processes import free_port
 from trainer_svc.tiny import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = {"short": [1, 2, 3, 4, 5], "long": [(i * 37 + 11) % 512 for i in range(200)]}
 MAX_TOKENS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_env(**extra: str) -> dict[str, str]:

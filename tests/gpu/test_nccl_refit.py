@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -13,13 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deploy.local.processes import free_port
+
 pytestmark = pytest.mark.gpu(count=2)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, result_dir: str) -> None:
@@ -64,7 +59,7 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
 
 
 def test_nccl_refit_into_vllm_shaped_tensors_is_bit_exact(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     result = (tmp_path / "result.txt").read_text()
     assert result.startswith("ok=True"), result
     assert "qkv_proj" in result and "w13_weight" in result and "w2_weight" in result

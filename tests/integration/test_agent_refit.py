@@ -4,7 +4,6 @@ plain tensors (generator_svc's own tests cover vLLM)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from deploy.local.processes import free_port
 from syncd.agent import AgentSettings, MemberAgent
 from syncd.client import MemberClient
 from syncd.daemon import Daemon
@@ -20,6 +20,7 @@ from syncd.dataplane import catalog_views
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Shard, Sharded, Stack, local_tensor
 from syncd.plan.simulate import materialize
 from syncd.settings import Settings
+from syncd.states import TERMINAL
 from tests.polling import wait_until
 
 E, I, H = 4, 6, 8
@@ -28,12 +29,6 @@ GATE = CanonicalTensor("model.layers.0.mlp.experts.gate_proj.weight", (E, I, H),
 UP = CanonicalTensor("model.layers.0.mlp.experts.up_proj.weight", (E, I, H), "float32")
 HEAD = CanonicalTensor("lm_head.weight", (32, H), "float32")
 ALL = (EMBED, GATE, UP, HEAD)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer_catalog(stage: int) -> Catalog:
@@ -110,7 +105,7 @@ class GeneratorEndpoint:
 
 @pytest.fixture
 def cluster(tmp_path: Path):
-    settings = Settings(host="127.0.0.1", http_port=_port(), grpc_port=_port(), db=str(tmp_path / "syncd.db"),
+    settings = Settings(host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), db=str(tmp_path / "syncd.db"),
                         lease_seconds=3, prepare_timeout=30, transfer_timeout=30, verify_timeout=30,
                         commit_timeout=30, bucket_bytes=512, expected_trainers=2, expected_generators=2,
                         backend="gloo")
@@ -122,11 +117,11 @@ def cluster(tmp_path: Path):
     clients = []
     for s, ep in trainers.items():
         c = MemberClient(target, role="trainer", member_id=f"trainer-{s}", coords={"pp": s, "dp": 0, "ep": 0, "tp": 0},
-                         catalog=ep.catalog, group_size=2)
+                         catalog=ep.catalog)
         clients.append((c, ep))
     for t, ep in generators.items():
         c = MemberClient(target, role="generator", member_id=f"generator-0-{t}", coords={"replica": 0, "tp": t},
-                         catalog=ep.catalog, group_size=2)
+                         catalog=ep.catalog)
         clients.append((c, ep))
     agents = []
     for c, ep in clients:
@@ -152,7 +147,7 @@ def _refit(http: httpx.Client, announce, version: int) -> dict:  # noqa: ANN001
     assert r.status_code == 202, r.text
     refit_id = r.json()["id"]
     deadline = time.monotonic() + 60
-    while (state := http.get(f"/v1/refits/{refit_id}").json())["state"] not in ("COMMITTED", "ABORTED"):
+    while (state := http.get(f"/v1/refits/{refit_id}").json())["state"] not in TERMINAL:
         assert time.monotonic() < deadline, state
         time.sleep(0.05)
     return state

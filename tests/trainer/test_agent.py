@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -14,7 +13,9 @@ import torch
 
 import _launch
 from _launch import TRAIN
+from deploy.local.processes import free_port
 from syncd.layout import Canon, CanonicalTensor, Catalog, local_tensor
+from syncd.states import TERMINAL
 from tests.polling import wait_until
 from trainer_svc.agent import LocalShards, RankAgent
 from trainer_svc.catalog import build_catalog
@@ -79,12 +80,6 @@ def test_optimizer_waits_while_shards_are_read(tiny_dir):
     assert done.is_set() and not torch.equal(shards[name], snapshot)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def start_syncd(tmp_path):
     """start_syncd(trainers, generators) -> (gRPC target, HTTP client) of a real syncd process."""
@@ -93,7 +88,7 @@ def start_syncd(tmp_path):
     clients: list[httpx.Client] = []
 
     def start(trainers: int, generators: int, token: str | None = None, ports: tuple[int, int] | None = None):
-        grpc_port, http_port = ports or (_free_port(), _free_port())
+        grpc_port, http_port = ports or (free_port(), free_port())
         proc = subprocess.Popen(
             [sys.executable, "-m", "syncd", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
              "--http-port", str(http_port), "--db", str(tmp_path / "syncd.db"), "--lease-seconds", "60",
@@ -198,7 +193,7 @@ def test_refit_moves_the_trained_weights_bit_exactly(start_syncd, tiny_dir):
         r = http.post("/v1/refits", json={})
         assert r.status_code == 202, r.text
         refit_id = r.json()["id"]
-        done = wait_until(lambda: (b := http.get(f"/v1/refits/{refit_id}").json())["state"] in ("COMMITTED", "ABORTED")
+        done = wait_until(lambda: (b := http.get(f"/v1/refits/{refit_id}").json())["state"] in TERMINAL
                      and b, 60, "the refit")
         assert done["state"] == "COMMITTED", done["error"]
         assert done["weight_version"] == 1 and receiver.committed == [1]
@@ -255,7 +250,7 @@ def test_a_synchronous_rank_waits_for_the_refit_of_a_step_it_could_not_announce(
         r = http.post("/v1/refits", json={})
         assert r.status_code == 202, r.text
         refit_id = r.json()["id"]
-        done = wait_until(lambda: (b := http.get(f"/v1/refits/{refit_id}").json())["state"] in ("COMMITTED", "ABORTED")
+        done = wait_until(lambda: (b := http.get(f"/v1/refits/{refit_id}").json())["state"] in TERMINAL
                           and b, 60, "the refit")
         assert done["state"] == "COMMITTED", done["error"]
         step.join(60)

@@ -208,3 +208,15 @@ def test_gpu_checksum_batched_fold_equals_the_per_region_definition():
     for r in regions:
         sums.add(r)
     assert sums.values() == [reference(r) for r in regions]
+
+def test_gloo_refuses_a_tensor_off_the_host_by_name():
+    """Inside vLLM's layerwise reload a model's parameters are on the meta device; gloo given one
+    resets the connection and the peers see only a broken transfer."""
+    address, store = GlooTransport.create_address("127.0.0.1", 1, 30)
+    transport = GlooTransport.connect(address, 0, 1, "meta-refusal", 30, store=store)
+    try:
+        for call, what in ((transport.irecv, "receive into"), (transport.isend, "send from")):
+            with pytest.raises(ValueError, match=f"gloo cannot {what} a tensor on the meta device"):
+                call(torch.empty(8, dtype=torch.uint8, device="meta"), 0)
+    finally:
+        transport.close()

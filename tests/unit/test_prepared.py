@@ -11,7 +11,8 @@ import torch
 from syncd import commands
 from syncd.api.convert import command_from_pb, command_to_pb
 from syncd.dataplane import catalog_views, pack_into, unpack_from
-from syncd.dataplane.checksum import Checksums, unit_key
+from syncd.commands import checksum_key
+from syncd.dataplane.checksum import Checksums
 from syncd.dataplane.prepared import PreparedLoop
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Stack, local_tensor
 from syncd.layout.dtypes import torch_dtype
@@ -71,7 +72,7 @@ def test_prepared_buckets_carry_the_same_bytes_and_checksums_as_packing(wire_dty
             sent.checksum(ours)
             offset = 0
             for u in bucket.units:
-                theirs.add(unit_key(u.canonical, u.canon.start, u.canon.stop), reference[offset : offset + u.nbytes])
+                theirs.add(checksum_key(u.canonical, u.canon), reference[offset : offset + u.nbytes])
                 offset += u.nbytes
             assert ours.result() == theirs.result()
 
