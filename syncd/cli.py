@@ -14,12 +14,11 @@ import argparse
 import json
 import os
 import sys
-import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import httpx
 
-from syncd.states import TERMINAL
+from syncd.states import TERMINAL, wait_final
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 3
 
@@ -141,17 +140,14 @@ def cmd_refit(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
 
 def _wait(api: Api, refit: dict, timeout: float, quiet: bool) -> dict:
     """Poll until the refit finishes, showing each state as it is reached (on stderr)."""
-    deadline, last = time.monotonic() + timeout, ""
-    while True:
-        if refit["state"] != last and not quiet:
-            print(f"{refit['id']}: {refit['state']}", file=sys.stderr, flush=True)
-            last = refit["state"]
-        if refit["state"] in TERMINAL:
-            return refit
-        if time.monotonic() > deadline:
-            raise CliError(f"{refit['id']} still {refit['state']} after {timeout:g}s")
-        time.sleep(0.2)
-        refit = api.call("GET", f"/v1/refits/{refit['id']}")
+    def show(body: Mapping[str, Any]) -> None:
+        if not quiet:
+            print(f"{body['id']}: {body['state']}", file=sys.stderr, flush=True)
+
+    try:
+        return dict(wait_final(lambda path: api.call("GET", path), refit["id"], timeout, on_state=show))
+    except TimeoutError as e:
+        raise CliError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

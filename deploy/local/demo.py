@@ -34,7 +34,7 @@ import httpx
 
 from deploy.local import openai_client
 from deploy.local.processes import PYTHON, Cluster, free_port
-from syncd.states import TERMINAL
+from syncd.states import wait_final
 
 LAYOUTS = {"ep2tp2": dict(pp=1, ep=2, tp=2), "pp2": dict(pp=2, ep=2, tp=1)}
 PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 3, 250, 7, 81], [400, 12, 12, 9], [33, 44, 55, 66, 77, 88, 99]]
@@ -112,13 +112,7 @@ class Syncd:
         r = self.http.post("/v1/refits", json={"weight_version": version})
         if r.status_code != 202:
             raise RuntimeError(f"syncd refused the refit: {r.status_code} {r.text}")
-        refit_id = r.json()["id"]
-        deadline = time.monotonic() + timeout_s
-        while (state := self.http.get(f"/v1/refits/{refit_id}").json())["state"] not in TERMINAL:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"refit {refit_id} still {state['state']} after {timeout_s:.0f} s")
-            time.sleep(0.1)
-        return state
+        return dict(wait_final(lambda path: self.http.get(path).json(), r.json()["id"], timeout_s, poll_s=0.1))
 
 
 def trainer_loss(log_text: str, step: int) -> float:

@@ -21,7 +21,7 @@ from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase
 from syncd.daemon import Daemon
 from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, local_tensor
 from syncd.settings import Settings
-from syncd.states import TERMINAL
+from syncd.states import wait_final
 from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -202,11 +202,8 @@ class Cluster:
         assert r.status_code == 202, r.text
         return r.json()
 
-    def wait_refit(self, refit_id: str) -> dict:
-        def finished() -> dict | None:
-            body = self.http.get(f"/v1/refits/{refit_id}").json()
-            return body if body["state"] in TERMINAL else None
-        return wait_until(finished, what=f"refit {refit_id} to finish")  # type: ignore[return-value]
+    def wait_refit(self, refit_id: str, timeout_s: float = 30) -> dict:
+        return dict(wait_final(lambda path: self.http.get(path).json(), refit_id, timeout_s, poll_s=0.02))
 
     def close(self) -> None:
         for m in self.members.values():

@@ -12,7 +12,7 @@ import httpx
 
 from deploy.local import openai_client
 from deploy.local.processes import PYTHON, Cluster, Proc, free_port
-from syncd.states import TERMINAL
+from syncd.states import wait_final
 from tests.polling import wait_until
 
 PROMPTS = {"short": [1, 2, 3, 4, 5], "long": [(i * 37 + 11) % 512 for i in range(200)]}
@@ -143,8 +143,7 @@ class Stack:
         return self.wait_refit(r.json()["id"], timeout_s)
 
     def wait_refit(self, refit_id: str, timeout_s: float = 120) -> dict:
-        return wait_until(lambda: (s := self.http.get(f"/v1/refits/{refit_id}").json())["state"]
-                          in TERMINAL and s, timeout_s, f"refit {refit_id} to finish")
+        return dict(wait_final(lambda path: self.http.get(path).json(), refit_id, timeout_s))
 
     def stop(self) -> None:
         self.cluster.stop()

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from syncd.states import TERMINAL
+from syncd.states import wait_final
 from tests.generator.conftest import PROMPTS, REPO, Service, free_port
 
 pytestmark = pytest.mark.vllm
@@ -142,11 +142,7 @@ def test_refit_driven_by_syncd_moves_b_into_the_generator(syncd, generator, chec
             time.sleep(0.2)
         r = syncd_http.post("/v1/refits", json={"weight_version": 1})
         assert r.status_code == 202, r.text
-        refit_id = r.json()["id"]
-        deadline = time.monotonic() + 120
-        while (refit := syncd_http.get(f"/v1/refits/{refit_id}").json())["state"] not in TERMINAL:
-            assert time.monotonic() < deadline, refit
-            time.sleep(0.2)
+        refit = wait_final(lambda path: syncd_http.get(path).json(), r.json()["id"], 120)
         assert refit["state"] == "COMMITTED", refit["error"] + "\n" + service.log_tail()
         assert refit["bytes"] == service.http.get("/v1/workers").json()[0]["nbytes"]
         assert service.http.get("/v1/weight_version").json()["version"] == "1"
@@ -193,8 +189,7 @@ def test_a_restarted_generator_is_not_ready_until_caught_up(  # noqa: ANN201
         if syncd_http.get("/v1/status").json()["committed_version"] != 1:
             hold.set()
             refit_id = syncd_http.post("/v1/refits", json={"weight_version": 1}).json()["id"]
-            ended = TERMINAL
-            _wait("version 1 committed", lambda: syncd_http.get(f"/v1/refits/{refit_id}").json()["state"] in ended)
+            wait_final(lambda path: syncd_http.get(path).json(), refit_id, 120)
             hold.clear()
         _wait("generator ready", lambda: generator.http.get("/readyz").status_code == 200)
         assert generator.http.get("/v1/weight_version").json()["version"] == "1"

@@ -20,7 +20,7 @@ from syncd.dataplane import catalog_views
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Shard, Sharded, Stack, local_tensor
 from syncd.plan.simulate import materialize
 from syncd.settings import Settings
-from syncd.states import TERMINAL
+from syncd.states import wait_final
 from tests.polling import wait_until
 
 E, I, H = 4, 6, 8
@@ -145,12 +145,7 @@ def _refit(http: httpx.Client, announce, version: int) -> dict:  # noqa: ANN001
     announce(version)  # the trainers hold `version`: syncd moves only announced versions
     r = http.post("/v1/refits", json={"weight_version": version})
     assert r.status_code == 202, r.text
-    refit_id = r.json()["id"]
-    deadline = time.monotonic() + 60
-    while (state := http.get(f"/v1/refits/{refit_id}").json())["state"] not in TERMINAL:
-        assert time.monotonic() < deadline, state
-        time.sleep(0.05)
-    return state
+    return dict(wait_final(lambda path: http.get(path).json(), r.json()["id"], 60, poll_s=0.05))
 
 
 def _canonical(seed: int) -> dict[str, np.ndarray]:

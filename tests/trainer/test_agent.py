@@ -15,7 +15,7 @@ import _launch
 from _launch import TRAIN
 from deploy.local.processes import free_port
 from syncd.layout import Canon, CanonicalTensor, Catalog, local_tensor
-from syncd.states import TERMINAL
+from syncd.states import wait_final
 from tests.polling import wait_until
 from trainer_svc.agent import LocalShards, RankAgent
 from trainer_svc.catalog import build_catalog
@@ -192,9 +192,7 @@ def test_refit_moves_the_trained_weights_bit_exactly(start_syncd, tiny_dir):
         wait_until(lambda: _get_ok(http, "/readyz"), 30, "syncd ready")
         r = http.post("/v1/refits", json={})
         assert r.status_code == 202, r.text
-        refit_id = r.json()["id"]
-        done = wait_until(lambda: (b := http.get(f"/v1/refits/{refit_id}").json())["state"] in TERMINAL
-                     and b, 60, "the refit")
+        done = wait_final(lambda path: http.get(path).json(), r.json()["id"], 60)
         assert done["state"] == "COMMITTED", done["error"]
         assert done["weight_version"] == 1 and receiver.committed == [1]
         expected = gather_canonical(trainer.precision.weights, trainer.mesh, trainer.args)
@@ -249,9 +247,7 @@ def test_a_synchronous_rank_waits_for_the_refit_of_a_step_it_could_not_announce(
         assert http.get("/v1/status").json()["announced_version"] == 1
         r = http.post("/v1/refits", json={})
         assert r.status_code == 202, r.text
-        refit_id = r.json()["id"]
-        done = wait_until(lambda: (b := http.get(f"/v1/refits/{refit_id}").json())["state"] in TERMINAL
-                          and b, 60, "the refit")
+        done = wait_final(lambda path: http.get(path).json(), r.json()["id"], 60)
         assert done["state"] == "COMMITTED", done["error"]
         step.join(60)
         assert not step.is_alive() and receiver.committed == [1]
