@@ -10,7 +10,7 @@ from typing import Callable, Mapping, Sequence
 
 from syncd.commands import checksum_key
 from syncd.layout import Catalog, dtype_bytes, dtypes
-from syncd.plan import DestMember, Plan, SourceMember, make_plan
+from syncd.plan import DestMember, Plan, SourceMember, fp8_blocks, make_plan
 from syncd.registry import Member
 
 PlanKey = tuple
@@ -60,11 +60,12 @@ class PlanCache:
 def dtype_mismatch(generator_id: str, generator: Catalog, trainers: Sequence[Catalog]) -> str | None:
     """Why `generator` cannot receive what the trainers send, dtype-wise, or None. Senders convert
     while packing where `dtypes.conversion` allows it (float32 -> bfloat16, say); any other pair is
-    refused here, at registration, rather than when a refit runs."""
+    refused here, at registration, rather than when a refit runs. Blockwise-FP8 weights come from
+    the sender's quantizer (`syncd.plan.fp8_blocks`); the planner checks their blocks."""
     sent = {c.name: c.dtype for catalog in trainers for c in catalog.canonical}
     for c in generator.canonical:
         want = sent.get(c.name)
-        if want is None:
+        if want is None or fp8_blocks.quantizes(c.name, want, c.dtype):
             continue
         try:
             dtypes.conversion(want, c.dtype, tensor=c.name)

@@ -86,6 +86,9 @@ def unit_to_pb(u: TransferUnit) -> pb.TransferUnit:
         dst_tensor=u.dst_tensor,
         dst_box=box_to_pb(u.dst_box),
         nbytes=u.nbytes,
+        quantized=u.quantized or "",
+        src_dtype=u.src_dtype or "",
+        block_box=box_to_pb(u.block_box) if u.block_box else None,
     )
 
 
@@ -99,6 +102,9 @@ def unit_from_pb(m: pb.TransferUnit) -> TransferUnit:
         dst_tensor=m.dst_tensor,
         dst_box=box_from_pb(m.dst_box),
         nbytes=m.nbytes,
+        quantized=m.quantized or None,
+        src_dtype=m.src_dtype or None,
+        block_box=box_from_pb(m.block_box) if m.HasField("block_box") else None,
     )
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19weightsync/v1/syncd.proto\x12\rweightsync.v1\"\"\n\x03\x42ox\x12\r\n\x05start\x18\x01 \x03(\x03\x12\x0c\n\x04stop\x18\x02 \x03(\x03\"=\n\x0f\x43\x61nonicalTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"`\n\x05Piece\x12\x11\n\tcanonical\x18\x01 \x01(\t\x12!\n\x05\x63\x61non\x18\x02 \x01(\x0b\x32\x12.weightsync.v1.Box\x12!\n\x05local\x18\x03 \x01(\x0b\x32\x12.weightsync.v1.Box\"_\n\x0bLocalTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12$\n\x06pieces\x18\x04 \x03(\x0b\x32\x14.weightsync.v1.Piece\"i\n\x07\x43\x61talog\x12\x31\n\tcanonical\x18\x01 \x03(\x0b\x32\x1e.weightsync.v1.CanonicalTensor\x12+\n\x07tensors\x18\x02 \x03(\x0b\x32\x1a.weightsync.v1.LocalTensor\"\xd5\x01\n\x0cTransferUnit\x12\x11\n\tcanonical\x18\x01 \x01(\t\x12!\n\x05\x63\x61non\x18\x02 \x01(\x0b\x32\x12.weightsync.v1.Box\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nsrc_tensor\x18\x04 \x01(\t\x12#\n\x07src_box\x18\x05 \x01(\x0b\x32\x12.weightsync.v1.Box\x12\x12\n\ndst_tensor\x18\x06 \x01(\t\x12#\n\x07\x64st_box\x18\x07 \x01(\x0b\x32\x12.weightsync.v1.Box\x12\x0e\n\x06nbytes\x18\x08 \x01(\x03\"|\n\x06\x42ucket\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x0b\n\x03src\x18\x02 \x01(\t\x12\x0b\n\x03\x64st\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x05\x12*\n\x05units\x18\x05 \x03(\x0b\x32\x1b.weightsync.v1.TransferUnit\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\"\xf1\x02\n\x0fRegisterRequest\x12!\n\x04role\x18\x01 \x01(\x0e\x32\x13.weightsync.v1.Role\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12:\n\x06\x63oords\x18\x03 \x03(\x0b\x32*.weightsync.v1.RegisterRequest.CoordsEntry\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61talog_hash\x18\x06 \x01(\t\x12\'\n\x07\x63\x61talog\x18\x07 \x01(\x0b\x32\x16.weightsync.v1.Catalog\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12\x1b\n\x0eweight_version\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10receive_by_layer\x18\n \x01(\x08\x1a-\n\x0b\x43oordsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x42\x11\n\x0f_weight_version\"\x8d\x01\n\x10RegisterResponse\x12\x18\n\x10\x63\x61talog_required\x18\x01 \x01(\x08\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x1e\n\x11\x63ommitted_version\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x14\n\x12_committed_version\"9\n\x10HeartbeatRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"`\n\x11HeartbeatResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\x12\x1e\n\x11\x63ommitted_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x14\n\x12_committed_version\"5\n\x0cWatchRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"O\n\nStageGroup\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0f\n\x07members\x18\x04 \x03(\t\"\xa6\x01\n\tJoinGroup\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12\x0f\n\x07members\x18\x08 \x03(\t\x12\x11\n\ttimeout_s\x18\t \x01(\x01\"\x9d\x01\n\x0b\x45xecutePlan\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12&\n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x15.weightsync.v1.Bucket\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.weightsync.v1.StageGroup\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"E\n\x06Verify\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"U\n\x06\x43ommit\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x0e\n\x06run_id\x18\x04 \x01(\t\")\n\x05\x41\x62ort\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xee\x01\n\x07\x43ommand\x12.\n\njoin_group\x18\x01 \x01(\x0b\x32\x18.weightsync.v1.JoinGroupH\x00\x12\x32\n\x0c\x65xecute_plan\x18\x02 \x01(\x0b\x32\x1a.weightsync.v1.ExecutePlanH\x00\x12\'\n\x06verify\x18\x03 \x01(\x0b\x32\x15.weightsync.v1.VerifyH\x00\x12\'\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x15.weightsync.v1.CommitH\x00\x12%\n\x05\x61\x62ort\x18\x05 \x01(\x0b\x32\x14.weightsync.v1.AbortH\x00\x42\x06\n\x04kind\"\x9e\x03\n\rReportRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x10\n\x08refit_id\x18\x03 \x01(\t\x12#\n\x05phase\x18\x04 \x01(\x0e\x32\x14.weightsync.v1.Phase\x12\n\n\x02ok\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\r\n\x05\x62ytes\x18\x07 \x01(\x03\x12>\n\tchecksums\x18\x08 \x03(\x0b\x32+.weightsync.v1.ReportRequest.ChecksumsEntry\x12:\n\x07timings\x18\t \x03(\x0b\x32).weightsync.v1.ReportRequest.TimingsEntry\x12\x0f\n\x07\x61\x64\x64ress\x18\n \x01(\t\x12\x16\n\x0eweight_version\x18\x0b \x01(\x03\x1a\x30\n\x0e\x43hecksumsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x10\n\x0eReportResponse*B\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_TRAINER\x10\x01\x12\x12\n\x0eROLE_GENERATOR\x10\x02*\xb0\x01\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13PHASE_GROUP_ADDRESS\x10\x01\x12\x10\n\x0cPHASE_JOINED\x10\x02\x12\x15\n\x11PHASE_TRANSFERRED\x10\x03\x12\x12\n\x0ePHASE_VERIFIED\x10\x04\x12\x13\n\x0fPHASE_COMMITTED\x10\x05\x12\x11\n\rPHASE_ABORTED\x10\x06\x12\x12\n\x0ePHASE_ANNOUNCE\x10\x07\x32\xab\x02\n\x05Syncd\x12K\n\x08Register\x12\x1e.weightsync.v1.RegisterRequest\x1a\x1f.weightsync.v1.RegisterResponse\x12N\n\tHeartbeat\x12\x1f.weightsync.v1.HeartbeatRequest\x1a .weightsync.v1.HeartbeatResponse\x12>\n\x05Watch\x12\x1b.weightsync.v1.WatchRequest\x1a\x16.weightsync.v1.Command0\x01\x12\x45\n\x06Report\x12\x1c.weightsync.v1.ReportRequest\x1a\x1d.weightsync.v1.ReportResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19weightsync/v1/syncd.proto\x12\rweightsync.v1\"\"\n\x03\x42ox\x12\r\n\x05start\x18\x01 \x03(\x03\x12\x0c\n\x04stop\x18\x02 \x03(\x03\"=\n\x0f\x43\x61nonicalTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"`\n\x05Piece\x12\x11\n\tcanonical\x18\x01 \x01(\t\x12!\n\x05\x63\x61non\x18\x02 \x01(\x0b\x32\x12.weightsync.v1.Box\x12!\n\x05local\x18\x03 \x01(\x0b\x32\x12.weightsync.v1.Box\"_\n\x0bLocalTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12$\n\x06pieces\x18\x04 \x03(\x0b\x32\x14.weightsync.v1.Piece\"i\n\x07\x43\x61talog\x12\x31\n\tcanonical\x18\x01 \x03(\x0b\x32\x1e.weightsync.v1.CanonicalTensor\x12+\n\x07tensors\x18\x02 \x03(\x0b\x32\x1a.weightsync.v1.LocalTensor\"\xa2\x02\n\x0cTransferUnit\x12\x11\n\tcanonical\x18\x01 \x01(\t\x12!\n\x05\x63\x61non\x18\x02 \x01(\x0b\x32\x12.weightsync.v1.Box\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nsrc_tensor\x18\x04 \x01(\t\x12#\n\x07src_box\x18\x05 \x01(\x0b\x32\x12.weightsync.v1.Box\x12\x12\n\ndst_tensor\x18\x06 \x01(\t\x12#\n\x07\x64st_box\x18\x07 \x01(\x0b\x32\x12.weightsync.v1.Box\x12\x0e\n\x06nbytes\x18\x08 \x01(\x03\x12\x11\n\tquantized\x18\t \x01(\t\x12%\n\tblock_box\x18\n \x01(\x0b\x32\x12.weightsync.v1.Box\x12\x11\n\tsrc_dtype\x18\x0b \x01(\t\"|\n\x06\x42ucket\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x0b\n\x03src\x18\x02 \x01(\t\x12\x0b\n\x03\x64st\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\x05\x12*\n\x05units\x18\x05 \x03(\x0b\x32\x1b.weightsync.v1.TransferUnit\x12\x0e\n\x06nbytes\x18\x06 \x01(\x03\"\xf1\x02\n\x0fRegisterRequest\x12!\n\x04role\x18\x01 \x01(\x0e\x32\x13.weightsync.v1.Role\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12:\n\x06\x63oords\x18\x03 \x03(\x0b\x32*.weightsync.v1.RegisterRequest.CoordsEntry\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61talog_hash\x18\x06 \x01(\t\x12\'\n\x07\x63\x61talog\x18\x07 \x01(\x0b\x32\x16.weightsync.v1.Catalog\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12\x1b\n\x0eweight_version\x18\t \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10receive_by_layer\x18\n \x01(\x08\x1a-\n\x0b\x43oordsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x42\x11\n\x0f_weight_version\"\x8d\x01\n\x10RegisterResponse\x12\x18\n\x10\x63\x61talog_required\x18\x01 \x01(\x08\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x1e\n\x11\x63ommitted_version\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x14\n\x12_committed_version\"9\n\x10HeartbeatRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"`\n\x11HeartbeatResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\x12\x1e\n\x11\x63ommitted_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x14\n\x12_committed_version\"5\n\x0cWatchRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"O\n\nStageGroup\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x0f\n\x07members\x18\x04 \x03(\t\"\xa6\x01\n\tJoinGroup\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12\x0f\n\x07members\x18\x08 \x03(\t\x12\x11\n\ttimeout_s\x18\t \x01(\x01\"\x9d\x01\n\x0b\x45xecutePlan\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12&\n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x15.weightsync.v1.Bucket\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.weightsync.v1.StageGroup\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"E\n\x06Verify\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"U\n\x06\x43ommit\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x0e\n\x06run_id\x18\x04 \x01(\t\")\n\x05\x41\x62ort\x12\x10\n\x08refit_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xee\x01\n\x07\x43ommand\x12.\n\njoin_group\x18\x01 \x01(\x0b\x32\x18.weightsync.v1.JoinGroupH\x00\x12\x32\n\x0c\x65xecute_plan\x18\x02 \x01(\x0b\x32\x1a.weightsync.v1.ExecutePlanH\x00\x12\'\n\x06verify\x18\x03 \x01(\x0b\x32\x15.weightsync.v1.VerifyH\x00\x12\'\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x15.weightsync.v1.CommitH\x00\x12%\n\x05\x61\x62ort\x18\x05 \x01(\x0b\x32\x14.weightsync.v1.AbortH\x00\x42\x06\n\x04kind\"\x9e\x03\n\rReportRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x10\n\x08refit_id\x18\x03 \x01(\t\x12#\n\x05phase\x18\x04 \x01(\x0e\x32\x14.weightsync.v1.Phase\x12\n\n\x02ok\x18\x05 \x01(\x08\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\r\n\x05\x62ytes\x18\x07 \x01(\x03\x12>\n\tchecksums\x18\x08 \x03(\x0b\x32+.weightsync.v1.ReportRequest.ChecksumsEntry\x12:\n\x07timings\x18\t \x03(\x0b\x32).weightsync.v1.ReportRequest.TimingsEntry\x12\x0f\n\x07\x61\x64\x64ress\x18\n \x01(\t\x12\x16\n\x0eweight_version\x18\x0b \x01(\x03\x1a\x30\n\x0e\x43hecksumsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x10\n\x0eReportResponse*B\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_TRAINER\x10\x01\x12\x12\n\x0eROLE_GENERATOR\x10\x02*\xb0\x01\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x17\n\x13PHASE_GROUP_ADDRESS\x10\x01\x12\x10\n\x0cPHASE_JOINED\x10\x02\x12\x15\n\x11PHASE_TRANSFERRED\x10\x03\x12\x12\n\x0ePHASE_VERIFIED\x10\x04\x12\x13\n\x0fPHASE_COMMITTED\x10\x05\x12\x11\n\rPHASE_ABORTED\x10\x06\x12\x12\n\x0ePHASE_ANNOUNCE\x10\x07\x32\xab\x02\n\x05Syncd\x12K\n\x08Register\x12\x1e.weightsync.v1.RegisterRequest\x1a\x1f.weightsync.v1.RegisterResponse\x12N\n\tHeartbeat\x12\x1f.weightsync.v1.HeartbeatRequest\x1a .weightsync.v1.HeartbeatResponse\x12>\n\x05Watch\x12\x1b.weightsync.v1.WatchRequest\x1a\x16.weightsync.v1.Command0\x01\x12\x45\n\x06Report\x12\x1c.weightsync.v1.ReportRequest\x1a\x1d.weightsync.v1.ReportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,10 +37,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTREQUEST_CHECKSUMSENTRY']._serialized_options = b'8\001'
   _globals['_REPORTREQUEST_TIMINGSENTRY']._loaded_options = None
   _globals['_REPORTREQUEST_TIMINGSENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=2802
-  _globals['_ROLE']._serialized_end=2868
-  _globals['_PHASE']._serialized_start=2871
-  _globals['_PHASE']._serialized_end=3047
+  _globals['_ROLE']._serialized_start=2879
+  _globals['_ROLE']._serialized_end=2945
+  _globals['_PHASE']._serialized_start=2948
+  _globals['_PHASE']._serialized_end=3124
   _globals['_BOX']._serialized_start=44
   _globals['_BOX']._serialized_end=78
   _globals['_CANONICALTENSOR']._serialized_start=80
@@ -52,43 +52,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CATALOG']._serialized_start=338
   _globals['_CATALOG']._serialized_end=443
   _globals['_TRANSFERUNIT']._serialized_start=446
-  _globals['_TRANSFERUNIT']._serialized_end=659
-  _globals['_BUCKET']._serialized_start=661
-  _globals['_BUCKET']._serialized_end=785
-  _globals['_REGISTERREQUEST']._serialized_start=788
-  _globals['_REGISTERREQUEST']._serialized_end=1157
-  _globals['_REGISTERREQUEST_COORDSENTRY']._serialized_start=1093
-  _globals['_REGISTERREQUEST_COORDSENTRY']._serialized_end=1138
-  _globals['_REGISTERRESPONSE']._serialized_start=1160
-  _globals['_REGISTERRESPONSE']._serialized_end=1301
-  _globals['_HEARTBEATREQUEST']._serialized_start=1303
-  _globals['_HEARTBEATREQUEST']._serialized_end=1360
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1362
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1458
-  _globals['_WATCHREQUEST']._serialized_start=1460
-  _globals['_WATCHREQUEST']._serialized_end=1513
-  _globals['_STAGEGROUP']._serialized_start=1515
-  _globals['_STAGEGROUP']._serialized_end=1594
-  _globals['_JOINGROUP']._serialized_start=1597
-  _globals['_JOINGROUP']._serialized_end=1763
-  _globals['_EXECUTEPLAN']._serialized_start=1766
-  _globals['_EXECUTEPLAN']._serialized_end=1923
-  _globals['_VERIFY']._serialized_start=1925
-  _globals['_VERIFY']._serialized_end=1994
-  _globals['_COMMIT']._serialized_start=1996
-  _globals['_COMMIT']._serialized_end=2081
-  _globals['_ABORT']._serialized_start=2083
-  _globals['_ABORT']._serialized_end=2124
-  _globals['_COMMAND']._serialized_start=2127
-  _globals['_COMMAND']._serialized_end=2365
-  _globals['_REPORTREQUEST']._serialized_start=2368
-  _globals['_REPORTREQUEST']._serialized_end=2782
-  _globals['_REPORTREQUEST_CHECKSUMSENTRY']._serialized_start=2686
-  _globals['_REPORTREQUEST_CHECKSUMSENTRY']._serialized_end=2734
-  _globals['_REPORTREQUEST_TIMINGSENTRY']._serialized_start=2736
-  _globals['_REPORTREQUEST_TIMINGSENTRY']._serialized_end=2782
-  _globals['_REPORTRESPONSE']._serialized_start=2784
-  _globals['_REPORTRESPONSE']._serialized_end=2800
-  _globals['_SYNCD']._serialized_start=3050
-  _globals['_SYNCD']._serialized_end=3349
+  _globals['_TRANSFERUNIT']._serialized_end=736
+  _globals['_BUCKET']._serialized_start=738
+  _globals['_BUCKET']._serialized_end=862
+  _globals['_REGISTERREQUEST']._serialized_start=865
+  _globals['_REGISTERREQUEST']._serialized_end=1234
+  _globals['_REGISTERREQUEST_COORDSENTRY']._serialized_start=1170
+  _globals['_REGISTERREQUEST_COORDSENTRY']._serialized_end=1215
+  _globals['_REGISTERRESPONSE']._serialized_start=1237
+  _globals['_REGISTERRESPONSE']._serialized_end=1378
+  _globals['_HEARTBEATREQUEST']._serialized_start=1380
+  _globals['_HEARTBEATREQUEST']._serialized_end=1437
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1439
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1535
+  _globals['_WATCHREQUEST']._serialized_start=1537
+  _globals['_WATCHREQUEST']._serialized_end=1590
+  _globals['_STAGEGROUP']._serialized_start=1592
+  _globals['_STAGEGROUP']._serialized_end=1671
+  _globals['_JOINGROUP']._serialized_start=1674
+  _globals['_JOINGROUP']._serialized_end=1840
+  _globals['_EXECUTEPLAN']._serialized_start=1843
+  _globals['_EXECUTEPLAN']._serialized_end=2000
+  _globals['_VERIFY']._serialized_start=2002
+  _globals['_VERIFY']._serialized_end=2071
+  _globals['_COMMIT']._serialized_start=2073
+  _globals['_COMMIT']._serialized_end=2158
+  _globals['_ABORT']._serialized_start=2160
+  _globals['_ABORT']._serialized_end=2201
+  _globals['_COMMAND']._serialized_start=2204
+  _globals['_COMMAND']._serialized_end=2442
+  _globals['_REPORTREQUEST']._serialized_start=2445
+  _globals['_REPORTREQUEST']._serialized_end=2859
+  _globals['_REPORTREQUEST_CHECKSUMSENTRY']._serialized_start=2763
+  _globals['_REPORTREQUEST_CHECKSUMSENTRY']._serialized_end=2811
+  _globals['_REPORTREQUEST_TIMINGSENTRY']._serialized_start=2813
+  _globals['_REPORTREQUEST_TIMINGSENTRY']._serialized_end=2859
+  _globals['_REPORTRESPONSE']._serialized_start=2861
+  _globals['_REPORTRESPONSE']._serialized_end=2877
+  _globals['_SYNCD']._serialized_start=3127
+  _globals['_SYNCD']._serialized_end=3426
 # @@protoc_insertion_point(module_scope)

@@ -84,7 +84,7 @@ class Catalog(_message.Message):
     def __init__(self, canonical: _Optional[_Iterable[_Union[CanonicalTensor, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[LocalTensor, _Mapping]]] = ...) -> None: ...
 
 class TransferUnit(_message.Message):
-    __slots__ = ("canonical", "canon", "dtype", "src_tensor", "src_box", "dst_tensor", "dst_box", "nbytes")
+    __slots__ = ("canonical", "canon", "dtype", "src_tensor", "src_box", "dst_tensor", "dst_box", "nbytes", "quantized", "block_box", "src_dtype")
     CANONICAL_FIELD_NUMBER: _ClassVar[int]
     CANON_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,9 @@ class TransferUnit(_message.Message):
     DST_TENSOR_FIELD_NUMBER: _ClassVar[int]
     DST_BOX_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BOX_FIELD_NUMBER: _ClassVar[int]
+    SRC_DTYPE_FIELD_NUMBER: _ClassVar[int]
     canonical: str
     canon: Box
     dtype: str
@@ -101,7 +104,10 @@ class TransferUnit(_message.Message):
     dst_tensor: str
     dst_box: Box
     nbytes: int
-    def __init__(self, canonical: _Optional[str] = ..., canon: _Optional[_Union[Box, _Mapping]] = ..., dtype: _Optional[str] = ..., src_tensor: _Optional[str] = ..., src_box: _Optional[_Union[Box, _Mapping]] = ..., dst_tensor: _Optional[str] = ..., dst_box: _Optional[_Union[Box, _Mapping]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    quantized: str
+    block_box: Box
+    src_dtype: str
+    def __init__(self, canonical: _Optional[str] = ..., canon: _Optional[_Union[Box, _Mapping]] = ..., dtype: _Optional[str] = ..., src_tensor: _Optional[str] = ..., src_box: _Optional[_Union[Box, _Mapping]] = ..., dst_tensor: _Optional[str] = ..., dst_box: _Optional[_Union[Box, _Mapping]] = ..., nbytes: _Optional[int] = ..., quantized: _Optional[str] = ..., block_box: _Optional[_Union[Box, _Mapping]] = ..., src_dtype: _Optional[str] = ...) -> None: ...
 
 class Bucket(_message.Message):
     __slots__ = ("stage", "src", "dst", "index", "units", "nbytes")

@@ -8,19 +8,25 @@ destination's), whatever the sender holds, so the wire and both sides' checksums
 converted bytes and the receiver unpacks plain copies. The cast is the copy into the bucket itself
 (torch's `copy_` rounds like `.to()`: to nearest even), so no other buffer is needed. It casts
 from whatever the sender's tensor holds (`catalog_views` checked that against its catalog, and the
-planner checked the pair), so it does not depend on `TransferUnit.src_dtype`, which the gRPC
-message does not carry yet.
+planner checked the pair), so it does not depend on `TransferUnit.src_dtype`.
+
+Units of a blockwise-FP8 destination (`TransferUnit.quantized`) are not copies of the sender's
+elements but outputs of the block quantizer (`syncd.dataplane.fp8`) on the whole blocks they
+belong to; the sender computes them while packing, every refit, from its current weights.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 import torch
 
-from syncd.layout import Catalog
+from syncd.dataplane.fp8 import quantize_blockwise
+from syncd.layout import Box, Catalog
 from syncd.layout.dtypes import torch_dtype
-from syncd.plan.types import Bucket
+from syncd.plan.fp8_blocks import to_grid
+from syncd.plan.types import Bucket, TransferUnit
 
 
 def catalog_views(catalog: Catalog, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -39,36 +45,69 @@ def catalog_views(catalog: Catalog, tensors: Mapping[str, torch.Tensor]) -> dict
     return out
 
 
-def copy_pairs(direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor],
-               flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(destinations, sources) of the bucket's copies, unit by unit: for "send" from the source
-    regions into the byte buffer `flat` (each unit's slice viewed in the unit's dtype, so the copy
-    casts), for "recv" from `flat` into the destination regions. Views only, no copies."""
-    dsts, srcs = [], []
+@dataclass
+class Copies:
+    """A bucket's copies, as views (no data moved yet): `dsts[i]` from `srcs[i]`, and `computed`
+    destinations filled from a function of the sender's current tensors (FP8 units)."""
+
+    dsts: list[torch.Tensor] = field(default_factory=list)
+    srcs: list[torch.Tensor] = field(default_factory=list)
+    computed: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = field(default_factory=list)
+
+    def run(self) -> None:
+        if len(self.dsts) == 1:
+            self.dsts[0].copy_(self.srcs[0])
+        elif self.dsts:  # one call for all units: the per-copy dispatch runs in C++, not in Python
+            torch._foreach_copy_(self.dsts, self.srcs)
+        for dst, compute in self.computed:
+            dst.copy_(compute())
+
+
+def copy_pairs(direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor) -> Copies:
+    """The bucket's copies, unit by unit: for "send" from the source regions into the byte buffer
+    `flat` (each unit's slice viewed in the unit's dtype, so the copy casts; FP8 units quantized),
+    for "recv" from `flat` into the destination regions. Views only, no copies."""
+    copies = Copies()
     offset = 0
     for u in bucket.units:
         packed = flat[offset : offset + u.nbytes]
         offset += u.nbytes
-        if direction == "send":
+        if direction == "send" and u.quantized:
+            copies.computed.append((packed.view(torch_dtype(u.dtype)).view(u.canon.shape), _quantized(u, tensors)))
+        elif direction == "send":
             src = tensors[u.src_tensor][u.src_box.slices()]
-            dsts.append(packed.view(torch_dtype(u.dtype)).view(src.shape))
-            srcs.append(src)
+            copies.dsts.append(packed.view(torch_dtype(u.dtype)).view(src.shape))
+            copies.srcs.append(src)
         else:
             dst = tensors[u.dst_tensor][u.dst_box.slices()]
-            dsts.append(dst)
-            srcs.append(packed.view(dst.dtype).view(dst.shape))
-    return dsts, srcs
+            copies.dsts.append(dst)
+            copies.srcs.append(packed.view(dst.dtype).view(dst.shape))
+    return copies
+
+
+def _quantized(u: TransferUnit, tensors: Mapping[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """The FP8 values or scales of unit `u`, from its whole blocks (`u.block_box`, canonical), read
+    when called. The block box's local region has its extents (size-1 dims aside)."""
+    assert u.block_box is not None
+    region = tensors[u.src_tensor][u.src_box.slices()]
+    origin = u.block_box if u.quantized == "values" else to_grid(u.block_box)
+    take = Box(tuple(a - o for a, o in zip(u.canon.start, origin.start)),
+               tuple(b - o for b, o in zip(u.canon.stop, origin.start))).slices()
+    index = 0 if u.quantized == "values" else 1
+
+    def compute() -> torch.Tensor:
+        return quantize_blockwise(region.reshape(u.block_box.shape))[index][take]
+
+    return compute
 
 
 def pack_into(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Copy the bucket's source regions into the byte buffer `out` (at least `bucket.nbytes`),
     converted to each unit's dtype; returns the filled prefix."""
-    for dst, src in zip(*copy_pairs("send", bucket, tensors, out)):
-        dst.copy_(src)
+    copy_pairs("send", bucket, tensors, out).run()
     return out[: bucket.nbytes]
 
 
 def unpack_from(bucket: Bucket, flat: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
     """Scatter a packed byte buffer into the bucket's destination regions."""
-    for dst, src in zip(*copy_pairs("recv", bucket, tensors, flat)):
-        dst.copy_(src)
+    copy_pairs("recv", bucket, tensors, flat).run()

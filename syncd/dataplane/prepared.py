@@ -25,7 +25,7 @@ import torch
 
 from syncd.commands import checksum_key
 from syncd.dataplane.checksum import Checksums, reduce_region, region_outputs
-from syncd.dataplane.pack import copy_pairs
+from syncd.dataplane.pack import Copies, copy_pairs
 from syncd.plan.types import Bucket
 
 
@@ -33,8 +33,8 @@ class PreparedBucket:
     """One bucket's copies and checksum inputs in one staging slice."""
 
     def __init__(self, direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor) -> None:
-        self._dsts, self._srcs = copy_pairs(direction, bucket, tensors, flat)
-        self._regions_of(bucket, flat, _direct_bytes(direction, bucket, self._dsts, self._srcs))
+        self._copies = copy_pairs(direction, bucket, tensors, flat)
+        self._regions_of(bucket, flat, _direct_bytes(direction, bucket, self._copies))
 
     def _regions_of(self, bucket: Bucket, flat: torch.Tensor, direct: torch.Tensor | None) -> None:
         self.bucket = bucket  # held, so that the id in the cache key stays this bucket's
@@ -51,12 +51,8 @@ class PreparedBucket:
     def copy(self) -> None:
         """Pack (send) or unpack (recv) the bucket on the current stream (nothing to do when the
         bucket travels straight from or into its tensor)."""
-        if self.direct is not None:
-            return
-        if len(self._dsts) == 1:
-            self._dsts[0].copy_(self._srcs[0])
-        else:  # one call for all units: the per-copy dispatch runs in C++, not in Python
-            torch._foreach_copy_(self._dsts, self._srcs)
+        if self.direct is None:
+            self._copies.run()
 
     def checksum(self, sums: Checksums) -> None:
         """Checksum every unit's packed bytes into `sums` (on GPUs: enqueue the reductions on the
@@ -72,14 +68,15 @@ class PreparedBucket:
             sums.add_reduced(key, packed.numel(), cols, rows, rest)
 
 
-def _direct_bytes(direction: str, bucket: Bucket, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> torch.Tensor | None:
+def _direct_bytes(direction: str, bucket: Bucket, copies: Copies) -> torch.Tensor | None:
     """The bytes of a one-unit bucket whose region in the member's own tensor is one contiguous
     range, with no cast: those bytes are exactly what the bucket carries, so they can go on the
     wire as they are, without the copy into (or out of) staging. (A third of the bytes of the
     benchmark's plan at 64-512 MiB buckets; the copy competes with the transfer for memory
     bandwidth.) None otherwise."""
-    if len(bucket.units) != 1:
+    if len(bucket.units) != 1 or copies.computed:
         return None
+    dsts, srcs = copies.dsts, copies.srcs
     mine = srcs[0] if direction == "send" else dsts[0]
     if mine.dtype != dsts[0].dtype or mine.dtype != srcs[0].dtype or not mine.is_contiguous():
         return None

@@ -8,7 +8,8 @@ only data planes call.
 Conversions (`conversion(src, dst, tensor=...)`): the identity for every dtype; float32 -> bfloat16
 and float32 -> float16 rounded to nearest even, exactly torch's `.to()` (what the sender's copy
 into the bucket does); bfloat16 -> float32 and float16 -> float32, which are exact. Every other
-pair is refused: narrowing to FP8 needs scales (a quantizer, not a cast), and a silent
+pair is refused: narrowing to FP8 needs scales (a quantizer, not a cast: the planner plans
+blockwise-FP8 destinations itself, `syncd.plan.fp8_blocks`), and a silent
 float64 -> float32 or bfloat16 <-> float16 cast would lose range or precision nobody asked for.
 """
 

@@ -14,8 +14,10 @@ from typing import Callable, Iterable, Mapping, Sequence, TypeVar
 
 T = TypeVar("T")
 
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
-_GROUPED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# `weight_scale_inv`: the block scales of a blockwise-FP8 weight (`syncd.plan.fp8_blocks`), which
+# an FP8 checkpoint also stores per expert.
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight(?:_scale_inv)?)$")
+_GROUPED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>weight(?:_scale_inv)?)$")
 
 
 def grouped_expert_name(layer_prefix: str, proj: str) -> str:
@@ -31,7 +33,7 @@ def hf_expert_name(grouped: str, expert: int) -> str:
     m = _GROUPED.match(grouped)
     if m is None:
         raise ValueError(f"{grouped} is not a grouped expert tensor name")
-    return f"{m['prefix']}.{expert}.{m['proj']}.weight"
+    return f"{m['prefix']}.{expert}.{m['proj']}.{m['kind']}"
 
 
 def split_to_hf(name: str, tensor: T, num_experts: int) -> list[tuple[str, T]]:
@@ -51,7 +53,7 @@ def group_from_hf(items: Iterable[tuple[str, T]], stack: Callable[[Sequence[T]],
         if m is None:
             out[name] = tensor
         else:
-            experts.setdefault(f"{m['prefix']}.{m['proj']}.weight", {})[int(m["expert"])] = tensor
+            experts.setdefault(f"{m['prefix']}.{m['proj']}.{m['kind']}", {})[int(m["expert"])] = tensor
     for grouped, by_index in experts.items():
         if sorted(by_index) != list(range(len(by_index))):
             raise ValueError(f"{grouped}: experts {sorted(by_index)} are not numbered 0..{len(by_index) - 1}")

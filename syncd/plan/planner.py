@@ -9,6 +9,9 @@ How it works, per canonical tensor:
    as the least-loaded so far, so replicated data is sent once and spread over its holders.
 Each side declares the dtype it holds a canonical tensor in; when they differ, units record the
 conversion and are sized in the destination's dtype, since the sender converts while packing.
+A blockwise-FP8 destination (`syncd.plan.fp8_blocks`) declares a projection weight in e4m3 and
+its scales `<weight>_scale_inv`, which no source declares: both are planned from the sources'
+weight, whose boxes must hold whole blocks; the scales on the weight's block grid.
 Units larger than a bucket are cut into slabs; the units of each (stage, src, dst) link are
 packed greedily, in a deterministic order, into buckets of at most `bucket_bytes`.
 
@@ -30,6 +33,7 @@ from typing import Callable, Iterator, Sequence
 
 from syncd.layout import Box, CanonicalTensor, Catalog, Conversion, Piece, conversion, dtype_bytes, owning_layer
 from syncd.layout.catalog import first_overlap
+from syncd.plan import fp8_blocks
 from syncd.plan.types import Bucket, DestMember, Plan, SourceMember, TransferUnit
 
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -65,15 +69,19 @@ def make_plan(
     dst_holdings = _holdings_by_canonical([m.catalog for m in destinations])
     load = [0] * len(sources)
     links: dict[tuple[int, int], list[TransferUnit]] = defaultdict(list)
+    members = [m.member_id for m in sources]
     # In the destinations' catalog order (the first destination's tensors first), not by name: a
     # generator's catalog lists its parameters layer by layer, so every link's units, and so its
     # buckets, go through the layers in the same order, which lets an in-place receiver finish a
     # layer before the next one opens (by name, "lm_head" came before every layer).
     for name in dst_holdings:
-        holders = src_holdings.get(name)
+        holders = src_holdings.get(meta[name].source if name in meta else name)
         if not holders:
             raise ValueError(f"no source holds canonical tensor {name}, which a destination needs")
         _check_destination_overlap(name, dst_holdings[name])
+        if meta[name].quantized:
+            fp8_blocks.require_whole_blocks(meta[name].source, meta[name].source_shape,
+                                            [(members[h.member], h.piece.canon) for h in holders])
         limit = max(1, bucket_bytes // dtype_bytes(meta[name].tensor.dtype))
         for src, dst, unit in _units_for_tensor(meta[name], holders, dst_holdings[name], load, limit):
             links[(src, dst)].append(unit)
@@ -91,10 +99,27 @@ class _Declared:
 @dataclass(frozen=True, slots=True)
 class _TensorMeta:
     """A canonical tensor as both sides see it: the destination's declaration (its dtype is what
-    travels on the wire) and the conversion the sender applies while packing."""
+    travels on the wire), the conversion the sender applies while packing, and the canonical tensor
+    the sender reads: the same one, or for FP8 scales their weight (`quantized` says which output
+    of the block quantizer a unit carries)."""
 
     tensor: CanonicalTensor
     conversion: Conversion
+    source: str
+    source_shape: tuple[int, ...]
+    quantized: str | None = None  # None, "values" or "scales"
+
+    def reads(self, box: Box) -> Box:
+        """The canonical box of `source` that a unit over `box` of this tensor is made from."""
+        if self.quantized == "values":
+            return fp8_blocks.whole_blocks(box, self.source_shape)
+        if self.quantized == "scales":
+            return fp8_blocks.from_grid(box, self.source_shape)
+        return box
+
+    def covers(self, source_box: Box) -> Box:
+        """The box of this tensor that a source's canonical `source_box` lets it send."""
+        return fp8_blocks.to_grid(source_box) if self.quantized == "scales" else source_box
 
 
 def _declarations(members: Sequence[SourceMember] | Sequence[DestMember]) -> dict[str, _Declared]:
@@ -119,18 +144,47 @@ def _canonical_meta(
     """Per canonical tensor both sides declare: shapes must agree; dtypes may differ by a supported
     conversion (anything else is refused here, before any byte moves)."""
     src = _declarations(sources)
+    dsts = _declarations(destinations)
     meta: dict[str, _TensorMeta] = {}
-    for name, dst in _declarations(destinations).items():
+    for name, dst in dsts.items():
+        weight = fp8_blocks.scaled_weight(name)
+        if name not in src and weight is not None and weight in src and weight in dsts:
+            meta[name] = _scales_meta(dst, src[weight], dsts[weight])
+            continue
         held = src.get(name)
         if held is None:
             continue  # an error only if a destination tensor needs it (make_plan says which)
-        if held.tensor.shape != dst.tensor.shape:
-            raise ValueError(
-                f"canonical tensor {name} disagrees: {held.member_id} has {held.tensor.dtype}"
-                f"{list(held.tensor.shape)}, {dst.member_id} has {dst.tensor.dtype}{list(dst.tensor.shape)}"
-            )
-        meta[name] = _TensorMeta(dst.tensor, conversion(held.tensor.dtype, dst.tensor.dtype, tensor=name))
+        _require_same_shape(name, held, dst, held.tensor.shape)
+        quantized = fp8_blocks.quantizes(name, held.tensor.dtype, dst.tensor.dtype)
+        if quantized and fp8_blocks.scale_name(name) not in dsts:
+            raise ValueError(f"canonical tensor {name}: {dst.member_id} holds it as {dst.tensor.dtype} but does "
+                             f"not declare its block scales {fp8_blocks.scale_name(name)}")
+        conv = Conversion(held.tensor.dtype, dst.tensor.dtype) if quantized else \
+            conversion(held.tensor.dtype, dst.tensor.dtype, tensor=name)
+        meta[name] = _TensorMeta(dst.tensor, conv, name, held.tensor.shape, "values" if quantized else None)
     return meta
+
+
+def _scales_meta(dst: _Declared, weight_src: _Declared, weight_dst: _Declared) -> _TensorMeta:
+    """The scales of an FP8 weight, planned from the sources' (wider) weight."""
+    name, weight = dst.tensor.name, weight_src.tensor
+    if not fp8_blocks.quantizes(weight.name, weight.dtype, weight_dst.tensor.dtype):
+        raise ValueError(f"canonical tensor {name}: scales of {weight.name}, which {weight_dst.member_id} "
+                         f"declares as {weight_dst.tensor.dtype}, not {fp8_blocks.FP8_DTYPE} from a wider source")
+    expected = CanonicalTensor(name, fp8_blocks.scale_shape(weight.shape), fp8_blocks.SCALE_DTYPE)
+    if dst.tensor != expected:
+        raise ValueError(f"canonical tensor {name}: {dst.member_id} declares {dst.tensor.dtype}"
+                         f"{list(dst.tensor.shape)}; the block scales of {weight.name}{list(weight.shape)} "
+                         f"are {expected.dtype}{list(expected.shape)}")
+    return _TensorMeta(dst.tensor, Conversion(weight.dtype, dst.tensor.dtype), weight.name, weight.shape, "scales")
+
+
+def _require_same_shape(name: str, held: _Declared, dst: _Declared, shape: tuple[int, ...]) -> None:
+    if shape != dst.tensor.shape:
+        raise ValueError(
+            f"canonical tensor {name} disagrees: {held.member_id} has {held.tensor.dtype}"
+            f"{list(held.tensor.shape)}, {dst.member_id} has {dst.tensor.dtype}{list(dst.tensor.shape)}"
+        )
 
 
 def _holdings_by_canonical(catalogs: Sequence) -> dict[str, list[_Holding]]:
@@ -162,11 +216,12 @@ def _units_for_tensor(
     tensor, conv = meta.tensor, meta.conversion
     wire_itemsize = dtype_bytes(tensor.dtype)
     src_dtype = None if conv.is_identity else conv.src
-    cuts = [sorted({0, n, *(h.piece.canon.start[d] for h in sources), *(h.piece.canon.stop[d] for h in sources)})
+    covered = [meta.covers(h.piece.canon) for h in sources]
+    cuts = [sorted({0, n, *(b.start[d] for b in covered), *(b.stop[d] for b in covered)})
             for d, n in enumerate(tensor.shape)]
     replicas: dict[tuple[int, ...], list[_Holding]] = defaultdict(list)
-    for h in sources:
-        for cell in _cells(cuts, h.piece.canon):
+    for h, box in zip(sources, covered):
+        for cell in _cells(cuts, box):
             replicas[cell].append(h)
     for dst in dests:
         for cell in _cells(cuts, dst.piece.canon):
@@ -179,16 +234,19 @@ def _units_for_tensor(
             src = min(holders, key=lambda h: (load[h.member], h.member))
             load[src.member] += sub.numel * wire_itemsize
             for slab in _slabs(sub, max_elements):
+                read = meta.reads(slab)
                 yield src.member, dst.member, TransferUnit(
                     canonical=tensor.name,
                     canon=slab,
                     dtype=tensor.dtype,
                     src_tensor=src.tensor,
-                    src_box=src.piece.local_region(slab),
+                    src_box=src.piece.local_region(read),
                     dst_tensor=dst.tensor,
                     dst_box=dst.piece.local_region(slab),
                     nbytes=slab.numel * wire_itemsize,
                     src_dtype=src_dtype,
+                    quantized=meta.quantized,
+                    block_box=read if meta.quantized else None,
                 )
 
 

@@ -37,7 +37,11 @@ class TransferUnit:
     `dtype` is the destination's element type, which is what travels: `nbytes` counts it. When the
     sender holds the tensor in another type, `src_dtype` names it and the sender converts while
     packing (`syncd.layout.dtypes.conversion` says which pairs are allowed); None means no
-    conversion."""
+    conversion.
+
+    `quantized` ("values" or "scales") marks a unit of a blockwise-FP8 destination
+    (`syncd.plan.fp8_blocks`): the sender quantizes `block_box` (whole blocks of the canonical
+    weight it holds, read from `src_box`) and sends the e4m3 values, or the scales, of `canon`."""
 
     canonical: str
     canon: Box
@@ -48,6 +52,8 @@ class TransferUnit:
     dst_box: Box
     nbytes: int
     src_dtype: str | None = None
+    quantized: str | None = None
+    block_box: Box | None = None
 
 
 @dataclass(frozen=True)

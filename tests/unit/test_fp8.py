@@ -1,14 +1,21 @@
-"""Blockwise FP8: the reference quantizer (edge blocks included) and the refusal of trainer shards
-that cut a block."""
+"""Blockwise FP8: the reference quantizer (edge blocks included), the refusal of shards that cut a
+block, and bfloat16 trainer ranks planned and packed into FP8 destinations (values and scales equal
+the block-by-block definition, at any bucket size)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import numpy as np
+
+from syncd.dataplane import catalog_views, pack_into, unpack_from
 from syncd.dataplane.fp8 import E4M3_MAX, dequantize_blockwise, quantize_blockwise
-from syncd.layout import Box
-from syncd.plan.fp8_blocks import require_whole_blocks, scale_shape
+from syncd.layout import Box, Canon, CanonicalTensor, Catalog, Concat, Shard, Sharded, local_tensor
+from syncd.layout.dtypes import torch_dtype
+from syncd.plan import DestMember, SourceMember, make_plan
+from syncd.plan.fp8_blocks import blockwise_fp8_catalog, require_whole_blocks, scale_name, scale_shape
+from syncd.plan.simulate import materialize
 
 
 def _weights(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -103,3 +110,136 @@ def test_block_aligned_source_shards_are_accepted(shape, boxes):
 def test_source_shards_that_cut_a_block_are_refused_naming_tensor_member_and_dim(shape, box, match):
     with pytest.raises(ValueError, match=rf"canonical tensor {GATE}: .*{match}"):
         require_whole_blocks(GATE, shape, [("trainer-1", box)])
+
+
+# ---- planned and packed: bfloat16 trainer ranks into a blockwise-FP8 destination ----
+
+E, I, H = 3, 256, 200  # H is not a multiple of 128: edge blocks on every projection
+UP = "model.layers.0.mlp.experts.up_proj.weight"
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
+NORM = "model.layers.0.input_layernorm.weight"
+SHAPES = {GATE: (E, I, H), UP: (E, I, H), O_PROJ: (H, I), NORM: (H,)}
+
+
+def _declared(dtype: str) -> tuple[CanonicalTensor, ...]:
+    return tuple(CanonicalTensor(n, s, dtype) for n, s in SHAPES.items())
+
+
+def _trainer(rank: int, tp: int) -> Catalog:
+    """Experts and o_proj sharded over tp on I (at multiples of 128), the norm replicated."""
+    def shard(name: str, dim: int) -> Sharded:
+        return Sharded(Canon(name, SHAPES[name]), (Shard(dim),), (tp,), (rank,))
+
+    return Catalog(_declared("bfloat16"), (
+        local_tensor("gate", "bfloat16", shard(GATE, 1)),
+        local_tensor("up", "bfloat16", shard(UP, 1)),
+        local_tensor("o_proj", "bfloat16", shard(O_PROJ, 1)),
+        local_tensor("norm", "bfloat16", Canon(NORM, SHAPES[NORM])),
+    ))
+
+
+def _vllm_like(rank: int, tp: int) -> Catalog:
+    """A generator rank in vLLM's layout (fused w13 = [gate; up] per expert, row-parallel o_proj),
+    in bfloat16; `blockwise_fp8_catalog` makes it the FP8 one."""
+    def shard(name: str, dim: int) -> Sharded:
+        return Sharded(Canon(name, SHAPES[name]), (Shard(dim),), (tp,), (rank,))
+
+    return Catalog(_declared("bfloat16"), (
+        local_tensor("w13_weight", "bfloat16", Concat(1, (shard(GATE, 1), shard(UP, 1)))),
+        local_tensor("o_proj.weight", "bfloat16", shard(O_PROJ, 1)),
+        local_tensor("norm", "bfloat16", Canon(NORM, SHAPES[NORM])),
+    ))
+
+
+def test_the_fp8_catalog_declares_e4m3_weights_and_their_scales_on_the_block_grid():
+    catalog = blockwise_fp8_catalog(_vllm_like(1, 2))
+    declared = {c.name: (c.dtype, c.shape) for c in catalog.canonical}
+    assert declared[GATE] == ("float8_e4m3fn", (E, I, H))
+    assert declared[scale_name(GATE)] == ("float32", (E, 2, 2))
+    assert declared[NORM] == ("bfloat16", (H,))
+    tensors = {t.name: t for t in catalog.tensors}
+    assert [t.name for t in catalog.tensors] == ["w13_weight", "w13_weight_scale_inv", "o_proj.weight",
+                                                 "o_proj.weight_scale_inv", "norm"]
+    scales = tensors["w13_weight_scale_inv"]
+    assert scales.shape == (E, 2, 2) and scales.dtype == "float32"  # [gate block; up block] of rank 1
+    assert [(p.canonical, p.canon) for p in scales.pieces] == [
+        (scale_name(GATE), Box((0, 1, 0), (E, 2, 2))), (scale_name(UP), Box((0, 1, 0), (E, 2, 2)))]
+
+
+def test_an_fp8_layout_that_cuts_a_block_is_refused_naming_the_tensor():
+    with pytest.raises(ValueError, match=rf"canonical tensor {GATE}: local tensor w13_weight holds .*bound 64 on dim 1"):
+        blockwise_fp8_catalog(_vllm_like(0, 4))  # I / 4 = 64 rows per rank
+
+
+def _reference(weights: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """What an FP8 checkpoint of `weights` holds, by the block-by-block definition (above), as
+    NumPy arrays of bytes (e4m3) or values (scales, bfloat16 as int16), for `materialize`."""
+    out = {}
+    for name, x in weights.items():
+        if name == NORM:
+            out[name] = x.view(torch.int16).numpy()
+            continue
+        grids = [_block_by_block(m) for m in (x.unsqueeze(0) if x.dim() == 2 else x)]
+        values, scales = torch.stack([q for q, _ in grids]), torch.stack([s for _, s in grids])
+        if x.dim() == 2:
+            values, scales = values[0], scales[0]
+        out[name] = values.view(torch.uint8).numpy()
+        out[scale_name(name)] = scales.numpy()
+    return out
+
+
+@pytest.mark.parametrize("trainer_tp, generator_tp, bucket_bytes", [(2, 1, 1 << 20), (2, 2, 5000), (1, 2, 777)],
+                         ids=["tp2-into-tp1", "tp2-into-tp2-small-buckets", "tp1-into-tp2-odd-buckets"])
+def test_fp8_destinations_receive_exactly_the_reference_quantization_of_the_trainers_weights(
+        trainer_tp, generator_tp, bucket_bytes):
+    weights = {n: _weights(*s, seed=i).to(torch.bfloat16) if len(s) > 1 else torch.randn(s).to(torch.bfloat16)
+               for i, (n, s) in enumerate(SHAPES.items())}
+    sources = [SourceMember(f"trainer-{r}", 0, _trainer(r, trainer_tp)) for r in range(trainer_tp)]
+    dests = [DestMember(f"generator-{r}", blockwise_fp8_catalog(_vllm_like(r, generator_tp)))
+             for r in range(generator_tp)]
+    plan = make_plan(sources, dests, bucket_bytes=bucket_bytes)
+    units = [u for b in plan.buckets for u in b.units]
+    assert {u.quantized for u in units} == {None, "values", "scales"}
+    assert all(u.dtype == "float8_e4m3fn" for u in units if u.quantized == "values")
+    held = {m.member_id: catalog_views(m.catalog, {
+        name: x.contiguous() for name, x in materialize_torch(m.catalog, weights).items()}) for m in sources}
+    received = {m.member_id: {t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype)) for t in m.catalog.tensors}
+                for m in dests}
+    buffer = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
+    for bucket in plan.buckets:
+        unpack_from(bucket, pack_into(bucket, held[bucket.src], buffer), received[bucket.dst])
+    expected = _reference(weights)
+    for m in dests:
+        for name, want in materialize(m.catalog, expected).items():
+            got = received[m.member_id][name]
+            got = got.view(torch.uint8 if got.element_size() == 1 else torch.int16) if got.dtype != torch.float32 else got
+            np.testing.assert_array_equal(got.numpy(), want, err_msg=f"{m.member_id} {name}")
+
+
+def materialize_torch(catalog: Catalog, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`materialize` for torch tensors (NumPy has no bfloat16): bfloat16 through int16 bits."""
+    bits = materialize(catalog, {n: x.view(torch.int16).numpy() for n, x in weights.items()})
+    return {n: torch.from_numpy(a).view(torch.bfloat16) for n, a in bits.items()}
+
+
+def test_trainer_shards_that_cut_a_block_are_refused_by_the_planner_naming_tensor_and_member():
+    sources = [SourceMember(f"trainer-{r}", 0, _trainer(r, 4)) for r in range(4)]  # I / 4 = 64
+    with pytest.raises(ValueError, match=rf"canonical tensor {GATE}: trainer-0 holds .*bound 64 on dim 1"):
+        make_plan(sources, [DestMember("generator-0", blockwise_fp8_catalog(_vllm_like(0, 1)))])
+
+
+def test_an_fp8_weight_without_its_scales_is_refused():
+    fp8 = blockwise_fp8_catalog(_vllm_like(0, 1))
+    no_scales = Catalog(tuple(c for c in fp8.canonical if not c.name.endswith("_scale_inv")),
+                        tuple(t for t in fp8.tensors if not t.name.endswith("_scale_inv")))
+    with pytest.raises(ValueError, match=rf"canonical tensor {GATE}: generator-0 holds it as float8_e4m3fn but does not declare its block scales"):
+        make_plan([SourceMember("trainer-0", 0, _trainer(0, 1))], [DestMember("generator-0", no_scales)])
+
+
+def test_quantized_units_survive_the_wire_format():
+    from syncd.api.convert import unit_from_pb, unit_to_pb
+
+    plan = make_plan([SourceMember("trainer-0", 0, _trainer(0, 1))],
+                     [DestMember("generator-0", blockwise_fp8_catalog(_vllm_like(0, 1)))], bucket_bytes=5000)
+    for unit in (u for b in plan.buckets for u in b.units):
+        assert unit_from_pb(unit_to_pb(unit)) == unit
