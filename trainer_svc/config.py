@@ -12,7 +12,25 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from syncd.plan.fp8_blocks import BLOCK
+
 MODEL_TYPE = "qwen3_moe"
+# The blockwise-FP8 export (`--export-dtype fp8`, the DeepSeek-V3 / Qwen3-FP8 checkpoint format):
+# the projection weights that `syncd.plan.fp8_blocks.is_quantized` names are stored as e4m3 with
+# float32 scales per block, every other tensor in FP8_UNQUANTIZED_DTYPE, which torch_dtype names.
+FP8_EXPORT = "fp8"
+FP8_UNQUANTIZED_DTYPE = "bfloat16"
+
+
+def fp8_quantization_config() -> dict[str, Any]:
+    """config.json's `quantization_config` of a FP8_EXPORT checkpoint (a fresh dict)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
+
+
+def unquantized_dtype(export_dtype: str) -> str:
+    """The dtype an export in `export_dtype` stores its unquantized tensors in (all of them unless
+    it is FP8_EXPORT): config.json's torch_dtype."""
+    return FP8_UNQUANTIZED_DTYPE if export_dtype == FP8_EXPORT else export_dtype
 
 
 @dataclass(frozen=True)
@@ -80,7 +98,7 @@ class ModelArgs:
 
     def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
         """An HF config.json dict that transformers and vLLM load as Qwen3MoeForCausalLM, for
-        weights stored in `dtype`."""
+        weights stored in `dtype` (a dtype name, or FP8_EXPORT)."""
         d = asdict(self)
         rope_theta = d.pop("rope_theta")
         d.update(
@@ -100,9 +118,11 @@ class ModelArgs:
             rope_scaling=None,
             output_router_logits=False,
             router_aux_loss_coef=0.0,
-            torch_dtype=dtype,
+            torch_dtype=unquantized_dtype(dtype),
             use_cache=True,
         )
+        if dtype == FP8_EXPORT:
+            d["quantization_config"] = fp8_quantization_config()
         return dict(sorted(d.items()))
 
 
@@ -117,6 +137,9 @@ def _check_supported(cfg: dict[str, Any]) -> None:
 
     if cfg.get("model_type", MODEL_TYPE) != MODEL_TYPE:
         refuse("model_type", MODEL_TYPE)
+    if cfg.get("quantization_config"):
+        # Loading reads each tensor as float32; FP8 values without their scales would be wrong.
+        refuse("quantization_config", "an unquantized checkpoint (no quantization_config)")
     if cfg.get("num_experts", cfg.get("num_local_experts")) is None:
         refuse("num_experts", "a positive number of routed experts")
     if cfg.get("decoder_sparse_step", 1) != 1:

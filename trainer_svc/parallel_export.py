@@ -1,12 +1,15 @@
 """Export without gathering the model on one rank: every writer rank writes its own tensors into
 one shared safetensors file at offsets all ranks compute alike.
 
-The file's layout (header, then every HF tensor in name order, in the export dtype) depends only
-on the model args and that dtype, so rank 0 writes the header and sizes the file while nobody waits for data; then, per stage,
-the rank (dp 0, ep 0, tp 0) writes the stage's non-expert tensors and every rank (dp 0, ep e, tp 0)
-its whole experts, after an all-gather over its tp group, one parameter at a time. No rank holds
-more than one parameter gathered over tp besides its own shards. All ranks must see the same
-file, which `trainer.py` checks (one host) before choosing this over `gather_canonical`.
+The file's layout (header, then every stored tensor in name order: each HF tensor in the export
+dtype, or under `--export-dtype fp8` the quantized ones with their block scales) depends only on
+the model args and that dtype, so rank 0 writes the header and sizes the file while nobody waits
+for data; then, per stage, the rank (dp 0, ep 0, tp 0) writes the stage's non-expert tensors and
+every rank (dp 0, ep e, tp 0) its whole experts, after an all-gather over its tp group, one
+parameter at a time; so a writer quantizes whole HF tensors whatever the tp cut (a block's scale
+needs the whole block). No rank holds more than one parameter gathered over tp besides its own
+shards. All ranks must see the same file, which `trainer.py` checks (one host) before choosing
+this over `gather_canonical`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from syncd.layout import hf_names
-from syncd.layout.dtypes import lookup, torch_dtype
+from syncd.layout.dtypes import lookup
 from trainer_svc import comm
 from trainer_svc.config import ModelArgs
 from trainer_svc.parallel_dims import Mesh
@@ -32,23 +35,26 @@ from trainer_svc.state_dict_adapter import (
     ROW_PARALLEL,
     WEIGHTS_FILE,
     canonical_shapes,
+    stored_entries,
+    stored_tensors,
 )
 
 def file_layout(args: ModelArgs, dtype: str = "float32") -> tuple[bytes, dict[str, int], int]:
-    """(header bytes, absolute file offset of every HF tensor, file size) of the safetensors file
-    holding every tensor in `dtype`."""
-    code, itemsize = lookup(dtype).safetensors, lookup(dtype).itemsize
-    entries = []
+    """(header bytes, absolute file offset of every stored tensor, file size) of the safetensors
+    file of an export in `dtype` (a dtype name, or FP8_EXPORT: see `stored_entries`)."""
+    hf_shapes = []
     for name, shape in canonical_shapes(args).items():
         if hf_names.is_grouped_expert(name):
-            entries += [(hf_names.hf_expert_name(name, e), shape[1:]) for e in range(shape[0])]
+            hf_shapes += [(hf_names.hf_expert_name(name, e), shape[1:]) for e in range(shape[0])]
         else:
-            entries.append((name, shape))
+            hf_shapes.append((name, shape))
+    entries = [entry for name, shape in hf_shapes for entry in stored_entries(name, shape, dtype)]
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, shape in sorted(entries):
-        size = math.prod(shape) * itemsize
-        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
+    for name, entry_dtype, shape in sorted(entries):
+        size = math.prod(shape) * lookup(entry_dtype).itemsize
+        header[name] = {"dtype": lookup(entry_dtype).safetensors, "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as safetensors writes it
@@ -101,8 +107,8 @@ def _writes(name: str, mesh: Mesh) -> tuple[bool, bool]:
 def export_parallel(weights: Mapping[str, torch.Tensor], mesh: Mesh, args: ModelArgs, out_dir: str | Path,
                     dtype: str = "float32") -> None:
     """Collective over the world: write config.json + model.safetensors (in `dtype`, rounded to
-    nearest even where it is narrower than the weights) from every writer rank. `weights`: this
-    rank's stage parameters by name."""
+    nearest even where it is narrower than the weights, or FP8_EXPORT) from every writer rank.
+    `weights`: this rank's stage parameters by name."""
     out_dir = Path(out_dir)
     path = out_dir / WEIGHTS_FILE
     prefix, starts, size = file_layout(args, dtype)
@@ -120,7 +126,8 @@ def export_parallel(weights: Mapping[str, torch.Tensor], mesh: Mesh, args: Model
                 continue
             for hf_name, t in _hf_tensors(name, p, mesh, args):
                 if write:
-                    _pwrite_all(f.fileno(), t.to("cpu", torch_dtype(dtype)).contiguous(), starts[hf_name])
+                    for stored_name, stored in stored_tensors(hf_name, t, dtype):
+                        _pwrite_all(f.fileno(), stored, starts[stored_name])
     dist.barrier()
 
 

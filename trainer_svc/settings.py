@@ -6,15 +6,17 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from syncd.plan.fp8_blocks import BLOCK
+from trainer_svc.config import FP8_EXPORT, FP8_UNQUANTIZED_DTYPE
 from trainer_svc.parallel_dims import ParallelDims
 
 # The environment variables trainer_svc reads: torchrun's, and the syncd token (kept off argv).
 ENV_RANK, ENV_WORLD_SIZE, ENV_LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
 ENV_AUTH_TOKEN = "TRAINER_AUTH_TOKEN"
 # The training precisions (`trainer_svc.precision`: bfloat16 computes with float32 masters) and
-# the exported checkpoint's dtypes (the casts a refit makes).
+# the exported checkpoint's dtypes (the casts a refit makes, and blockwise FP8).
 TRAIN_DTYPES = ("float32", "bfloat16")
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16", FP8_EXPORT)
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class TrainSettings:
     microbatches: int = 2
     export_dir: str | None = None
     export_each_step: bool = False  # also write export_dir/step-N after every step
-    export_dtype: str | None = None  # the exported checkpoint's dtype; None: the training dtype
+    export_dtype: str | None = None  # the exported checkpoint's dtype, or FP8_EXPORT; None: the training dtype
     syncd: str | None = None
     auth_token: str | None = None  # bearer token when syncd requires one
     sync_refit: bool = False  # after announcing a step, wait until a refit of it commits or aborts
@@ -109,7 +111,11 @@ class TrainSettings:
                        help="also export after every step, to EXPORT_DIR/step-N")
         p.add_argument("--export-dtype", default=None, choices=EXPORT_DTYPES,
                        help="dtype of the exported checkpoint (default: --dtype): what a generator serving "
-                            "that dtype holds (the weights rounded to nearest even, as a refit converts them)")
+                            "that dtype holds (the weights rounded to nearest even, as a refit converts them); "
+                            f"{FP8_EXPORT}: blockwise FP8 (the DeepSeek-V3 / Qwen3-FP8 format), attention and "
+                            f"expert projections as e4m3 with a float32 scale per {BLOCK[0]}x{BLOCK[1]} block, "
+                            f"quantized from their {FP8_UNQUANTIZED_DTYPE} values, every other tensor in "
+                            f"{FP8_UNQUANTIZED_DTYPE}")
         p.add_argument("--syncd", help="syncd gRPC address host:port (omit to train standalone)")
         p.add_argument("--auth-token", default=os.environ.get(ENV_AUTH_TOKEN) or None,
                        help=f"syncd bearer token (default: ${ENV_AUTH_TOKEN})")

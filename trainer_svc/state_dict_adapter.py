@@ -21,10 +21,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from syncd.dataplane.fp8 import quantize_blockwise
 from syncd.layout import hf_names
 from syncd.layout.dtypes import torch_dtype
+from syncd.plan.fp8_blocks import FP8_DTYPE, SCALE_DTYPE, is_quantized, scale_name, scale_shape
 from trainer_svc import comm
-from trainer_svc.config import ModelArgs
+from trainer_svc.config import FP8_EXPORT, FP8_UNQUANTIZED_DTYPE, ModelArgs, unquantized_dtype
 from trainer_svc.parallel_dims import Coords, Mesh, ParallelDims
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -91,14 +93,35 @@ def load_hf(model_dir: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     return args, {k: canonical[k] for k in expected}
 
 
+def stored_entries(hf_name: str, shape: tuple[int, ...], dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of each tensor that an export in `dtype` (a dtype name, or
+    FP8_EXPORT) stores for HF tensor `hf_name` of `shape`: the tensor, and under FP8_EXPORT the
+    block scales of a quantized one."""
+    if dtype == FP8_EXPORT and is_quantized(hf_name):
+        return [(hf_name, FP8_DTYPE, shape), (scale_name(hf_name), SCALE_DTYPE, scale_shape(shape))]
+    return [(hf_name, unquantized_dtype(dtype), shape)]
+
+
+def stored_tensors(hf_name: str, t: torch.Tensor, dtype: str) -> list[tuple[str, torch.Tensor]]:
+    """The CPU tensors named as `stored_entries` lists them, from HF tensor `hf_name`'s value `t`:
+    cast (rounded to nearest even where narrower), or quantized blockwise."""
+    if dtype == FP8_EXPORT and is_quantized(hf_name):
+        # Quantized from the bfloat16 value, as the FP8 checkpoints are derived from the bf16 weights
+        # the model computes with; from float32 masters a block could round to other e4m3 values.
+        fp8, scale_inv = quantize_blockwise(t.detach().to(torch_dtype(FP8_UNQUANTIZED_DTYPE)))
+        return [(hf_name, fp8.cpu()), (scale_name(hf_name), scale_inv.cpu())]
+    return [(hf_name, t.detach().to("cpu", torch_dtype(unquantized_dtype(dtype))).contiguous())]
+
+
 def save_hf(out_dir: str | Path, args: ModelArgs, canonical: dict[str, torch.Tensor], dtype: str = "float32") -> Path:
-    """Write config.json + model.safetensors with per-expert HF names, in `dtype`."""
+    """Write config.json + model.safetensors with per-expert HF names, in `dtype` (a dtype name,
+    or FP8_EXPORT)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in canonical.items():
         for hf_name, part in hf_names.split_to_hf(name, t, args.num_experts):
-            tensors[hf_name] = part.detach().to("cpu", torch_dtype(dtype)).contiguous()
+            tensors.update(stored_tensors(hf_name, part, dtype))
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / CONFIG_FILE).write_text(json.dumps(args.to_hf(dtype), indent=2) + "\n")
     return out_dir
