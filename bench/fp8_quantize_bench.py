@@ -1,14 +1,16 @@
-"""Blockwise-FP8 quantization on one GPU: what a sender feeding an FP8 generator would add per byte.
+"""Blockwise-FP8 on one GPU: what a sender feeding an FP8 generator adds per byte.
 
-    python bench/fp8_quantize_bench.py [--gib 4] [--reps 7] [--json OUT]
+    python bench/fp8_quantize_bench.py [--gib 4] [--reps 7] [--bucket-mib 512] [--json OUT]
 
-Expert weights shaped like Qwen3-30B-A3B's (`[E, 2I, H]` w13 and `[E, H, I]` w2, bf16; I = 768 is
-not a multiple of 128, so edge blocks are exercised), quantized by the reference quantizer
-`syncd.dataplane.fp8.quantize_blockwise` (amax per 128x128 block -> scale -> e4m3), against a
-device-to-device copy of the same bf16 bytes in the same run. GB/s counts bf16 input bytes; CUDA
-events, medians with min-max, the first round warms up. The reference is written for clarity (a
-zero-padded float32 copy, then block views), not speed: the ratio says what a fused
-quantize-and-pack kernel would have to beat.
+A bfloat16 trainer rank (Qwen3-30B-A3B-shaped layers: hidden 2048, 128 experts of intermediate
+768, which is not a multiple of 128, so edge blocks are exercised) packs the buckets of its refit
+plan into a blockwise-FP8 vLLM rank (`syncd.plan.fp8_blocks.blockwise_fp8_catalog`), i.e. the real
+sender's quantize-and-pack (`syncd.dataplane.pack.pack_into`), against, in the same run:
+- the same rank packing for a bfloat16 generator (plain copies into the buckets);
+- a device-to-device copy of the same bf16 bytes (the memory-bandwidth anchor);
+- the reference quantizer alone on the expert tensors (`quantize_blockwise`).
+GB/s count the trainer's bf16 input bytes; CUDA events, medians with min-max, the first round
+warms up. Also reported: wire bytes of both plans (FP8 sends about half of bf16).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -24,9 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog  # noqa: E402
+from syncd.dataplane import catalog_views, pack_into  # noqa: E402
 from syncd.dataplane.fp8 import dequantize_blockwise, quantize_blockwise  # noqa: E402
+from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
+from syncd.plan.fp8_blocks import blockwise_fp8_catalog  # noqa: E402
 
-EXPERTS, HIDDEN, INTER = 128, 2048, 768
+LAYER = MoeShape(layers=1, hidden=2048, experts=128, moe_inter=768, heads=32, kv_heads=4, head_dim=128, vocab=32768)
 
 
 def _timed(fn) -> float:  # noqa: ANN001
@@ -39,44 +46,72 @@ def _timed(fn) -> float:  # noqa: ANN001
     return start.elapsed_time(end) / 1e3
 
 
+def _layers_for(gib: float) -> int:
+    per_layer = sum(c.nbytes for c in LAYER.canonical()) - 2 * LAYER.vocab * LAYER.hidden * 2
+    return max(1, round(gib * 2**30 / per_layer))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=4.0)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--json")
     args = parser.parse_args()
-    per_layer = EXPERTS * (2 * INTER * HIDDEN + HIDDEN * INTER) * 2
-    layers = max(1, round(args.gib * 2**30 / per_layer))
+    shape = replace(LAYER, layers=_layers_for(args.gib))
+    src_cat = trainer_catalog(shape, 1, 0, 1, 0)
+    source = [SourceMember("trainer-0", 0, src_cat)]
+    plans = {
+        "fp8": make_plan(source, [DestMember("g", blockwise_fp8_catalog(vllm_catalog(shape, 1, 0)))],
+                         bucket_bytes=args.bucket_mib << 20),
+        "bf16": make_plan(source, [DestMember("g", vllm_catalog(shape, 1, 0))], bucket_bytes=args.bucket_mib << 20),
+    }
     gen = torch.Generator(device="cuda").manual_seed(0)
-    weights = []
-    for _ in range(layers):
-        weights.append(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16))
-        weights.append(torch.randn(EXPERTS, HIDDEN, INTER, generator=gen, device="cuda").to(torch.bfloat16))
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
-    flat_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    flat_dst = torch.empty_like(flat_src)
-    times: dict[str, list[float]] = {"quantize": [], "d2d": []}
+    tensors = {t.name: torch.randn(t.shape, generator=gen, device="cuda").to(torch.bfloat16) for t in src_cat.tensors}
+    views = catalog_views(src_cat, tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    buffer = torch.empty(args.bucket_mib << 20, dtype=torch.uint8, device="cuda")
+    flat_src, flat_dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    experts = [t for name, t in tensors.items() if ".experts." in name]
+    expert_bytes = sum(t.numel() * t.element_size() for t in experts)
+
+    def pack_all(plan) -> None:  # noqa: ANN001
+        for bucket in plan.buckets:
+            pack_into(bucket, views, buffer)
+
+    runs = {
+        "pack_fp8": lambda: pack_all(plans["fp8"]),
+        "pack_bf16": lambda: pack_all(plans["bf16"]),
+        "d2d": lambda: flat_dst.copy_(flat_src),
+        "quantize_experts": lambda: [quantize_blockwise(t) for t in experts],
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
     for round_ in range(args.reps + 1):
-        q = _timed(lambda: [quantize_blockwise(w) for w in weights])
-        d = _timed(lambda: flat_dst.copy_(flat_src))
-        if round_:
-            times["quantize"].append(q)
-            times["d2d"].append(d)
-    w = weights[-1]
+        for name, fn in runs.items():
+            seconds = _timed(fn)
+            if round_:
+                times[name].append(seconds)
+    input_bytes = {k: expert_bytes if k == "quantize_experts" else nbytes for k in runs}
+    gbps = {k: input_bytes[k] / statistics.median(v) / 1e9 for k, v in times.items()}
+    w = experts[-1]
     q8, scales = quantize_blockwise(w)
     error = ((dequantize_blockwise(q8, scales) - w.float()).abs().max() / w.float().abs().max()).item()
-    gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     result = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
-        "bf16_bytes": nbytes, "tensors": len(weights), "reps": args.reps,
-        "quantize_gbps": round(gbps["quantize"], 1), "d2d_gbps": round(gbps["d2d"], 1),
-        "quantize_vs_d2d": round(gbps["quantize"] / gbps["d2d"], 3),
-        "gbps_min_max": {k: [round(nbytes / max(v) / 1e9, 1), round(nbytes / min(v) / 1e9, 1)] for k, v in times.items()},
+        "layers": shape.layers, "bf16_input_bytes": nbytes, "bucket_mib": args.bucket_mib, "reps": args.reps,
+        "wire_bytes": {k: p.total_bytes for k, p in plans.items()},
+        "buckets": {k: len(p.buckets) for k, p in plans.items()},
+        "gbps": {k: round(v, 1) for k, v in gbps.items()},
+        "gbps_min_max": {k: [round(input_bytes[k] / max(v) / 1e9, 1), round(input_bytes[k] / min(v) / 1e9, 1)]
+                         for k, v in times.items()},
+        "pack_fp8_vs_d2d": round(gbps["pack_fp8"] / gbps["d2d"], 3),
+        "pack_fp8_vs_pack_bf16": round(gbps["pack_fp8"] / gbps["pack_bf16"], 3),
         "max_dequantize_error_vs_amax": error,
     }
-    print(f"{nbytes / 1e9:.2f} GB bf16 in {len(weights)} expert tensors on {result['device']}: quantize "
-          f"{result['quantize_gbps']} GB/s, d2d copy {result['d2d_gbps']} GB/s, ratio {result['quantize_vs_d2d']}; "
-          f"max |dequantized - x| / max |x| = {error:.3g}")
+    print(f"{nbytes / 1e9:.2f} GB bf16 ({shape.layers} layers) on {result['device']}: pack into FP8 "
+          f"{result['gbps']['pack_fp8']} GB/s ({result['pack_fp8_vs_d2d']} of d2d copy {result['gbps']['d2d']} GB/s, "
+          f"{result['pack_fp8_vs_pack_bf16']} of packing bf16 {result['gbps']['pack_bf16']} GB/s); wire "
+          f"{plans['fp8'].total_bytes / 1e9:.2f} GB FP8 vs {plans['bf16'].total_bytes / 1e9:.2f} GB bf16")
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -26,19 +26,36 @@ AMAX_FLOOR = 1e-12
 def quantize_blockwise(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weight_fp8, weight_scale_inv)` of `weight` (`[..., N, K]`): e4m3 values of the same shape
     and float32 scales of shape `scale_shape(weight.shape)`. Pure: `weight` is not modified."""
+    blocks, (n, k) = _blocks(weight, block)
+    scale_inv = _scales(blocks)
+    q = (blocks / scale_inv[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    rows, cols = scale_inv.shape[-2:]
+    return q.view(*blocks.shape[:-4], rows * block[0], cols * block[1])[..., :n, :k].contiguous(), scale_inv
+
+
+def block_scales(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    """`quantize_blockwise(weight)[1]` without computing the values (one read of `weight`)."""
+    return _scales(_blocks(weight, block)[0])
+
+
+def _blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """float32 `weight` as `[..., rows, block0, cols, block1]` blocks, and its last two dims."""
     x = weight.to(torch.float32)
     *lead, n, k = x.shape
     rows, cols = scale_shape(tuple(x.shape), block)[-2:]
-    # Zero-pad the edge blocks to whole ones: padding never raises an amax, and is cut off below.
-    padded = torch.zeros((*lead, rows * block[0], cols * block[1]), dtype=torch.float32, device=x.device)
-    padded[..., :n, :k] = x
-    blocks = padded.view(*lead, rows, block[0], cols, block[1])
+    if (n, k) != (rows * block[0], cols * block[1]):
+        # Zero-pad the edge blocks to whole ones: padding never raises an amax, and is cut off after.
+        padded = torch.zeros((*lead, rows * block[0], cols * block[1]), dtype=torch.float32, device=x.device)
+        padded[..., :n, :k] = x
+        x = padded
+    return x.view(*lead, rows, block[0], cols, block[1]), (n, k)
+
+
+def _scales(blocks: torch.Tensor) -> torch.Tensor:
     amax = blocks.abs().amax(dim=(-3, -1)).clamp_min(AMAX_FLOOR)
     # A true division on every device: CUDA turns a division by a Python scalar into a
     # multiplication by its rounded reciprocal, which differs from the CPU in the last bit.
-    scale_inv = amax / torch.full_like(amax, E4M3_MAX)
-    q = (blocks / scale_inv[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.view(padded.shape)[..., :n, :k].contiguous(), scale_inv
+    return amax / torch.full_like(amax, E4M3_MAX)
 
 
 def dequantize_blockwise(weight_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:

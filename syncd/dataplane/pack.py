@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from syncd.dataplane.fp8 import quantize_blockwise
+from syncd.dataplane.fp8 import block_scales, quantize_blockwise
 from syncd.layout import Box, Catalog
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan.fp8_blocks import to_grid
@@ -93,12 +93,14 @@ def _quantized(u: TransferUnit, tensors: Mapping[str, torch.Tensor]) -> Callable
     origin = u.block_box if u.quantized == "values" else to_grid(u.block_box)
     take = Box(tuple(a - o for a, o in zip(u.canon.start, origin.start)),
                tuple(b - o for b, o in zip(u.canon.stop, origin.start))).slices()
-    index = 0 if u.quantized == "values" else 1
 
-    def compute() -> torch.Tensor:
-        return quantize_blockwise(region.reshape(u.block_box.shape))[index][take]
+    def values() -> torch.Tensor:
+        return quantize_blockwise(region.reshape(u.block_box.shape))[0][take]
 
-    return compute
+    def scales() -> torch.Tensor:  # only the amax pass: scales units do not pay for the values
+        return block_scales(region.reshape(u.block_box.shape))[take]
+
+    return values if u.quantized == "values" else scales
 
 
 def pack_into(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:

@@ -233,7 +233,9 @@ def _units_for_tensor(
                 raise ValueError(f"no source covers region {sub} of canonical tensor {tensor.name}")
             src = min(holders, key=lambda h: (load[h.member], h.member))
             load[src.member] += sub.numel * wire_itemsize
-            for slab in _slabs(sub, max_elements):
+            # FP8 values are cut at whole blocks, so that no block is quantized for two units.
+            align = fp8_blocks.BLOCK[0] if meta.quantized == "values" else 1
+            for slab in _slabs(sub, max_elements, align):
                 read = meta.reads(slab)
                 yield src.member, dst.member, TransferUnit(
                     canonical=tensor.name,
@@ -261,8 +263,10 @@ def _cells(cuts: list[list[int]], box: Box) -> Iterator[tuple[int, ...]]:
     return itertools.product(*ranges)
 
 
-def _slabs(box: Box, max_elements: int) -> Iterator[Box]:
-    """Cut `box` into C-order slabs of at most `max_elements` elements (itself when it fits)."""
+def _slabs(box: Box, max_elements: int, align: int = 1) -> Iterator[Box]:
+    """Cut `box` into C-order slabs of at most `max_elements` elements (itself when it fits); cuts
+    on the last two dims fall at multiples of `align` (relative to the box) where a slab of
+    `align` rows fits."""
     if box.numel <= max_elements:
         yield box
         return
@@ -270,11 +274,13 @@ def _slabs(box: Box, max_elements: int) -> Iterator[Box]:
     inner = box.numel // box.shape[d]
     if inner <= max_elements:
         step = max_elements // inner
+        if d >= box.rank - 2 and step >= align:
+            step -= step % align
         for lo in range(box.start[d], box.stop[d], step):
             yield _with_dim(box, d, lo, min(lo + step, box.stop[d]))
     else:
         for lo in range(box.start[d], box.stop[d]):
-            yield from _slabs(_with_dim(box, d, lo, lo + 1), max_elements)
+            yield from _slabs(_with_dim(box, d, lo, lo + 1), max_elements, align)
 
 
 def _with_dim(box: Box, d: int, lo: int, hi: int) -> Box:

@@ -1,6 +1,7 @@
 """One GPU: a float32 trainer refits a bfloat16 generator through the executor's loops (eager and
 CUDA graphs); the sender's cast on the GPU is torch's CPU cast bit for bit; the FP8 reference
-quantizer gives the same bytes on the GPU as on the CPU."""
+quantizer gives the same bytes on the GPU as on the CPU, and so does a bfloat16 trainer's refit of
+a blockwise-FP8 generator, quantized while packing."""
 
 from __future__ import annotations
 
@@ -53,3 +54,44 @@ def test_fp8_quantizer_gives_the_same_bytes_on_gpu_and_cpu():
     q_gpu, s_gpu = quantize_blockwise(x.cuda())
     assert torch.equal(s_gpu.cpu(), s_cpu)
     assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_bfloat16_trainer_refits_an_fp8_generator_with_the_cpu_quantizers_bytes(graphs):
+    """The sender quantizes on the GPU while packing (eager and in CUDA graphs, where a captured
+    pack replays on the weights of the moment): what lands equals the CPU quantizer's bytes."""
+    from bench.loopback_transport import LoopbackWire
+    from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
+    from syncd.dataplane import catalog_views
+    from syncd.dataplane.fp8 import quantize_blockwise
+    from syncd.layout.dtypes import torch_dtype
+    from syncd.plan import DestMember, SourceMember, make_plan
+    from syncd.plan.fp8_blocks import blockwise_fp8_catalog, to_grid
+
+    shape = MoeShape(layers=2, hidden=200, experts=6, moe_inter=256, heads=4, kv_heads=2, head_dim=128, vocab=999)
+    src_cat, dst_cat = trainer_catalog(shape, 1, 0, 1, 0), blockwise_fp8_catalog(vllm_catalog(shape, 2, 1))
+    plan = make_plan([SourceMember("trainer-0", 0, src_cat)], [DestMember("generator-0-1", dst_cat)],
+                     bucket_bytes=96 << 10)
+    assert {u.quantized for b in plan.buckets for u in b.units} >= {"values", "scales"}
+    src = {t.name: torch.randn(t.shape, device="cuda").to(torch.bfloat16) for t in src_cat.tensors}
+    dst = {t.name: torch.zeros(t.shape, device="cuda", dtype=torch_dtype(t.dtype)) for t in dst_cat.tensors}
+    wire = LoopbackWire(torch.device("cuda"))
+    for _ in range(2):  # the second refit replays on new weights
+        for t in src.values():
+            t.normal_()
+        sent, received = _refit(plan, catalog_views(src_cat, src), catalog_views(dst_cat, dst), wire, graphs)
+        assert sent.checksums == received.checksums and len(sent.checksums) == plan.num_units
+        src_v, dst_v = catalog_views(src_cat, src), catalog_views(dst_cat, dst)
+        for b in plan.buckets:
+            for u in b.units:
+                got = dst_v[u.dst_tensor][u.dst_box.slices()].cpu().reshape(-1)
+                region = src_v[u.src_tensor][u.src_box.slices()].cpu()
+                if u.quantized:
+                    values, scales = quantize_blockwise(region.reshape(u.block_box.shape))
+                    whole = values if u.quantized == "values" else scales
+                    origin = (u.block_box if u.quantized == "values" else to_grid(u.block_box)).start
+                    take = tuple(slice(a - o, b - o) for a, b, o in zip(u.canon.start, u.canon.stop, origin))
+                    want = whole[take].reshape(-1)
+                else:
+                    want = region.reshape(-1)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), u.canonical
