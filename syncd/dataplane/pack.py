@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from syncd.dataplane.fp8 import block_scales, quantize_blockwise
+from syncd.dataplane.fp8 import block_scales, quantized_view
 from syncd.layout import Box, Catalog
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan.fp8_blocks import to_grid
@@ -95,7 +95,7 @@ def _quantized(u: TransferUnit, tensors: Mapping[str, torch.Tensor]) -> Callable
                tuple(b - o for b, o in zip(u.canon.stop, origin.start))).slices()
 
     def values() -> torch.Tensor:
-        return quantize_blockwise(region.reshape(u.block_box.shape))[0][take]
+        return quantized_view(region.reshape(u.block_box.shape))[0][take]
 
     def scales() -> torch.Tensor:  # only the amax pass: scales units do not pay for the values
         return block_scales(region.reshape(u.block_box.shape))[take]
