@@ -56,12 +56,14 @@ class Stack:
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def start_syncd(self, trainers: int, db: str = "syncd.db", bucket_bytes: int = 1 << 20) -> None:
+    def start_syncd(self, trainers: int, db: str = "syncd.db", bucket_bytes: int = 1 << 20, generators: int = 1) -> None:
+        """syncd for `trainers` trainer ranks and `generators` generator workers (a TP-2 generator
+        has two)."""
         self.stop_syncd()
         self.syncd = self.cluster.start("syncd", [
             PYTHON, "-m", "syncd", "--host", "127.0.0.1", "--http-port", str(self.http_port),
             "--grpc-port", str(self.grpc_port), "--db", str(self.work / db), "--expected-trainers", str(trainers),
-            "--expected-generators", "1", "--backend", "gloo", "--bucket-bytes", str(bucket_bytes),
+            "--expected-generators", str(generators), "--backend", "gloo", "--bucket-bytes", str(bucket_bytes),
             "--lease-seconds", "4", "--transfer-timeout", "60",
         ])
         self.cluster.wait_http(self.syncd, f"http://127.0.0.1:{self.http_port}/healthz", 60)

@@ -2,7 +2,8 @@
 - a bfloat16 trainer (float32 masters) refits a bfloat16 vLLM generator after every step, and after
   each refit the generator generates exactly as a separate vLLM engine holding the trainer's
   bfloat16 export of that step: started fresh on step 1's, then given step 2's through vLLM's own
-  loader; for the trainer layouts (1,2,2) and (2,2,1), into vLLM TP 1 and TP 2;
+  loader; for the trainer layouts (1,2,2) and (2,2,1), each into a vLLM TP 1 and a TP 2 generator
+  at once;
 - a float32 trainer refits the same generator with the sender rounding to bfloat16 (to nearest
   even, as the export does): exactly its bfloat16 export, with 2 bytes per weight on the wire, half
   of float32.
@@ -25,35 +26,40 @@ def _elements(checkpoint: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
-@pytest.mark.parametrize("layout, tp", [((1, 2, 2), 1), ((2, 2, 1), 2)],
-                         ids=["pp1-ep2-tp2-into-tp1", "pp2-ep2-tp1-into-tp2"])
-def test_a_bfloat16_trainer_refit_generates_as_vllm_on_its_export_after_every_step(stack, model, tmp_path, layout, tp):
+@pytest.mark.parametrize("layout", [(1, 2, 2), (2, 2, 1)], ids=["pp1-ep2-tp2", "pp2-ep2-tp1"])
+def test_a_bfloat16_trainer_refit_generates_as_vllm_on_its_export_after_every_step(stack, model, tmp_path, layout):
+    """One trainer job refits a TP-1 and a TP-2 generator at once; each is then compared with its
+    own reference engine (TP 2 sums in another order than TP 1)."""
     pp, ep, ttp = layout
     steps = 2
-    stack.start_syncd(trainers=pp * ep * ttp, db=f"{tmp_path.name}.db")
-    generator = stack.start_generator(model, tp=tp, name=f"generator-bf16-tp{tp}")
+    stack.start_syncd(trainers=pp * ep * ttp, generators=1 + 2, db=f"{tmp_path.name}.db")
+    generators = {tp: stack.start_generator(model, tp=tp, replica=tp - 1, name=f"generator-bf16-tp{tp}")
+                  for tp in (1, 2)}
     try:
         trainer = stack.train(model, pp=pp, ep=ep, tp=ttp, steps=steps, export=tmp_path / "export")
-        served = []
+        served: dict[int, list] = {tp: [] for tp in generators}
         for step in range(1, steps + 1):
             stack.wait_announced(step)
             state = stack.refit(step)
             assert state["state"] == "COMMITTED", state
-            served.append(generator.greedy())
+            for tp, generator in generators.items():
+                served[tp].append(generator.greedy())
         assert trainer.popen.wait(180) == 0, trainer.tail()
     finally:
-        generator.proc.stop()
-        stack.cluster.procs.remove(generator.proc)
+        for generator in generators.values():
+            generator.proc.stop()
+            stack.cluster.procs.remove(generator.proc)
 
     export = tmp_path / "export"
-    reference = stack.start_generator(export / "step-1", tp=tp, syncd=False, name=f"reference-bf16-tp{tp}")
-    try:
-        assert served[0] == reference.greedy(), "step 1"
-        reference.load(export / "step-2", version=2)
-        assert served[1] == reference.greedy(), "step 2"
-    finally:
-        reference.proc.stop()
-        stack.cluster.procs.remove(reference.proc)
+    for tp in generators:
+        reference = stack.start_generator(export / "step-1", tp=tp, syncd=False, name=f"reference-bf16-tp{tp}")
+        try:
+            assert served[tp][0] == reference.greedy(), f"step 1, TP {tp}"
+            reference.load(export / "step-2", version=2)
+            assert served[tp][1] == reference.greedy(), f"step 2, TP {tp}"
+        finally:
+            reference.proc.stop()
+            stack.cluster.procs.remove(reference.proc)
 
 
 def test_a_float32_trainer_refits_a_bfloat16_generator_with_half_the_bytes(stack, model, tmp_path):
