@@ -6,7 +6,7 @@ import logging
 import sys
 
 from trainer_svc.settings import LaunchEnv, TrainSettings
-from trainer_svc.train import run
+from trainer_svc.job import run
 
 
 def main(argv: list[str] | None = None) -> int:

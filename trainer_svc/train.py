@@ -1,6 +1,6 @@
 """The training loop: build this rank's stage, train `steps` steps (AdamW or Muon), export.
 
-Lifecycle of a rank (`run`): `process_group(...)` joins the world (gloo on CPU, NCCL on GPU, same code),
+Lifecycle of a rank (`trainer_svc.job.run`): `process_group(...)` joins the world (gloo on CPU, NCCL on GPU, same code),
 `Trainer.create` builds the mesh, the stage and the optimizer, `fit` runs the steps (and lets the
 syncd agent announce each new version), `export` writes the HF checkpoint from rank 0.
 """
@@ -190,25 +190,3 @@ class Trainer:
             self._hosts = [None] * self.mesh.dims.world_size
             dist.all_gather_object(self._hosts, socket.gethostname())
         return len(set(self._hosts)) == 1
-
-
-def run(settings: TrainSettings, env: LaunchEnv, init_method: str | None = None) -> tuple[Trainer, TrainResult]:
-    """One rank's whole job: join, build, register with syncd (if asked), train, export, leave."""
-    with process_group(settings, env, init_method) as device:
-        trainer = Trainer.create(settings, env, device)
-        agent = None
-        if settings.syncd:
-            from trainer_svc.agent import RankAgent  # needs grpc; standalone training does not
-
-            agent = RankAgent.start(settings.syncd, trainer, env, settings.data_host,
-                                    sync_refit_s=settings.refit_timeout if settings.sync_refit else None,
-                                    in_flight=settings.in_flight_buckets, auth_token=settings.auth_token)
-        try:
-            result = trainer.fit()
-            if settings.export_dir:
-                trainer.export(settings.export_dir)
-        finally:
-            if agent is not None:
-                agent.close()
-    return trainer, result
-

@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from trainer_svc.settings import LaunchEnv, TrainSettings
-from trainer_svc.train import run
+from trainer_svc.job import run
 
 # The training settings every trainer test shares (small, fast, and layout-independent).
 TRAIN = dict(steps=3, seed=7, lr=1e-4, weight_decay=0.01, global_batch_size=8, seq_len=16, microbatches=2)
