@@ -1,7 +1,7 @@
 """HTTP: vLLM's OpenAI-compatible app plus generator_svc's routes, served by vLLM's launcher.
 
     POST /v1/completions, /v1/chat/completions ...   vLLM (prompts as token-id lists, logprobs)
-    GET  /metrics                                    vLLM's metrics plus weightsync_*
+    GET  /metrics                                    vLLM's metrics plus weightsync_generator_*
     GET  /healthz                                    liveness: 200 while the engine is alive, every
                                                      worker answers and generation is allowed
     GET  /readyz                                     readiness: /healthz, and every worker serves

@@ -20,22 +20,22 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.members = Gauge(
-            "weightsync_members", "Registered members with a live lease", ["role"], registry=r
+            "weightsync_syncd_members", "Registered members with a live lease", ["role"], registry=r
         )
-        self.refits = Counter("weightsync_refits", "Finished refits by outcome", ["outcome"], registry=r)
+        self.refits = Counter("weightsync_syncd_refits", "Finished refits by outcome", ["outcome"], registry=r)
         self.refit_duration = Histogram(
-            "weightsync_refit_duration_seconds", "Trigger to COMMITTED/ABORTED", buckets=DURATION_BUCKETS,
+            "weightsync_syncd_refit_duration_seconds", "Trigger to COMMITTED/ABORTED", buckets=DURATION_BUCKETS,
             registry=r,
         )
         self.phase_duration = Histogram(
-            "weightsync_phase_duration_seconds", "Duration of each refit phase", ["phase"],
+            "weightsync_syncd_phase_duration_seconds", "Duration of each refit phase", ["phase"],
             buckets=DURATION_BUCKETS, registry=r,
         )
         self.bytes_moved = Counter(
-            "weightsync_bytes_moved", "Bytes received by generators in committed refits", registry=r
+            "weightsync_syncd_moved_bytes", "Bytes received by generators in committed refits", registry=r
         )
         self.committed_version = Gauge(
-            "weightsync_committed_weight_version", "Weight version generators serve", registry=r
+            "weightsync_syncd_committed_weight_version", "Weight version generators serve", registry=r
         )
         for role in ("trainer", "generator"):
             self.members.labels(role=role)

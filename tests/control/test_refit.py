@@ -26,9 +26,9 @@ def test_full_refit_commits_and_reports_everywhere(cluster: Cluster) -> None:
     status = cluster.http.get("/v1/status").json()
     assert status["state"] == "IDLE" and status["committed_version"] == 7
     metrics = cluster.http.get("/metrics").text
-    assert 'weightsync_refits_total{outcome="committed"} 1.0' in metrics
-    assert "weightsync_committed_weight_version 7.0" in metrics
-    assert 'weightsync_members{role="generator"} 2.0' in metrics
+    assert 'weightsync_syncd_refits_total{outcome="committed"} 1.0' in metrics
+    assert "weightsync_syncd_committed_weight_version 7.0" in metrics
+    assert 'weightsync_syncd_members{role="generator"} 2.0' in metrics
 
 
 def test_plan_summary_names_stages_links_and_bytes(cluster: Cluster) -> None:
@@ -78,7 +78,7 @@ def test_checksum_mismatch_aborts_naming_the_tensor(cluster: Cluster) -> None:
         aborts = wait_until(lambda m=m: m.of_type(Abort), what=f"Abort at {m.member_id}")
         assert aborts[0].reason == done["error"]  # type: ignore[index]
     metrics = cluster.http.get("/metrics").text
-    assert 'weightsync_refits_total{outcome="aborted"} 1.0' in metrics
+    assert 'weightsync_syncd_refits_total{outcome="aborted"} 1.0' in metrics
 
 
 def test_member_error_report_aborts_with_its_cause(cluster: Cluster) -> None:

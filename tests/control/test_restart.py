@@ -37,7 +37,7 @@ def test_restart_keeps_history_and_members_come_back(tmp_path: Path) -> None:
         assert [(r["id"], r["state"], r["weight_version"]) for r in history] == [(refit_id, "COMMITTED", 11)]
         wait_until(lambda: all(m.client.session_id != sessions[m.member_id] for m in members),
                    what="new sessions")
-        assert "weightsync_committed_weight_version 11.0" in http.get("/metrics").text
+        assert "weightsync_syncd_committed_weight_version 11.0" in http.get("/metrics").text
 
         members[0].client.announce_version(12)
         second = http.post("/v1/refits", json={"weight_version": 12}).json()["id"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import yaml
@@ -97,15 +96,15 @@ def test_every_queried_metric_is_exported_with_those_labels(where, expr):
 
 
 def test_selector_parsing_sees_names_and_labels():
-    assert _selectors('sum by (role) (rate(weightsync_members{job="syncd", role!="x"}[5m]))') == [
-        ("weightsync_members", {"job", "role"})]
+    assert _selectors('sum by (role) (rate(weightsync_syncd_members{job="syncd", role!="x"}[5m]))') == [
+        ("weightsync_syncd_members", {"job", "role"})]
 
 
 def test_every_metric_each_service_exports_is_on_the_dashboard():
     dashboard = (OBSERVABILITY / "grafana-dashboard.json").read_text()
     families = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in EXPORTED}
     # The catalog size is static (it changes only with the model): not worth a panel.
-    missing = {f for f in families if f not in dashboard} - {"weightsync_catalog_bytes"}
+    missing = {f for f in families if f not in dashboard} - {"weightsync_generator_catalog_bytes"}
     assert not missing, f"exported but not graphed: {sorted(missing)}"
 
 
@@ -131,3 +130,21 @@ def test_dashboard_panels_have_unique_ids_and_fit_the_grid():
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     assert all(p["gridPos"]["x"] + p["gridPos"]["w"] <= 24 for p in dashboard["panels"])
+
+
+def test_metric_names_say_which_service_and_follow_prometheus_units():
+    """syncd's names start `weightsync_syncd_`, the generator's `weightsync_generator_`, so the two
+    never share a name; counters end `_total` on the wire, and time and size carry `_seconds` and
+    `_bytes`."""
+    import prometheus_client
+
+    import generator_svc.metrics  # noqa: F401 - registers its metrics in the default registry
+    from syncd.metrics import Metrics
+
+    syncd = {f.name: f.type for f in Metrics().registry.collect()}
+    generator = {f.name: f.type for f in prometheus_client.REGISTRY.collect() if f.name.startswith("weightsync_")}
+    assert syncd and all(n.startswith("weightsync_syncd_") for n in syncd), sorted(syncd)
+    assert generator and all(n.startswith("weightsync_generator_") for n in generator), sorted(generator)
+    for name, kind in {**syncd, **generator}.items():
+        assert kind != "histogram" or name.endswith("_seconds"), name
+        assert not re.search(r"_(bytes|seconds)_.", name), name  # the unit ends the name

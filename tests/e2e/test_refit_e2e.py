@@ -103,7 +103,7 @@ MAY_HOLD_AFTER_THE_TRAINER_EXITS = {"WeightsyncMemberLost"}
 
 def test_prometheus_sees_the_refit_and_every_dashboard_and_alert_query_returns_samples(stack, generator, model, tmp_path):
     """A real Prometheus scrapes syncd and the generator through a refit: the refit shows in
-    weightsync_refits_total, every Grafana query and alert expression returns samples through
+    weightsync_syncd_refits_total, every Grafana query and alert expression returns samples through
     Prometheus's HTTP API, and the alert rules evaluate without error."""
     syncd_target = f"127.0.0.1:{stack.http_port}"  # the same port across syncd restarts
     generator_target = str(generator.http.base_url).removeprefix("http://").rstrip("/")
@@ -116,10 +116,10 @@ def test_prometheus_sees_the_refit_and_every_dashboard_and_alert_query_returns_s
 
         states = stack.train_and_refit(model, (1, 1, 1), tmp_path / "export")
         assert states[0]["state"] == "COMMITTED", states
-        refits = 'sum by (outcome) (weightsync_refits_total{job="syncd"})'
+        refits = 'sum by (outcome) (weightsync_syncd_refits_total{job="syncd"})'
         wait_until(lambda: prometheus.values(refits) == {(("outcome", "committed"),): 1.0, (("outcome", "aborted"),): 0.0},
                    30, f"the committed refit in Prometheus ({refits})")
-        served = 'weightsync_weight_version{job="generator"}'
+        served = 'weightsync_generator_weight_version{job="generator"}'
         wait_until(lambda: list(prometheus.values(served).values()) == [1.0], 30, "the generator's version 1 in Prometheus")
 
         # rate() over a series born in this refit (the phase histograms) needs two scrapes of it.

@@ -98,7 +98,7 @@ def test_failed_refits_leave_a_serving_and_a_good_refit_still_works(
     assert service_a.http.get("/v1/weight_version").json() == {"version": version, "serving": True, "updating": False}
     assert service_a.outputs() == outputs_a, "failed refits must not change what the engine serves"
     metrics = service_a.http.get("/metrics").text
-    assert 'weightsync_refits_total{outcome="refused"}' in metrics
+    assert 'weightsync_generator_refits_total{outcome="refused"}' in metrics
 
     assert load(service_a, checkpoints["B"], "7")["status"] == 200
     try:

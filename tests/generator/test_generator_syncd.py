@@ -72,7 +72,7 @@ def test_service_registers_every_worker_with_syncd_and_serves(syncd, generator) 
     assert len(tokens) == len(logprobs) == 8
     assert service.http.get("/v1/weight_version").json()["version"] == "0"
     metrics = service.http.get("/metrics").text
-    assert "vllm:" in metrics and "weightsync_catalog_bytes" in metrics
+    assert "vllm:" in metrics and "weightsync_generator_catalog_bytes" in metrics
 
 
 class FakeTrainer:
