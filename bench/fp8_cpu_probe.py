@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from syncd.dataplane.fp8 import quantize_blockwise
+from syncd.member.dataplane.fp8 import quantize_blockwise
 from trainer_svc.tiny import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

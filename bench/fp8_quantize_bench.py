@@ -5,7 +5,7 @@
 A bfloat16 trainer rank (Qwen3-30B-A3B-shaped layers: hidden 2048, 128 experts of intermediate
 768, which is not a multiple of 128, so edge blocks are exercised) packs the buckets of its refit
 plan into a blockwise-FP8 vLLM rank (`syncd.plan.fp8_blocks.blockwise_fp8_catalog`), i.e. the real
-sender's quantize-and-pack (`syncd.dataplane.pack.pack_into`), against, in the same run:
+sender's quantize-and-pack (`syncd.member.dataplane.pack.pack_into`), against, in the same run:
 - the same rank packing for a bfloat16 generator (plain copies into the buckets);
 - a device-to-device copy of the same bf16 bytes (the memory-bandwidth anchor);
 - the reference quantizer alone on the expert tensors (`quantize_blockwise`).
@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog  # noqa: E402
-from syncd.dataplane import catalog_views, pack_into  # noqa: E402
-from syncd.dataplane.fp8 import dequantize_blockwise, quantize_blockwise  # noqa: E402
+from syncd.member.dataplane import catalog_views, pack_into  # noqa: E402
+from syncd.member.dataplane.fp8 import dequantize_blockwise, quantize_blockwise  # noqa: E402
 from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
 from syncd.plan.fp8_blocks import blockwise_fp8_catalog  # noqa: E402
 

@@ -4,7 +4,7 @@
 # Usage: bash bench/gpu_run.sh [GIB]; results in $OUT.
 # Environment: BUCKET_MIBS (comma-separated, first is the headline; default 512,256,1024),
 # IN_FLIGHTS (space-separated staging depths, default 2), REPS (default 7), GRAPHS=1 (also the refit
-# with CUDA graphs, syncd/dataplane/graphs.py), GPU_TESTS (more
+# with CUDA graphs, syncd/member/dataplane/graphs.py), GPU_TESTS (more
 # tests to run). With 4 GPUs it also runs bench/stage_bench.py (results in gpu-4x.json).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

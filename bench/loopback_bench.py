@@ -36,7 +36,7 @@ import syncd  # noqa: E402
 from bench.loopback_transport import LoopbackWire, NullTransport  # noqa: E402
 from bench.refit_bench import shape_for  # noqa: E402
 from bench.synthetic_moe import trainer_catalog, vllm_catalog  # noqa: E402
-from syncd.dataplane import catalog_views, recv_buckets, send_buckets  # noqa: E402
+from syncd.member.dataplane import catalog_views, recv_buckets, send_buckets  # noqa: E402
 from syncd.layout.dtypes import torch_dtype  # noqa: E402
 from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
 

@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from syncd.dataplane.transport import TransferTimeout
+from syncd.member.dataplane.transport import TransferTimeout
 
 
 class _WireHandle:
@@ -106,7 +106,7 @@ class LoopbackWire:
         """The executor's send and receive loops of `plan` at once, each in its own thread, over
         this wire; `sender`/`receiver` are (member id, catalog views). Options go to both loops
         (`verify`, `graphs`, ...). Returns (sender stats, receiver stats); a failed side raises."""
-        from syncd.dataplane import recv_buckets, send_buckets
+        from syncd.member.dataplane import recv_buckets, send_buckets
 
         ranks = {sender[0]: 0, receiver[0]: 1}
         out: dict = {}

@@ -33,8 +33,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog  # noqa: E402
 from deploy.local.processes import free_port  # noqa: E402
-from syncd.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets  # noqa: E402
-from syncd.dataplane.executor import _STAGING  # noqa: E402
+from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets  # noqa: E402
+from syncd.member.dataplane.executor import _STAGING  # noqa: E402
 
 from syncd.layout.dtypes import torch_dtype  # noqa: E402
 from syncd.layout.hf_names import is_grouped_expert, split_to_hf  # noqa: E402
@@ -234,7 +234,7 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
 def _our_transport(backend: str, rank: int, device):
     box = [None]
     if backend == "nccl":
-        from syncd.dataplane.nccl import NcclTransport
+        from syncd.member.dataplane.nccl import NcclTransport
 
         if rank == 0:
             box[0] = NcclTransport.create_address()
@@ -316,7 +316,7 @@ def main() -> None:
     parser.add_argument("--profile", help="also write torch profiler traces and tables of one refit here")
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--graphs", action="store_true",
-                        help="also measure the refit with each bucket's work as CUDA graphs (syncd.dataplane.graphs)")
+                        help="also measure the refit with each bucket's work as CUDA graphs (syncd.member.dataplane.graphs)")
     args = parser.parse_args()
     r = spawn_workers(worker, args, 2)
     summary = summarize(r, args)

@@ -31,10 +31,10 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.refit_bench import shape_for, spawn_workers, timed_rounds  # noqa: E402
 from bench.synthetic_moe import trainer_catalog, vllm_catalog  # noqa: E402
-from syncd.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets  # noqa: E402
+from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets  # noqa: E402
 from syncd.layout.dtypes import torch_dtype  # noqa: E402
 from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
-from syncd.planning import checksum_mismatch  # noqa: E402
+from syncd.daemon.planning import checksum_mismatch  # noqa: E402
 
 
 def _canonical(shape, device) -> dict[str, torch.Tensor]:
@@ -60,7 +60,7 @@ def _connect(backend: str, stage: int, members: list[int], rank: int, device, ti
     box, store = [None], None
     if rank == stage:
         if backend == "nccl":
-            from syncd.dataplane.nccl import NcclTransport
+            from syncd.member.dataplane.nccl import NcclTransport
 
             box[0] = NcclTransport.create_address()
         else:
@@ -70,7 +70,7 @@ def _connect(backend: str, stage: int, members: list[int], rank: int, device, ti
         return None
     group_rank = members.index(rank)
     if backend == "nccl":
-        from syncd.dataplane.nccl import NcclTransport
+        from syncd.member.dataplane.nccl import NcclTransport
 
         return NcclTransport.connect(box[0], group_rank, len(members), device, timeout_s)
     return GlooTransport.connect(box[0], group_rank, len(members), f"stage{stage}", timeout_s, store)

@@ -201,7 +201,7 @@ def checkpoint_buckets(catalog: Catalog, member_id: str, checkpoint: str,
     a one-rank trainer sends, without a network)."""
     from safetensors.torch import load_file
 
-    from syncd.dataplane import pack_into
+    from syncd.member.dataplane import pack_into
     from syncd.layout import Canon, CanonicalTensor, hf_names, local_tensor
     from syncd.layout.dtypes import torch_dtype
     from syncd.plan import DestMember, SourceMember, make_plan

@@ -31,8 +31,8 @@ import torch
 
 from generator_svc.inplace import InplaceReceiver
 from generator_svc.staging import Staging
-from syncd.agent import AgentSettings, MemberAgent
-from syncd.client import MemberClient
+from syncd.member.agent import AgentSettings, MemberAgent
+from syncd.member.client import MemberClient
 from syncd.layout import Catalog
 from syncd.plan.types import Bucket
 

@@ -8,8 +8,8 @@ import sqlite3
 import sys
 from typing import Sequence
 
-from syncd.daemon import Daemon
-from syncd.settings import Settings
+from syncd.daemon.service import Daemon
+from syncd.daemon.settings import Settings
 
 
 def main(argv: Sequence[str] | None = None) -> int:

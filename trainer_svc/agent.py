@@ -1,7 +1,7 @@
 """The rank agent: registers this trainer rank with syncd and serves its shards to refits.
 
-Lifecycle: `RankAgent.start` builds the rank's catalog, registers through `syncd.client.MemberClient`
-(role "trainer", member id `trainer-{rank}`, mesh coords) with `syncd.agent.MemberAgent` as the
+Lifecycle: `RankAgent.start` builds the rank's catalog, registers through `syncd.member.client.MemberClient`
+(role "trainer", member id `trainer-{rank}`, mesh coords) with `syncd.member.agent.MemberAgent` as the
 command handler, and hooks into the trainer so every optimizer step is announced as a new weight
 version; `close` leaves syncd and tears down the data-plane groups.
 
@@ -22,8 +22,8 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from syncd.agent import AgentSettings, MemberAgent
-from syncd.dataplane import catalog_views
+from syncd.member.agent import AgentSettings, MemberAgent
+from syncd.member.dataplane import catalog_views
 from syncd.layout import Catalog
 from syncd.plan.types import Bucket
 from trainer_svc.catalog import build_catalog
@@ -121,7 +121,7 @@ class RankAgent:
     @staticmethod
     def start(target: str, trainer: Trainer, env: LaunchEnv, data_host: str = "127.0.0.1",
               sync_refit_s: float | None = None, in_flight: int = 2, auth_token: str | None = None) -> RankAgent:
-        from syncd.client import MemberClient
+        from syncd.member.client import MemberClient
 
         mesh = trainer.mesh
         # The weights the model computes with (bfloat16 copies of the float32 masters, when it
@@ -150,7 +150,7 @@ class RankAgent:
             self.client.announce_version(stats.step)
         except Exception as e:  # syncd down must not stop training
             # Not lost: the client holds the version and re-registers with it once syncd is back,
-            # which announces it (`syncd.versions`). So a synchronous trainer still waits for its
+            # which announces it (`syncd.daemon.versions`). So a synchronous trainer still waits for its
             # refit; returning here let a job's last step finish, unannounced, while syncd
             # restarted, and the job exit before anyone could move its weights.
             log.warning("could not announce version %d to syncd now (%s); it is announced when this rank "

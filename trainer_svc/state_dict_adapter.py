@@ -21,7 +21,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from syncd.dataplane.fp8 import quantize_blockwise
+from syncd.member.dataplane.fp8 import quantize_blockwise
 from syncd.layout import hf_names
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan.fp8_blocks import FP8_DTYPE, SCALE_DTYPE, is_quantized, scale_name, scale_shape

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from syncd.dataplane import catalog_views
+from syncd.member.dataplane import catalog_views
 from trainer_svc import data
 from trainer_svc.catalog import build_catalog
 from trainer_svc.config import ModelArgs

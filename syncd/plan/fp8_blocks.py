@@ -5,7 +5,7 @@ A blockwise-FP8 generator (DeepSeek-V3 / Qwen3-FP8 checkpoints: `quantization_co
 `weight_block_size [128, 128]`) holds each quantized weight as e4m3 values plus a float32
 `weight_scale_inv` with one entry per 128x128 block of the weight's last two dims (grouped expert
 tensors `[E, N, K]` have one grid per expert). Blocks at the end of a dim that is not a multiple of
-128 are smaller; they still get one scale each. `syncd.dataplane.fp8.quantize_blockwise` is the
+128 are smaller; they still get one scale each. `syncd.member.dataplane.fp8.quantize_blockwise` is the
 reference quantizer.
 
 Which tensors are FP8 (`is_quantized`): the projection weights of attention and MLP, dense and

@@ -70,7 +70,7 @@ def pack(bucket: Bucket, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
     parts = []
     for u in bucket.units:
         if u.quantized:  # NumPy has no e4m3; the torch data plane is the only FP8 sender
-            raise ValueError(f"{u.canonical}: blockwise-FP8 units are packed by syncd.dataplane.pack only")
+            raise ValueError(f"{u.canonical}: blockwise-FP8 units are packed by syncd.member.dataplane.pack only")
         values = tensors[u.src_tensor][u.src_box.slices()].reshape(-1)
         parts.append(np.ascontiguousarray(convert(values, u.src_dtype or u.dtype, u.dtype)).view(np.uint8))
     return np.concatenate(parts)

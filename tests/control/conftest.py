@@ -9,7 +9,7 @@ import httpx
 import pytest
 from syncd_harness import Cluster, base_settings
 
-from syncd.daemon import Daemon
+from syncd.daemon.service import Daemon
 
 
 @pytest.fixture

@@ -16,11 +16,11 @@ from typing import Callable
 
 import httpx
 from deploy.local.processes import free_port
-from syncd.client import MemberClient
+from syncd.member.client import MemberClient
 from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase, Verify, checksum_key
-from syncd.daemon import Daemon
+from syncd.daemon.service import Daemon
 from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, local_tensor
-from syncd.settings import Settings
+from syncd.daemon.settings import Settings
 from syncd.states import wait_final
 from tests.polling import wait_until
 

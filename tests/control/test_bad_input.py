@@ -10,7 +10,7 @@ from syncd.api import convert
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
 from syncd.layout import Box, CanonicalTensor, Catalog, LocalTensor, Piece
-from syncd.settings import Settings
+from syncd.daemon.settings import Settings
 
 
 @pytest.fixture

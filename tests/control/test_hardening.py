@@ -18,7 +18,7 @@ from syncd_harness import (
 from syncd.api import convert
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
-from syncd.client import MemberClient
+from syncd.member.client import MemberClient
 from syncd.layout import Catalog
 
 

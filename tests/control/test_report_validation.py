@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from syncd_harness import Cluster
 
-from syncd.client import MemberClient
+from syncd.member.client import MemberClient
 from syncd.commands import Commit
 from syncd.layout import Catalog
 from tests.polling import wait_until

@@ -139,7 +139,7 @@ def _port(container: dict, name_or_number) -> int:
 
 
 def _syncd_settings(overlay):
-    from syncd.settings import Settings
+    from syncd.daemon.settings import Settings
 
     container = _container(overlay, "Deployment", "syncd")
     env = _literal_env(container)
@@ -155,7 +155,7 @@ def _service_port(overlay, service: str, name: str) -> int:
 
 
 def test_syncd_ports_probes_and_service_agree_with_its_settings(overlay):
-    from syncd.http_app import build_app
+    from syncd.daemon.http_app import build_app
 
     settings, container = _syncd_settings(overlay)
     assert _port(container, "http") == settings.http_port

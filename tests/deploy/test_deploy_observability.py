@@ -23,7 +23,7 @@ def _exported() -> dict[str, set[str]]:
     import prometheus_client
 
     import generator_svc.metrics  # noqa: F401 - registers its metrics in the default registry
-    from syncd.metrics import Metrics
+    from syncd.daemon.metrics import Metrics
 
     families = list(Metrics().registry.collect())
     families += [f for f in prometheus_client.REGISTRY.collect() if f.name.startswith("weightsync_")]
@@ -43,7 +43,7 @@ def _declared_labels(name: str) -> set[str]:
     import prometheus_client
 
     import generator_svc.metrics as gen
-    from syncd.metrics import Metrics
+    from syncd.daemon.metrics import Metrics
 
     metrics = Metrics()
     base = prometheus_client.metrics.MetricWrapperBase
@@ -139,7 +139,7 @@ def test_metric_names_say_which_service_and_follow_prometheus_units():
     import prometheus_client
 
     import generator_svc.metrics  # noqa: F401 - registers its metrics in the default registry
-    from syncd.metrics import Metrics
+    from syncd.daemon.metrics import Metrics
 
     syncd = {f.name: f.type for f in Metrics().registry.collect()}
     generator = {f.name: f.type for f in prometheus_client.REGISTRY.collect() if f.name.startswith("weightsync_")}

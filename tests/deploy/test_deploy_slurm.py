@@ -77,7 +77,7 @@ def test_launches_parse_with_each_services_own_settings(monkeypatch):
     from torch.distributed.run import get_args_parser
 
     from generator_svc.settings import parse as parse_generator
-    from syncd.settings import Settings
+    from syncd.daemon.settings import Settings
     from trainer_svc.settings import TrainSettings
 
     _, (syncd, generator, trainer) = _multi_node()

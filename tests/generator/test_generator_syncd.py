@@ -83,7 +83,7 @@ class FakeTrainer:
         import torch
         from safetensors.torch import load_file
 
-        from syncd.client import MemberClient
+        from syncd.member.client import MemberClient
         from syncd.layout import Canon, CanonicalTensor, Catalog, hf_names, local_tensor
 
         self.tensors = hf_names.group_from_hf(load_file(str(path / "model.safetensors")).items(), torch.stack)
@@ -99,7 +99,7 @@ class FakeTrainer:
 
     def handle(self, cmd) -> None:  # noqa: ANN001
         from syncd.commands import Abort, Commit, ExecutePlan, JoinGroup, Phase, Verify
-        from syncd.dataplane import GlooTransport, send_buckets
+        from syncd.member.dataplane import GlooTransport, send_buckets
 
         report = self.client.report
         if isinstance(cmd, JoinGroup):

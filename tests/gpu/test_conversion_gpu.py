@@ -21,7 +21,7 @@ def _refit(plan, src, dst, wire, graphs: bool):
 def test_float32_trainer_refits_bfloat16_generator_with_torchs_cpu_cast(graphs):
     from bench.loopback_transport import LoopbackWire
     from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
-    from syncd.dataplane import catalog_views
+    from syncd.member.dataplane import catalog_views
     from syncd.plan import DestMember, SourceMember, make_plan
 
     shape = MoeShape(layers=2, hidden=200, experts=6, moe_inter=72, heads=5, kv_heads=1, head_dim=40, vocab=999,
@@ -47,7 +47,7 @@ def test_float32_trainer_refits_bfloat16_generator_with_torchs_cpu_cast(graphs):
 
 
 def test_fp8_quantizer_gives_the_same_bytes_on_gpu_and_cpu():
-    from syncd.dataplane.fp8 import quantize_blockwise
+    from syncd.member.dataplane.fp8 import quantize_blockwise
 
     x = torch.randn(3, 300, 200) * torch.logspace(-3, 1, 300).view(-1, 1)
     q_cpu, s_cpu = quantize_blockwise(x)
@@ -62,8 +62,8 @@ def test_bfloat16_trainer_refits_an_fp8_generator_with_the_cpu_quantizers_bytes(
     pack replays on the weights of the moment): what lands equals the CPU quantizer's bytes."""
     from bench.loopback_transport import LoopbackWire
     from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
-    from syncd.dataplane import catalog_views
-    from syncd.dataplane.fp8 import quantize_blockwise
+    from syncd.member.dataplane import catalog_views
+    from syncd.member.dataplane.fp8 import quantize_blockwise
     from syncd.layout.dtypes import torch_dtype
     from syncd.plan import DestMember, SourceMember, make_plan
     from syncd.plan.fp8_blocks import blockwise_fp8_catalog, to_grid

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu(count=1)
 def _setup():
     from bench.loopback_transport import LoopbackWire
     from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
-    from syncd.dataplane import catalog_views
+    from syncd.member.dataplane import catalog_views
     from syncd.plan import DestMember, SourceMember, make_plan
 
     # Uneven sizes on purpose: regions that are not whole 4 KiB rows, several units per bucket.

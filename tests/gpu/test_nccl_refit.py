@@ -19,8 +19,8 @@ pytestmark = pytest.mark.gpu(count=2)
 
 def _worker(rank: int, port: int, result_dir: str) -> None:
     from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
-    from syncd.dataplane import catalog_views, recv_buckets, send_buckets
-    from syncd.dataplane.nccl import NcclTransport
+    from syncd.member.dataplane import catalog_views, recv_buckets, send_buckets
+    from syncd.member.dataplane.nccl import NcclTransport
     from syncd.plan import DestMember, SourceMember, make_plan
     from syncd.plan.simulate import materialize
 
@@ -69,7 +69,7 @@ def test_nccl_refit_into_vllm_shaped_tensors_is_bit_exact(tmp_path):
 def test_gpu_checksums_equal_the_same_algorithm_on_cpu():
     """The device reductions (wrapping int32 sums, batched int64 folds) give the values the
     algorithm defines, which the CPU run of the same code computes."""
-    from syncd.dataplane.checksum import DeviceSums
+    from syncd.member.dataplane.checksum import DeviceSums
 
     gen = torch.Generator().manual_seed(5)
     regions = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from deploy.local.processes import free_port
-from syncd.agent import AgentSettings, MemberAgent
-from syncd.client import MemberClient
-from syncd.daemon import Daemon
-from syncd.dataplane import catalog_views
+from syncd.member.agent import AgentSettings, MemberAgent
+from syncd.member.client import MemberClient
+from syncd.daemon.service import Daemon
+from syncd.member.dataplane import catalog_views
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Shard, Sharded, Stack, local_tensor
 from syncd.plan.simulate import materialize
-from syncd.settings import Settings
+from syncd.daemon.settings import Settings
 from syncd.states import wait_final
 from tests.polling import wait_until
 

@@ -19,15 +19,15 @@ import torch
 
 from deploy.local.processes import free_port
 from generator_svc.catalog import TP, ExpertsParam, QKVParam, ReplicatedParam, ShardedParam, VocabParam, build_catalog
-from syncd.agent import AgentSettings, MemberAgent
-from syncd.client import MemberClient
-from syncd.daemon import Daemon
-from syncd.dataplane import catalog_views
+from syncd.member.agent import AgentSettings, MemberAgent
+from syncd.member.client import MemberClient
+from syncd.daemon.service import Daemon
+from syncd.member.dataplane import catalog_views
 from syncd.layout import Catalog
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan.fp8_blocks import blockwise_fp8_catalog, is_quantized, scale_name
 from syncd.plan.simulate import materialize
-from syncd.settings import Settings
+from syncd.daemon.settings import Settings
 from syncd.states import wait_final
 from trainer_svc import catalog as trainer_catalog
 from trainer_svc.config import ModelArgs

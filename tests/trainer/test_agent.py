@@ -146,8 +146,8 @@ class _Receiver:
     same MemberAgent the real services use."""
 
     def __init__(self, target: str) -> None:
-        from syncd.agent import AgentSettings, MemberAgent
-        from syncd.client import MemberClient
+        from syncd.member.agent import AgentSettings, MemberAgent
+        from syncd.member.client import MemberClient
 
         shapes = canonical_shapes(TINY_ARGS)
         canon = tuple(CanonicalTensor(n, s, "float32") for n, s in shapes.items())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from syncd.dataplane.checksum import Checksums, DeviceSums, _format_gpu, checksum
+from syncd.member.dataplane.checksum import Checksums, DeviceSums, _format_gpu, checksum
 
 
 def test_cpu_checksum_is_xxh3_of_the_bytes_and_says_so():

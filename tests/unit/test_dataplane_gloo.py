@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from syncd.dataplane import (GlooTransport, TransferError, TransferTimeout, catalog_views, recv_buckets, send_buckets,
+from syncd.member.dataplane import (GlooTransport, TransferError, TransferTimeout, catalog_views, recv_buckets, send_buckets,
                              unpack_from)
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Replicate, Shard, Sharded, Stack, local_tensor
 from syncd.layout.dtypes import torch_dtype
@@ -151,7 +151,7 @@ def test_receiver_fails_cleanly_instead_of_hanging_when_the_sender_never_sends(s
 
 
 def test_checksum_catches_a_flipped_or_swapped_word():
-    from syncd.dataplane import checksum
+    from syncd.member.dataplane import checksum
 
     x = torch.arange(64, dtype=torch.float32)
     flipped, swapped = x.clone(), x.clone()
@@ -163,7 +163,7 @@ def test_checksum_catches_a_flipped_or_swapped_word():
 
 def test_gpu_checksum_algorithm_catches_corruption_and_misplacement():
     """The GPU algorithm is plain torch: exercise it on CPU tensors of awkward sizes."""
-    from syncd.dataplane.checksum import DeviceSums
+    from syncd.member.dataplane.checksum import DeviceSums
 
     for n in (9, 4096 * 3 + 6, 1024 * 40 + 3):  # tail-only, rows + tail, many rows + tail
         x = torch.randint(0, 256, (n,), dtype=torch.uint8)
@@ -181,7 +181,7 @@ def test_gpu_checksum_algorithm_catches_corruption_and_misplacement():
 def test_gpu_checksum_batched_fold_equals_the_per_region_definition():
     """`values()` folds all regions at once; each must equal the definition applied to it alone:
     weighted int32 column sums, weighted int32 row sums of [rows, 1024] words, weighted rest."""
-    from syncd.dataplane.checksum import DeviceSums
+    from syncd.member.dataplane.checksum import DeviceSums
 
     def wrap32(v):
         return (v + 2**31) % 2**32 - 2**31

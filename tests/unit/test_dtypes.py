@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from syncd.dataplane import catalog_views, pack_into, unpack_from
+from syncd.member.dataplane import catalog_views, pack_into, unpack_from
 from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, conversion, local_tensor
 from syncd.layout.dtypes import CASTS, DTYPES, torch_dtype
 from syncd.plan import DestMember, SourceMember, make_plan

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from syncd.dataplane import TransferAborted, send_buckets
+from syncd.member.dataplane import TransferAborted, send_buckets
 from syncd.layout import Canon, CanonicalTensor, Catalog, local_tensor
 from syncd.plan import DestMember, SourceMember, make_plan
 

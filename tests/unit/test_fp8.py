@@ -9,8 +9,8 @@ import torch
 
 import numpy as np
 
-from syncd.dataplane import catalog_views, pack_into, unpack_from
-from syncd.dataplane.fp8 import E4M3_MAX, dequantize_blockwise, quantize_blockwise
+from syncd.member.dataplane import catalog_views, pack_into, unpack_from
+from syncd.member.dataplane.fp8 import E4M3_MAX, dequantize_blockwise, quantize_blockwise
 from syncd.layout import Box, Canon, CanonicalTensor, Catalog, Concat, Shard, Sharded, local_tensor
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan import DestMember, SourceMember, make_plan

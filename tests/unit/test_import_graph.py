@@ -1,5 +1,6 @@
-"""The project's modules import each other without cycles, lazy (function-level) imports included:
-a cycle hidden behind a lazy import still ties two modules that should be layered.
+"""The project's modules import each other without cycles, lazy (function-level) imports included
+(a cycle hidden behind a lazy import still ties two modules that should be layered), and syncd's
+two programs stay apart: the member library and the services never reach the daemon, nor it them.
 
 The graph is read from the sources (`ast`), not by importing them: an edge goes from a module to
 every project module it names in an `import` or `from ... import`, at any depth. `from pkg import
@@ -87,3 +88,26 @@ def test_the_project_has_no_import_cycles():
 def test_the_cycle_finder_finds_a_lazy_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for w in graph[todo.pop()] - seen:
+            seen.add(w)
+            todo.append(w)
+    return seen
+
+
+def test_the_member_library_and_the_services_never_import_the_daemon_nor_the_daemon_the_members():
+    """`syncd.member` runs inside trainer ranks and vLLM workers; `syncd.daemon` is another program.
+    Both import only the shared vocabulary (`syncd.commands`, `syncd.states`, `syncd.layout`,
+    `syncd.plan`, `syncd.api`)."""
+    modules = _modules()
+    graph = {m: _imports(m, p, set(modules)) for m, p in modules.items()}
+    members = [m for m in graph if m.startswith(("syncd.member", "trainer_svc", "generator_svc"))]
+    assert members and all(not any(r.startswith("syncd.daemon") for r in _reachable(graph, m)) for m in members), \
+        {m: sorted(r for r in _reachable(graph, m) if r.startswith("syncd.daemon")) for m in members}
+    daemon = [m for m in graph if m.startswith("syncd.daemon")]
+    assert daemon and all(not any(r.startswith("syncd.member") for r in _reachable(graph, m)) for m in daemon), \
+        {m: sorted(r for r in _reachable(graph, m) if r.startswith("syncd.member")) for m in daemon}

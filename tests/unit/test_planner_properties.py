@@ -26,7 +26,7 @@ from syncd.layout import (
     local_tensor,
     owning_layer,
 )
-from syncd.dataplane.executor import interleaved
+from syncd.member.dataplane.executor import interleaved
 from syncd.layout.dtypes import CASTS, torch_dtype
 from syncd.plan import DestMember, SourceMember, landing_order, make_plan
 from syncd.plan.simulate import NUMPY_DTYPES, execute, materialize

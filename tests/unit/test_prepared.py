@@ -10,10 +10,10 @@ import torch
 
 from syncd import commands
 from syncd.api.convert import command_from_pb, command_to_pb
-from syncd.dataplane import catalog_views, pack_into, unpack_from
+from syncd.member.dataplane import catalog_views, pack_into, unpack_from
 from syncd.commands import checksum_key
-from syncd.dataplane.checksum import Checksums
-from syncd.dataplane.prepared import PreparedLoop
+from syncd.member.dataplane.checksum import Checksums
+from syncd.member.dataplane.prepared import PreparedLoop
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Stack, local_tensor
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan import DestMember, SourceMember, make_plan

@@ -27,19 +27,19 @@ import time
 from collections import Counter
 
 from syncd.commands import Abort, Commit, ExecutePlan, JoinGroup, Phase, StageGroup, Verify
-from syncd.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from syncd.journal import Journal
+from syncd.daemon.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from syncd.daemon.journal import Journal
 from syncd.layout import Catalog
-from syncd.metrics import Metrics
+from syncd.daemon.metrics import Metrics
 from syncd.plan import Plan
-from syncd.planning import PlanCache, checksum_mismatch, dtype_mismatch, plan_members, stage_membership
-from syncd.readiness import Readiness, behind, behind_reason, refit_problems
-from syncd.refit_run import MemberReport, RefitAborted, Run, transfer_report_problem
-from syncd.registry import ROLES, Member, Registry
-from syncd.settings import Settings
+from syncd.daemon.planning import PlanCache, checksum_mismatch, dtype_mismatch, plan_members, stage_membership
+from syncd.daemon.readiness import Readiness, behind, behind_reason, refit_problems
+from syncd.daemon.refit_run import MemberReport, RefitAborted, Run, transfer_report_problem
+from syncd.daemon.registry import ROLES, Member, Registry
+from syncd.daemon.settings import Settings
 from syncd.states import RefitState
-from syncd.store import RefitRecord, Store, StoreUnavailable
-from syncd.versions import Versions, WeightSet
+from syncd.daemon.store import RefitRecord, Store, StoreUnavailable
+from syncd.daemon.versions import Versions, WeightSet
 
 __all__ = ["Coordinator", "MemberReport", "Readiness"]
 

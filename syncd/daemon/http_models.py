@@ -5,10 +5,10 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from syncd.plan import Plan
-from syncd.planning import plan_members
-from syncd.readiness import Readiness
-from syncd.registry import Member
-from syncd.store import RefitRecord
+from syncd.daemon.planning import plan_members
+from syncd.daemon.readiness import Readiness
+from syncd.daemon.registry import Member
+from syncd.daemon.store import RefitRecord
 
 
 class ErrorOut(BaseModel):

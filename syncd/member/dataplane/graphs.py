@@ -34,8 +34,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from syncd.commands import checksum_key
-from syncd.dataplane.checksum import Checksums, reduce_region, region_outputs
-from syncd.dataplane.pack import pack_into, unpack_from
+from syncd.member.dataplane.checksum import Checksums, reduce_region, region_outputs
+from syncd.member.dataplane.pack import pack_into, unpack_from
 from syncd.plan.types import Bucket
 
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from syncd.dataplane.transport import TransferError, TransferTimeout
+from syncd.member.dataplane.transport import TransferError, TransferTimeout
 
 _POLL_S = 50e-6
 _SPIN_S = 5e-3

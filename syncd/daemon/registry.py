@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Mapping
 
 from syncd.commands import Command
-from syncd.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from syncd.daemon.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from syncd.layout import Catalog
 
 log = logging.getLogger(__name__)

@@ -8,11 +8,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from syncd.errors import FailedPrecondition
+from syncd.daemon.errors import FailedPrecondition
 from syncd.layout import Catalog
-from syncd.planning import dtype_mismatch
-from syncd.registry import ROLES, Member
-from syncd.versions import WeightSet
+from syncd.daemon.planning import dtype_mismatch
+from syncd.daemon.registry import ROLES, Member
+from syncd.daemon.versions import WeightSet
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Data-plane transports: point-to-point byte buffers inside one per-stage group.
 
 The interface is deliberately tiny (isend, irecv, wait with a timeout, abort) so NCCL (nccl4py on
-GPUs, `syncd.dataplane.nccl`) and gloo (CPU) are interchangeable under the same executor.
+GPUs, `syncd.member.dataplane.nccl`) and gloo (CPU) are interchangeable under the same executor.
 
 Group setup follows syncd's negotiation: rank 0 calls `create_address()` and reports the address
 through syncd before it blocks in `connect()`; the others `connect()` with the relayed address.

@@ -29,7 +29,7 @@ from typing import Mapping, Protocol, Sequence
 import torch
 
 from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase, Verify
-from syncd.dataplane import GlooTransport, Transport, recv_buckets, send_buckets
+from syncd.member.dataplane import GlooTransport, Transport, recv_buckets, send_buckets
 from syncd.plan.types import Bucket
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class MemberAgent:
         timeout = cmd.timeout_s
         t0 = time.perf_counter()
         if cmd.backend == "nccl":
-            from syncd.dataplane.nccl import NcclTransport
+            from syncd.member.dataplane.nccl import NcclTransport
 
             address = NcclTransport.create_address() if cmd.rank == 0 else cmd.address
             if cmd.rank == 0:

@@ -17,7 +17,7 @@ from typing import Mapping
 from syncd.commands import Phase
 from syncd.plan import Plan
 from syncd.states import RefitState
-from syncd.store import RefitRecord
+from syncd.daemon.store import RefitRecord
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,10 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from torch.profiler import record_function
 
-from syncd.dataplane.checksum import Checksums
-from syncd.dataplane.graphs import ENQUEUE_LOCK, BucketProgram, LoopGraphs
-from syncd.dataplane.prepared import PreparedBucket, PreparedLoop, ReceiveSink, SinkBucket
-from syncd.dataplane.transport import Handle, Transport
+from syncd.member.dataplane.checksum import Checksums
+from syncd.member.dataplane.graphs import ENQUEUE_LOCK, BucketProgram, LoopGraphs
+from syncd.member.dataplane.prepared import PreparedBucket, PreparedLoop, ReceiveSink, SinkBucket
+from syncd.member.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
 
 
@@ -157,7 +157,7 @@ class _Loop:
     def programs(self, direction: str, ordered: Sequence[Bucket], bufs: Sequence[torch.Tensor]) -> list[BucketProgram | PreparedBucket]:
         """Per bucket, its work in its slot: captured copies and checksums (on GPUs with graphs
         on; the first refit of a plan captures them all here, before anything is enqueued), or
-        the prepared eager work (`syncd.dataplane.prepared`)."""
+        the prepared eager work (`syncd.member.dataplane.prepared`)."""
         flats = [bufs[i % self.in_flight][: b.nbytes] for i, b in enumerate(ordered)]
         if self.sink is not None:
             return [SinkBucket(b, flat, self.sink) for b, flat in zip(ordered, flats)]
@@ -353,7 +353,7 @@ def send_buckets(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor],
     """Send `buckets` (this member is their src), reading from `tensors` (catalog views).
     Options: timeout_s (required), in_flight=2, verify=True, cancel=None, graphs=False (on GPUs,
     capture each bucket's copies and checksums as CUDA graphs on the first refit and replay them
-    on later ones; see `syncd.dataplane.graphs`; every loop of the process must agree)."""
+    on later ones; see `syncd.member.dataplane.graphs`; every loop of the process must agree)."""
     return _run("send", buckets, tensors, transport, ranks, **options)
 
 

@@ -20,9 +20,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from syncd.api import convert
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
-from syncd.errors import InvalidArgument, SyncdError, Unauthenticated, check_token, grpc_code
-from syncd.refit import Coordinator, MemberReport
-from syncd.registry import Registry
+from syncd.daemon.errors import InvalidArgument, SyncdError, Unauthenticated, check_token, grpc_code
+from syncd.daemon.refit import Coordinator, MemberReport
+from syncd.daemon.registry import Registry
 
 log = logging.getLogger(__name__)
 

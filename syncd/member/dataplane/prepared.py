@@ -24,8 +24,8 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 import torch
 
 from syncd.commands import checksum_key
-from syncd.dataplane.checksum import Checksums, reduce_region, region_outputs
-from syncd.dataplane.pack import Copies, copy_pairs
+from syncd.member.dataplane.checksum import Checksums, reduce_region, region_outputs
+from syncd.member.dataplane.pack import Copies, copy_pairs
 from syncd.plan.types import Bucket
 
 

@@ -21,9 +21,9 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from syncd.errors import FailedPrecondition
-from syncd.registry import Member
-from syncd.store import Store, StoreUnavailable
+from syncd.daemon.errors import FailedPrecondition
+from syncd.daemon.registry import Member
+from syncd.daemon.store import Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
 

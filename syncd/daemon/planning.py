@@ -11,7 +11,7 @@ from typing import Callable, Mapping, Sequence
 from syncd.commands import checksum_key
 from syncd.layout import Catalog, dtype_bytes, dtypes
 from syncd.plan import DestMember, Plan, SourceMember, fp8_blocks, make_plan
-from syncd.registry import Member
+from syncd.daemon.registry import Member
 
 PlanKey = tuple
 

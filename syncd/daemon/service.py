@@ -13,13 +13,13 @@ import time
 
 import uvicorn
 
-from syncd.grpc_service import SyncdServicer, build_grpc_server
-from syncd.http_app import build_app
-from syncd.metrics import Metrics
-from syncd.refit import Coordinator
-from syncd.registry import Limits, Registry
-from syncd.settings import Settings
-from syncd.store import Store
+from syncd.daemon.grpc_service import SyncdServicer, build_grpc_server
+from syncd.daemon.http_app import build_app
+from syncd.daemon.metrics import Metrics
+from syncd.daemon.refit import Coordinator
+from syncd.daemon.registry import Limits, Registry
+from syncd.daemon.settings import Settings
+from syncd.daemon.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from whatever the sender's tensor holds (`catalog_views` checked that against it
 planner checked the pair), so it does not depend on `TransferUnit.src_dtype`.
 
 Units of a blockwise-FP8 destination (`TransferUnit.quantized`) are not copies of the sender's
-elements but outputs of the block quantizer (`syncd.dataplane.fp8`) on the whole blocks they
+elements but outputs of the block quantizer (`syncd.member.dataplane.fp8`) on the whole blocks they
 belong to; the sender computes them while packing, every refit, from its current weights.
 """
 
@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from syncd.dataplane.fp8 import block_scales, quantized_view
+from syncd.member.dataplane.fp8 import block_scales, quantized_view
 from syncd.layout import Box, Catalog
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan.fp8_blocks import to_grid

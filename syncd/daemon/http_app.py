@@ -1,6 +1,6 @@
 """syncd's HTTP API (FastAPI): health, readiness, metrics and the operator's /v1 resources.
 
-Errors are JSON `{"error": "..."}`: SyncdError maps through `syncd.errors.http_status`, request
+Errors are JSON `{"error": "..."}`: SyncdError maps through `syncd.daemon.errors.http_status`, request
 validation is 422, anything unexpected is a 500 with a one-line message (never a stack trace).
 """
 
@@ -16,14 +16,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
-from syncd.errors import SyncdError, check_token, http_headers, http_status
-from syncd.http_models import (
+from syncd.daemon.errors import SyncdError, check_token, http_headers, http_status
+from syncd.daemon.http_models import (
     ErrorOut, HealthOut, MemberOut, MembersOut, PlanOut, ReadinessOut, RefitIn, RefitOut, RefitsOut,
     StatusOut,
 )
-from syncd.metrics import Metrics
-from syncd.refit import Coordinator
-from syncd.registry import ROLES, Registry
+from syncd.daemon.metrics import Metrics
+from syncd.daemon.refit import Coordinator
+from syncd.daemon.registry import ROLES, Registry
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import logging
 import threading
 from collections import OrderedDict
 
-from syncd.store import RefitRecord, Store, StoreUnavailable
+from syncd.daemon.store import RefitRecord, Store, StoreUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,23 @@
+"""The data plane: bucket packing, checksums, transports (gloo, NCCL) and the send/recv loops."""
+
+from syncd.member.dataplane.checksum import checksum
+from syncd.member.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
+from syncd.member.dataplane.pack import catalog_views, pack_into, unpack_from
+from syncd.member.dataplane.prepared import ReceiveSink
+from syncd.member.dataplane.transport import GlooTransport, TransferError, TransferTimeout, Transport
+
+__all__ = [
+    "GlooTransport",
+    "ReceiveSink",
+    "TransferAborted",
+    "TransferStats",
+    "TransferError",
+    "TransferTimeout",
+    "Transport",
+    "catalog_views",
+    "checksum",
+    "pack_into",
+    "recv_buckets",
+    "send_buckets",
+    "unpack_from",
+]
