@@ -42,6 +42,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 
 from generator_svc.refit import DeadlineExceeded, Refitter, RefitRefused
 from generator_svc.worker_status import behind_workers, quiet_workers
+from syncd.error_body import ErrorBody, error_response
 
 log = logging.getLogger("generator_svc.server")
 
@@ -96,17 +97,13 @@ RefitterDep = Annotated[Refitter, Depends(_refitter)]
 router = APIRouter()
 
 
-class Detail(BaseModel):
-    detail: str
-
-
 # The statuses these routes answer, declared so the OpenAPI document tells clients (and
 # schemathesis) the truth: vLLM's app turns request validation errors into 400, not 422.
 _INVALID = {400: {"description": "invalid request (vLLM's error format)"}}
-_REFUSED = {409: {"model": Detail, "description": "refused; the served weights are unchanged"}}
-_FAILED = {500: {"model": Detail, "description": "the apply failed inside vLLM"}}
-_UNAUTHORIZED = {401: {"model": Detail, "description": "not the worker token of this generator"}}
-_LATE = {504: {"model": Detail, "description": "the install did not finish within the commit deadline; "
+_REFUSED = {409: {"model": ErrorBody, "description": "refused; the served weights are unchanged"}}
+_FAILED = {500: {"model": ErrorBody, "description": "the apply failed inside vLLM"}}
+_UNAUTHORIZED = {401: {"model": ErrorBody, "description": "not the worker token of this generator"}}
+_LATE = {504: {"model": ErrorBody, "description": "the install did not finish within the commit deadline; "
                                              "the served weights are unchanged"}}
 
 
@@ -171,11 +168,11 @@ async def workers(refitter: RefitterDep) -> list[dict]:
     return refitter.workers
 
 
-@router.get("/v1/workers/{tp_rank}/catalog", responses={**_INVALID, 404: {"model": Detail}})
+@router.get("/v1/workers/{tp_rank}/catalog", responses={**_INVALID, 404: {"model": ErrorBody}})
 async def worker_catalog(tp_rank: int, refitter: RefitterDep) -> JSONResponse:
     catalogs = await refitter.engine.collective_rpc("ws_catalog")
     if not 0 <= tp_rank < len(catalogs):
-        return JSONResponse({"detail": f"no worker with tp rank {tp_rank}"}, status_code=404)
+        return error_response(f"no worker with tp rank {tp_rank}", 404)
     return JSONResponse(content=json.loads(catalogs[tp_rank]))
 
 
@@ -184,7 +181,7 @@ async def stage(body: StageRequest, refitter: RefitterDep) -> JSONResponse:
     try:
         return JSONResponse({"workers": await refitter.stage_file(body.path, body.refit_id)})
     except Exception as e:  # staging errors never touch the engine: the caller's input was bad
-        return JSONResponse({"detail": _message(e)}, status_code=409)
+        return error_response(_message(e), 409)
 
 
 @router.post("/v1/weights/apply", responses={**_INVALID, **_REFUSED, **_FAILED})
@@ -198,7 +195,7 @@ async def load(body: LoadRequest, refitter: RefitterDep) -> JSONResponse:
     try:
         await refitter.stage_file(body.path, refit_id)
     except Exception as e:
-        return JSONResponse({"detail": _message(e)}, status_code=409)
+        return error_response(_message(e), 409)
     return await _apply(refitter, body.version, "")
 
 
@@ -212,8 +209,8 @@ def _not_a_worker(refitter: Refitter, request: Request) -> JSONResponse | None:
     """The 401 for a caller without this generator's worker token, None for a worker."""
     if secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {refitter.commit_token}"):
         return None
-    return JSONResponse({"detail": f"{request.url.path} needs this generator's worker token"}, status_code=401,
-                        headers={"WWW-Authenticate": "Bearer"})
+    return error_response(f"{request.url.path} needs this generator's worker token", 401,
+                          headers={"WWW-Authenticate": "Bearer"})
 
 
 @router.post("/internal/commit", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED, **_LATE})
@@ -230,9 +227,9 @@ async def hold(body: HoldRequest, refitter: RefitterDep, request: Request) -> JS
     try:
         await refitter.hold(body.refit_id)
     except RefitRefused as e:
-        return JSONResponse({"detail": str(e)}, status_code=409)
+        return error_response(str(e), 409)
     except Exception as e:
-        return JSONResponse({"detail": _message(e)}, status_code=500)
+        return error_response(_message(e), 500)
     return JSONResponse({"held": body.refit_id})
 
 
@@ -248,11 +245,11 @@ async def _apply(refitter: Refitter, version: str, refit_id: str, timeout_s: flo
     try:
         state = await refitter.apply(version, refit_id, timeout_s)
     except RefitRefused as e:
-        return JSONResponse({"detail": str(e)}, status_code=409)
+        return error_response(str(e), 409)
     except DeadlineExceeded as e:
-        return JSONResponse({"detail": str(e)}, status_code=504)
+        return error_response(str(e), 504)
     except Exception as e:
-        return JSONResponse({"detail": _message(e)}, status_code=500)
+        return error_response(_message(e), 500)
     return JSONResponse({"version": state.version, "serving": state.serving})
 
 
@@ -270,8 +267,7 @@ def install(app: FastAPI, refitter: Refitter) -> None:
 
     async def refuse_when_torn(request: Request, call_next):  # noqa: ANN001, ANN202
         if not refitter.serving and request.url.path.startswith(_GENERATION_PATHS):
-            return JSONResponse({"detail": "weights are being repaired after a failed update; retry later"},
-                                status_code=503)
+            return error_response("weights are being repaired after a failed update; retry later", 503)
         return await call_next(request)
 
     # vLLM's build_app already built the middleware stack; drop it so Starlette rebuilds it with ours.

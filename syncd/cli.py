@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
+from syncd.error_body import error_message
 from syncd.states import TERMINAL, wait_final
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 3
@@ -46,7 +47,7 @@ class Api:
         except ValueError:
             raise CliError(f"{method} {path}: HTTP {r.status_code}, not JSON: {r.text[:200]}") from None
         if r.status_code >= 400:
-            raise CliError(f"{body.get('error', body)} (HTTP {r.status_code})")
+            raise CliError(f"{error_message(body)} (HTTP {r.status_code})")
         return body
 
 

@@ -1,7 +1,8 @@
 """syncd's HTTP API (FastAPI): health, readiness, metrics and the operator's /v1 resources.
 
-Errors are JSON `{"error": "..."}`: SyncdError maps through `syncd.daemon.errors.http_status`, request
-validation is 422, anything unexpected is a 500 with a one-line message (never a stack trace).
+Errors are the one error body of both services (`syncd.error_body`, OpenAI's shape): SyncdError maps
+through `syncd.daemon.errors.http_status` (its class names the type), request validation is 422,
+anything unexpected is a 500 with a one-line message (never a stack trace).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from starlette.routing import Match
 
 from syncd.daemon.errors import SyncdError, check_token, http_headers, http_status
 from syncd.daemon.http_models import (
-    ErrorOut, HealthOut, MemberOut, MembersOut, PlanOut, ReadinessOut, RefitIn, RefitOut, RefitsOut,
+    HealthOut, MemberOut, MembersOut, PlanOut, ReadinessOut, RefitIn, RefitOut, RefitsOut,
     StatusOut,
 )
 from syncd.daemon.metrics import Metrics
 from syncd.daemon.refit import Coordinator
 from syncd.daemon.registry import ROLES, Registry
+from syncd.error_body import ErrorBody, error_response
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,8 @@ def require_token(request: Request, authorization: Annotated[str | None, Header(
 
 
 Authorized = Annotated[None, Depends(require_token)]
-_ERRORS = {code: {"model": ErrorOut} for code in (400, 401, 404, 409, 422)}
-_TRIGGER_ERRORS = {**_ERRORS, 503: {"model": ErrorOut, "description": "the store refuses to record a refit"}}
+_ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 422)}
+_TRIGGER_ERRORS = {**_ERRORS, 503: {"model": ErrorBody, "description": "the store refuses to record a refit"}}
 
 
 def build_app(
@@ -119,21 +121,21 @@ def _allowed_methods(app: FastAPI, request: Request) -> set[str]:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SyncdError)
     async def syncd_error(_: Request, err: SyncdError) -> JSONResponse:
-        return JSONResponse({"error": str(err)}, status_code=http_status(err), headers=http_headers(err))
+        return error_response(str(err), http_status(err), type(err).__name__, http_headers(err))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        return JSONResponse({"error": f"invalid request: {problems}"}, status_code=422)
+        return error_response(f"invalid request: {problems}", 422, "InvalidRequest")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
         headers = dict(err.headers or {})
         if err.status_code == 405:  # RFC 9110: `Allow` lists every method of the resource
             headers["Allow"] = ", ".join(sorted(_allowed_methods(app, request)))
-        return JSONResponse({"error": str(err.detail)}, status_code=err.status_code, headers=headers)
+        return error_response(str(err.detail), err.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def crash(request: Request, err: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
-        return JSONResponse({"error": f"internal error: {type(err).__name__}: {err}"}, status_code=500)
+        return error_response(f"internal error: {type(err).__name__}: {err}", 500)

@@ -11,10 +11,6 @@ from syncd.daemon.registry import Member
 from syncd.daemon.store import RefitRecord
 
 
-class ErrorOut(BaseModel):
-    error: str = Field(description="what was wrong, naming the field or resource")
-
-
 class HealthOut(BaseModel):
     status: str = "ok"
 

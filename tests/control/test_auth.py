@@ -22,7 +22,7 @@ def test_mutating_http_calls_need_the_token(secured, path: str, header: str | No
     headers = {"Authorization": header} if header else {}
     r = secured.http.post(path, json={"weight_version": 1}, headers=headers)
     assert r.status_code == 401
-    assert "credentials" in r.json()["error"]
+    assert "credentials" in r.json()["error"]["message"]
     assert secured.http.get("/v1/refits").json()["refits"] == []
 
 
@@ -31,7 +31,7 @@ def test_reads_stay_open_and_the_right_token_passes(secured) -> None:
     assert secured.http.get("/readyz").status_code == 503
     headers = {"Authorization": f"Bearer {TOKEN}"}
     r = secured.http.post("/v1/refits", json={"weight_version": 1}, headers=headers)
-    assert r.status_code == 409 and "not ready" in r.json()["error"]  # past auth, refused on merit
+    assert r.status_code == 409 and "not ready" in r.json()["error"]["message"]  # past auth, refused on merit
 
 
 def test_grpc_without_token_is_unauthenticated(secured) -> None:

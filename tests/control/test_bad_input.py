@@ -127,13 +127,13 @@ def test_generators_cannot_announce_versions(cluster: Cluster, stub) -> None:
 
 def test_http_bad_input_is_a_json_error(cluster: Cluster) -> None:
     r = cluster.http.post("/v1/refits", json={"weight_version": "latest"})
-    assert r.status_code == 422 and "weight_version" in r.json()["error"]
+    assert r.status_code == 422 and "weight_version" in r.json()["error"]["message"]
     r = cluster.http.get("/v1/refits/refit-404")
-    assert r.status_code == 404 and r.json() == {"error": "no refit 'refit-404'"}
+    assert r.status_code == 404 and r.json() == {"error": {"message": "no refit 'refit-404'", "type": "NotFound", "code": 404}}
     r = cluster.http.get("/v1/no-such-route")
-    assert r.status_code == 404 and "error" in r.json()
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
     r = cluster.http.get("/v1/plan")  # nobody registered
-    assert r.status_code == 409 and "cannot plan" in r.json()["error"]
+    assert r.status_code == 409 and "cannot plan" in r.json()["error"]["message"]
 
 
 def test_settings_reject_bad_values() -> None:

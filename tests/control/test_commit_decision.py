@@ -72,5 +72,5 @@ def test_abort_after_the_commit_decision_is_refused(make_cluster) -> None:
 
     cluster.start_all(**{"generator-0-0": {"on_commit": abort_while_committing}})
     done = cluster.wait_refit(cluster.refit(weight_version=6)["id"])
-    assert answer[0].status_code == 409 and "commit decision" in answer[0].json()["error"]
+    assert answer[0].status_code == 409 and "commit decision" in answer[0].json()["error"]["message"]
     assert done["state"] == "COMMITTED" and done["unconfirmed"] == []

@@ -63,7 +63,7 @@ def test_a_plan_over_the_bucket_limit_is_refused_not_computed(make_cluster) -> N
         cluster.start_member(member_id)
     wait_until(lambda: len(cluster.http.get("/v1/members").json()["members"]) == 4, what="members")
     plan = cluster.http.get("/v1/plan")
-    assert plan.status_code == 409 and "max_plan_buckets" in plan.json()["error"]
+    assert plan.status_code == 409 and "max_plan_buckets" in plan.json()["error"]["message"]
     ready = cluster.http.get("/readyz")
     assert ready.status_code == 503 and "max_plan_buckets" in ready.json()["reason"]
 

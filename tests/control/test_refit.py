@@ -125,7 +125,7 @@ def test_one_refit_at_a_time_and_operator_abort(cluster: Cluster) -> None:
 
     second = cluster.http.post("/v1/refits", json={"weight_version": 2})
     assert second.status_code == 409
-    assert refit_id in second.json()["error"] and "one refit at a time" in second.json()["error"]
+    assert refit_id in second.json()["error"]["message"] and "one refit at a time" in second.json()["error"]["message"]
     assert len(cluster.http.get("/v1/refits").json()["refits"]) == 1
 
     aborted = cluster.http.post(f"/v1/refits/{refit_id}/abort")
@@ -135,7 +135,7 @@ def test_one_refit_at_a_time_and_operator_abort(cluster: Cluster) -> None:
     for m in cluster.members.values():
         wait_until(lambda m=m: m.of_type(Abort), what=f"Abort at {m.member_id}")
     again = cluster.http.post(f"/v1/refits/{refit_id}/abort")
-    assert again.status_code == 409 and "already finished as ABORTED" in again.json()["error"]
+    assert again.status_code == 409 and "already finished as ABORTED" in again.json()["error"]["message"]
     assert cluster.http.post("/v1/refits/refit-99/abort").status_code == 404
     # The slot is free again, and the next refit renegotiates the torn-down groups.
     assert cluster.wait_refit(cluster.refit(weight_version=2)["id"])["state"] == "COMMITTED"
@@ -149,12 +149,12 @@ def test_refit_refused_until_members_registered_and_version_known(cluster: Clust
     ready = cluster.http.get("/readyz")
     assert ready.status_code == 503 and "1 of 2 trainers" in ready.json()["reason"]
     refused = cluster.http.post("/v1/refits", json={"weight_version": 1})
-    assert refused.status_code == 409 and "not ready" in refused.json()["error"]
+    assert refused.status_code == 409 and "not ready" in refused.json()["error"]["message"]
     cluster.start_member("trainer-1")
     cluster.start_member("generator-0-1")
     wait_until(lambda: cluster.http.get("/readyz").status_code == 200, what="ready")
     no_version = cluster.http.post("/v1/refits")
-    assert no_version.status_code == 409 and "no weight version" in no_version.json()["error"]
+    assert no_version.status_code == 409 and "no weight version" in no_version.json()["error"]["message"]
     assert cluster.http.get("/v1/refits").json()["refits"] == []
 
 

@@ -56,7 +56,7 @@ def test_triggers_of_versions_no_trainer_holds_are_refused(cluster: Cluster) -> 
     cluster.announce(5)
     for version in (4, 6):
         r = cluster.http.post("/v1/refits", json={"weight_version": version})
-        assert r.status_code == 409 and "not held by the trainers" in r.json()["error"], r.text
+        assert r.status_code == 409 and "not held by the trainers" in r.json()["error"]["message"], r.text
     assert cluster.http.get("/v1/refits").json()["refits"] == []
     assert cluster.wait_refit(cluster.refit(weight_version=5)["id"])["state"] == "COMMITTED"
 
@@ -68,7 +68,7 @@ def test_a_rollback_needs_the_explicit_flag(cluster: Cluster) -> None:
     cluster.restart_trainers("job-a", weight_version=2)  # same job, resumed from an older checkpoint
     wait_until(lambda: cluster.http.get("/v1/status").json()["announced_version"] == 2, what="v2 held")
     refused = cluster.http.post("/v1/refits", json={})
-    assert refused.status_code == 409 and "roll back" in refused.json()["error"]
+    assert refused.status_code == 409 and "roll back" in refused.json()["error"]["message"]
     assert committed(cluster) == ("job-a", 5)
 
     rollback = cluster.refit(allow_rollback=True)

@@ -79,20 +79,24 @@ def test_failed_refits_leave_a_serving_and_a_good_refit_still_works(
                    lambda t: [t.pop(n) for n in list(t) if n.startswith(("model.layers.2.", "model.layers.3."))])
 
     r = load(service_a, bad_shape, "bad")
-    assert r["status"] == 409 and f"{q}: checkpoint shape (64, 128) != catalog shape (128, 128)" in r["detail"]
+    assert r["status"] == 409 and f"{q}: checkpoint shape (64, 128) != catalog shape (128, 128)" in r["error"]["message"]
     r = load(service_a, missing, "missing")
     assert r["status"] == 409
-    assert "not completely staged: generator-0-0: model.layers.2.self_attn.qkv_proj.weight (24576/32768" in r["detail"]
+    assert "not completely staged: generator-0-0: model.layers.2.self_attn.qkv_proj.weight (24576/32768" in r["error"]["message"]
     # Interrupted transfer: B fully staged, then a new refit starts and stops half way; the
     # half-received version is refused and B's earlier bytes do not count for it.
     assert service_a.http.post("/v1/weights/stage", json={"path": str(checkpoints["B"]), "refit_id": "r1"}).status_code == 200
     assert service_a.http.post("/v1/weights/stage", json={"path": str(half), "refit_id": "r2"}).status_code == 200
     r = service_a.http.post("/v1/weights/apply", json={"version": "half"})
-    assert r.status_code == 409 and "model.layers.2." in r.json()["detail"]
+    assert r.status_code == 409 and "model.layers.2." in r.json()["error"]["message"]
     # Aborted refit: nothing staged any more.
     assert service_a.http.post("/v1/weights/abort", json={}).status_code == 200
     r = service_a.http.post("/v1/weights/apply", json={"version": "aborted"})
-    assert r.status_code == 409 and "nothing staged" in r.json()["detail"]
+    assert r.status_code == 409 and "nothing staged" in r.json()["error"]["message"]
+    # One error body: ours is the one vLLM's own endpoints answer on the same port.
+    vllm_error = service_a.http.post("/v1/completions", json={"model": "no-such-model", "prompt": [1]}).json()
+    assert set(r.json()["error"]) >= {"message", "type", "code"} and r.json()["error"]["code"] == 409
+    assert set(vllm_error["error"]) >= {"message", "type", "code"}, vllm_error
 
     assert service_a.http.get("/healthz").status_code == 200
     assert service_a.http.get("/v1/weight_version").json() == {"version": version, "serving": True, "updating": False}
