@@ -11,13 +11,15 @@ the phase names in `Phase`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from syncd.layout import Box
 from syncd.plan.types import Bucket
 
 
-class Phase:
-    """Phase names for `MemberClient.report`; each answers one command."""
+class Phase(StrEnum):
+    """Phase names for `MemberClient.report`; each answers one command (a StrEnum: each is also the
+    plain string the protobuf enum is named after)."""
 
     GROUP_ADDRESS = "GROUP_ADDRESS"  # JoinGroup to rank 0: the address it created, before init
     JOINED = "JOINED"  # JoinGroup: communicator initialised
@@ -25,8 +27,6 @@ class Phase:
     VERIFIED = "VERIFIED"  # Verify: optionally more checksums
     COMMITTED = "COMMITTED"  # Commit: the new version is live
     ABORTED = "ABORTED"  # Abort: communicators torn down (informational)
-
-    ALL = (GROUP_ADDRESS, JOINED, TRANSFERRED, VERIFIED, COMMITTED, ABORTED)
 
 
 @dataclass(frozen=True)

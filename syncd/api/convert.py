@@ -13,7 +13,7 @@ from syncd.plan.types import Bucket, TransferUnit
 
 ROLES = {"trainer": pb.ROLE_TRAINER, "generator": pb.ROLE_GENERATOR}
 ROLE_NAMES = {v: k for k, v in ROLES.items()}
-PHASES = {name: pb.Phase.Value(f"PHASE_{name}") for name in (*commands.Phase.ALL, "ANNOUNCE")}
+PHASES = {name: pb.Phase.Value(f"PHASE_{name}") for name in (*commands.Phase, "ANNOUNCE")}
 PHASE_NAMES = {v: k for k, v in PHASES.items()}
 
 
