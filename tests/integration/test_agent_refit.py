@@ -10,17 +10,16 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from deploy.local.processes import free_port
+from syncd.daemon.service import Daemon
+from syncd.daemon.settings import Settings
+from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Shard, Sharded, Stack, local_tensor
 from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.client import MemberClient
-from syncd.daemon.service import Daemon
-from syncd.member.dataplane import catalog_views
-from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Shard, Sharded, Stack, local_tensor
 from syncd.plan.simulate import materialize
-from syncd.daemon.settings import Settings
 from syncd.states import wait_final
+from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.polling import wait_until
 
 E, I, H = 4, 6, 8
@@ -50,57 +49,6 @@ def generator_catalog(tp: int) -> Catalog:
         local_tensor("w13_weight", "float32", Concat(1, (split(GATE, 1), split(UP, 1)))),
         local_tensor("lm_head", "float32", split(HEAD, 0)),
     ))
-
-
-class TrainerEndpoint:
-    def __init__(self, catalog: Catalog):
-        self.catalog = catalog
-        self.params = {t.name: torch.zeros(t.shape) for t in catalog.tensors}
-
-    def load(self, canonical: dict[str, np.ndarray]) -> None:
-        for name, arr in materialize(self.catalog, canonical).items():
-            self.params[name].copy_(torch.from_numpy(arr))
-
-    def begin(self, refit_id, version, buckets):
-        return catalog_views(self.catalog, self.params)
-
-    def end(self, refit_id, ok):
-        pass
-
-    def verify(self, refit_id):
-        pass
-
-    def commit(self, refit_id, version, timeout_s):
-        pass
-
-    def abort(self):
-        pass
-
-
-class GeneratorEndpoint:
-    """Receives into staging; only a commit makes staged weights live."""
-
-    def __init__(self, catalog: Catalog):
-        self.catalog = catalog
-        self.live = {t.name: torch.zeros(t.shape) for t in catalog.tensors}
-        self.version = 0
-        self.staging = None
-
-    def begin(self, refit_id, version, buckets):
-        self.staging = {t.name: torch.full(t.shape, float("nan")) for t in self.catalog.tensors}
-        return self.staging
-
-    def end(self, refit_id, ok):
-        pass
-
-    def verify(self, refit_id):
-        assert self.staging is not None and not any(t.isnan().any() for t in self.staging.values())
-
-    def commit(self, refit_id, version, timeout_s):
-        self.live, self.staging, self.version = self.staging, None, version
-
-    def abort(self):
-        self.staging = None
 
 
 @pytest.fixture
@@ -164,7 +112,7 @@ def test_two_refits_in_a_row_deliver_every_byte_through_per_stage_groups(cluster
         for ep in generators.values():
             assert ep.version == version
             expected = materialize(ep.catalog, canonical)
-            for name, t in ep.live.items():
+            for name, t in ep.params.items():
                 np.testing.assert_array_equal(t.numpy(), expected[name], err_msg=name)
     plan = http.get("/v1/plan").json()
     assert {s["stage"] for s in plan["stages"]} == {0, 1}
@@ -195,7 +143,7 @@ def test_a_failed_sender_aborts_the_refit_and_the_next_refit_succeeds(cluster):
     for ep in generators.values():  # still serving the committed version, untouched
         assert ep.version == 1
         expected = materialize(ep.catalog, good)
-        for name, t in ep.live.items():
+        for name, t in ep.params.items():
             np.testing.assert_array_equal(t.numpy(), expected[name])
 
     state = _refit(http, announce, 3)

@@ -5,7 +5,7 @@ w13, TP 1 and 2) for a model whose hidden size (200) is not a multiple of 128. W
 byte for byte, a block-by-block quantizer written here applied to the trainer's weights.
 
 vLLM CPU cannot build a blockwise-FP8 model on this machine (bench/fp8_cpu_probe.py), so the
-receiving ranks are member-library endpoints with plain tensors, as in test_agent_refit.py."""
+receiving ranks are member-library endpoints with plain tensors (`endpoints.py`)."""
 
 from __future__ import annotations
 
@@ -22,21 +22,19 @@ from generator_svc.catalog import TP, ExpertsParam, QKVParam, ReplicatedParam, S
 from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.client import MemberClient
 from syncd.daemon.service import Daemon
-from syncd.member.dataplane import catalog_views
-from syncd.layout import Catalog
-from syncd.layout.dtypes import torch_dtype
-from syncd.plan.fp8_blocks import blockwise_fp8_catalog, is_quantized, scale_name
+from syncd.plan.fp8_blocks import blockwise_fp8_catalog
 from syncd.plan.simulate import materialize
 from syncd.daemon.settings import Settings
 from syncd.states import wait_final
 from trainer_svc import catalog as trainer_catalog
 from trainer_svc.config import ModelArgs
 from trainer_svc.parallel_dims import ParallelDims
+from tests.fp8_reference import checkpoint_arrays
+from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from trainer_svc.state_dict_adapter import canonical_shapes
 
 ARGS = ModelArgs(vocab_size=300, hidden_size=200, moe_intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=128, num_experts=4, num_experts_per_tok=2)
-E4M3_MAX = 448.0
 
 
 def vllm_specs(args: ModelArgs, tp: TP, dtype: str = "bfloat16") -> list:
@@ -65,87 +63,9 @@ def vllm_specs(args: ModelArgs, tp: TP, dtype: str = "bfloat16") -> list:
     return specs
 
 
-def block_by_block(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blockwise-FP8 definition on one matrix, one block at a time: float32 amax (floor 1e-12),
-    scale = amax / 448, values = clamp(x / scale) cast to e4m3."""
-    n, k = x.shape
-    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-    s = torch.empty(-(-n // block), -(-k // block))
-    for i in range(0, n, block):
-        for j in range(0, k, block):
-            part = x[i : i + block, j : j + block].float()
-            scale = torch.tensor(max(part.abs().max().item(), 1e-12), dtype=torch.float32) / torch.tensor(E4M3_MAX)
-            s[i // block, j // block] = scale
-            q[i : i + block, j : j + block] = (part / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, s
-
-
-def fp8_reference(weights: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """The FP8 checkpoint of `weights` as NumPy arrays: e4m3 as bytes, scales as float32, the
-    tensors that stay bfloat16 as their int16 bits."""
-    out = {}
-    for name, x in weights.items():
-        if not is_quantized(name):
-            out[name] = x.view(torch.int16).numpy()
-            continue
-        grids = [block_by_block(m) for m in (x if x.dim() == 3 else x.unsqueeze(0))]
-        values, scales = torch.stack([q for q, _ in grids]), torch.stack([s for _, s in grids])
-        if x.dim() == 2:
-            values, scales = values[0], scales[0]
-        out[name] = values.view(torch.uint8).numpy()
-        out[scale_name(name)] = scales.numpy()
-    return out
-
-
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     bits = {torch.float8_e4m3fn: torch.uint8, torch.bfloat16: torch.int16}.get(t.dtype)
     return (t if bits is None else t.view(bits)).numpy()
-
-
-class Trainer:
-    """A trainer rank's bfloat16 weights, in its catalog's local tensors."""
-
-    def __init__(self, catalog: Catalog):
-        self.catalog = catalog
-        self.params: dict[str, torch.Tensor] = {}
-
-    def hold(self, weights: dict[str, torch.Tensor]) -> None:
-        bits = materialize(self.catalog, {n: x.view(torch.int16).numpy() for n, x in weights.items()})
-        self.params = {n: torch.from_numpy(a).view(torch.bfloat16) for n, a in bits.items()}
-
-    def begin(self, refit_id, version, buckets):
-        return catalog_views(self.catalog, self.params)
-
-    def end(self, refit_id, ok):
-        pass
-
-    def verify(self, refit_id):
-        pass
-
-    def commit(self, refit_id, version, timeout_s):
-        pass
-
-    def abort(self):
-        pass
-
-
-class FP8Generator(Trainer):
-    """A generator rank in vLLM's FP8 layout: receives into staging; a commit makes it live."""
-
-    def __init__(self, catalog: Catalog):
-        super().__init__(catalog)
-        self.staging: dict[str, torch.Tensor] | None = None
-        self.version = 0
-
-    def begin(self, refit_id, version, buckets):
-        self.staging = {t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype)) for t in self.catalog.tensors}
-        return self.staging
-
-    def commit(self, refit_id, version, timeout_s):
-        self.params, self.staging, self.version = self.staging, None, version
-
-    def abort(self):
-        self.staging = None
 
 
 @pytest.fixture
@@ -163,8 +83,8 @@ def start(tmp_path: Path):
         daemon.start()
         running.append(daemon)
         target = f"127.0.0.1:{daemon.grpc_port}"
-        trainers = [Trainer(trainer_catalog.build_catalog(ARGS, dims, c, "bfloat16")) for c in dims.all_coords()]
-        generators = [FP8Generator(blockwise_fp8_catalog(build_catalog(vllm_specs(ARGS, TP(generator_tp, r)))))
+        trainers = [TrainerEndpoint(trainer_catalog.build_catalog(ARGS, dims, c, "bfloat16")) for c in dims.all_coords()]
+        generators = [GeneratorEndpoint(blockwise_fp8_catalog(build_catalog(vllm_specs(ARGS, TP(generator_tp, r)))))
                       for r in range(generator_tp)]
         members = [(MemberClient(target, role="trainer", member_id=f"trainer-{dims.rank_of(c)}", coords=c.as_dict(),
                                  catalog=t.catalog), t) for c, t in zip(dims.all_coords(), trainers)]
@@ -196,13 +116,13 @@ def test_fp8_generators_receive_the_reference_quantization_of_the_trainers_bfloa
         weights = {n: (torch.randn(s, generator=gen) * (0.02 if len(s) > 1 else 1)).to(torch.bfloat16)
                    for n, s in canonical_shapes(ARGS).items()}
         for trainer in trainers:
-            trainer.hold(weights)
+            trainer.load({n: x.view(torch.int16).numpy() for n, x in weights.items()})
         announce(version)
         r = http.post("/v1/refits", json={"weight_version": version})
         assert r.status_code == 202, r.text
         state = wait_final(lambda path: http.get(path).json(), r.json()["id"], 120, poll_s=0.05)
         assert state["state"] == "COMMITTED", state
-        expected = fp8_reference(weights)
+        expected = checkpoint_arrays(weights)
         for rank, generator in enumerate(generators):
             assert generator.version == version
             for name, want in materialize(generator.catalog, expected).items():

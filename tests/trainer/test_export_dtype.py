@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import _launch
 from _launch import TRAIN
+from tests.fp8_reference import block_by_block
 from trainer_svc.config import ModelArgs
 from trainer_svc.settings import TrainSettings
 from trainer_svc.state_dict_adapter import load_hf, random_canonical, save_hf
@@ -50,21 +51,6 @@ def test_an_export_dtype_the_trainer_cannot_round_to_is_refused(tiny_dir):
         TrainSettings(model_dir=tiny_dir, device="cpu", export_dtype="float8_e4m3fn")
 
 
-def reference_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values, float32 scales) of a 2-D weight's bfloat16 value, one 128x128 block at a time."""
-    x = weight.to(torch.bfloat16).to(torch.float32)
-    rows, cols = -(-x.shape[0] // 128), -(-x.shape[1] // 128)
-    values, scales = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(rows, cols)
-    for i in range(rows):
-        for j in range(cols):
-            block = x[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
-            scale = block.abs().max().clamp_min(1e-12) / torch.tensor(448.0)
-            values[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (block / scale).clamp(-448, 448).to(
-                torch.float8_e4m3fn)
-            scales[i, j] = scale
-    return values, scales
-
-
 @pytest.fixture(scope="module")
 def fp8_source_dir(tmp_path_factory) -> str:
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("fp8-source"), seed=1, args=FP8_ARGS))
@@ -83,7 +69,7 @@ def test_an_fp8_export_is_the_bfloat16_weights_quantized_per_128x128_block(fp8_s
     assert sorted(exported) == sorted([*source, *(f"{name}_scale_inv" for name in quantized)])
     for name, weight in source.items():
         if name in quantized:
-            values, scales = reference_fp8(weight)
+            values, scales = block_by_block(weight.to(torch.bfloat16))  # the bf16 value, quantized
             got_values, got_scales = exported[name], exported[f"{name}_scale_inv"]
             assert got_values.dtype == torch.float8_e4m3fn and got_scales.dtype == torch.float32, name
             assert torch.equal(got_values.view(torch.uint8), values.view(torch.uint8)), name

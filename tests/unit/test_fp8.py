@@ -16,6 +16,7 @@ from syncd.layout.dtypes import torch_dtype
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.fp8_blocks import blockwise_fp8_catalog, require_whole_blocks, scale_name, scale_shape
 from syncd.plan.simulate import materialize
+from tests.fp8_reference import block_by_block, checkpoint_arrays
 
 
 def _weights(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -25,26 +26,11 @@ def _weights(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(shape, generator=gen) * rows
 
 
-def _block_by_block(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """The quantizer's definition applied to one slice at a time (no padding, no reshapes)."""
-    n, k = x.shape
-    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-    s = torch.empty(-(-n // block), -(-k // block))
-    for i in range(0, n, block):
-        for j in range(0, k, block):
-            part = x[i : i + block, j : j + block].float()
-            scale = max(part.abs().max().item(), 1e-12) / E4M3_MAX
-            scale = torch.tensor(scale, dtype=torch.float32)
-            s[i // block, j // block] = scale
-            q[i : i + block, j : j + block] = (part / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, s
-
-
 @pytest.mark.parametrize("shape", [(128, 256), (200, 300), (1, 129), (77, 5)])
 def test_quantizer_equals_the_block_by_block_definition_including_edge_blocks(shape):
     x = _weights(*shape)
     q, s = quantize_blockwise(x)
-    ref_q, ref_s = _block_by_block(x)
+    ref_q, ref_s = block_by_block(x)
     assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
     assert s.dtype == torch.float32 and tuple(s.shape) == scale_shape(shape)
     assert torch.equal(s, ref_s)
@@ -171,23 +157,6 @@ def test_an_fp8_layout_that_cuts_a_block_is_refused_naming_the_tensor():
         blockwise_fp8_catalog(_vllm_like(0, 4))  # I / 4 = 64 rows per rank
 
 
-def _reference(weights: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """What an FP8 checkpoint of `weights` holds, by the block-by-block definition (above), as
-    NumPy arrays of bytes (e4m3) or values (scales, bfloat16 as int16), for `materialize`."""
-    out = {}
-    for name, x in weights.items():
-        if name == NORM:
-            out[name] = x.view(torch.int16).numpy()
-            continue
-        grids = [_block_by_block(m) for m in (x.unsqueeze(0) if x.dim() == 2 else x)]
-        values, scales = torch.stack([q for q, _ in grids]), torch.stack([s for _, s in grids])
-        if x.dim() == 2:
-            values, scales = values[0], scales[0]
-        out[name] = values.view(torch.uint8).numpy()
-        out[scale_name(name)] = scales.numpy()
-    return out
-
-
 @pytest.mark.parametrize("trainer_tp, generator_tp, bucket_bytes", [(2, 1, 1 << 20), (2, 2, 5000), (1, 2, 777)],
                          ids=["tp2-into-tp1", "tp2-into-tp2-small-buckets", "tp1-into-tp2-odd-buckets"])
 def test_fp8_destinations_receive_exactly_the_reference_quantization_of_the_trainers_weights(
@@ -208,7 +177,7 @@ def test_fp8_destinations_receive_exactly_the_reference_quantization_of_the_trai
     buffer = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
     for bucket in plan.buckets:
         unpack_from(bucket, pack_into(bucket, held[bucket.src], buffer), received[bucket.dst])
-    expected = _reference(weights)
+    expected = checkpoint_arrays(weights)
     for m in dests:
         for name, want in materialize(m.catalog, expected).items():
             got = received[m.member_id][name]
