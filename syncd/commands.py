@@ -4,14 +4,16 @@
 handler. Every command carries the refit it belongs to and, except Abort, `timeout_s`: the
 seconds left of syncd's deadline for that phase. Members take their timeouts from it, so that a
 member never works on after syncd has given up on the phase (syncd's settings are the one place
-timeouts are defined). The member answers with `MemberClient.report(refit_id, phase, ...)` using
-the phase names in `Phase`.
+timeouts are defined). The member answers each with a `MemberReport` (`MemberClient.report(refit_id,
+phase, ...)` builds it) naming its `Phase`; both sides convert it to and from protobuf at the edge
+(`syncd.api.convert`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Mapping
 
 from syncd.layout import Box
 from syncd.plan.types import Bucket
@@ -27,6 +29,22 @@ class Phase(StrEnum):
     VERIFIED = "VERIFIED"  # Verify: optionally more checksums
     COMMITTED = "COMMITTED"  # Commit: the new version is live
     ABORTED = "ABORTED"  # Abort: communicators torn down (informational)
+
+
+@dataclass(frozen=True)
+class MemberReport:
+    """A member's answer to one command of refit `refit_id`. TRANSFERRED carries the bytes it
+    moved, a checksum per unit (`checksum_key`) and timings; GROUP_ADDRESS the address it created."""
+
+    member_id: str
+    refit_id: str
+    phase: Phase
+    ok: bool = True
+    error: str = ""
+    bytes: int = 0
+    checksums: Mapping[str, str] = field(default_factory=dict)
+    timings: Mapping[str, float] = field(default_factory=dict)
+    address: str = ""
 
 
 @dataclass(frozen=True)

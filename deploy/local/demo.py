@@ -165,7 +165,7 @@ def run(args) -> dict:
             syncd.wait_announced(step, 300, trainer)
             export = work / "export" / f"step-{step}"
             kl_before = policy_kl(generator, export, seed=step)
-            state = syncd.daemon.refit(step, 300)
+            state = syncd.refit(step, 300)
             committed = state["state"] == "COMMITTED"
             kl_after = policy_kl(generator, export, seed=step) if committed else float("nan")
             seconds = (state["finished_at"] or time.time()) - state["created_at"]

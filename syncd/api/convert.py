@@ -194,3 +194,21 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
     if kind == "abort":
         return commands.Abort(msg.abort.refit_id, msg.abort.reason)
     raise ValueError(f"command without a kind: {msg!r}")
+
+
+# ---- reports ----
+
+def report_to_pb(r: commands.MemberReport) -> pb.ReportRequest:
+    """A member's answer as it travels (syncd fills in the member from the session)."""
+    return pb.ReportRequest(
+        member_id=r.member_id, refit_id=r.refit_id, phase=phase_to_pb(r.phase), ok=r.ok, error=r.error,
+        bytes=r.bytes, checksums=dict(r.checksums), timings=dict(r.timings), address=r.address,
+    )
+
+
+def report_from_pb(m: pb.ReportRequest, member_id: str) -> commands.MemberReport:
+    """The answer of member `member_id` (its session's, not what the message claims)."""
+    return commands.MemberReport(
+        member_id=member_id, refit_id=m.refit_id, phase=commands.Phase(PHASE_NAMES[m.phase]), ok=m.ok,
+        error=m.error, bytes=m.bytes, checksums=dict(m.checksums), timings=dict(m.timings), address=m.address,
+    )

@@ -21,7 +21,7 @@ from syncd.api import convert
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
 from syncd.daemon.errors import InvalidArgument, SyncdError, Unauthenticated, check_token, grpc_code
-from syncd.daemon.refit import Coordinator, MemberReport
+from syncd.daemon.refit import Coordinator
 from syncd.daemon.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -140,11 +140,7 @@ class SyncdServicer(pb_grpc.SyncdServicer):
         if phase == "ANNOUNCE":
             self.coordinator.announce(member, request.weight_version)
         else:
-            self.coordinator.report(MemberReport(
-                member_id=member.member_id, refit_id=request.refit_id, phase=phase, ok=request.ok,
-                error=request.error, bytes=request.bytes, checksums=dict(request.checksums),
-                timings=dict(request.timings), address=request.address,
-            ))
+            self.coordinator.report(convert.report_from_pb(request, member.member_id))
         return pb.ReportResponse()
 
 

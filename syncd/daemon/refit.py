@@ -26,7 +26,7 @@ import threading
 import time
 from collections import Counter
 
-from syncd.commands import Abort, Commit, ExecutePlan, JoinGroup, Phase, StageGroup, Verify
+from syncd.commands import Abort, Commit, ExecutePlan, JoinGroup, MemberReport, Phase, StageGroup, Verify
 from syncd.daemon.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from syncd.daemon.journal import Journal
 from syncd.layout import Catalog
@@ -34,14 +34,14 @@ from syncd.daemon.metrics import Metrics
 from syncd.plan import Plan
 from syncd.daemon.planning import PlanCache, checksum_mismatch, dtype_mismatch, plan_members, stage_membership
 from syncd.daemon.readiness import Readiness, behind, behind_reason, refit_problems
-from syncd.daemon.refit_run import MemberReport, RefitAborted, Run, transfer_report_problem
+from syncd.daemon.refit_run import RefitAborted, Run, transfer_report_problem
 from syncd.daemon.registry import ROLES, Member, Registry
 from syncd.daemon.settings import Settings
 from syncd.states import RefitState
 from syncd.daemon.store import RefitRecord, Store, StoreUnavailable
 from syncd.daemon.versions import Versions, WeightSet
 
-__all__ = ["Coordinator", "MemberReport", "Readiness"]
+__all__ = ["Coordinator", "Readiness"]
 
 log = logging.getLogger(__name__)
 

@@ -11,26 +11,12 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Mapping
 
-from syncd.commands import Phase
+from syncd.commands import MemberReport, Phase
+from syncd.daemon.store import RefitRecord
 from syncd.plan import Plan
 from syncd.states import RefitState
-from syncd.daemon.store import RefitRecord
-
-
-@dataclass(frozen=True)
-class MemberReport:
-    member_id: str
-    refit_id: str
-    phase: str
-    ok: bool = True
-    error: str = ""
-    bytes: int = 0
-    checksums: Mapping[str, str] = field(default_factory=dict)
-    timings: Mapping[str, float] = field(default_factory=dict)
-    address: str = ""
 
 
 class RefitAborted(Exception):

@@ -34,7 +34,7 @@ import grpc
 from syncd.api import MESSAGE_SIZE_OPTIONS, convert
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
-from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase, Verify
+from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, MemberReport, Phase, Verify
 from syncd.layout import Catalog
 
 log = logging.getLogger(__name__)
@@ -100,11 +100,10 @@ class MemberClient:
         self, refit_id: str, phase: str, *, ok: bool = True, error: str = "", bytes: int = 0,
         checksums: dict[str, str] | None = None, timings: dict[str, float] | None = None, address: str = "",
     ) -> None:
-        """Answer a command. Raises grpc.RpcError when syncd cannot be reached or refuses."""
-        self._send_report(pb.ReportRequest(
-            refit_id=refit_id, phase=convert.phase_to_pb(phase), ok=ok, error=error, bytes=bytes,
-            checksums=checksums or {}, timings=timings or {}, address=address,
-        ))
+        """Answer a command with a `MemberReport`. Raises grpc.RpcError when syncd cannot be reached
+        or refuses."""
+        self._send_report(convert.report_to_pb(MemberReport(
+            self.member_id, refit_id, Phase(phase), ok, error, bytes, checksums or {}, timings or {}, address)))
         if phase == Phase.COMMITTED and refit_id in self._commit_versions:
             version = self._commit_versions.pop(refit_id)
             if ok:  # syncd recorded the decision before it sent Commit: this is the committed version
