@@ -3,9 +3,11 @@
     python bench/fp8_quantize_bench.py [--gib 4] [--reps 7] [--bucket-mib 512] [--json OUT]
 
 A bfloat16 trainer rank (Qwen3-30B-A3B-shaped layers: hidden 2048, 128 experts of intermediate
-768, which is not a multiple of 128, so edge blocks are exercised) packs the buckets of its refit
+768; all multiples of 128, as real models are: edge blocks are the tests' business) packs the buckets of its refit
 plan into a blockwise-FP8 vLLM rank (`syncd.plan.fp8_blocks.blockwise_fp8_catalog`), i.e. the real
-sender's quantize-and-pack (`syncd.member.dataplane.pack.pack_into`), against, in the same run:
+sender's quantize-and-pack (`syncd.member.dataplane.pack.pack_into`: the fused Triton kernel of
+`fp8_kernel`), against, in the same run:
+- the same packing with the reference quantizer (`fp8_kernel.ENABLED = False`);
 - the same rank packing for a bfloat16 generator (plain copies into the buckets);
 - a device-to-device copy of the same bf16 bytes (the memory-bandwidth anchor);
 - the reference quantizer alone on the expert tensors (`quantize_blockwise`).
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog  # noqa: E402
 from syncd.member.dataplane import catalog_views, pack_into  # noqa: E402
+from syncd.member.dataplane import fp8_kernel  # noqa: E402
 from syncd.member.dataplane.fp8 import dequantize_blockwise, quantize_blockwise  # noqa: E402
 from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
 from syncd.plan.fp8_blocks import blockwise_fp8_catalog  # noqa: E402
@@ -79,8 +82,16 @@ def main() -> None:
         for bucket in plan.buckets:
             pack_into(bucket, views, buffer)
 
+    def pack_reference() -> None:
+        fp8_kernel.ENABLED = False
+        try:
+            pack_all(plans["fp8"])
+        finally:
+            fp8_kernel.ENABLED = True
+
     runs = {
         "pack_fp8": lambda: pack_all(plans["fp8"]),
+        "pack_fp8_reference": pack_reference,
         "pack_bf16": lambda: pack_all(plans["bf16"]),
         "d2d": lambda: flat_dst.copy_(flat_src),
         "quantize_experts": lambda: [quantize_blockwise(t) for t in experts],
@@ -106,11 +117,14 @@ def main() -> None:
                          for k, v in times.items()},
         "pack_fp8_vs_d2d": round(gbps["pack_fp8"] / gbps["d2d"], 3),
         "pack_fp8_vs_pack_bf16": round(gbps["pack_fp8"] / gbps["pack_bf16"], 3),
+        "pack_fp8_vs_reference": round(gbps["pack_fp8"] / gbps["pack_fp8_reference"], 2),
+        "fused_kernel": fp8_kernel.available(next(iter(tensors.values()))),
         "max_dequantize_error_vs_amax": error,
     }
     print(f"{nbytes / 1e9:.2f} GB bf16 ({shape.layers} layers) on {result['device']}: pack into FP8 "
           f"{result['gbps']['pack_fp8']} GB/s ({result['pack_fp8_vs_d2d']} of d2d copy {result['gbps']['d2d']} GB/s, "
-          f"{result['pack_fp8_vs_pack_bf16']} of packing bf16 {result['gbps']['pack_bf16']} GB/s); wire "
+          f"{result['pack_fp8_vs_pack_bf16']} of packing bf16 {result['gbps']['pack_bf16']} GB/s; the reference "
+          f"quantizer packs {result['gbps']['pack_fp8_reference']} GB/s); wire "
           f"{plans['fp8'].total_bytes / 1e9:.2f} GB FP8 vs {plans['bf16'].total_bytes / 1e9:.2f} GB bf16")
     print(json.dumps(result))
     if args.json:

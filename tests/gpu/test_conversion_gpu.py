@@ -95,3 +95,26 @@ def test_bfloat16_trainer_refits_an_fp8_generator_with_the_cpu_quantizers_bytes(
                 else:
                     want = region.reshape(-1)
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), u.canonical
+
+
+@pytest.mark.parametrize("shape, cut", [((300, 200), None), ((3, 256, 200), (slice(None), slice(None), slice(0, 200))),
+                                        ((2, 384, 640), (slice(None), slice(128, 384), slice(128, 512)))],
+                         ids=["edge-blocks", "experts", "strided-region"])
+def test_the_fused_fp8_kernel_writes_the_cpu_quantizers_bytes(shape, cut):
+    from syncd.member.dataplane import fp8_kernel
+    from syncd.member.dataplane.fp8 import quantize_blockwise
+    from syncd.plan.fp8_blocks import scale_shape
+
+    whole = (torch.randn(shape) * torch.logspace(-4, 2, shape[-2]).view(-1, 1)).to(torch.bfloat16)
+    whole.view(-1)[:3] = torch.tensor([0.0, -0.0, 1e-30])
+    x = whole.cuda() if cut is None else whole.cuda()[cut]  # sliced on the GPU: strided
+    assert fp8_kernel.available(x) and x.is_contiguous() == (cut is None or shape[-1] == 200)
+    values = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    scales = torch.empty(scale_shape(tuple(x.shape)), device="cuda")
+    fp8_kernel.quantize_into(x, values, scales)
+    want_values, want_scales = quantize_blockwise(x.cpu())
+    assert torch.equal(scales.cpu(), want_scales)
+    assert torch.equal(values.cpu().view(torch.uint8), want_values.view(torch.uint8))
+    only = torch.empty_like(scales)
+    fp8_kernel.quantize_into(x, None, only)
+    assert torch.equal(only, scales)

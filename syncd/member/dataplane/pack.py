@@ -22,10 +22,11 @@ from typing import Callable, Mapping
 
 import torch
 
+from syncd.member.dataplane import fp8_kernel
 from syncd.member.dataplane.fp8 import block_scales, quantized_view
 from syncd.layout import Box, Catalog
 from syncd.layout.dtypes import torch_dtype
-from syncd.plan.fp8_blocks import to_grid
+from syncd.plan.fp8_blocks import scale_shape, to_grid
 from syncd.plan.types import Bucket, TransferUnit
 
 
@@ -47,20 +48,20 @@ def catalog_views(catalog: Catalog, tensors: Mapping[str, torch.Tensor]) -> dict
 
 @dataclass
 class Copies:
-    """A bucket's copies, as views (no data moved yet): `dsts[i]` from `srcs[i]`, and `computed`
-    destinations filled from a function of the sender's current tensors (FP8 units)."""
+    """A bucket's copies, as views (no data moved yet): `dsts[i]` from `srcs[i]`, and `computed`:
+    functions that fill their part of the bucket from the sender's current tensors (FP8 units)."""
 
     dsts: list[torch.Tensor] = field(default_factory=list)
     srcs: list[torch.Tensor] = field(default_factory=list)
-    computed: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = field(default_factory=list)
+    computed: list[Callable[[], None]] = field(default_factory=list)
 
     def run(self) -> None:
         if len(self.dsts) == 1:
             self.dsts[0].copy_(self.srcs[0])
         elif self.dsts:  # one call for all units: the per-copy dispatch runs in C++, not in Python
             torch._foreach_copy_(self.dsts, self.srcs)
-        for dst, compute in self.computed:
-            dst.copy_(compute())
+        for fill in self.computed:
+            fill()
 
 
 def copy_pairs(direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor) -> Copies:
@@ -73,7 +74,7 @@ def copy_pairs(direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tenso
         packed = flat[offset : offset + u.nbytes]
         offset += u.nbytes
         if direction == "send" and u.quantized:
-            copies.computed.append((packed.view(torch_dtype(u.dtype)).view(u.canon.shape), _quantized(u, tensors)))
+            copies.computed.append(_quantized(u, tensors, packed.view(torch_dtype(u.dtype)).view(u.canon.shape)))
         elif direction == "send":
             src = tensors[u.src_tensor][u.src_box.slices()]
             copies.dsts.append(packed.view(torch_dtype(u.dtype)).view(src.shape))
@@ -85,20 +86,30 @@ def copy_pairs(direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tenso
     return copies
 
 
-def _quantized(u: TransferUnit, tensors: Mapping[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """The FP8 values or scales of unit `u`, from its whole blocks (`u.block_box`, canonical), read
-    when called. The block box's local region has its extents (size-1 dims aside)."""
+def _quantized(u: TransferUnit, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> Callable[[], None]:
+    """A function writing the FP8 values or scales of unit `u` into `out` (its slice of the
+    bucket), quantized from its whole blocks (`u.block_box`, canonical) as they are when called.
+    On NVIDIA GPUs one fused kernel (`fp8_kernel`) writes straight into the bucket when the unit is
+    whole blocks; otherwise the reference quantizer computes them and they are copied in."""
     assert u.block_box is not None
     region = tensors[u.src_tensor][u.src_box.slices()]
+    shape = u.block_box.shape
     origin = u.block_box if u.quantized == "values" else to_grid(u.block_box)
+    whole = u.canon == origin  # the unit is all of the blocks it reads
     take = Box(tuple(a - o for a, o in zip(u.canon.start, origin.start)),
                tuple(b - o for b, o in zip(u.canon.stop, origin.start))).slices()
+    # `reshape` at each call, not once: where it must copy, the copy is of the current weights.
+    if whole and fp8_kernel.available(region):
+        if u.quantized == "values":
+            scratch = torch.empty(scale_shape(shape), dtype=torch.float32, device=region.device)
+            return lambda: fp8_kernel.quantize_into(region.reshape(shape), out, scratch)
+        return lambda: fp8_kernel.quantize_into(region.reshape(shape), None, out)
 
-    def values() -> torch.Tensor:
-        return quantized_view(region.reshape(u.block_box.shape))[0][take]
+    def values() -> None:
+        out.copy_(quantized_view(region.reshape(shape))[0][take])
 
-    def scales() -> torch.Tensor:  # only the amax pass: scales units do not pay for the values
-        return block_scales(region.reshape(u.block_box.shape))[take]
+    def scales() -> None:  # only the amax pass: scales units do not pay for the values
+        out.copy_(block_scales(region.reshape(shape))[take])
 
     return values if u.quantized == "values" else scales
 
