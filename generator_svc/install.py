@@ -46,6 +46,7 @@ class InstallReport:
     params_copied: int = 0
     bytes_copied: int = 0
     layers_processed: int = 0
+    layers_kept: int = 0  # a delta refit changed nothing in them: their kernel tensors stay as they are
     fallback_params: list[str] = field(default_factory=list)
     copy_s: float = 0.0
     process_s: float = 0.0
@@ -91,9 +92,12 @@ def params_by_layer(names: list[str]) -> dict[str, list[str]]:
     return dict(out)
 
 
-def install_into_model(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> InstallReport:
+def install_into_model(model: torch.nn.Module, buffers: dict[str, torch.Tensor],
+                       changed: frozenset[str] | None = None) -> InstallReport:
     """Install `buffers` (parameter name -> staged checkpoint-format tensor) into `model`, which must
-    be inside the layerwise-reload lifecycle. Returns what was done; the parameters of layers that
+    be inside the layerwise-reload lifecycle. `changed` (after a delta refit): the only parameters
+    that differ from what the model runs; a layer holding none of them keeps its kernel tensors, so
+    it is neither copied nor post-processed. Returns what was done; the parameters of layers that
     need vLLM's loaders are listed in `fallback_params` and NOT installed (the caller feeds them to
     `load_weights`)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -106,6 +110,10 @@ def install_into_model(model: torch.nn.Module, buffers: dict[str, torch.Tensor])
         info = get_layerwise_info(layer)
         if not info.can_load() or info.kernel_tensors is None:
             raise RuntimeError(f"{path}: not inside a layerwise reload (start_weight_update first)")
+        if changed is not None and changed.isdisjoint(names):
+            close_plain(layer, info)  # the kernel tensors it kept aside go back unchanged
+            report.layers_kept += 1
+            continue
         uncovered = uncovered_tensors(layer, info, path, buffers)
         if uncovered:
             log.warning("%s: %s not in the catalog; installing this layer through vLLM's loaders",
@@ -162,6 +170,7 @@ def plain_targets(info) -> dict[str, torch.Tensor]:  # noqa: ANN001
 
 
 def close_plain(layer, info) -> None:  # noqa: ANN001
+    """Put the layer's kept kernel tensors back and end its reload (nothing to process)."""
     from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
 
     _place_kernel_tensors(layer, info)

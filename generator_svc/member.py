@@ -103,6 +103,11 @@ class StagedEndpoint(_CommitRelay):
         if ok:
             self.staging.mark_received(self._buckets, self.member_id)
 
+    def received_delta(self, refit_id: str, changed: frozenset[str]) -> None:
+        """A delta applied onto the committed version staging held: the install copies and
+        post-processes only the layers of `changed`."""
+        self.staging.changed = changed
+
     def verify(self, refit_id: str) -> None:
         self.staging.require_complete()
 

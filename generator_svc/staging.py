@@ -53,6 +53,9 @@ class Staging:
                 self._by_canonical[p.canonical].append((t.name, p))
         self.refit_id: str | None = None
         self._received: dict[str, int] = {}
+        # After a delta refit: the buffers it changed (the rest hold what the engine runs); None
+        # when the whole version was written.
+        self.changed: frozenset[str] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +65,7 @@ class Staging:
         """Start receiving a new version; what an earlier, unfinished refit wrote no longer counts."""
         self.refit_id = refit_id
         self._received = dict.fromkeys(self.buffers, 0)
+        self.changed = None
 
     def write(self, tensor: str, box: Box, data: torch.Tensor) -> None:
         """Data-plane entry: copy `data` (C order, `box.numel` elements) into region `box` of `tensor`."""

@@ -9,6 +9,7 @@ post-processing runs exactly as for a checkpoint load, without the trip through 
     update_weights(info)  -> staged: `install.install_into_model`, one copy per parameter from
                              staging, then each layer's post-processing once (CPU repack, MoE prepack
                              with `cpu_moe_fix`); `load_weights` only for layers it cannot cover.
+                             After a delta refit only the layers whose parameters changed.
                              inplace: nothing left to install; checks every layer was
     finish_weight_update  -> finalize_layerwise_reload
 
@@ -80,7 +81,7 @@ class StagingTransferEngine(WeightTransferEngine[StagingInitInfo, StagingUpdateI
             self.last_install = self.receiver.report
             return
         assert self.staging is not None
-        report = install.install_into_model(self.model, self.staging.buffers)
+        report = install.install_into_model(self.model, self.staging.buffers, self.staging.changed)
         if report.fallback_params:
             fallback = set(report.fallback_params)
             loaded = set(self.model.load_weights(self.staging.hf_weights(fallback)))

@@ -113,10 +113,16 @@ def cmd_plan(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
 
 def cmd_history(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     body = api.call("GET", "/v1/refits", params={"limit": args.limit})
-    rows = [(r["id"], r["state"], _label(r["run_id"], r["weight_version"]), _duration(r),
-             human_bytes(r["bytes"]), human_bytes(r["planned_bytes"]), r["error"])
+    rows = [(r["id"], r["state"], _label(r["run_id"], r["weight_version"]), _duration(r), r["mode"],
+             human_bytes(r["bytes"]), human_bytes(r["planned_bytes"]), _changed(r), r["error"])
             for r in body["refits"]]
-    return body, table(("REFIT", "STATE", "VERSION", "DURATION", "BYTES", "PLANNED", "ERROR"), rows)
+    return body, table(("REFIT", "STATE", "VERSION", "DURATION", "MODE", "BYTES", "PLANNED", "CHANGED", "ERROR"),
+                       rows)
+
+
+def _changed(r: Mapping[str, Any]) -> str:
+    """The changed fraction of a delta refit (e.g. `0.93%`), `-` for a full one."""
+    return "-" if r["changed_fraction"] is None else f"{100 * r['changed_fraction']:.2f}%"
 
 
 def cmd_abort(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
@@ -128,12 +134,17 @@ def cmd_refit(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     body: dict[str, Any] = {} if args.version is None else {"weight_version": args.version}
     if args.allow_rollback:
         body["allow_rollback"] = True
+    if args.full:
+        body["full"] = True
     r = api.call("POST", "/v1/refits", json=body)
     if args.wait:
         r = _wait(api, r, args.timeout, quiet=args.json)
     text = f"{r['id']} {r['state']} (weight version {r['weight_version']})"
     if r["state"] in TERMINAL:
-        text += f" in {_duration(r)}, {human_bytes(r['bytes'])}" + (f": {r['error']}" if r["error"] else "")
+        text += f" in {_duration(r)}, {r['mode']}, {human_bytes(r['bytes'])}"
+        if r["mode"] == "delta":
+            text += f" of {human_bytes(r['planned_bytes'])} ({_changed(r)} changed)"
+        text += f": {r['error']}" if r["error"] else ""
     if args.wait and r["state"] != "COMMITTED":
         raise CliError(text if not args.json else json.dumps(r))
     return r, text
@@ -175,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight version; must be the trainers' newest announced one (the default)")
     p.add_argument("--allow-rollback", action="store_true",
                    help="allow moving a version older than the committed one of the same training run")
+    p.add_argument("--full", action="store_true",
+                   help="move every byte even where delta refits are on (e.g. to rule out a bad base)")
     p.add_argument("--wait", action="store_true", help="wait for the outcome; exit 0 only if COMMITTED")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait with --wait")
     p.set_defaults(run=cmd_refit)

@@ -45,6 +45,8 @@ class MemberReport:
     checksums: Mapping[str, str] = field(default_factory=dict)
     timings: Mapping[str, float] = field(default_factory=dict)
     address: str = ""
+    delta_elements: int = 0  # TRANSFERRED over delta links: the units' elements,
+    changed_elements: int = 0  # and how many of them changed
 
 
 @dataclass(frozen=True)
@@ -78,15 +80,28 @@ class JoinGroup:
 
 
 @dataclass(frozen=True)
+class DeltaLinks:
+    """Delta refits are on: senders keep what they send (`syncd.member.dataplane.delta`), and the
+    members `dsts`, which hold version `base` (None when no member does), receive only the elements
+    that changed since; a bucket whose delta would not save `max_fraction` of its bytes goes dense."""
+
+    base: int | None
+    dsts: frozenset[str]
+    max_fraction: float
+
+
+@dataclass(frozen=True)
 class ExecutePlan:
     """Send or receive `buckets` (plan order) over the stage groups in `groups`, then report
-    TRANSFERRED with bytes and per-unit checksums keyed by `checksum_key`."""
+    TRANSFERRED with bytes and per-unit checksums keyed by `checksum_key`. `delta`: set while delta
+    refits are on."""
 
     refit_id: str
     weight_version: int
     buckets: tuple[Bucket, ...]
     groups: tuple[StageGroup, ...]
     timeout_s: float
+    delta: DeltaLinks | None = None
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,7 @@ def command_to_pb(cmd: commands.Command) -> pb.Command:
                 refit_id=cmd.refit_id, weight_version=cmd.weight_version,
                 buckets=[bucket_to_pb(b) for b in cmd.buckets],
                 groups=[_group_to_pb(g) for g in cmd.groups], timeout_s=cmd.timeout_s,
+                delta=_delta_to_pb(cmd.delta),
             ))
         case commands.Verify():
             return pb.Command(verify=pb.Verify(refit_id=cmd.refit_id, weight_version=cmd.weight_version,
@@ -169,6 +170,20 @@ def command_to_pb(cmd: commands.Command) -> pb.Command:
         case commands.Abort():
             return pb.Command(abort=pb.Abort(refit_id=cmd.refit_id, reason=cmd.reason))
     raise TypeError(f"not a command: {cmd!r}")
+
+
+def _delta_to_pb(delta: commands.DeltaLinks | None) -> pb.DeltaLinks | None:
+    if delta is None:
+        return None
+    return pb.DeltaLinks(base=-1 if delta.base is None else delta.base, dsts=sorted(delta.dsts),
+                         max_fraction=delta.max_fraction)
+
+
+def _delta_from_pb(m: pb.ExecutePlan) -> commands.DeltaLinks | None:
+    if not m.HasField("delta"):
+        return None
+    d = m.delta
+    return commands.DeltaLinks(None if d.base < 0 else d.base, frozenset(d.dsts), d.max_fraction)
 
 
 def command_from_pb(msg: pb.Command) -> commands.Command:
@@ -184,7 +199,7 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
         return commands.ExecutePlan(
             m.refit_id, m.weight_version, _buckets_from_pb(m.buckets),
             tuple(commands.StageGroup(g.stage, g.group_id, g.backend, tuple(g.members)) for g in m.groups),
-            m.timeout_s,
+            m.timeout_s, _delta_from_pb(m),
         )
     if kind == "verify":
         return commands.Verify(msg.verify.refit_id, msg.verify.weight_version, msg.verify.timeout_s)
@@ -203,6 +218,7 @@ def report_to_pb(r: commands.MemberReport) -> pb.ReportRequest:
     return pb.ReportRequest(
         member_id=r.member_id, refit_id=r.refit_id, phase=phase_to_pb(r.phase), ok=r.ok, error=r.error,
         bytes=r.bytes, checksums=dict(r.checksums), timings=dict(r.timings), address=r.address,
+        delta_elements=r.delta_elements, changed_elements=r.changed_elements,
     )
 
 
@@ -211,4 +227,5 @@ def report_from_pb(m: pb.ReportRequest, member_id: str) -> commands.MemberReport
     return commands.MemberReport(
         member_id=member_id, refit_id=m.refit_id, phase=commands.Phase(PHASE_NAMES[m.phase]), ok=m.ok,
         error=m.error, bytes=m.bytes, checksums=dict(m.checksums), timings=dict(m.timings), address=m.address,
+        delta_elements=m.delta_elements, changed_elements=m.changed_elements,
     )

@@ -227,18 +227,30 @@ class JoinGroup(_message.Message):
     def __init__(self, refit_id: _Optional[str] = ..., group_id: _Optional[str] = ..., stage: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class ExecutePlan(_message.Message):
-    __slots__ = ("refit_id", "weight_version", "buckets", "groups", "timeout_s")
+    __slots__ = ("refit_id", "weight_version", "buckets", "groups", "timeout_s", "delta")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     weight_version: int
     buckets: _containers.RepeatedCompositeFieldContainer[Bucket]
     groups: _containers.RepeatedCompositeFieldContainer[StageGroup]
     timeout_s: float
-    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[StageGroup, _Mapping]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    delta: DeltaLinks
+    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[StageGroup, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., delta: _Optional[_Union[DeltaLinks, _Mapping]] = ...) -> None: ...
+
+class DeltaLinks(_message.Message):
+    __slots__ = ("base", "dsts", "max_fraction")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    DSTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    base: int
+    dsts: _containers.RepeatedScalarFieldContainer[str]
+    max_fraction: float
+    def __init__(self, base: _Optional[int] = ..., dsts: _Optional[_Iterable[str]] = ..., max_fraction: _Optional[float] = ...) -> None: ...
 
 class Verify(_message.Message):
     __slots__ = ("refit_id", "weight_version", "timeout_s")
@@ -285,7 +297,7 @@ class Command(_message.Message):
     def __init__(self, join_group: _Optional[_Union[JoinGroup, _Mapping]] = ..., execute_plan: _Optional[_Union[ExecutePlan, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("member_id", "session_id", "refit_id", "phase", "ok", "error", "bytes", "checksums", "timings", "address", "weight_version")
+    __slots__ = ("member_id", "session_id", "refit_id", "phase", "ok", "error", "bytes", "checksums", "timings", "address", "weight_version", "delta_elements", "changed_elements")
     class ChecksumsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +323,8 @@ class ReportRequest(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     session_id: str
     refit_id: str
@@ -322,7 +336,9 @@ class ReportRequest(_message.Message):
     timings: _containers.ScalarMap[str, float]
     address: str
     weight_version: int
-    def __init__(self, member_id: _Optional[str] = ..., session_id: _Optional[str] = ..., refit_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., checksums: _Optional[_Mapping[str, str]] = ..., timings: _Optional[_Mapping[str, float]] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    delta_elements: int
+    changed_elements: int
+    def __init__(self, member_id: _Optional[str] = ..., session_id: _Optional[str] = ..., refit_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., checksums: _Optional[_Mapping[str, str]] = ..., timings: _Optional[_Mapping[str, float]] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., delta_elements: _Optional[int] = ..., changed_elements: _Optional[int] = ...) -> None: ...
 
 class ReportResponse(_message.Message):
     __slots__ = ()

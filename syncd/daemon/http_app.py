@@ -92,7 +92,7 @@ def build_app(
               tags=["refits"])
     def trigger(_: Authorized, body: RefitIn | None = None) -> RefitOut:
         body = body or RefitIn()
-        return RefitOut.of(coordinator.trigger(body.weight_version, body.allow_rollback))
+        return RefitOut.of(coordinator.trigger(body.weight_version, body.allow_rollback, body.full))
 
     @app.get("/v1/refits", response_model=RefitsOut, tags=["refits"])
     def history(limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> RefitsOut:

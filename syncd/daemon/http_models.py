@@ -96,6 +96,9 @@ class RefitIn(BaseModel):
     allow_rollback: StrictBool = Field(
         default=False, description="allow moving a version older than the committed one of the same run"
     )
+    full: StrictBool = Field(
+        default=False, description="move every byte even where delta refits are on (no delta links)"
+    )
 
 
 class RefitOut(BaseModel):
@@ -113,12 +116,19 @@ class RefitOut(BaseModel):
     unconfirmed: list[str] = Field(
         description="COMMITTED: members that did not confirm Commit (the cause is in `error`)"
     )
+    mode: str = Field(description="delta (some generator received only what changed) or full")
+    delta_generators: list[str] = Field(description="generators that received only what changed")
+    changed_fraction: float | None = Field(
+        description="of the elements on delta links, the fraction that changed; null for a full refit")
+    saved_bytes: int = Field(description="bytes of planned_bytes that delta links did not move")
 
     @classmethod
     def of(cls, r: RefitRecord) -> RefitOut:
         return cls(id=r.id, state=r.state, weight_version=r.weight_version, created_at=r.created_at,
                    finished_at=r.finished_at, error=r.error, phases=r.phases, bytes=r.bytes,
-                   planned_bytes=r.planned_bytes, run_id=r.run_id, unconfirmed=list(r.unconfirmed))
+                   planned_bytes=r.planned_bytes, run_id=r.run_id, unconfirmed=list(r.unconfirmed),
+                   mode=r.mode, delta_generators=list(r.delta_generators), changed_fraction=r.changed_fraction,
+                   saved_bytes=r.saved_bytes)
 
 
 class RefitsOut(BaseModel):

@@ -34,6 +34,18 @@ class Metrics:
         self.bytes_moved = Counter(
             "weightsync_syncd_moved_bytes", "Bytes received by generators in committed refits", registry=r
         )
+        self.refit_mode = Counter(
+            "weightsync_syncd_committed_refits_by_mode",
+            "Committed refits, delta (some generator received only what changed) or full", ["mode"], registry=r,
+        )
+        self.delta_saved_bytes = Counter(
+            "weightsync_syncd_delta_saved_bytes",
+            "Bytes of the full plan that delta refits did not move to generators", registry=r,
+        )
+        self.changed_fraction = Gauge(
+            "weightsync_syncd_delta_changed_ratio",
+            "Fraction of the elements on delta links that changed, in the last committed delta refit", registry=r,
+        )
         self.committed_version = Gauge(
             "weightsync_syncd_committed_weight_version", "Weight version generators serve", registry=r
         )
@@ -41,6 +53,8 @@ class Metrics:
             self.members.labels(role=role)
         for outcome in ("committed", "aborted"):
             self.refits.labels(outcome=outcome)
+        for mode in ("full", "delta"):
+            self.refit_mode.labels(mode=mode)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -26,7 +26,8 @@ import threading
 import time
 from collections import Counter
 
-from syncd.commands import Abort, Commit, ExecutePlan, JoinGroup, MemberReport, Phase, StageGroup, Verify
+from syncd.commands import Abort, Commit, DeltaLinks, ExecutePlan, JoinGroup, MemberReport, Phase, StageGroup, Verify
+from syncd.daemon.delta_bases import DeltaBases
 from syncd.daemon.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from syncd.daemon.journal import Journal
 from syncd.layout import Catalog
@@ -65,6 +66,7 @@ class Coordinator:
         self._groups: dict[int, tuple[tuple, StageGroup]] = {}
         self._auto_pending = False
         self.versions = Versions(store)
+        self.delta_bases = DeltaBases()
         if self.versions.committed is not None:
             metrics.committed_version.set(self.versions.committed.version)
         registry.on_lost(self._on_member_lost)
@@ -130,10 +132,11 @@ class Coordinator:
 
     # ---- commands from operators and members ----
 
-    def trigger(self, weight_version: int | None = None, allow_rollback: bool = False) -> RefitRecord:
+    def trigger(self, weight_version: int | None = None, allow_rollback: bool = False, full: bool = False) -> RefitRecord:
         """Start a refit of the trainers' newest announced version (`weight_version`, when given,
-        must be that one); raises FailedPrecondition (changing nothing) if one runs, the version
-        is not held or not ready, Unavailable if the store refuses to record it."""
+        must be that one; `full`: no delta links even where delta refits are on); raises
+        FailedPrecondition (changing nothing) if one runs, the version is not held or not ready,
+        Unavailable if the store refuses to record it."""
         with self._lock:
             if self._run is not None or self._starting:
                 busy = self._run.id if self._run is not None else "a refit"
@@ -154,6 +157,7 @@ class Coordinator:
                 self._starting = False
         with self._lock:
             run = self._run = Run(record, {m.member_id for m in self.registry.members()})
+            run.full = full
         log.info("refit %s: moving weight version %s", run.id, weights.label)
         threading.Thread(target=self._execute, args=(run,), name=run.id, daemon=True).start()
         return record
@@ -304,17 +308,34 @@ class Coordinator:
     def _transfer(self, run: Run, plan: Plan, groups: dict[int, StageGroup]) -> dict[str, MemberReport]:
         # Recorded with TRANSFERRING, so a refit cut short (syncd killed) still says what it was moving.
         run.planned_bytes = plan.total_bytes
+        delta = self._delta_links(run, plan, groups)
+        if delta is not None:
+            run.delta_generators = tuple(sorted(delta.dsts))
         deadline = self._enter(run, RefitState.TRANSFERRING, self.settings.transfer_timeout)
         ids = plan_members(plan)
         for m in ids:
             mine = tuple(g for g in groups.values() if m in g.members)
-            self._send(run, m, ExecutePlan(run.id, run.version, plan.for_member(m), mine, _left(deadline)))
+            self._send(run, m, ExecutePlan(run.id, run.version, plan.for_member(m), mine, _left(deadline), delta))
         reports = run.wait_for(Phase.TRANSFERRED, ids, deadline)
-        problem = transfer_report_problem(plan, reports)
+        problem = transfer_report_problem(plan, reports, frozenset(run.delta_generators))
         if problem is not None:
             raise RefitAborted(f"transfer reports disagree with the plan: {problem}")
         run.bytes = sum(reports[m].bytes for m in {b.dst for b in plan.buckets})
+        run.delta_elements = sum(reports[m].delta_elements for m in run.delta_generators)
+        run.changed_elements = sum(reports[m].changed_elements for m in run.delta_generators)
         return reports
+
+    def _delta_links(self, run: Run, plan: Plan, groups: dict[int, StageGroup]) -> DeltaLinks | None:
+        """None while delta refits are off; else which generators get deltas against the committed
+        version (`syncd.daemon.delta_bases`)."""
+        if not self.settings.delta_refits:
+            return None
+        committed = self.versions.committed
+        base = committed.version if committed is not None and committed.run_id == run.record.run_id else None
+        members = {m.member_id: m for m in self.registry.members()}
+        if not all(m in members for m in plan_members(plan)):
+            raise RefitAborted("a member of the plan left before the transfer")
+        return self.delta_bases.links(plan, members, groups, base, self.settings.delta_max_fraction, run.full)
 
     def _verify(self, run: Run, plan: Plan, transferred: dict[str, MemberReport]) -> None:
         deadline = self._enter(run, RefitState.VERIFYING, self.settings.verify_timeout)
@@ -351,6 +372,11 @@ class Coordinator:
         for m in ids:
             if m not in unconfirmed:
                 self.registry.set_weight_version(m, run.version)
+        if self.settings.delta_refits:
+            members = {m.member_id: m for m in self.registry.members()}
+            self.delta_bases.forget(unconfirmed)
+            self.delta_bases.committed({m: members[m] for m in ids if m not in unconfirmed and m in members},
+                                       run.version)
         self._conclude(run, RefitState.COMMITTED, "; ".join(unconfirmed.values()), tuple(unconfirmed))
 
     def _enter(self, run: Run, state: str, timeout: float) -> float:
@@ -372,6 +398,7 @@ class Coordinator:
             if run.concluded:
                 return
             self._groups.clear()
+        self.delta_bases.forget(run.involved)
         log.warning("refit %s aborted: %s", run.id, reason)
         for m in self.registry.members():
             self.registry.send(m.member_id, Abort(run.id, reason))
@@ -381,7 +408,8 @@ class Coordinator:
                 finished: float | None = None) -> RefitRecord:
         return RefitRecord(run.id, state, run.version, run.record.created_at, finished, error,
                            run.timings() if finished is None else dict(run.phases), run.bytes, unconfirmed,
-                           run.record.run_id, run.planned_bytes)
+                           run.record.run_id, run.planned_bytes, run.delta_generators, run.delta_elements,
+                           run.changed_elements)
 
     def _conclude(self, run: Run, state: str, error: str, unconfirmed: tuple[str, ...] = ()) -> None:
         """End the refit once: free the slot and record the outcome (in memory at once, in the
@@ -398,6 +426,10 @@ class Coordinator:
                 self._run = None
         if state == RefitState.COMMITTED:
             self.metrics.bytes_moved.inc(run.bytes)
+            self.metrics.delta_saved_bytes.inc(record.saved_bytes)
+            self.metrics.refit_mode.labels(mode=record.mode).inc()
+            if record.changed_fraction is not None:
+                self.metrics.changed_fraction.set(record.changed_fraction)
         self.metrics.refits.labels(outcome=state.lower()).inc()
         self.metrics.refit_duration.observe(record.finished_at - record.created_at)  # type: ignore[operator]
         for phase, seconds in run.phases.items():

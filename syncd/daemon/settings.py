@@ -67,6 +67,15 @@ class Settings:
     max_watch_streams: int = _setting(
         2, "SYNCD_MAX_WATCH_STREAMS", "open Watch streams per member session (each holds a gRPC thread)"
     )
+    delta_refits: bool = _setting(
+        False, "SYNCD_DELTA_REFITS",
+        "send generators that hold the committed version only the elements that changed (trainer ranks "
+        "then keep a copy of what they sent, in the generators' dtype; off by default for that memory)",
+    )
+    delta_max_fraction: float = _setting(
+        0.5, "SYNCD_DELTA_MAX_FRACTION",
+        "a bucket goes dense when its delta would be more than this fraction of its dense bytes",
+    )
     log_level: str = _setting("INFO", "SYNCD_LOG_LEVEL", "logging level")
 
     def __post_init__(self) -> None:
@@ -82,6 +91,8 @@ class Settings:
                      "max_catalog_entries", "max_tensor_elements", "max_plan_buckets", "max_watch_streams"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+        if not 0 < self.delta_max_fraction <= 1:
+            raise ValueError(f"delta_max_fraction must be in (0, 1], not {self.delta_max_fraction}")
         if self.expected_trainers < 1 or self.expected_generators < 1:
             raise ValueError(
                 f"expected_trainers and expected_generators must be >= 1, not "

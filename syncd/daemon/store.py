@@ -41,10 +41,11 @@ CREATE TABLE IF NOT EXISTS refits (
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 _COLUMNS = ("id, state, weight_version, created_at, finished_at, error, phases, bytes, unconfirmed, run_id, "
-            "planned_bytes")
+            "planned_bytes, delta_generators, delta_elements, changed_elements")
 # Columns added after the first release, with their definitions (added when a store opens).
 _ADDED_COLUMNS = {"unconfirmed": "TEXT NOT NULL DEFAULT '[]'", "run_id": "TEXT NOT NULL DEFAULT ''",
-                  "planned_bytes": "INTEGER NOT NULL DEFAULT 0"}
+                  "planned_bytes": "INTEGER NOT NULL DEFAULT 0", "delta_generators": "TEXT NOT NULL DEFAULT '[]'",
+                  "delta_elements": "INTEGER NOT NULL DEFAULT 0", "changed_elements": "INTEGER NOT NULL DEFAULT 0"}
 
 T = TypeVar("T")
 
@@ -66,6 +67,23 @@ class RefitRecord:
     unconfirmed: tuple[str, ...] = ()  # COMMITTED: members that did not confirm Commit
     run_id: str = ""  # the training run of weight_version: (run_id, weight_version) names the weights
     planned_bytes: int = 0  # bytes the plan moves to generators, set when TRANSFERRING starts
+    delta_generators: tuple[str, ...] = ()  # generators that received only what changed
+    delta_elements: int = 0  # elements of their units,
+    changed_elements: int = 0  # and how many of them changed
+
+    @property
+    def mode(self) -> str:
+        """"delta" when some generator received only what changed (`delta_generators`), else "full"."""
+        return "delta" if self.delta_generators else "full"
+
+    @property
+    def changed_fraction(self) -> float | None:
+        return self.changed_elements / self.delta_elements if self.delta_elements else None
+
+    @property
+    def saved_bytes(self) -> int:
+        """What the delta links did not move, of the plan's full bytes."""
+        return max(self.planned_bytes - self.bytes, 0) if self.delta_generators else 0
 
 
 class Store:
@@ -152,9 +170,9 @@ class Store:
     def _update(db: sqlite3.Connection, r: RefitRecord) -> None:
         db.execute(
             "UPDATE refits SET state=?, finished_at=?, error=?, phases=?, bytes=?, unconfirmed=?, "
-            "planned_bytes=? WHERE id=?",
+            "planned_bytes=?, delta_generators=?, delta_elements=?, changed_elements=? WHERE id=?",
             (r.state, r.finished_at, r.error, json.dumps(r.phases), r.bytes, json.dumps(list(r.unconfirmed)),
-             r.planned_bytes, r.id))
+             r.planned_bytes, json.dumps(list(r.delta_generators)), r.delta_elements, r.changed_elements, r.id))
 
     @staticmethod
     def _set(db: sqlite3.Connection, key: str, value: str) -> None:
@@ -190,7 +208,8 @@ class Store:
     def _select(self, where: str, args: tuple) -> list[RefitRecord]:
         rows = self._db().execute(f"SELECT {_COLUMNS} FROM refits {where}", args).fetchall()
         return [RefitRecord(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), r[7],
-                            tuple(json.loads(r[8])), r[9], r[10]) for r in rows]
+                            tuple(json.loads(r[8])), r[9], r[10], tuple(json.loads(r[11])), r[12], r[13])
+                for r in rows]
 
     def get_text(self, key: str) -> str | None:
         row = self._db().execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

@@ -30,6 +30,7 @@ import torch
 
 from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase, Verify
 from syncd.member.dataplane import GlooTransport, Transport, recv_buckets, send_buckets
+from syncd.member.dataplane.delta import DeltaLinks, DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.plan.types import Bucket
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class Endpoint(Protocol):
         ...
 
     def abort(self) -> None: ...
+
+    # Optional: `received_delta(refit_id, changed)` hears, after a delta transfer, which of its
+    # tensors changed (the rest hold the base version), so a generator installs only those.
 
 
 class Reporter(Protocol):
@@ -82,6 +86,7 @@ class MemberAgent:
         self._groups: dict[int, _Group] = {}
         self._cancel = threading.Event()
         self._lock = threading.Lock()
+        self.mirror: Mirror | None = None  # senders, while delta refits are on: what they last sent
 
     @property
     def member_id(self) -> str:
@@ -136,7 +141,25 @@ class MemberAgent:
         finally:
             self._endpoint.end(cmd.refit_id, ok)
 
+    def _delta_links(self, cmd: ExecutePlan) -> DeltaLinks | None:
+        """How this member takes part in a delta refit, or None (delta refits off, or it receives
+        full). A sender's mirror must hold the base its delta receivers hold."""
+        if cmd.delta is None:
+            return None
+        d = cmd.delta
+        sending = any(b.src == self.member_id for b in cmd.buckets)
+        if not sending:
+            return DeltaLinks(d.base, d.dsts, d.max_fraction) if self.member_id in d.dsts else None
+        if self.mirror is None:
+            self.mirror = Mirror()
+        if any(b.dst in d.dsts for b in cmd.buckets) and self.mirror.version != d.base:
+            raise RuntimeError(f"{self.member_id} holds what it sent of version {self.mirror.version}, "
+                               f"not of the delta base {d.base}")
+        self.mirror.version = None  # until this transfer completes, the mirror is between versions
+        return DeltaLinks(d.base, d.dsts, d.max_fraction, Diffs(self.mirror))
+
     def _transfer(self, cmd: ExecutePlan, tensors: Mapping[str, torch.Tensor]) -> None:
+        delta = self._delta_links(cmd)
         per_stage: dict[int, list[Bucket]] = defaultdict(list)
         for b in cmd.buckets:
             per_stage[b.stage].append(b)
@@ -148,7 +171,8 @@ class MemberAgent:
             expected = groups.get(stage)
             if group is None or (expected is not None and expected.group_id != group.group_id):
                 raise RuntimeError(f"{self.member_id} has not joined the group of stage {stage}")
-            t = threading.Thread(target=self._run_stage, args=(group, buckets, tensors, results, stage, cmd.timeout_s),
+            t = threading.Thread(target=self._run_stage,
+                                 args=(group, buckets, tensors, results, stage, cmd.timeout_s, delta),
                                  name=f"{self.member_id}-stage{stage}")
             t.start()
             threads.append(t)
@@ -157,22 +181,36 @@ class MemberAgent:
         errors = [r for r in results.values() if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
-        checksums, total, timings = {}, 0, {}
+        checksums, total, timings, elements, changed = {}, 0, {}, 0, 0
+        touched: set[str] = set()
         for stage, stats in results.items():
             checksums.update(stats.checksums)
             total += stats.bytes
             timings[f"stage{stage}_s"] = stats.seconds
+            if isinstance(stats, DeltaStats):
+                elements, changed = elements + stats.elements, changed + stats.changed
+                touched |= stats.touched
         timings["transfer_s"] = max(timings.values(), default=0.0)
-        self._client.report(cmd.refit_id, Phase.TRANSFERRED, bytes=total, checksums=checksums, timings=timings)
+        if delta is not None and delta.diffs is not None:
+            delta.diffs.commit(tensors)
+            self.mirror.version = cmd.weight_version
+        elif delta is not None and hasattr(self._endpoint, "received_delta"):
+            self._endpoint.received_delta(cmd.refit_id, frozenset(touched))
+        self._client.report(cmd.refit_id, Phase.TRANSFERRED, bytes=total, checksums=checksums, timings=timings,
+                            delta_elements=elements, changed_elements=changed)
 
     def _run_stage(self, group: _Group, buckets: list[Bucket], tensors, results: dict, stage: int,
-                   timeout_s: float) -> None:
+                   timeout_s: float, delta: DeltaLinks | None) -> None:
         ranks = {m: i for i, m in enumerate(group.members)}
         sending = buckets[0].src == self.member_id
-        run = send_buckets if sending else recv_buckets
+        options = dict(timeout_s=timeout_s, in_flight=self._settings.in_flight, cancel=self._cancel)
         try:
-            results[stage] = run(buckets, tensors, group.transport, ranks, timeout_s=timeout_s,
-                                 in_flight=self._settings.in_flight, cancel=self._cancel)
+            if delta is None:
+                run = send_buckets if sending else recv_buckets
+                results[stage] = run(buckets, tensors, group.transport, ranks, **options)
+            else:
+                run = send_with_deltas if sending else recv_with_deltas
+                results[stage] = run(buckets, tensors, group.transport, ranks, delta, **options)
         except BaseException as e:  # noqa: BLE001 - handed to the caller thread, which raises it
             log.warning("%s: stage %d transfer failed: %s", self.member_id, stage, e)
             self._close_group(stage)  # unblock our peers: they fail fast instead of timing out

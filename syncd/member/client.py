@@ -99,11 +99,13 @@ class MemberClient:
     def report(
         self, refit_id: str, phase: str, *, ok: bool = True, error: str = "", bytes: int = 0,
         checksums: dict[str, str] | None = None, timings: dict[str, float] | None = None, address: str = "",
+        delta_elements: int = 0, changed_elements: int = 0,
     ) -> None:
         """Answer a command with a `MemberReport`. Raises grpc.RpcError when syncd cannot be reached
         or refuses."""
         self._send_report(convert.report_to_pb(MemberReport(
-            self.member_id, refit_id, Phase(phase), ok, error, bytes, checksums or {}, timings or {}, address)))
+            self.member_id, refit_id, Phase(phase), ok, error, bytes, checksums or {}, timings or {}, address,
+            delta_elements, changed_elements)))
         if phase == Phase.COMMITTED and refit_id in self._commit_versions:
             version = self._commit_versions.pop(refit_id)
             if ok:  # syncd recorded the decision before it sent Commit: this is the committed version

@@ -1,0 +1,56 @@
+"""Which weight version each member's delta state holds, so that syncd plans delta links only where
+both ends hold the same base: a sender's mirror (what it last sent) and a generator's staging.
+
+A member holds a base from the commit of a refit it took part in (confirmed, same session) until it
+takes part in a refit that does not commit, or registers anew (restart). Under another plan a
+sender may be asked for regions it did not send last time; it sends those dense (its mirror knows
+which regions it holds). Anything else, a
+generator that missed a version, a new replica, an inplace generator (its live layers are not a
+staging copy it could apply a delta to) or a group that is not gloo, gets a full refit in the same
+plan. The whole-region checksums catch what this bookkeeping cannot see (a flipped bit).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from syncd.commands import DeltaLinks, StageGroup
+from syncd.daemon.registry import Member
+from syncd.plan import Plan
+
+
+class DeltaBases:
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[str, int]] = {}  # member -> (session, version its delta state holds)
+
+    def _holds(self, m: Member, version: int) -> bool:
+        return self._held.get(m.member_id) == (m.session_id, version)
+
+    def links(self, plan: Plan, members: Mapping[str, Member], groups: Mapping[int, StageGroup],
+              base: int | None, max_fraction: float, full: bool = False) -> DeltaLinks:
+        """The delta links of a refit from `base` (the committed version; None before the first):
+        every generator whose senders and itself hold it, unless `full` forces a full refit."""
+        senders: dict[str, set[str]] = {}
+        gloo_stages = {s for s, g in groups.items() if g.backend == "gloo"}
+        refused: set[str] = set()
+        for b in plan.buckets:
+            senders.setdefault(b.dst, set()).add(b.src)
+            if b.stage not in gloo_stages:
+                refused.add(b.dst)
+        if full or base is None:
+            return DeltaLinks(None, frozenset(), max_fraction)
+        dsts = frozenset(
+            g for g, srcs in senders.items()
+            if g not in refused and not members[g].receive_by_layer and self._holds(members[g], base)
+            and all(self._holds(members[s], base) for s in srcs))
+        return DeltaLinks(base if dsts else None, dsts, max_fraction)
+
+    def committed(self, members: Mapping[str, Member], version: int) -> None:
+        """`members` confirmed the commit of `version`: their delta state holds it."""
+        for m in members.values():
+            self._held[m.member_id] = (m.session_id, version)
+
+    def forget(self, member_ids) -> None:  # noqa: ANN001 (an iterable of ids)
+        """A refit these members took part in did not commit: their delta state is between versions."""
+        for m in member_ids:
+            self._held.pop(m, None)

@@ -1,0 +1,361 @@
+"""Delta refits on the data plane: a link moves only the elements that changed since the version
+its receiver holds (syncd names that version, the base, and the links that go as deltas).
+
+The sender (a trainer rank) keeps a `Mirror`: the bytes it last sent, per local tensor and
+destination dtype, after the conversion (a delta is taken in the generator's dtype, bit for bit).
+Per delta link, in the plan's order:
+
+1. The sender compares every unit's new values with its mirror (once per region per refit: links
+   that move the same region share the result, `Diffs`), writes the new values into the mirror and
+   sends one header: per unit, how many elements changed and whether the unit goes dense.
+2. A unit whose (index, value) pairs would cost as much as its dense bytes goes dense. A bucket
+   whose encoding would not save `max_fraction` of its bytes goes dense whole, through the
+   executor's own pipelined loop (`send_buckets` / `recv_buckets`): a step that changes nearly
+   everything costs a full refit plus the comparison.
+3. Every other bucket travels as one message: per unit, int32 positions (C order of the unit's
+   region) and their values, or the unit's dense bytes; each part 8-byte aligned.
+
+Verification covers whole regions, not the delta: the sender checksums each unit's full new values
+and the receiver its full destination region after applying the delta, under the same keys as a
+full refit (`checksum_key`), so syncd's comparison is the same and a receiver whose base is not the
+sender's mirror (a restart, a torn refit, a flipped bit) fails it and the refit aborts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+
+from syncd.commands import checksum_key
+from syncd.member.dataplane.checksum import Checksums
+from syncd.member.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
+from syncd.member.dataplane.transport import Transport
+from syncd.layout.dtypes import torch_dtype
+from syncd.plan.types import Bucket, TransferUnit
+
+_INDEX = torch.int32  # positions within one unit: units are cut at bucket size, far below 2**31 elements
+_ALIGN = 8  # every part of a delta message starts 8-byte aligned, so it can be viewed in its dtype
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # compare bit patterns (NaN == NaN)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _sparse_bytes(changed: int, itemsize: int) -> int:
+    return _aligned(changed * _INDEX.itemsize) + _aligned(changed * itemsize)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(_BITS[x.element_size()])
+
+
+class Mirror:
+    """What this sender last sent: one tensor per (local tensor, destination dtype), the local
+    tensor's shape. `version` is the weight version of the last transfer that finished (None
+    before the first, or while one runs). Only what that transfer sent holds that version: the
+    tensors it sent whole to some receiver (`whole`), and the regions it sent (`held`); another
+    plan may cut other regions, or have another sender send some."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.whole: frozenset[tuple[str, str]] = frozenset()  # (local tensor, dtype)
+        self.held: frozenset[tuple] = frozenset()  # `_key`s of regions
+        self._tensors: dict[tuple[str, str], torch.Tensor] = {}
+
+    def holds(self, u: TransferUnit) -> bool:
+        return (u.src_tensor, u.dtype) in self.whole or _key(u) in self.held
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    def region(self, unit: TransferUnit, source: torch.Tensor) -> torch.Tensor:
+        """The mirror of unit's source region (`source` is the sender's whole local tensor)."""
+        key = (unit.src_tensor, unit.dtype)
+        t = self._tensors.get(key)
+        if t is None or t.shape != source.shape or t.device != source.device:
+            t = self._tensors[key] = torch.zeros(source.shape, dtype=torch_dtype(unit.dtype), device=source.device)
+        return t[unit.src_box.slices()]
+
+
+@dataclass
+class Change:
+    """One region's difference from the mirror: `changed` elements differ; `index` and `values`
+    are set when the unit goes as a delta."""
+
+    changed: int
+    numel: int
+    index: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def sparse(self) -> bool:
+        return self.index is not None
+
+
+@dataclass
+class Diffs:
+    """One refit's comparisons on one sender, shared by its stages and links. The mirror keeps the
+    base until `commit`: links cut the same tensor into different regions, and each must be
+    compared with the base, not with what another link already wrote."""
+
+    mirror: Mirror
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    changes: dict[tuple, tuple[TransferUnit, Change]] = field(default_factory=dict)
+    absorbed: dict[tuple, TransferUnit] = field(default_factory=dict)  # regions sent on full links
+    sent: dict[tuple[str, str, str], set[tuple]] = field(default_factory=dict)  # (dst, tensor, dtype) -> keys
+
+    def of(self, u: TransferUnit, tensors: Mapping[str, torch.Tensor], dst: str) -> Change:
+        """The unit's change from the base; all of it (dense) where the mirror does not hold the
+        base of this region."""
+        key = _key(u)
+        with self.lock:
+            self.sent.setdefault((dst, u.src_tensor, u.dtype), set()).add(key)
+            if key not in self.changes:
+                held = self.mirror.holds(u)
+                self.changes[key] = (u, _compare(u, tensors, self.mirror) if held else Change(u.canon.numel, u.canon.numel))
+            return self.changes[key][1]
+
+    def absorb(self, u: TransferUnit, dst: str) -> None:
+        """A unit sent dense on a full link: `commit` copies its new values into the mirror."""
+        with self.lock:
+            self.sent.setdefault((dst, u.src_tensor, u.dtype), set()).add(_key(u))
+            self.absorbed[_key(u)] = u
+
+    def commit(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The transfer succeeded: the mirror takes the new values (the changed positions of delta
+        units, whole regions of dense ones) from `tensors`, still held as they were sent."""
+        dense = dict(self.absorbed)
+        for key, (u, change) in self.changes.items():
+            if not change.sparse:
+                dense[key] = u
+            elif change.changed and key not in dense:
+                _scatter(self.mirror.region(u, tensors[u.src_tensor]), change.index, change.values)
+        for u in dense.values():
+            region = self.mirror.region(u, tensors[u.src_tensor])
+            region.copy_(_new_values(u, tensors).view(region.shape))
+        self.mirror.held = frozenset(self.changes) | frozenset(self.absorbed)
+        # A receiver's regions of one tensor are disjoint: if they add up to the tensor, it went whole.
+        self.mirror.whole = frozenset(
+            (name, dtype) for (_, name, dtype), keys in self.sent.items()
+            if sum(k[1].numel for k in keys) == tensors[name].numel())
+        self.changes.clear()
+        self.absorbed.clear()
+        self.sent.clear()
+
+
+def _key(u: TransferUnit) -> tuple:
+    """A sender's region as a mirror holds it."""
+    return (u.src_tensor, u.src_box, u.dtype)
+
+
+def _new_values(u: TransferUnit, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The unit's new values in its (destination) dtype, flat and contiguous: exactly the bytes a
+    full refit packs (`.to()` rounds as the packing copy does)."""
+    src = tensors[u.src_tensor][u.src_box.slices()]
+    return src.to(torch_dtype(u.dtype)).reshape(-1)
+
+
+def _compare(u: TransferUnit, tensors: Mapping[str, torch.Tensor], mirror: Mirror) -> Change:
+    if u.quantized:
+        raise ValueError(f"{u.canonical}: blockwise-FP8 units are not sent as deltas")
+    new = _new_values(u, tensors)
+    differs = _bits(new) != _bits(mirror.region(u, tensors[u.src_tensor]).reshape(-1))
+    change = Change(int(torch.count_nonzero(differs)), new.numel())
+    if _sparse_bytes(change.changed, new.element_size()) < u.nbytes:
+        change.index = differs.nonzero().squeeze(1).to(_INDEX)
+        change.values = new[change.index.long()]
+    return change
+
+
+def _header_code(change: Change) -> int:
+    """How a unit travels, in the link's header: k >= 0 for k (index, value) pairs, -1 - k for the
+    dense bytes of a unit of which k elements changed."""
+    return change.changed if change.sparse else -1 - change.changed
+
+
+def _unit_bytes(code: int, u: TransferUnit) -> int:
+    itemsize = u.nbytes // u.canon.numel
+    return _sparse_bytes(code, itemsize) if code >= 0 else _aligned(u.nbytes)
+
+
+def _dense_bucket(codes: Sequence[int], bucket: Bucket, max_fraction: float) -> bool:
+    """A bucket goes dense whole when its delta would not save `max_fraction` of its bytes."""
+    delta = sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units))
+    return all(c < 0 for c in codes) or delta > max_fraction * bucket.nbytes
+
+
+@dataclass(frozen=True)
+class DeltaLinks:
+    """What syncd decided for one refit: the receivers that get deltas against `base`, and the
+    fraction of a bucket's bytes above which it goes dense. `diffs` is the sender's (None on a
+    receiver)."""
+
+    base: int
+    dsts: frozenset[str]
+    max_fraction: float
+    diffs: Diffs | None = None
+
+
+@dataclass
+class DeltaStats(TransferStats):
+    """A member's transfer with delta links: bytes actually moved; over its delta links, the units'
+    elements and how many of them changed."""
+
+    elements: int = 0
+    changed: int = 0
+    touched: set[str] = field(default_factory=set)  # receiver: its tensors that took new values
+
+
+def _links(buckets: Sequence[Bucket], peer: str) -> dict[str, list[Bucket]]:
+    out: dict[str, list[Bucket]] = defaultdict(list)
+    for b in sorted(buckets, key=lambda b: (getattr(b, peer), b.index)):
+        out[getattr(b, peer)].append(b)
+    return out
+
+
+def _add(total: DeltaStats, part: TransferStats) -> None:
+    total.bytes += part.bytes
+    total.buckets += part.buckets
+    total.checksums.update(part.checksums)
+
+
+def send_with_deltas(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], transport: Transport,
+                     ranks: Mapping[str, int], links: DeltaLinks, *, timeout_s: float,
+                     cancel: threading.Event | None = None, **options) -> DeltaStats:
+    """`send_buckets` for a sender that keeps a mirror: full links go through it (the mirror takes
+    their values), delta links as described in the module docstring. Links go one after another in
+    destination order (what the receivers' source order expects)."""
+    assert links.diffs is not None
+    stats, start = DeltaStats(), time.perf_counter()
+    for dst, link in _links(buckets, "dst").items():
+        _check(cancel)
+        if dst not in links.dsts:
+            _add(stats, send_buckets(link, tensors, transport, ranks, timeout_s=timeout_s, cancel=cancel, **options))
+            for b in link:
+                for u in b.units:
+                    links.diffs.absorb(u, dst)
+            continue
+        _send_link(dst, link, tensors, transport, ranks[dst], links, stats, timeout_s, cancel, options)
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _send_link(dst: str, link: list[Bucket], tensors, transport: Transport, peer: int, links: DeltaLinks,  # noqa: ANN001
+               stats: DeltaStats, timeout_s: float, cancel, options: dict) -> None:
+    changes = [[links.diffs.of(u, tensors, dst) for u in b.units] for b in link]
+    codes = [[_header_code(c) for c in cs] for cs in changes]
+    header = torch.tensor([c for cs in codes for c in cs], dtype=torch.int64)
+    transport.isend(header, peer).wait(timeout_s)
+    dense = []
+    for bucket, cs, bucket_codes in zip(link, changes, codes):
+        stats.elements += sum(c.numel for c in cs)
+        stats.changed += sum(c.changed for c in cs)
+        if _dense_bucket(bucket_codes, bucket, links.max_fraction):
+            dense.append(bucket)
+            continue
+        _check(cancel)
+        message = _encode(bucket, cs, bucket_codes, tensors, stats.checksums)
+        transport.isend(message, peer).wait(timeout_s)
+        stats.bytes += message.numel()
+        stats.buckets += 1
+    if dense:
+        _add(stats, send_buckets(dense, tensors, transport, {dst: peer}, timeout_s=timeout_s, cancel=cancel, **options))
+
+
+def _encode(bucket: Bucket, changes: list[Change], codes: list[int], tensors, checksums: dict) -> torch.Tensor:  # noqa: ANN001
+    message = torch.zeros(sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units)), dtype=torch.uint8)
+    sums, offset = Checksums(), 0
+    for u, change, code in zip(bucket.units, changes, codes):
+        new = _new_values(u, tensors)
+        sums.add(checksum_key(u.canonical, u.canon), new.view(torch.uint8))
+        size = _unit_bytes(code, u)
+        part = message[offset : offset + size]
+        offset += size
+        if code < 0:
+            part[: u.nbytes].copy_(new.view(torch.uint8))
+            continue
+        index_bytes = _aligned(code * _INDEX.itemsize)
+        part[: code * _INDEX.itemsize].copy_(change.index.view(torch.uint8))
+        part[index_bytes : index_bytes + code * new.element_size()].copy_(change.values.view(torch.uint8))
+    checksums.update(sums.result())
+    return message
+
+
+def recv_with_deltas(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], transport: Transport,
+                     ranks: Mapping[str, int], links: DeltaLinks, *, timeout_s: float,
+                     cancel: threading.Event | None = None, **options) -> DeltaStats:
+    """The receiving side of `send_with_deltas`, for a member whose links all go as deltas: applies
+    each delta to `tensors` (which must hold the base version) and checksums every whole region."""
+    stats, start = DeltaStats(), time.perf_counter()
+    for src, link in _links(buckets, "src").items():
+        _check(cancel)
+        _recv_link(src, link, tensors, transport, ranks[src], links, stats, timeout_s, cancel, options)
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _recv_link(src: str, link: list[Bucket], tensors, transport: Transport, peer: int, links: DeltaLinks,  # noqa: ANN001
+               stats: DeltaStats, timeout_s: float, cancel, options: dict) -> None:
+    header = torch.empty(sum(len(b.units) for b in link), dtype=torch.int64)
+    transport.irecv(header, peer).wait(timeout_s)
+    flat_codes = header.tolist()
+    dense, at = [], 0
+    for bucket in link:
+        codes = flat_codes[at : at + len(bucket.units)]
+        at += len(bucket.units)
+        stats.elements += sum(u.canon.numel for u in bucket.units)
+        stats.changed += sum(c if c >= 0 else -1 - c for c in codes)
+        if _dense_bucket(codes, bucket, links.max_fraction):
+            dense.append(bucket)
+            stats.touched.update(u.dst_tensor for u in bucket.units)
+            continue
+        stats.touched.update(u.dst_tensor for u, c in zip(bucket.units, codes) if c)
+        _check(cancel)
+        message = torch.empty(sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units)), dtype=torch.uint8)
+        transport.irecv(message, peer).wait(timeout_s)
+        _apply(bucket, codes, message, tensors, stats.checksums)
+        stats.bytes += message.numel()
+        stats.buckets += 1
+    if dense:
+        _add(stats, recv_buckets(dense, tensors, transport, {src: peer}, timeout_s=timeout_s, cancel=cancel, **options))
+
+
+def _apply(bucket: Bucket, codes: list[int], message: torch.Tensor, tensors, checksums: dict) -> None:  # noqa: ANN001
+    sums, offset = Checksums(), 0
+    for u, code in zip(bucket.units, codes):
+        dst = tensors[u.dst_tensor][u.dst_box.slices()]
+        size = _unit_bytes(code, u)
+        part = message[offset : offset + size]
+        offset += size
+        if code < 0:
+            dst.copy_(part[: u.nbytes].view(dst.dtype).view(dst.shape))
+        elif code:
+            index_bytes = _aligned(code * _INDEX.itemsize)
+            index = part[: code * _INDEX.itemsize].view(_INDEX)
+            values = part[index_bytes : index_bytes + code * dst.element_size()].view(dst.dtype)
+            _scatter(dst, index, values)
+        sums.add(checksum_key(u.canonical, u.canon), dst.reshape(-1).view(torch.uint8))
+    checksums.update(sums.result())
+
+
+def _scatter(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """dst.flatten()[index] = values, in place, also for a region that is not contiguous."""
+    if dst.is_contiguous():
+        dst.view(-1).index_copy_(0, index.long(), values)
+        return
+    flat = dst.reshape(-1).clone()
+    flat.index_copy_(0, index.long(), values)
+    dst.copy_(flat.view(dst.shape))
+
+
+def _check(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise TransferAborted("transfer aborted")
+
