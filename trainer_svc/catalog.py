@@ -1,33 +1,22 @@
 """This rank's syncd catalog: every local parameter as boxes of canonical (HF, grouped-expert) tensors.
 
-Written with syncd's layout expressions, independently of the tensor slicing in
-state_dict_adapter.py; tests check the two agree bit-exactly. Local tensor names are the trainer's
-parameter names. The fused expert-TP gate/up weight `[E_l*2*I_l, H]` is registered under the view
-`[E_l, 2, I_l, H]` (same numel, contiguous): two pieces, the local expert range of gate_proj and
-of up_proj, instead of 2*E_l pieces. `gate_up_interleaved_expr` is the equivalent 2-D description
-(InterleavedShard over tp); a test checks both map every element identically.
+Each local tensor is `sharding.PLAN`'s placement of its canonical sources written as a syncd layout
+expression; state_dict_adapter.py executes the same table with torch slicing, and tests check the
+two agree bit-exactly. Local tensor names are the trainer's parameter names. The fused expert-TP
+gate/up weight `[E_l*2*I_l, H]` is registered under the view `[E_l, 2, I_l, H]` (same numel,
+contiguous): two pieces, the local expert range of gate_proj and of up_proj, instead of 2*E_l
+pieces.
 """
 
 from __future__ import annotations
 
-from syncd.layout import (
-    Box,
-    Canon,
-    CanonicalTensor,
-    Catalog,
-    Concat,
-    InterleavedShard,
-    LocalTensor,
-    Piece,
-    Shard,
-    Sharded,
-    local_tensor,
-)
-from syncd.layout.hf_names import grouped_expert_name
+from syncd.layout import Canon, CanonicalTensor, Catalog, Sharded, Stack, local_tensor
+from syncd.layout.placements import Expr
 from trainer_svc.config import ModelArgs
 from trainer_svc.parallel_dims import Coords, ParallelDims
 from trainer_svc.parallelize import stage_layers
-from trainer_svc.state_dict_adapter import COLUMN_PARALLEL, ROW_PARALLEL, canonical_shapes
+from trainer_svc.sharding import on_mesh, param_names, sharding_of, sources
+from trainer_svc.state_dict_adapter import canonical_shapes
 
 MASTER_DTYPE = "float32"  # what the stage's parameters hold (`trainer_svc.precision`)
 
@@ -37,26 +26,19 @@ def build_catalog(args: ModelArgs, dims: ParallelDims, c: Coords, dtype: str = M
     or the weights the model computes with), all canonical tensors declared."""
     shapes = canonical_shapes(args)
     canonical = tuple(CanonicalTensor(name, shape, dtype) for name, shape in shapes.items())
-    tensors: list[LocalTensor] = []
-    for name in _stage_canonical_names(args, dims, c):
-        shape = shapes[name]
-        if name.endswith(".experts.up_proj.weight") or name.endswith(".experts.down_proj.weight"):
-            continue  # covered by the fused gate_up entry, or below
-        if name.endswith(".experts.gate_proj.weight"):
-            prefix = name[: -len(".experts.gate_proj.weight")]
-            tensors.append(gate_up_view_tensor(prefix, args, dims, c, dtype))
-            down = grouped_expert_name(prefix, "down_proj")
-            expr = Sharded(Canon(down, shapes[down]), (Shard(0), Shard(2)), (dims.ep, dims.tp), (c.ep, c.tp))
-            tensors.append(local_tensor(f"{prefix}.experts.down_proj", dtype, expr))
-        elif name.endswith(COLUMN_PARALLEL):
-            tensors.append(local_tensor(name, dtype, Sharded(Canon(name, shape), (Shard(0),), (dims.tp,), (c.tp,))))
-        elif name.endswith(ROW_PARALLEL):
-            tensors.append(local_tensor(name, dtype, Sharded(Canon(name, shape), (Shard(1),), (dims.tp,), (c.tp,))))
-        else:
-            tensors.append(local_tensor(name, dtype, Canon(name, shape)))
-    catalog = Catalog(canonical, tuple(tensors))
+    tensors = tuple(local_tensor(name, dtype, layout_expr(name, shapes, dims, c))
+                    for name in param_names(_stage_canonical_names(args, dims, c)))
+    catalog = Catalog(canonical, tensors)
     catalog.validate()
     return catalog
+
+
+def layout_expr(param: str, shapes: dict[str, tuple[int, ...]], dims: ParallelDims, c: Coords) -> Expr:
+    """Local parameter `param` of the rank at `c`, fused sources stacked on dim 1."""
+    placements = sharding_of(param).placements
+    parts = tuple(Sharded(Canon(name, shapes[name]), placements, on_mesh(dims), on_mesh(c))
+                  for name in sources(param))
+    return Stack(1, parts) if len(parts) > 1 else parts[0]
 
 
 def _stage_canonical_names(args: ModelArgs, dims: ParallelDims, c: Coords) -> list[str]:
@@ -72,32 +54,3 @@ def _stage_canonical_names(args: ModelArgs, dims: ParallelDims, c: Coords) -> li
             names.append(name)
     return names
 
-
-def gate_up_view_tensor(prefix: str, args: ModelArgs, dims: ParallelDims, c: Coords,
-                        dtype: str = MASTER_DTYPE) -> LocalTensor:
-    """`{prefix}.experts.gate_up_proj` as the view [E_l, 2, I_l, H]: projection p (0 gate, 1 up)
-    of the local experts is box [:, p, :, :], holding this rank's ep/tp shard of that projection."""
-    E, I, H = args.num_experts, args.moe_intermediate_size, args.hidden_size
-    E_l, I_l = E // dims.ep, I // dims.tp
-    pieces = []
-    for p, proj in enumerate(("gate_proj", "up_proj")):
-        name = grouped_expert_name(prefix, proj)
-        expr = Sharded(Canon(name, (E, I, H)), (Shard(0), Shard(1)), (dims.ep, dims.tp), (c.ep, c.tp))
-        (piece,) = expr.pieces()
-        pieces.append(Piece(name, piece.canon, Box((0, p, 0, 0), (E_l, p + 1, I_l, H))))
-    return LocalTensor(f"{prefix}.experts.gate_up_proj", (E_l, 2, I_l, H), dtype, tuple(pieces))
-
-
-def gate_up_interleaved_expr(prefix: str, args: ModelArgs, dims: ParallelDims, c: Coords) -> Sharded:
-    """The same holding on the parameter's own 2-D shape [E_l*2*I_l, H]: the concatenation
-    [gate_0; up_0; gate_1; up_1; ...] sharded over ep (whole experts), then InterleavedShard over tp
-    with one stripe per local (expert, projection)."""
-    E, I, H = args.num_experts, args.moe_intermediate_size, args.hidden_size
-    parts = []
-    for e in range(E):
-        for proj in ("gate_proj", "up_proj"):
-            box = Box((e, 0, 0), (e + 1, I, H))
-            parts.append(Canon(grouped_expert_name(prefix, proj), (E, I, H), box, drop=(0,)))
-    E_l = E // dims.ep
-    placements = (Shard(0), InterleavedShard(0, stripes=E_l * 2))
-    return Sharded(Concat(0, tuple(parts)), placements, (dims.ep, dims.tp), (c.ep, c.tp))

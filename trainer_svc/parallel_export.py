@@ -26,17 +26,16 @@ import torch.distributed as dist
 
 from syncd.layout import hf_names
 from syncd.layout.dtypes import lookup
-from trainer_svc import comm
 from trainer_svc.config import ModelArgs
 from trainer_svc.parallel_dims import Mesh
+from trainer_svc.sharding import sharding_of
 from trainer_svc.state_dict_adapter import (
-    COLUMN_PARALLEL,
     CONFIG_FILE,
-    ROW_PARALLEL,
     WEIGHTS_FILE,
     canonical_shapes,
     stored_entries,
     stored_tensors,
+    tp_whole,
 )
 
 def file_layout(args: ModelArgs, dtype: str = "float32") -> tuple[bytes, dict[str, int], int]:
@@ -64,42 +63,24 @@ def file_layout(args: ModelArgs, dtype: str = "float32") -> tuple[bytes, dict[st
     return prefix, starts, len(prefix) + offset
 
 
-def _tp_whole(t: torch.Tensor, group: comm.Group, dim: int) -> torch.Tensor:
-    if comm.group_size(group) == 1:
-        return t.detach()
-    parts = [torch.empty_like(t) for _ in range(comm.group_size(group))]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts, dim)
-
-
-def _hf_tensors(name: str, p: torch.Tensor, mesh: Mesh, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
+def _hf_tensors(name: str, p: torch.Tensor, mesh: Mesh, args: ModelArgs,
+                shapes: Mapping[str, tuple[int, ...]]) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors that parameter `name` holds, whole over tp (collective over the tp group)."""
     first_expert = mesh.coords.ep * (args.num_experts // mesh.dims.ep)
-    if name.endswith(".experts.gate_up_proj"):
-        prefix = name[: -len(".experts.gate_up_proj")]
-        E_l, I_l = args.num_experts // mesh.dims.ep, args.moe_intermediate_size // mesh.dims.tp
-        pair_E2IH = _tp_whole(p.view(E_l, 2, I_l, -1), mesh.tp, 2)
-        out = []
-        for proj, k in (("gate_proj", 0), ("up_proj", 1)):
-            grouped = hf_names.grouped_expert_name(prefix, proj)
-            out += [(hf_names.hf_expert_name(grouped, first_expert + e), pair_E2IH[e, k]) for e in range(E_l)]
-        return out
-    if name.endswith(".experts.down_proj"):
-        grouped = hf_names.grouped_expert_name(name[: -len(".experts.down_proj")], "down_proj")
-        whole = _tp_whole(p, mesh.tp, 2)
-        return [(hf_names.hf_expert_name(grouped, first_expert + e), whole[e]) for e in range(whole.shape[0])]
-    if name.endswith(COLUMN_PARALLEL):
-        return [(name, _tp_whole(p, mesh.tp, 0))]
-    if name.endswith(ROW_PARALLEL):
-        return [(name, _tp_whole(p, mesh.tp, 1))]
-    return [(name, p.detach())]
+    out = []
+    for source, t in tp_whole(name, p, shapes, mesh):
+        if hf_names.is_grouped_expert(source):
+            out += [(hf_names.hf_expert_name(source, first_expert + e), t[e]) for e in range(t.shape[0])]
+        else:
+            out.append((source, t))
+    return out
 
 
 def _writes(name: str, mesh: Mesh) -> tuple[bool, bool]:
     """(takes part in this parameter's tp gather, writes it) for this rank."""
     c = mesh.coords
-    is_expert = name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
-    part = c.dp == 0 and (is_expert or c.ep == 0)
+    ep_sharded = sharding_of(name).ep_dim is not None  # each ep rank writes its own experts
+    part = c.dp == 0 and (ep_sharded or c.ep == 0)
     return part, part and c.tp == 0
 
 
@@ -112,6 +93,7 @@ def export_parallel(weights: Mapping[str, torch.Tensor], mesh: Mesh, args: Model
     out_dir = Path(out_dir)
     path = out_dir / WEIGHTS_FILE
     prefix, starts, size = file_layout(args, dtype)
+    shapes = canonical_shapes(args)
     if mesh.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:
@@ -124,7 +106,7 @@ def export_parallel(weights: Mapping[str, torch.Tensor], mesh: Mesh, args: Model
             part, write = _writes(name, mesh)
             if not part:
                 continue
-            for hf_name, t in _hf_tensors(name, p, mesh, args):
+            for hf_name, t in _hf_tensors(name, p, mesh, args, shapes):
                 if write:
                     for stored_name, stored in stored_tensors(hf_name, t, dtype):
                         _pwrite_all(f.fileno(), stored, starts[stored_name])

@@ -2,12 +2,12 @@
 
 Order matters: the stage is built with the TP/EP groups already inside its modules (local shapes,
 collectives in the forward), then filled from canonical tensors, and only then is the gradient
-sync plan derived from parameter names, because which group a gradient is reduced over depends
-on how that parameter is sharded:
+sync plan derived from each parameter's placement (`sharding.PLAN`), because which group a
+gradient is reduced over depends on how that parameter is sharded:
 
-- experts (`gate_up_proj`, `down_proj`): sharded over ep and tp, replicated over dp -> sum over dp.
-- q_norm / k_norm: replicated over tp, but each TP rank sees only its own heads, so their
-  gradients are partial over tp -> sum over tp, then over dp x ep.
+- sharded over ep (experts): replicated over dp only -> sum over dp.
+- partial over tp (q_norm / k_norm): replicated over tp, but each TP rank sees only its own heads
+  -> sum over tp, then over dp x ep.
 - everything else: identical on TP peers by the comm.py convention -> sum over dp x ep.
 """
 
@@ -23,10 +23,7 @@ from trainer_svc import comm
 from trainer_svc.config import ModelArgs
 from trainer_svc.model import Qwen3MoeStage
 from trainer_svc.parallel_dims import Mesh
-
-EXPERT_SUFFIXES = (".experts.gate_up_proj", ".experts.down_proj")
-TP_SHARDED_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
-TP_PARTIAL_SUFFIXES = ("q_norm.weight", "k_norm.weight")
+from trainer_svc.sharding import sharding_of
 
 
 def stage_layers(args: ModelArgs, pp: int, stage: int) -> range:
@@ -59,14 +56,11 @@ def grad_sync_plan(model: Qwen3MoeStage, mesh: Mesh) -> list[GradSync]:
     d = mesh.dims
     plan = []
     for name, p in model.named_parameters():
-        if name.endswith(EXPERT_SUFFIXES):
-            plan.append(GradSync(p, (mesh.dp,), d.dp))
-        elif name.endswith(TP_SHARDED_SUFFIXES):
-            plan.append(GradSync(p, (mesh.dp_ep,), d.dp * d.ep))
-        elif name.endswith(TP_PARTIAL_SUFFIXES):
-            plan.append(GradSync(p, (mesh.tp, mesh.dp_ep), d.dp * d.ep * d.tp))
-        else:
-            plan.append(GradSync(p, (mesh.dp_ep,), d.dp * d.ep * d.tp))
+        s = sharding_of(name)
+        replicated_over = (mesh.dp_ep,) if s.ep_dim is None else (mesh.dp,)
+        groups = ((mesh.tp,) if s.tp_partial_grad else ()) + replicated_over
+        replicas = d.dp * (d.ep if s.ep_dim is None else 1) * (d.tp if s.tp_dim is None else 1)
+        plan.append(GradSync(p, groups, replicas))
     return plan
 
 

@@ -2,8 +2,9 @@
 
 Canonical tensors (docs/CONVENTIONS.md) are the HF tensors with routed experts grouped per layer
 (`...mlp.experts.gate_proj.weight [E, I, H]`); `syncd.layout.hf_names` converts to the per-expert
-HF spelling on disk. Sharding here is written with plain tensor slicing, independently of the
-syncd layout expressions in catalog.py, so that tests comparing the two catch a wrong layout.
+HF spelling on disk. Shards are cut and gathered here with plain tensor ops, executing
+`sharding.PLAN`, which catalog.py executes as syncd layout expressions; tests comparing the two
+catch an executor that misreads the table.
 
 Local parameter names equal canonical names except the fused experts:
 `model.layers.L.mlp.experts.gate_up_proj` ([E_l*2*I_l, H], from gate_proj and up_proj) and
@@ -22,16 +23,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from syncd.member.dataplane.fp8 import quantize_blockwise
-from syncd.layout import hf_names
+from syncd.layout import Shard, hf_names
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan.fp8_blocks import FP8_DTYPE, SCALE_DTYPE, is_quantized, scale_name, scale_shape
 from trainer_svc import comm
 from trainer_svc.config import FP8_EXPORT, FP8_UNQUANTIZED_DTYPE, ModelArgs, unquantized_dtype
 from trainer_svc.parallel_dims import Coords, Mesh, ParallelDims
+from trainer_svc.sharding import local_shape, on_mesh, sharding_of, sources
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
-ROW_PARALLEL = ("o_proj.weight",)
 
 
 def canonical_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -127,32 +127,21 @@ def save_hf(out_dir: str | Path, args: ModelArgs, canonical: dict[str, torch.Ten
     return out_dir
 
 
-def _expert_prefix(name: str) -> str | None:
-    for suffix in (".experts.gate_up_proj", ".experts.down_proj"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return None
-
-
 def shard_for_rank(
     name: str, canonical: dict[str, torch.Tensor], dims: ParallelDims, c: Coords
 ) -> torch.Tensor:
     """The value of local parameter `name` on the rank at `c`, cut from canonical tensors."""
-    prefix = _expert_prefix(name)
-    if prefix is None:
-        full = canonical[name]
-        if name.endswith(COLUMN_PARALLEL):
-            return full.chunk(dims.tp, dim=0)[c.tp].clone()
-        if name.endswith(ROW_PARALLEL):
-            return full.chunk(dims.tp, dim=1)[c.tp].clone()
-        return full.clone()
-    if name.endswith("gate_up_proj"):
-        gate = canonical[f"{prefix}.experts.gate_proj.weight"].chunk(dims.ep, 0)[c.ep]
-        up = canonical[f"{prefix}.experts.up_proj.weight"].chunk(dims.ep, 0)[c.ep]
-        pair_E2IH = torch.stack([gate.chunk(dims.tp, 1)[c.tp], up.chunk(dims.tp, 1)[c.tp]], dim=1)
-        return pair_E2IH.reshape(-1, pair_E2IH.shape[-1]).clone()
-    down = canonical[f"{prefix}.experts.down_proj.weight"].chunk(dims.ep, 0)[c.ep]
-    return down.chunk(dims.tp, 2)[c.tp].clone()
+    parts = []
+    for source in sources(name):
+        t = canonical[source]
+        for p, size, coord in zip(sharding_of(name).placements, on_mesh(dims), on_mesh(c)):
+            if isinstance(p, Shard):
+                t = t.chunk(size, p.dim)[coord]
+        parts.append(t)
+    if len(parts) == 1:
+        return parts[0].clone()
+    stacked = torch.stack(parts, dim=1)
+    return stacked.reshape(-1, stacked.shape[-1]).clone()
 
 
 @torch.no_grad()
@@ -161,31 +150,34 @@ def load_into(model: torch.nn.Module, canonical: dict[str, torch.Tensor], dims: 
         p.copy_(shard_for_rank(name, canonical, dims, c))
 
 
+def tp_whole(name: str, p: torch.Tensor, shapes: Mapping[str, tuple[int, ...]],
+             mesh: Mesh) -> list[tuple[str, torch.Tensor]]:
+    """(canonical name, value) of every source of local parameter `name`, gathered over tp but still
+    this rank's ep shard (collective over the tp group when `name` is cut over tp)."""
+    sharding, names = sharding_of(name), sources(name)
+    t = p.detach().view(local_shape(name, shapes, mesh.dims))
+    tp_dim = sharding.tp_dim
+    if tp_dim is not None:
+        if len(names) > 1 and tp_dim >= 1:
+            tp_dim += 1  # fused sources are stacked on dim 1
+        t = torch.cat(_gather(t, mesh.tp), tp_dim)
+    return list(zip(names, t.unbind(1))) if len(names) > 1 else [(names[0], t)]
+
+
 @torch.no_grad()
 def gather_canonical(weights: Mapping[str, torch.Tensor], mesh: Mesh, args: ModelArgs) -> dict[str, torch.Tensor]:
     """Collective over the whole world: rank 0 gets every canonical tensor of `weights` (each
     rank's stage parameters by name), others get {}.
-    Shards are all-gathered over tp (interleaved gate/up re-interleaved), then over ep; one rank
-    per stage (dp = ep = tp = 0) then ships its stage's tensors to rank 0."""
+    Shards are all-gathered over tp, then over ep; one rank per stage (dp = ep = tp = 0) then ships
+    its stage's tensors to rank 0."""
+    shapes = canonical_shapes(args)
     stage: dict[str, torch.Tensor] = {}
-    E_l = args.num_experts // mesh.dims.ep
     for name, p in weights.items():
-        prefix = _expert_prefix(name)
-        if prefix is None:
-            if name.endswith(COLUMN_PARALLEL):
-                stage[name] = torch.cat(_gather(p, mesh.tp), 0)
-            elif name.endswith(ROW_PARALLEL):
-                stage[name] = torch.cat(_gather(p, mesh.tp), 1)
-            else:
-                stage[name] = p.detach().clone()
-        elif name.endswith("gate_up_proj"):
-            parts = [t.view(E_l, 2, -1, t.shape[-1]) for t in _gather(p, mesh.tp)]
-            pair_E2IH = torch.cat(_gather(torch.cat(parts, 2), mesh.ep), 0)
-            stage[f"{prefix}.experts.gate_proj.weight"] = pair_E2IH[:, 0].contiguous()
-            stage[f"{prefix}.experts.up_proj.weight"] = pair_E2IH[:, 1].contiguous()
-        else:
-            full = torch.cat(_gather(torch.cat(_gather(p, mesh.tp), 2), mesh.ep), 0)
-            stage[f"{prefix}.experts.down_proj.weight"] = full
+        ep_dim = sharding_of(name).ep_dim
+        for source, t in tp_whole(name, p, shapes, mesh):
+            if ep_dim is not None:
+                t = torch.cat(_gather(t, mesh.ep), ep_dim)
+            stage[source] = t.clone(memory_format=torch.contiguous_format)
     if mesh.dims.world_size == 1:
         return stage
     c = mesh.coords
@@ -195,7 +187,7 @@ def gather_canonical(weights: Mapping[str, torch.Tensor], mesh: Mesh, args: Mode
     if mesh.rank != 0:
         return {}
     merged = {k: v for part in received for k, v in part.items()}
-    return {k: merged[k] for k in canonical_shapes(args)}
+    return {k: merged[k] for k in shapes}
 
 
 def _gather(t: torch.Tensor, group: comm.Group) -> list[torch.Tensor]:

@@ -1,9 +1,12 @@
 """The syncd catalog of every rank describes exactly the tensors the rank holds.
 
 A NumPy simulation executes a catalog (for each piece, canonical[canon box] -> local[local box]) and
-compares the result bit-exactly with the rank's real parameters, which come from the independent
-tensor slicing of state_dict_adapter (or from a real multi-process training run), and assembles
-all ranks' pieces back into the canonical tensors of the HF export.
+compares the result bit-exactly with the rank's real parameters, which come from the torch slicing
+of state_dict_adapter (the same `sharding.PLAN` executed by other code) or from a real
+multi-process training run, and assembles all ranks' pieces back into the canonical tensors of the
+HF export. A wrong entry of the table itself shows as a layout that no longer trains like one
+process (test_layouts) and, for the fused gate/up weight, against the independent
+InterleavedShard description below.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from syncd.layout import Catalog, local_tensor
+from syncd.layout import Box, Canon, Catalog, Concat, InterleavedShard, Shard, Sharded, local_tensor
 from syncd.layout import hf_names
-from trainer_svc.catalog import build_catalog, gate_up_interleaved_expr, gate_up_view_tensor
+from trainer_svc.catalog import build_catalog, layout_expr
 from trainer_svc.parallel_dims import ParallelDims
 from trainer_svc.state_dict_adapter import canonical_shapes, load_hf, shard_for_rank
 from trainer_svc.tiny import TINY_ARGS
@@ -49,10 +52,24 @@ def _np(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in tensors.items()}
 
 
+def gate_up_interleaved_expr(prefix: str, dims: ParallelDims, c) -> Sharded:
+    """The fused gate/up weight on its own 2-D shape [E_l*2*I_l, H], written independently of
+    `sharding.PLAN`: the concatenation [gate_0; up_0; gate_1; up_1; ...] sharded over ep (whole
+    experts), then InterleavedShard over tp with one stripe per local (expert, projection)."""
+    E, I, H = TINY_ARGS.num_experts, TINY_ARGS.moe_intermediate_size, TINY_ARGS.hidden_size
+    parts = []
+    for e in range(E):
+        for proj in ("gate_proj", "up_proj"):
+            box = Box((e, 0, 0), (e + 1, I, H))
+            parts.append(Canon(hf_names.grouped_expert_name(prefix, proj), (E, I, H), box, drop=(0,)))
+    placements = (Shard(0), InterleavedShard(0, stripes=E // dims.ep * 2))
+    return Sharded(Concat(0, tuple(parts)), placements, (dims.ep, dims.tp), (c.ep, c.tp))
+
+
 @pytest.mark.parametrize("ep,tp", [(1, 1), (1, 2), (2, 1), (2, 2), (4, 2), (8, 4)])
 def test_interleaved_2d_and_4d_view_describe_the_same_elements(ep, tp):
     """Every element of the fused [E_l*2*I_l, H] weight comes from the same canonical element
-    under the InterleavedShard description and under the [E_l, 2, I_l, H] view."""
+    under the InterleavedShard description and under the catalog's [E_l, 2, I_l, H] view."""
     dims = ParallelDims(ep=ep, tp=tp)
     E, I, H = TINY_ARGS.num_experts, TINY_ARGS.moe_intermediate_size, TINY_ARGS.hidden_size
     prefix = "model.layers.0.mlp"
@@ -60,9 +77,11 @@ def test_interleaved_2d_and_4d_view_describe_the_same_elements(ep, tp):
         hf_names.grouped_expert_name(prefix, "gate_proj"): np.arange(E * I * H, dtype=np.float32).reshape(E, I, H),
         hf_names.grouped_expert_name(prefix, "up_proj"): -1 - np.arange(E * I * H, dtype=np.float32).reshape(E, I, H),
     }
+    name, shapes = f"{prefix}.experts.gate_up_proj", canonical_shapes(TINY_ARGS)
     for c in dims.all_coords():
-        view = gate_up_view_tensor(prefix, TINY_ARGS, dims, c)
-        flat = local_tensor(view.name, "float32", gate_up_interleaved_expr(prefix, TINY_ARGS, dims, c))
+        view = local_tensor(name, "float32", layout_expr(name, shapes, dims, c))
+        flat = local_tensor(name, "float32", gate_up_interleaved_expr(prefix, dims, c))
+        assert view.shape == (E // ep, 2, I // tp, H)
         assert len(view.pieces) == 2
         assert flat.shape == (E // ep * 2 * I // tp, H)
         got_view = simulate_local(Catalog((), (view,)), ids)[view.name]

@@ -24,7 +24,7 @@ from trainer_svc.optim.muon_comm import Ranks, WorkGroups, group_ranks, orthogon
 from trainer_svc.optim.muon_plan import BatchLayout, choose_path
 from trainer_svc.parallel_dims import Mesh
 from trainer_svc.settings import TrainSettings
-from trainer_svc.state_dict_adapter import COLUMN_PARALLEL, ROW_PARALLEL
+from trainer_svc.sharding import sharding_of
 
 log = logging.getLogger("trainer_svc.optim")
 OPTIMIZERS = ("adamw", "muon")
@@ -42,25 +42,26 @@ class BatchKind:
 
 
 def batch_kind(name: str) -> BatchKind | None:
-    """The batch of a parameter, or None for parameters AdamW updates."""
-    if name.endswith(".experts.gate_up_proj"):
-        return BatchKind(name, 0, EXPERT_SPAN)
-    if name.endswith(".experts.down_proj"):
-        return BatchKind(name, 1, EXPERT_SPAN)
-    if name.endswith(COLUMN_PARALLEL):
+    """The batch of a parameter, or None for parameters AdamW updates: Muon's hidden matrices are
+    exactly the parameters cut over tp (embedding, head, router and norms are replicated)."""
+    s = sharding_of(name)
+    if s.tp_dim is None:
+        return None
+    if s.ep_dim is not None:  # an expert's matrix is one slice of the expert dim
+        return BatchKind(name, s.tp_dim - 1, EXPERT_SPAN)
+    if s.tp_dim == 0:  # q, k and v of a layer, column-parallel alike
         return BatchKind(name.rsplit(".", 2)[0] + ".qkv", 0, ATTENTION_SPAN)
-    if name.endswith(ROW_PARALLEL):
-        return BatchKind(name, 1, ATTENTION_SPAN)
-    return None
+    return BatchKind(name, s.tp_dim, ATTENTION_SPAN)
 
 
 def matrix_views(name: str, t: torch.Tensor, args: ModelArgs, tp: int) -> list[torch.Tensor]:
     """This rank's piece of every matrix in local tensor `t` of parameter `name`, as views.
     The fused gate/up weight [E_l*2*I_l, H] holds 2 E_l matrices [I_l, H] (gate_0, up_0, ...),
     down_proj [E_l, H, I_l] holds E_l; attention weights are one matrix each."""
-    if name.endswith(".experts.gate_up_proj"):
+    s = sharding_of(name)
+    if len(s.fused) > 1:
         return list(t.view(-1, args.moe_intermediate_size // tp, t.shape[-1]).unbind(0))
-    if name.endswith(".experts.down_proj"):
+    if s.ep_dim is not None:
         return list(t.unbind(0))
     return [t]
 
