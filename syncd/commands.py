@@ -17,6 +17,7 @@ from typing import Mapping
 
 from syncd.layout import Box
 from syncd.plan.types import Bucket
+from syncd.weight_version import WeightVersion
 
 
 class Phase(StrEnum):
@@ -83,7 +84,7 @@ class ExecutePlan:
     TRANSFERRED with bytes and per-unit checksums keyed by `checksum_key`."""
 
     refit_id: str
-    weight_version: int
+    weight_version: WeightVersion
     buckets: tuple[Bucket, ...]
     groups: tuple[StageGroup, ...]
     timeout_s: float
@@ -94,7 +95,7 @@ class Verify:
     """Transfer finished everywhere: check the staged weights and report VERIFIED."""
 
     refit_id: str
-    weight_version: int
+    weight_version: WeightVersion
     timeout_s: float
 
 
@@ -104,7 +105,7 @@ class Commit:
     prefix caches) within `timeout_s`, or fail. (run_id, weight_version) names one weight set."""
 
     refit_id: str
-    weight_version: int
+    weight_version: WeightVersion
     timeout_s: float
     run_id: str = ""
 

@@ -40,6 +40,7 @@ from syncd.daemon.settings import Settings
 from syncd.states import RefitState
 from syncd.daemon.store import RefitRecord, Store, StoreUnavailable
 from syncd.daemon.versions import Versions, WeightSet
+from syncd.weight_version import WeightVersion
 
 __all__ = ["Coordinator", "Readiness"]
 
@@ -130,7 +131,8 @@ class Coordinator:
 
     # ---- commands from operators and members ----
 
-    def trigger(self, weight_version: int | None = None, allow_rollback: bool = False) -> RefitRecord:
+    def trigger(self, weight_version: WeightVersion | None = None,
+                allow_rollback: bool = False) -> RefitRecord:
         """Start a refit of the trainers' newest announced version (`weight_version`, when given,
         must be that one); raises FailedPrecondition (changing nothing) if one runs, the version
         is not held or not ready, Unavailable if the store refuses to record it."""
