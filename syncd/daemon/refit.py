@@ -35,7 +35,7 @@ from syncd.plan import Plan
 from syncd.daemon.planning import PlanCache, checksum_mismatch, dtype_mismatch, plan_members, stage_membership
 from syncd.daemon.readiness import Readiness, behind, behind_reason, refit_problems
 from syncd.daemon.refit_run import RefitAborted, Run, transfer_report_problem
-from syncd.daemon.registry import ROLES, Member, Registry
+from syncd.daemon.registry import ROLES, Member, Registry, check_weight_version
 from syncd.daemon.settings import Settings
 from syncd.states import RefitState
 from syncd.daemon.store import RefitRecord, Store, StoreUnavailable
@@ -199,7 +199,7 @@ class Coordinator:
             raise InvalidArgument(
                 f"only trainers announce weight versions; {member.member_id} is a {member.role}"
             )
-        self.versions.announce(member, version)
+        self.versions.announce(member, check_weight_version(member.member_id, version))
         self._maybe_auto_refit()
 
     def _on_registered(self, member: Member) -> None:
