@@ -35,6 +35,7 @@ from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.client import MemberClient
 from syncd.layout import Catalog
 from syncd.plan.types import Bucket
+from syncd.weight_version import WeightVersion, version_label
 
 log = logging.getLogger("generator_svc.member")
 
@@ -50,19 +51,19 @@ class _CommitRelay:
 
     def __init__(self, member_id: str, internal_url: str, token: str = "") -> None:
         self.member_id, self.internal_url, self.token = member_id, internal_url, token
-        self._outcomes: dict[str, tuple[bool, str]] = {}  # version -> (ok, error) of its apply
+        self._outcomes: dict[str, tuple[bool, str]] = {}  # version label -> (ok, error) of its apply
         self._applied = threading.Condition()
 
     def _post(self, route: str, body: dict, timeout_s: float) -> httpx.Response:
         return httpx.post(f"{self.internal_url}/{route}", timeout=timeout_s, json=body,
                           headers={"Authorization": f"Bearer {self.token}"})
 
-    def commit(self, refit_id: str, weight_version: int, timeout_s: float) -> None:
+    def commit(self, refit_id: str, weight_version: WeightVersion, timeout_s: float) -> None:
         """Return once this worker runs `weight_version`; raise if applying it failed or did not
         finish within `timeout_s` (syncd's commit deadline). The API server gets the deadline less
         `_answer_margin_s`, so its outcome (live or not) is decided before this wait gives up and
         a version reported failed is never made live."""
-        version = str(weight_version)
+        version = version_label(weight_version)  # what the API server applies and reports
         deadline = time.monotonic() + timeout_s
         if self.internal_url:
             budget = timeout_s - _answer_margin_s(timeout_s)
@@ -80,9 +81,9 @@ class _CommitRelay:
             raise RuntimeError(f"apply of version {version} failed: {error}")
 
     def applied(self, version: str, ok: bool, error: str = "") -> None:
-        """The API server's word on an apply (through `collective_rpc`)."""
+        """The API server's word on the apply of the version labelled `version` (via collective_rpc)."""
         with self._applied:
-            self._outcomes[str(version)] = (ok, error)
+            self._outcomes[version] = (ok, error)
             self._applied.notify_all()
 
 
@@ -94,7 +95,8 @@ class StagedEndpoint(_CommitRelay):
         self.staging = staging
         self._buckets: tuple[Bucket, ...] = ()
 
-    def begin(self, refit_id: str, weight_version: int, buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
+    def begin(self, refit_id: str, weight_version: WeightVersion,
+              buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
         self.staging.begin(refit_id)
         self._buckets = tuple(buckets)
         return self.staging.buffers
@@ -129,7 +131,8 @@ class InplaceEndpoint(_CommitRelay):
         self._refit_id = ""
         self._aborted = False
 
-    def begin(self, refit_id: str, weight_version: int, buckets: Sequence[Bucket]) -> InplaceReceiver:
+    def begin(self, refit_id: str, weight_version: WeightVersion,
+              buckets: Sequence[Bucket]) -> InplaceReceiver:
         with self._held:
             self._refit_id, self._aborted = refit_id, False
         if self.internal_url:

@@ -10,7 +10,8 @@ APPLY_SECONDS = Histogram("weightsync_generator_apply_seconds",
                           "Time generation was held for one update (pause to resume)")
 STAGED_BYTES = Counter("weightsync_generator_staged_bytes", "Bytes staged across all workers")
 CATALOG_BYTES = Gauge("weightsync_generator_catalog_bytes", "Bytes of the parameters registered by all workers")
-WEIGHT_VERSION = Gauge("weightsync_generator_weight_version", "Committed weight version (numeric versions only)")
+WEIGHT_VERSION = Gauge("weightsync_generator_weight_version",
+                       "Committed weight version (labels that are trainer versions only)")
 SERVING = Gauge("weightsync_generator_serving", "1 when generation is allowed (not torn by a failed in-lifecycle update)")
 INSTALL_FALLBACK_PARAMS = Counter("weightsync_generator_install_fallback_params",
                                   "Parameters installed through vLLM's loaders because the install by "

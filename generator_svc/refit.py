@@ -43,6 +43,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
 from generator_svc import metrics
 from generator_svc.settings import Settings
+from syncd.weight_version import version_of_label
 
 log = logging.getLogger("generator_svc.refit")
 
@@ -394,7 +395,5 @@ class Refitter:
 
     @staticmethod
     def _set_version_metric(version: str) -> None:
-        try:
-            metrics.WEIGHT_VERSION.set(float(version))
-        except ValueError:
-            pass
+        if (trainer_version := version_of_label(version)) is not None:
+            metrics.WEIGHT_VERSION.set(trainer_version)

@@ -43,6 +43,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 from generator_svc.refit import DeadlineExceeded, Refitter, RefitRefused
 from generator_svc.worker_status import behind_workers, quiet_workers
 from syncd.error_body import ErrorBody, error_response
+from syncd.weight_version import WeightVersionJson, version_label
 
 log = logging.getLogger("generator_svc.server")
 
@@ -54,6 +55,9 @@ class StageRequest(BaseModel):
     refit_id: str = "manual"
 
 
+# The public routes name versions by label, text as vLLM's own `weight_version` is: a trainer version
+# arrives as its decimal label (`version_label`), and an operator may load weights under any label.
+# Only the workers' relays of syncd's commands carry a `WeightVersion` (`syncd.weight_version`).
 class ApplyRequest(BaseModel):
     version: str
     refit_id: str = ""
@@ -70,21 +74,22 @@ class AbortRequest(BaseModel):
 
 class CommitRequest(BaseModel):
     refit_id: str
-    version: int
+    version: WeightVersionJson
     timeout_s: float = Field(gt=0, description="seconds left to install and go live (syncd's commit deadline)")
 
 
 class HoldRequest(BaseModel):
     refit_id: str = Field(min_length=1)
-    version: int
+    version: WeightVersionJson
 
 
 class ReleaseRequest(BaseModel):
     refit_id: str = Field(min_length=1)
 
 
-class WeightVersion(BaseModel):
-    version: str
+class WeightVersionOut(BaseModel):
+    version: str = Field(description="label of the weights served: a trainer version's decimal digits, "
+                                     "or the label they were loaded under")
     serving: bool
     updating: bool
 
@@ -145,9 +150,9 @@ async def readyz(refitter: RefitterDep) -> JSONResponse:
 
 
 @router.get("/v1/weight_version")
-async def weight_version(refitter: RefitterDep) -> WeightVersion:
+async def weight_version(refitter: RefitterDep) -> WeightVersionOut:
     s = refitter.state
-    return WeightVersion(version=s.version, serving=s.serving, updating=s.updating)
+    return WeightVersionOut(version=s.version, serving=s.serving, updating=s.updating)
 
 
 class InstallStatus(BaseModel):
@@ -217,7 +222,7 @@ def _not_a_worker(refitter: Refitter, request: Request) -> JSONResponse | None:
 async def commit(body: CommitRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
     if (refused := _not_a_worker(refitter, request)) is not None:
         return refused
-    return await _apply(refitter, str(body.version), body.refit_id, body.timeout_s)
+    return await _apply(refitter, version_label(body.version), body.refit_id, body.timeout_s)
 
 
 @router.post("/internal/hold", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED})

@@ -167,7 +167,7 @@ class WeightSyncExtension:
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             finalize_layerwise_reload(self._ws_model(), self.model_config)  # type: ignore[attr-defined]
 
-    def ws_committed(self, refit_id: str, version: int, ok: bool, error: str = "") -> None:
+    def ws_committed(self, refit_id: str, version: str, ok: bool, error: str = "") -> None:
         """Tell syncd this worker's outcome of a Commit (the API server applied it)."""
         if self._ws_member is not None and refit_id:
             self._ws_endpoint.applied(version, ok, error)

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from syncd.weight_version import WeightVersion
+
 log = logging.getLogger("generator_svc.worker_status")
 
 PUBLISH_INTERVAL_S = 0.5
@@ -39,9 +41,9 @@ class WorkerStatus:
     member_id: str
     pid: int
     unregistered: bool  # syncd is configured but this worker has no session with it (yet)
-    serves: int | None  # the trainer version this worker serves; None: none (its start-up checkpoint)
-    committed: int | None  # syncd's committed version as this worker last heard it; None: none or no syncd
-    committing: tuple[int, ...]  # versions whose Commit this worker is applying
+    serves: WeightVersion | None  # the trainer version it serves; None: none (its start-up checkpoint)
+    committed: WeightVersion | None  # syncd's committed version as it last heard it; None: none or no syncd
+    committing: tuple[WeightVersion, ...]  # versions whose Commit this worker is applying
     written_at: float  # time.time() of the write
 
     def behind(self) -> bool:

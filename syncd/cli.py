@@ -20,6 +20,7 @@ import httpx
 
 from syncd.error_body import error_message
 from syncd.states import TERMINAL, wait_final
+from syncd.weight_version import WeightVersion, parse_weight_version
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 3
 
@@ -87,7 +88,7 @@ def cmd_status(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     return s, "\n".join(f"{k + ':':<19}{'-' if v is None else v}" for k, v in rows)
 
 
-def _label(run_id: str | None, version: int | None) -> str | None:
+def _label(run_id: str | None, version: WeightVersion | None) -> str | None:
     """`version` alone names no weights (each training run counts from 1): show `run:version`."""
     return None if version is None else f"{run_id or ''}:{version}"
 
@@ -162,6 +163,13 @@ def _wait(api: Api, refit: dict, timeout: float, quiet: bool) -> dict:
         raise CliError(str(e)) from None
 
 
+def _weight_version(text: str) -> WeightVersion:
+    try:
+        return parse_weight_version(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON output")
@@ -182,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("refit_id")
     p.set_defaults(run=cmd_abort)
     p = sub.add_parser("refit", parents=[common], help="start a refit")
-    p.add_argument("--version", type=int, default=None,
+    p.add_argument("--version", type=_weight_version, default=None,
                    help="weight version; must be the trainers' newest announced one (the default)")
     p.add_argument("--allow-rollback", action="store_true",
                    help="allow moving a version older than the committed one of the same training run")

@@ -17,6 +17,7 @@ from typing import Mapping
 
 from syncd.layout import Box
 from syncd.plan.types import Bucket
+from syncd.weight_version import WeightVersion
 
 
 class Phase(StrEnum):
@@ -85,7 +86,7 @@ class DeltaLinks:
     members `dsts`, which hold version `base` (None when no member does), receive only the elements
     that changed since; a bucket whose delta would not save `max_fraction` of its bytes goes dense."""
 
-    base: int | None
+    base: WeightVersion | None
     dsts: frozenset[str]
     max_fraction: float
 
@@ -97,7 +98,7 @@ class ExecutePlan:
     refits are on."""
 
     refit_id: str
-    weight_version: int
+    weight_version: WeightVersion
     buckets: tuple[Bucket, ...]
     groups: tuple[StageGroup, ...]
     timeout_s: float
@@ -109,7 +110,7 @@ class Verify:
     """Transfer finished everywhere: check the staged weights and report VERIFIED."""
 
     refit_id: str
-    weight_version: int
+    weight_version: WeightVersion
     timeout_s: float
 
 
@@ -119,7 +120,7 @@ class Commit:
     prefix caches) within `timeout_s`, or fail. (run_id, weight_version) names one weight set."""
 
     refit_id: str
-    weight_version: int
+    weight_version: WeightVersion
     timeout_s: float
     run_id: str = ""
 

@@ -26,6 +26,7 @@ from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.dataplane import catalog_views
 from syncd.layout import Catalog
 from syncd.plan.types import Bucket
+from syncd.weight_version import WeightVersion
 from trainer_svc.catalog import build_catalog
 from trainer_svc.settings import LaunchEnv
 from trainer_svc.train import StepStats, Trainer
@@ -70,10 +71,11 @@ class TrainerEndpoint:
         self.shards, self.trainer, self.member_id = shards, trainer, member_id
         self._held = False
         self._changed = threading.Condition()
-        self._committed = 0  # newest weight version a refit committed
+        self._committed = WeightVersion(0)  # newest weight version a refit committed
         self._aborts = 0  # refits aborted so far
 
-    def begin(self, refit_id: str, weight_version: int, buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
+    def begin(self, refit_id: str, weight_version: WeightVersion,
+              buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
         self.trainer.lock.acquire()
         self._held = True
         if self.trainer.version != weight_version:
@@ -92,7 +94,7 @@ class TrainerEndpoint:
     def verify(self, refit_id: str) -> None:
         pass  # a trainer keeps no staged copy: what it sent is what it holds
 
-    def commit(self, refit_id: str, weight_version: int, timeout_s: float) -> None:
+    def commit(self, refit_id: str, weight_version: WeightVersion, timeout_s: float) -> None:
         with self._changed:
             self._committed = max(self._committed, weight_version)
             self._changed.notify_all()
@@ -102,7 +104,7 @@ class TrainerEndpoint:
             self._aborts += 1
             self._changed.notify_all()
 
-    def wait_refit(self, version: int, timeout_s: float) -> str:
+    def wait_refit(self, version: WeightVersion, timeout_s: float) -> str:
         """Block until a refit of `version` (or newer) committed, or any refit aborted after the
         call; returns "committed", "aborted" or "timeout"."""
         with self._changed:
@@ -146,19 +148,20 @@ class RankAgent:
         return rank_agent
 
     def on_step(self, stats: StepStats) -> None:
+        version = WeightVersion(stats.step)  # a trainer's weights are versioned by its optimizer steps
         try:
-            self.client.announce_version(stats.step)
+            self.client.announce_version(version)
         except Exception as e:  # syncd down must not stop training
             # Not lost: the client holds the version and re-registers with it once syncd is back,
             # which announces it (`syncd.daemon.versions`). So a synchronous trainer still waits for its
             # refit; returning here let a job's last step finish, unannounced, while syncd
             # restarted, and the job exit before anyone could move its weights.
             log.warning("could not announce version %d to syncd now (%s); it is announced when this rank "
-                        "re-registers", stats.step, e)
+                        "re-registers", version, e)
         if self.sync_refit_s is not None:
-            outcome = self.endpoint.wait_refit(stats.step, self.sync_refit_s)
+            outcome = self.endpoint.wait_refit(version, self.sync_refit_s)
             if outcome != "committed":
-                log.warning("refit of version %d: %s; training goes on", stats.step, outcome)
+                log.warning("refit of version %d: %s; training goes on", version, outcome)
 
     def close(self) -> None:
         self.agent.close()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from syncd.member.dataplane import catalog_views
+from syncd.weight_version import WeightVersion
 from trainer_svc import data
 from trainer_svc.catalog import build_catalog
 from trainer_svc.config import ModelArgs
@@ -103,7 +104,7 @@ class Trainer:
         self.plan = grad_sync_plan(self.model, mesh)
         self.optimizer = build_optimizer(settings, self.model, mesh, args)
         self.lock = threading.Lock()
-        self.version = 0
+        self.version = WeightVersion(0)
         self.after_step: list[Callable[[StepStats], None]] = []
         self._hosts: list[str] | None = None  # every rank's host name, once an export asked
 
@@ -137,7 +138,7 @@ class Trainer:
         with self.lock:
             self.optimizer.step()
             self.precision.refresh()
-            self.version = step
+            self.version = WeightVersion(step)
         loss = self._global_loss(loss)
         elapsed = time.perf_counter() - start
         stats = StepStats(step, loss, norm, s.global_batch_size * s.seq_len / elapsed)

@@ -35,6 +35,7 @@ import httpx
 from deploy.local import openai_client
 from deploy.local.processes import PYTHON, Cluster, free_port
 from syncd.states import wait_final
+from syncd.weight_version import WeightVersion, version_label
 
 LAYOUTS = {"ep2tp2": dict(pp=1, ep=2, tp=2), "pp2": dict(pp=2, ep=2, tp=1)}
 PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 3, 250, 7, 81], [400, 12, 12, 9], [33, 44, 55, 66, 77, 88, 99]]
@@ -76,10 +77,10 @@ class Generator:
             out.append((prompt, tokens, logprobs))
         return out
 
-    def install_seconds(self, version: int) -> float:
+    def install_seconds(self, version: WeightVersion) -> float:
         """How long the generator held generation to install `version` (nan if it did not)."""
         last = self.http.get("/v1/install").json()["last"]
-        return last["hold_seconds"] if last and last["version"] == str(version) else float("nan")
+        return last["hold_seconds"] if last and last["version"] == version_label(version) else float("nan")
 
 
 def policy_kl(generator: Generator, export_dir: Path, seed: int) -> float:
@@ -99,7 +100,7 @@ class Syncd:
     def __init__(self, url: str) -> None:
         self.http = httpx.Client(base_url=url, timeout=30)
 
-    def wait_announced(self, version: int, timeout_s: float, trainer) -> None:
+    def wait_announced(self, version: WeightVersion, timeout_s: float, trainer) -> None:
         deadline = time.monotonic() + timeout_s
         while (self.http.get("/v1/status").json()["announced_version"] or 0) < version:
             if not trainer.alive():
@@ -108,7 +109,7 @@ class Syncd:
                 raise TimeoutError(f"the trainer did not announce version {version} in {timeout_s:.0f} s")
             time.sleep(0.2)
 
-    def refit(self, version: int, timeout_s: float) -> dict:
+    def refit(self, version: WeightVersion, timeout_s: float) -> dict:
         r = self.http.post("/v1/refits", json={"weight_version": version})
         if r.status_code != 202:
             raise RuntimeError(f"syncd refused the refit: {r.status_code} {r.text}")

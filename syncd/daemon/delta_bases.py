@@ -17,6 +17,7 @@ from typing import Mapping
 from syncd.commands import DeltaLinks, StageGroup
 from syncd.daemon.registry import Member
 from syncd.plan import Plan
+from syncd.weight_version import WeightVersion
 
 
 class DeltaBases:
@@ -27,7 +28,7 @@ class DeltaBases:
         return self._held.get(m.member_id) == (m.session_id, version)
 
     def links(self, plan: Plan, members: Mapping[str, Member], groups: Mapping[int, StageGroup],
-              base: int | None, max_fraction: float, full: bool = False) -> DeltaLinks:
+              base: WeightVersion | None, max_fraction: float, full: bool = False) -> DeltaLinks:
         """The delta links of a refit from `base` (the committed version; None before the first):
         every generator whose senders and itself hold it, unless `full` forces a full refit."""
         senders: dict[str, set[str]] = {}
@@ -45,7 +46,7 @@ class DeltaBases:
             and all(self._holds(members[s], base) for s in srcs))
         return DeltaLinks(base if dsts else None, dsts, max_fraction)
 
-    def committed(self, members: Mapping[str, Member], version: int) -> None:
+    def committed(self, members: Mapping[str, Member], version: WeightVersion) -> None:
         """`members` confirmed the commit of `version`: their delta state holds it."""
         for m in members.values():
             self._held[m.member_id] = (m.session_id, version)

@@ -23,6 +23,7 @@ from syncd.api import syncd_pb2_grpc as pb_grpc
 from syncd.daemon.errors import InvalidArgument, SyncdError, Unauthenticated, check_token, grpc_code
 from syncd.daemon.refit import Coordinator
 from syncd.daemon.registry import Registry
+from syncd.weight_version import WeightVersion
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class SyncdServicer(pb_grpc.SyncdServicer):
         return pb.HeartbeatResponse(lease_seconds=self.registry.lease_seconds,
                                     committed_version=self._committed_version())
 
-    def _committed_version(self) -> int | None:
+    def _committed_version(self) -> WeightVersion | None:
         committed = self.coordinator.versions.committed
         return committed.version if committed is not None else None
 

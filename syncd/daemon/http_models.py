@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from syncd.plan import Plan
 from syncd.daemon.planning import plan_members
 from syncd.daemon.readiness import Readiness
 from syncd.daemon.registry import Member
 from syncd.daemon.store import RefitRecord
+from syncd.weight_version import WeightVersion, WeightVersionJson
 
 
 class HealthOut(BaseModel):
@@ -82,15 +83,12 @@ class PlanOut(BaseModel):
         )
 
 
-INT64_MAX = 2**63 - 1
-
-
 class RefitIn(BaseModel):
     # Strict: `true`, "7" and 7.0 are not versions; unknown fields are mistakes, not options.
     model_config = ConfigDict(extra="forbid")
 
-    weight_version: StrictInt | None = Field(
-        default=None, ge=0, le=INT64_MAX,
+    weight_version: WeightVersionJson | None = Field(
+        default=None,
         description="version to move; must be the trainers' newest announced version (the default)",
     )
     allow_rollback: StrictBool = Field(
@@ -104,7 +102,7 @@ class RefitIn(BaseModel):
 class RefitOut(BaseModel):
     id: str
     state: str = Field(description="PREPARING, TRANSFERRING, VERIFYING, COMMITTED or ABORTED")
-    weight_version: int
+    weight_version: WeightVersion
     created_at: float
     finished_at: float | None
     error: str = Field(description="the cause when ABORTED; when COMMITTED, why members are unconfirmed")
@@ -138,8 +136,9 @@ class RefitsOut(BaseModel):
 class StatusOut(BaseModel):
     state: str = Field(description="IDLE, or the running refit's state")
     current_refit: RefitOut | None
-    committed_version: int | None
+    committed_version: WeightVersion | None
     committed_run: str | None = Field(description="training run of committed_version")
-    announced_version: int | None = Field(description="newest version the current training run announced")
+    announced_version: WeightVersion | None = Field(
+        description="newest version the current training run announced")
     announced_run: str | None = Field(description="the trainers' current training run")
     readiness: ReadinessOut

@@ -36,11 +36,12 @@ from syncd.plan import Plan
 from syncd.daemon.planning import PlanCache, checksum_mismatch, dtype_mismatch, plan_members, stage_membership
 from syncd.daemon.readiness import Readiness, behind, behind_reason, refit_problems
 from syncd.daemon.refit_run import RefitAborted, Run, transfer_report_problem
-from syncd.daemon.registry import ROLES, Member, Registry
+from syncd.daemon.registry import ROLES, Member, Registry, check_weight_version
 from syncd.daemon.settings import Settings
 from syncd.states import RefitState
 from syncd.daemon.store import RefitRecord, Store, StoreUnavailable
 from syncd.daemon.versions import Versions, WeightSet
+from syncd.weight_version import WeightVersion
 
 __all__ = ["Coordinator", "Readiness"]
 
@@ -132,7 +133,8 @@ class Coordinator:
 
     # ---- commands from operators and members ----
 
-    def trigger(self, weight_version: int | None = None, allow_rollback: bool = False, full: bool = False) -> RefitRecord:
+    def trigger(self, weight_version: WeightVersion | None = None, allow_rollback: bool = False,
+                full: bool = False) -> RefitRecord:
         """Start a refit of the trainers' newest announced version (`weight_version`, when given,
         must be that one; `full`: no delta links even where delta refits are on); raises
         FailedPrecondition (changing nothing) if one runs, the version is not held or not ready,
@@ -201,7 +203,7 @@ class Coordinator:
             raise InvalidArgument(
                 f"only trainers announce weight versions; {member.member_id} is a {member.role}"
             )
-        self.versions.announce(member, version)
+        self.versions.announce(member, check_weight_version(member.member_id, version))
         self._maybe_auto_refit()
 
     def _on_registered(self, member: Member) -> None:

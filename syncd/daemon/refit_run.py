@@ -17,6 +17,7 @@ from syncd.commands import MemberReport, Phase
 from syncd.daemon.store import RefitRecord
 from syncd.plan import Plan
 from syncd.states import RefitState
+from syncd.weight_version import WeightVersion
 
 
 class RefitAborted(Exception):
@@ -51,7 +52,7 @@ class Run:
         return self.record.id
 
     @property
-    def version(self) -> int:
+    def version(self) -> WeightVersion:
         return self.record.weight_version
 
     def add(self, report: MemberReport) -> None:

@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Mapping
 from syncd.commands import Command
 from syncd.daemon.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from syncd.layout import Catalog
+from syncd.weight_version import WeightVersion, parse_weight_version
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Member:
     session_id: str
     registered_at: float
     run_id: str = ""  # trainers: the training run
-    weight_version: int | None = None  # what it held or served when it registered
+    weight_version: WeightVersion | None = None  # what it held or served when it registered
     receive_by_layer: bool = False  # generators installing while they receive (see the proto)
 
     @property
@@ -121,8 +122,8 @@ class Registry:
         if negative:
             raise InvalidArgument(f"member {member_id}: coords {negative} are negative; mesh coordinates "
                                   "count from 0")
-        if weight_version is not None and weight_version < 0:
-            raise InvalidArgument(f"member {member_id}: weight_version {weight_version} is negative")
+        if weight_version is not None:
+            weight_version = check_weight_version(member_id, weight_version)
         if role == "trainer" and receive_by_layer:
             raise InvalidArgument(f"trainer {member_id}: receive_by_layer is for generators (trainers only send)")
         if role == "trainer" and "pp" not in coords:
@@ -215,7 +216,7 @@ class Registry:
         with self._lock:
             return self._catalogs[catalog_hash]
 
-    def set_weight_version(self, member_id: str, version: int) -> None:
+    def set_weight_version(self, member_id: str, version: WeightVersion) -> None:
         """The member confirmed it now holds or serves `version`."""
         with self._lock:
             s = self._sessions.get(member_id)
@@ -256,6 +257,14 @@ def check_member_id(member_id: str) -> None:
             f"member_id {shown} is not a Kubernetes name: 1-{_NAME_MAX} lowercase letters, digits, '-' "
             "and '.', starting and ending with a letter or digit"
         )
+
+
+def check_weight_version(member_id: str, version: int) -> WeightVersion:
+    """`version` as a weight version; raises InvalidArgument naming `member_id` unless it is one."""
+    try:
+        return parse_weight_version(version)
+    except ValueError as e:
+        raise InvalidArgument(f"member {member_id}: {e}") from None
 
 
 def _ordered(coords: Mapping[str, int]) -> dict[str, int]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
 from syncd.states import TERMINAL, RefitState
+from syncd.weight_version import WeightVersion
 
 _STOPPED_NOTE = "syncd stopped while Commit was in flight; members report their version on registration"
 
@@ -58,7 +59,7 @@ class StoreUnavailable(Exception):
 class RefitRecord:
     id: str
     state: str
-    weight_version: int
+    weight_version: WeightVersion
     created_at: float
     finished_at: float | None = None
     error: str = ""
@@ -131,7 +132,8 @@ class Store:
 
     # ---- writes ----
 
-    def create(self, state: str, weight_version: int, run_id: str, created_at: float) -> RefitRecord:
+    def create(self, state: str, weight_version: WeightVersion, run_id: str,
+               created_at: float) -> RefitRecord:
         """Insert a new refit; its id is `refit-<n>`, n counting refits without gaps."""
         def insert() -> str:
             with self._transaction() as db:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from syncd.daemon.errors import FailedPrecondition
 from syncd.daemon.registry import Member
 from syncd.daemon.store import Store, StoreUnavailable
+from syncd.weight_version import WeightVersion
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WeightSet:
     run_id: str
-    version: int
+    version: WeightVersion
 
     @property
     def label(self) -> str:
@@ -64,7 +65,7 @@ class Versions:
                 self.announced = WeightSet(member.run_id, held)
                 self._persist({"announced_run": member.run_id, "announced_version": str(held)})
 
-    def announce(self, member: Member, version: int) -> bool:
+    def announce(self, member: Member, version: WeightVersion) -> bool:
         """Record `version` of the member's run; True if it is the run's newest."""
         with self._lock:
             if member.run_id != self.run_id:
@@ -79,7 +80,7 @@ class Versions:
         log.info("%s announced weight version %d of run %r", member.member_id, version, member.run_id)
         return True
 
-    def to_move(self, requested: int | None, allow_rollback: bool) -> WeightSet:
+    def to_move(self, requested: WeightVersion | None, allow_rollback: bool) -> WeightSet:
         """The weight set a refit may move; raises FailedPrecondition naming why not."""
         with self._lock:
             announced, committed = self.announced, self.committed
@@ -121,4 +122,4 @@ class Versions:
 
 
 def _weight_set(run_id: str | None, version: int | None) -> WeightSet | None:
-    return None if version is None else WeightSet(run_id or "", version)
+    return None if version is None else WeightSet(run_id or "", WeightVersion(version))

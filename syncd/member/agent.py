@@ -32,6 +32,7 @@ from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase
 from syncd.member.dataplane import GlooTransport, Transport, recv_buckets, send_buckets
 from syncd.member.dataplane.delta import DeltaLinks, DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.plan.types import Bucket
+from syncd.weight_version import WeightVersion
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 class Endpoint(Protocol):
     """What a member exposes to the data plane."""
 
-    def begin(self, refit_id: str, weight_version: int, buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
+    def begin(self, refit_id: str, weight_version: WeightVersion,
+              buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
         """Tensors (views in the catalog's shapes) to send `buckets` from or receive them into."""
         ...
 
@@ -50,7 +52,7 @@ class Endpoint(Protocol):
 
     def verify(self, refit_id: str) -> None: ...
 
-    def commit(self, refit_id: str, weight_version: int, timeout_s: float) -> None:
+    def commit(self, refit_id: str, weight_version: WeightVersion, timeout_s: float) -> None:
         """Make `weight_version` live within `timeout_s` (syncd's deadline) or raise."""
         ...
 

@@ -36,6 +36,7 @@ from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
 from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, MemberReport, Phase, Verify
 from syncd.layout import Catalog
+from syncd.weight_version import WeightVersion
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class MemberClient:
     def __init__(
         self, target: str, *, role: str, member_id: str, coords: dict[str, int], catalog: Catalog,
         device: str = "cpu", data_address: str = "", auth_token: str | None = None,
-        run_id: str = "", weight_version: int | None = None, receive_by_layer: bool = False,
+        run_id: str = "", weight_version: WeightVersion | None = None, receive_by_layer: bool = False,
     ) -> None:
         convert.role_to_pb(role)  # fail here, not in a background thread
         self.target = target
@@ -65,8 +66,8 @@ class MemberClient:
         self.run_id = run_id
         self.weight_version = weight_version
         self.receive_by_layer = receive_by_layer
-        self._commit_versions: dict[str, int] = {}  # refit id -> version of its Commit
-        self.committed_version: int | None = None  # syncd's, as of the last Register or Heartbeat
+        self._commit_versions: dict[str, WeightVersion] = {}  # refit id -> version of its Commit
+        self.committed_version: WeightVersion | None = None  # syncd's, as of the last Register or Heartbeat
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self._channel = grpc.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
         self._stub = pb_grpc.SyncdStub(self._channel)
@@ -112,11 +113,11 @@ class MemberClient:
                 self.weight_version = self.committed_version = version
 
     @property
-    def committing_versions(self) -> set[int]:
+    def committing_versions(self) -> set[WeightVersion]:
         """Versions whose Commit this member received and has not yet confirmed."""
         return set(self._commit_versions.copy().values())  # copy: atomic under the GIL
 
-    def announce_version(self, version: int) -> None:
+    def announce_version(self, version: WeightVersion) -> None:
         """Trainers: weight version `version` is ready to be moved (auto-refit may start one)."""
         self.weight_version = version
         self._send_report(pb.ReportRequest(phase=pb.PHASE_ANNOUNCE, ok=True, weight_version=version))
@@ -190,7 +191,7 @@ class MemberClient:
 
     def _learn_committed(self, response: pb.RegisterResponse | pb.HeartbeatResponse) -> None:
         has = response.HasField("committed_version")
-        self.committed_version = response.committed_version if has else None
+        self.committed_version = WeightVersion(response.committed_version) if has else None
 
     def _watch(self, call: grpc.Future) -> None:
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from syncd_harness import MEMBERS, Cluster, generator_catalog, wait_until
+from syncd_harness import MEMBERS, Cluster, generator_catalog, trainer_catalog, wait_until
 
 from syncd.api import convert
 from syncd.api import syncd_pb2 as pb
@@ -122,6 +122,24 @@ def test_generators_cannot_announce_versions(cluster: Cluster, stub) -> None:
                               ok=True, weight_version=9)
     details = refused(lambda: stub.Report(report, timeout=10), grpc.StatusCode.INVALID_ARGUMENT)
     assert "only trainers" in details
+    assert cluster.http.get("/v1/status").json()["announced_version"] is None
+
+
+def test_negative_weight_versions_are_refused(cluster: Cluster, stub) -> None:
+    catalog = trainer_catalog(0)
+    request = pb.RegisterRequest(role=pb.ROLE_TRAINER, member_id="trainer-9", coords={"pp": 0},
+                                 catalog_hash=catalog.content_hash, catalog=convert.catalog_to_pb(catalog),
+                                 weight_version=-1)
+    details = refused(lambda: stub.Register(request, timeout=10), grpc.StatusCode.INVALID_ARGUMENT)
+    assert "trainer-9" in details and "weight version -1 is not an integer from 0" in details
+    assert member_ids(cluster) == []
+
+    request.ClearField("weight_version")
+    session = stub.Register(request, timeout=10).session_id
+    report = pb.ReportRequest(member_id="trainer-9", session_id=session, phase=pb.PHASE_ANNOUNCE,
+                              ok=True, weight_version=-3)
+    details = refused(lambda: stub.Report(report, timeout=10), grpc.StatusCode.INVALID_ARGUMENT)
+    assert "trainer-9" in details and "weight version -3 is not an integer from 0" in details
     assert cluster.http.get("/v1/status").json()["announced_version"] is None
 
 

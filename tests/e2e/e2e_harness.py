@@ -13,6 +13,7 @@ import httpx
 from deploy.local import openai_client
 from deploy.local.processes import PYTHON, Cluster, Proc, free_port
 from syncd.states import wait_final
+from syncd.weight_version import WeightVersion, version_label
 from tests.polling import wait_until
 
 PROMPTS = {"short": [1, 2, 3, 4, 5], "long": [(i * 37 + 11) % 512 for i in range(200)]}
@@ -30,9 +31,10 @@ class Generator:
         return {name: openai_client.complete(api, "tiny", prompt, max_tokens=max_tokens, temperature=0)
                 for name, prompt in PROMPTS.items()}
 
-    def load(self, checkpoint: Path, version: int) -> None:
+    def load(self, checkpoint: Path, version: WeightVersion) -> None:
         """Load an HF checkpoint through vLLM's own loaders (no syncd, no data plane)."""
-        r = self.http.post("/v1/weights/load", json={"path": str(checkpoint), "version": str(version)})
+        body = {"path": str(checkpoint), "version": version_label(version)}
+        r = self.http.post("/v1/weights/load", json=body)
         assert r.status_code == 200, r.text
 
 

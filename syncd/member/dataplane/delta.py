@@ -37,6 +37,7 @@ from syncd.member.dataplane.executor import TransferAborted, TransferStats, recv
 from syncd.member.dataplane.transport import Transport
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan.types import Bucket, TransferUnit
+from syncd.weight_version import WeightVersion
 
 _INDEX = torch.int32  # positions within one unit: units are cut at bucket size, far below 2**31 elements
 _ALIGN = 8  # every part of a delta message starts 8-byte aligned, so it can be viewed in its dtype
@@ -63,7 +64,7 @@ class Mirror:
     plan may cut other regions, or have another sender send some."""
 
     def __init__(self) -> None:
-        self.version: int | None = None
+        self.version: WeightVersion | None = None
         self.whole: frozenset[tuple[str, str]] = frozenset()  # (local tensor, dtype)
         self.held: frozenset[tuple] = frozenset()  # `_key`s of regions
         self._tensors: dict[tuple[str, str], torch.Tensor] = {}
@@ -197,7 +198,7 @@ class DeltaLinks:
     fraction of a bucket's bytes above which it goes dense. `diffs` is the sender's (None on a
     receiver)."""
 
-    base: int
+    base: WeightVersion | None
     dsts: frozenset[str]
     max_fraction: float
     diffs: Diffs | None = None
