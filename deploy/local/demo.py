@@ -2,7 +2,7 @@
 
     python -m deploy.local.demo [--steps 3] [--layout ep2tp2|pp2] [--dtype bfloat16|float32]
                                 [--train-dtype bfloat16|float32] [--model-dir DIR]
-                                [--refit-mode staged|inplace]
+                                [--refit-mode staged|inplace] [--delta [--full-every K]]
                                 [--summary-json PATH]
 
 Starts syncd, the vLLM generator (CPU) and a 4-rank gloo trainer (`--layout ep2tp2`: ep 2 x tp 2,
@@ -15,6 +15,9 @@ trainer computes with. The trainer exports each step in the served dtype; a floa
 refit into a bfloat16 generator rounds on the way (half the bytes of float32 to float32).
 `--model-dir` starts both from any Qwen3-MoE HF directory instead of the tiny random model. Per refit the summary gives the seconds of `transfer` and `verify` (syncd's phases),
 `install` (how long the generator held generation to install) and `total`, and the bytes moved.
+`--delta` turns syncd's delta refits on: after the first refit each moves only the elements that
+changed (`--lr 1e-6` is an RL-like step), and the summary also gives each refit's mode and changed
+fraction; `--full-every K` makes every K-th refit a full one, to compare both in one run.
 Every process it starts, it stops.
 """
 
@@ -55,6 +58,8 @@ class StepRow:
     checksums_ok: bool
     kl_before: float
     kl_after: float
+    mode: str = "full"  # or "delta": the generator received only what changed
+    changed_fraction: float | None = None
 
     @property
     def mb_per_s(self) -> float:
@@ -109,8 +114,8 @@ class Syncd:
                 raise TimeoutError(f"the trainer did not announce version {version} in {timeout_s:.0f} s")
             time.sleep(0.2)
 
-    def refit(self, version: WeightVersion, timeout_s: float) -> dict:
-        r = self.http.post("/v1/refits", json={"weight_version": version})
+    def refit(self, version: WeightVersion, timeout_s: float, full: bool = False) -> dict:
+        r = self.http.post("/v1/refits", json={"weight_version": version, "full": full})
         if r.status_code != 202:
             raise RuntimeError(f"syncd refused the refit: {r.status_code} {r.text}")
         return dict(wait_final(lambda path: self.http.get(path).json(), r.json()["id"], timeout_s, poll_s=0.1))
@@ -129,7 +134,7 @@ def start_services(cluster: Cluster, work: Path, layout: dict, args) -> tuple[Sy
     syncd = cluster.start("syncd", [
         PYTHON, "-m", "syncd", "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--db", str(work / "syncd.db"), "--expected-trainers", "4", "--expected-generators", "1",
-        "--backend", "gloo", "--bucket-bytes", str(1 << 20),
+        "--backend", "gloo", "--bucket-bytes", str(1 << 20), *(["--delta-refits"] if args.delta else []),
     ])
     cluster.wait_http(syncd, f"http://127.0.0.1:{http_port}/healthz", 60)
     log.info("syncd up (http %d, grpc %d); starting the vLLM generator (about 30 s)", http_port, grpc_port)
@@ -160,13 +165,13 @@ def run(args) -> dict:
     rows: list[StepRow] = []
     with Cluster(work / "logs") as cluster:
         syncd, generator, trainer = start_services(cluster, work, layout, args)
-        print(f"{'step':>4} {'loss':>9} {'refit':>9} {'seconds':>8} {'install':>8} {'MB':>7} {'MB/s':>8} "
-              f"{'checksums':>9} {'KL before':>10} {'KL after':>10}", flush=True)
+        print(f"{'step':>4} {'loss':>9} {'refit':>9} {'mode':>5} {'changed':>8} {'seconds':>8} {'install':>8} "
+              f"{'MB':>7} {'MB/s':>8} {'checksums':>9} {'KL before':>10} {'KL after':>10}", flush=True)
         for step in range(1, args.steps + 1):
             syncd.wait_announced(step, 300, trainer)
             export = work / "export" / f"step-{step}"
             kl_before = policy_kl(generator, export, seed=step)
-            state = syncd.refit(step, 300)
+            state = syncd.refit(step, 300, full=bool(args.full_every) and step % args.full_every == 1 % args.full_every)
             committed = state["state"] == "COMMITTED"
             kl_after = policy_kl(generator, export, seed=step) if committed else float("nan")
             seconds = (state["finished_at"] or time.time()) - state["created_at"]
@@ -174,9 +179,11 @@ def run(args) -> dict:
             row = StepRow(step, trainer_loss(trainer.log.read_text(errors="replace"), step), state["state"],
                           seconds, phases.get("TRANSFERRING", float("nan")), phases.get("VERIFYING", float("nan")),
                           generator.install_seconds(step) if committed else float("nan"),
-                          state.get("bytes") or 0, committed, kl_before, kl_after)
+                          state.get("bytes") or 0, committed, kl_before, kl_after, state.get("mode", "full"),
+                          state.get("changed_fraction"))
             rows.append(row)
-            print(f"{row.step:>4} {row.loss:>9.4f} {row.refit_state:>9} {row.refit_seconds:>8.2f} "
+            changed = "-" if row.changed_fraction is None else f"{100 * row.changed_fraction:.2f}%"
+            print(f"{row.step:>4} {row.loss:>9.4f} {row.refit_state:>9} {row.mode:>5} {changed:>8} {row.refit_seconds:>8.2f} "
                   f"{row.install_seconds:>8.3f} {row.bytes / 1e6:>7.2f} {row.mb_per_s:>8.2f} {'ok' if row.checksums_ok else 'FAILED':>9} "
                   f"{row.kl_before:>10.2e} {row.kl_after:>10.2e}", flush=True)
             if not committed:
@@ -193,7 +200,8 @@ def run(args) -> dict:
         "train_dtype": args.train_dtype,
         "served_dtype": args.dtype,
         "refit_phases": [{"step": r.step, "transfer": r.transfer_seconds, "verify": r.verify_seconds,
-                          "install": r.install_seconds, "total": r.refit_seconds, "bytes": r.bytes} for r in rows],
+                          "install": r.install_seconds, "total": r.refit_seconds, "bytes": r.bytes, "mode": r.mode,
+                          "changed_fraction": r.changed_fraction} for r in rows],
         "steps": [asdict(r) for r in rows],
     }
     return summary
@@ -216,11 +224,17 @@ def main() -> int:
                         help="the trainer's parameters and compute (bfloat16 keeps float32 masters)")
     parser.add_argument("--refit-mode", choices=("staged", "inplace"), default="staged",
                         help="the generator's refit mode (generator_svc/README.md, 'Refit modes')")
+    parser.add_argument("--delta", action="store_true",
+                        help="syncd's delta refits: after the first refit, move only the elements that changed")
+    parser.add_argument("--full-every", type=int, default=0, metavar="K",
+                        help="with --delta: make refits 1, K+1, 2K+1, ... full ones (compare both in one run)")
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--model-dir", default="", help="a Qwen3-MoE HF directory (config.json + *.safetensors) "
                                                         "to train and serve instead of the tiny random model")
     parser.add_argument("--summary-json", help="also write the summary here")
     args = parser.parse_args()
+    if args.full_every < 0 or (args.full_every and not args.delta):
+        parser.error("--full-every takes a positive K, with --delta")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s demo %(message)s")
     for noisy in ("httpx", "openai"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -105,9 +105,3 @@ def torch_dtype(name: str) -> "torch.dtype":
 
     return getattr(torch, lookup(name).name)
 
-
-def dtype_name(dtype: "torch.dtype") -> str:
-    """The registry's name of a torch dtype; ValueError when it is not registered."""
-    name = str(dtype).removeprefix("torch.")
-    lookup(name)
-    return name

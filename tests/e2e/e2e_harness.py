@@ -58,15 +58,16 @@ class Stack:
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def start_syncd(self, trainers: int, db: str = "syncd.db", bucket_bytes: int = 1 << 20, generators: int = 1) -> None:
+    def start_syncd(self, trainers: int, db: str = "syncd.db", bucket_bytes: int = 1 << 20, generators: int = 1,
+                    delta: bool = False) -> None:
         """syncd for `trainers` trainer ranks and `generators` generator workers (a TP-2 generator
-        has two)."""
+        has two); `delta`: with delta refits on."""
         self.stop_syncd()
         self.syncd = self.cluster.start("syncd", [
             PYTHON, "-m", "syncd", "--host", "127.0.0.1", "--http-port", str(self.http_port),
             "--grpc-port", str(self.grpc_port), "--db", str(self.work / db), "--expected-trainers", str(trainers),
             "--expected-generators", str(generators), "--backend", "gloo", "--bucket-bytes", str(bucket_bytes),
-            "--lease-seconds", "4", "--transfer-timeout", "60",
+            "--lease-seconds", "4", "--transfer-timeout", "60", *(["--delta-refits"] if delta else []),
         ])
         self.cluster.wait_http(self.syncd, f"http://127.0.0.1:{self.http_port}/healthz", 60)
 
@@ -92,14 +93,15 @@ class Stack:
         return Generator(proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
 
     def train(self, model: Path, *, pp: int, ep: int, tp: int, steps: int, export: Path, name: str = "trainer",
-              sync_refit: bool = True, dtype: str = "bfloat16", export_dtype: str | None = None) -> Proc:
+              sync_refit: bool = True, dtype: str = "bfloat16", export_dtype: str | None = None,
+              lr: float = 3e-3) -> Proc:
         """A torchrun trainer job training in `dtype` (bfloat16: float32 masters), exporting every
         step in `export_dtype` (default: `dtype`)."""
         world = pp * ep * tp
         return self.cluster.start(name, [
             PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "-m", "trainer_svc",
             "--pp", str(pp), "--ep", str(ep), "--tp", str(tp), "--model-dir", str(model), "--steps", str(steps),
-            "--lr", "3e-3", "--device", "cpu", "--syncd", self.target, "--export-dir", str(export),
+            "--lr", str(lr), "--device", "cpu", "--syncd", self.target, "--export-dir", str(export),
             "--export-each-step", "--dtype", dtype, "--export-dtype", export_dtype or dtype,
             *(["--sync-refit"] if sync_refit else []),
         ], env={"OMP_NUM_THREADS": "1"})
@@ -116,14 +118,21 @@ class Stack:
         assert trainer.popen.wait(180) == 0, trainer.tail()
         return states
 
-    def refit_with_a_rank_killed(self, model: Path, export: Path) -> dict:
-        """A two-rank (ep 2) trainer job whose first rank is killed once its refit of step 1 is
-        transferring (start syncd with tiny buckets so that the transfer lasts); returns the refit's
-        final state. The job is stopped."""
-        trainer = self.train(model, pp=1, ep=2, tp=1, steps=1, export=export)
-        self.wait_announced(1)
+    def refit_with_a_rank_killed(self, model: Path, export: Path, steps: int = 1, lr: float = 3e-3,
+                                 committed=None) -> dict:  # noqa: ANN001 (committed: a callable)
+        """A two-rank (ep 2) trainer job whose steps before the last are refitted (then `committed()`
+        is called) and whose first rank is killed once the refit of its last step is transferring
+        (start syncd with tiny buckets so that the transfer lasts); returns that refit's final state.
+        The job is stopped."""
+        trainer = self.train(model, pp=1, ep=2, tp=1, steps=steps, export=export, lr=lr)
+        for step in range(1, steps):
+            self.wait_announced(step)
+            assert self.refit(step)["state"] == "COMMITTED"
+        if committed is not None:
+            committed()
+        self.wait_announced(steps)
         self.wait_ready()
-        r = self.http.post("/v1/refits", json={"weight_version": 1})
+        r = self.http.post("/v1/refits", json={"weight_version": steps})
         assert r.status_code == 202, r.text
         refit_id = r.json()["id"]
         wait_until(lambda: self.http.get(f"/v1/refits/{refit_id}").json()["state"] == "TRANSFERRING", 60,

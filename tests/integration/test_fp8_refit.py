@@ -72,13 +72,13 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
 def start(tmp_path: Path):
     running: list = []
 
-    def start_cluster(layout: tuple[int, int, int], generator_tp: int):
+    def start_cluster(layout: tuple[int, int, int], generator_tp: int, delta: bool = False):
         pp, ep, tp = layout
         dims = ParallelDims(pp=pp, ep=ep, tp=tp)
         settings = Settings(host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), db=str(tmp_path / "syncd.db"),
                             lease_seconds=3, prepare_timeout=30, transfer_timeout=30, verify_timeout=30,
                             commit_timeout=30, bucket_bytes=64 << 10, expected_trainers=dims.world_size,
-                            expected_generators=generator_tp, backend="gloo")
+                            expected_generators=generator_tp, backend="gloo", delta_refits=delta)
         daemon = Daemon(settings)
         daemon.start()
         running.append(daemon)
@@ -107,10 +107,15 @@ def start(tmp_path: Path):
         (thing.stop if isinstance(thing, Daemon) else thing.close)()
 
 
-@pytest.mark.parametrize("layout, generator_tp", [((1, 2, 2), 1), ((1, 2, 2), 2), ((2, 2, 1), 2)],
-                         ids=["pp1-ep2-tp2-into-tp1", "pp1-ep2-tp2-into-tp2", "pp2-ep2-tp1-into-tp2"])
-def test_fp8_generators_receive_the_reference_quantization_of_the_trainers_bfloat16_weights(start, layout, generator_tp):
-    http, announce, trainers, generators = start(layout, generator_tp)
+@pytest.mark.parametrize("layout, generator_tp, delta", [((1, 2, 2), 1, False), ((1, 2, 2), 2, False),
+                                                         ((2, 2, 1), 2, False), ((1, 2, 2), 2, True)],
+                         ids=["pp1-ep2-tp2-into-tp1", "pp1-ep2-tp2-into-tp2", "pp2-ep2-tp1-into-tp2",
+                              "pp1-ep2-tp2-into-tp2-delta-refits-on"])
+def test_fp8_generators_receive_the_reference_quantization_of_the_trainers_bfloat16_weights(start, layout, generator_tp,
+                                                                                          delta):
+    """With delta refits on, the second refit is planned as a delta; its buckets go dense (FP8 ones
+    always: the quantizer runs on whole blocks; here every weight is new as well)."""
+    http, announce, trainers, generators = start(layout, generator_tp, delta)
     gen = torch.Generator().manual_seed(0)
     for version in (1, 2):  # the second refit quantizes the trainers' new weights
         weights = {n: (torch.randn(s, generator=gen) * (0.02 if len(s) > 1 else 1)).to(torch.bfloat16)
@@ -122,6 +127,7 @@ def test_fp8_generators_receive_the_reference_quantization_of_the_trainers_bfloa
         assert r.status_code == 202, r.text
         state = wait_final(lambda path: http.get(path).json(), r.json()["id"], 120, poll_s=0.05)
         assert state["state"] == "COMMITTED", state
+        assert state["mode"] == ("delta" if delta and version == 2 else "full"), state
         expected = checkpoint_arrays(weights)
         for rank, generator in enumerate(generators):
             assert generator.version == version

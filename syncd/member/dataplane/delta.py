@@ -12,8 +12,8 @@ Per delta link, in the plan's order:
    whose encoding would not save `max_fraction` of its bytes goes dense whole, through the
    executor's own pipelined loop (`send_buckets` / `recv_buckets`): a step that changes nearly
    everything costs a full refit plus the comparison.
-3. Every other bucket travels as one message: per unit, int32 positions (C order of the unit's
-   region) and their values, or the unit's dense bytes; each part 8-byte aligned.
+3. The other buckets travel together in one message: per unit, int32 positions (C order of the
+   unit's region) and their values, or the unit's dense bytes; each part 8-byte aligned.
 
 Verification covers whole regions, not the delta: the sender checksums each unit's full new values
 and the receiver its full destination region after applying the delta, under the same keys as a
@@ -76,13 +76,16 @@ class Mirror:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
+    def tensor(self, name: str, dtype: str, source: torch.Tensor) -> torch.Tensor:
+        """The mirror of local tensor `name` (`source`, the sender's) in `dtype`."""
+        t = self._tensors.get((name, dtype))
+        if t is None or t.shape != source.shape or t.device != source.device:
+            t = self._tensors[(name, dtype)] = torch.zeros(source.shape, dtype=torch_dtype(dtype), device=source.device)
+        return t
+
     def region(self, unit: TransferUnit, source: torch.Tensor) -> torch.Tensor:
         """The mirror of unit's source region (`source` is the sender's whole local tensor)."""
-        key = (unit.src_tensor, unit.dtype)
-        t = self._tensors.get(key)
-        if t is None or t.shape != source.shape or t.device != source.device:
-            t = self._tensors[key] = torch.zeros(source.shape, dtype=torch_dtype(unit.dtype), device=source.device)
-        return t[unit.src_box.slices()]
+        return self.tensor(unit.src_tensor, unit.dtype, source)[unit.src_box.slices()]
 
 
 @dataclass
@@ -111,20 +114,39 @@ class Diffs:
     changes: dict[tuple, tuple[TransferUnit, Change]] = field(default_factory=dict)
     absorbed: dict[tuple, TransferUnit] = field(default_factory=dict)  # regions sent on full links
     sent: dict[tuple[str, str, str], set[tuple]] = field(default_factory=dict)  # (dst, tensor, dtype) -> keys
+    # (tensor, dtype) -> the flat positions where it changed, or None when most of it did
+    positions: dict[tuple[str, str], torch.Tensor | None] = field(default_factory=dict)
 
     def of(self, u: TransferUnit, tensors: Mapping[str, torch.Tensor], dst: str) -> Change:
         """The unit's change from the base; all of it (dense) where the mirror does not hold the
         base of this region."""
+        if u.quantized:  # FP8 units are computed from whole blocks, not copied: always dense
+            return Change(u.canon.numel, u.canon.numel)
         key = _key(u)
         with self.lock:
             self.sent.setdefault((dst, u.src_tensor, u.dtype), set()).add(key)
             if key not in self.changes:
-                held = self.mirror.holds(u)
-                self.changes[key] = (u, _compare(u, tensors, self.mirror) if held else Change(u.canon.numel, u.canon.numel))
+                positions = self._positions(u, tensors) if self.mirror.holds(u) else None
+                self.changes[key] = (u, Change(u.canon.numel, u.canon.numel) if positions is None
+                                     else _unit_change(u, tensors[u.src_tensor], positions))
             return self.changes[key][1]
+
+    def _positions(self, u: TransferUnit, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """Where the unit's local tensor changed: compared once per refit, whole (its units are
+        regions of it, often not contiguous ones)."""
+        key = (u.src_tensor, u.dtype)
+        if key not in self.positions:
+            source = tensors[u.src_tensor]
+            # Where the mirror holds only some regions (another sender sent the rest last time), the
+            # rest differs from it everywhere: "mostly changed" would say nothing of the held ones.
+            self.positions[key] = _changed_positions(source, self.mirror.tensor(u.src_tensor, u.dtype, source),
+                                                     give_up=key in self.mirror.whole)
+        return self.positions[key]
 
     def absorb(self, u: TransferUnit, dst: str) -> None:
         """A unit sent dense on a full link: `commit` copies its new values into the mirror."""
+        if u.quantized:
+            return
         with self.lock:
             self.sent.setdefault((dst, u.src_tensor, u.dtype), set()).add(_key(u))
             self.absorbed[_key(u)] = u
@@ -138,9 +160,8 @@ class Diffs:
                 dense[key] = u
             elif change.changed and key not in dense:
                 _scatter(self.mirror.region(u, tensors[u.src_tensor]), change.index, change.values)
-        for u in dense.values():
-            region = self.mirror.region(u, tensors[u.src_tensor])
-            region.copy_(_new_values(u, tensors).view(region.shape))
+        for u in dense.values():  # one copy, converting as the packing copy does
+            self.mirror.region(u, tensors[u.src_tensor]).copy_(tensors[u.src_tensor][u.src_box.slices()])
         self.mirror.held = frozenset(self.changes) | frozenset(self.absorbed)
         # A receiver's regions of one tensor are disjoint: if they add up to the tensor, it went whole.
         self.mirror.whole = frozenset(
@@ -149,6 +170,7 @@ class Diffs:
         self.changes.clear()
         self.absorbed.clear()
         self.sent.clear()
+        self.positions.clear()
 
 
 def _key(u: TransferUnit) -> tuple:
@@ -163,15 +185,46 @@ def _new_values(u: TransferUnit, tensors: Mapping[str, torch.Tensor]) -> torch.T
     return src.to(torch_dtype(u.dtype)).reshape(-1)
 
 
-def _compare(u: TransferUnit, tensors: Mapping[str, torch.Tensor], mirror: Mirror) -> Change:
-    if u.quantized:
-        raise ValueError(f"{u.canonical}: blockwise-FP8 units are not sent as deltas")
-    new = _new_values(u, tensors)
-    differs = _bits(new) != _bits(mirror.region(u, tensors[u.src_tensor]).reshape(-1))
-    change = Change(int(torch.count_nonzero(differs)), new.numel())
-    if _sparse_bytes(change.changed, new.element_size()) < u.nbytes:
-        change.index = differs.nonzero().squeeze(1).to(_INDEX)
-        change.values = new[change.index.long()]
+# Above this fraction of changed 8-byte words, a tensor's units all go dense: listing the
+# positions would cost more than sending the bytes (a delta element costs 4 + itemsize bytes).
+_MOSTLY_CHANGED = 0.5
+
+
+def _changed_positions(source: torch.Tensor, old: torch.Tensor, give_up: bool) -> torch.Tensor | None:
+    """Ascending flat positions where `source`, in the mirror's dtype, differs bitwise from the
+    mirror `old`; None when most of it does and `give_up`. Compared 8 bytes at a time where the
+    bytes allow it (a quarter of the comparisons for bfloat16), then element by element within
+    changed words."""
+    new = source.to(old.dtype)
+    if new.is_contiguous() and (new.numel() * new.element_size()) % 8 == 0:
+        words = new.view(-1).view(torch.int64) != old.view(-1).view(torch.int64)
+        changed = int(torch.count_nonzero(words))
+        if give_up and changed > _MOSTLY_CHANGED * words.numel():
+            return None
+        per = 8 // new.element_size()
+        candidates = (words.nonzero().squeeze(1)[:, None] * per + torch.arange(per, device=new.device)).view(-1)
+        flat_new, flat_old = _bits(new.view(-1)), _bits(old.view(-1))
+        return candidates[flat_new[candidates] != flat_old[candidates]]
+    differs = (_bits(new) != _bits(old)).view(-1)
+    if give_up and int(torch.count_nonzero(differs)) > _MOSTLY_CHANGED * differs.numel():
+        return None
+    return differs.nonzero().squeeze(1)
+
+
+def _unit_change(u: TransferUnit, source: torch.Tensor, positions: torch.Tensor) -> Change:
+    """The unit's share of its tensor's changed `positions`: their flat positions within the
+    unit's region (C order, as they were in the tensor) and new values."""
+    coords = _unravel(positions, source.shape)
+    inside = torch.ones_like(positions, dtype=torch.bool)
+    for c, a, b in zip(coords, u.src_box.start, u.src_box.stop):
+        inside &= (c >= a) & (c < b)
+    local = torch.zeros_like(positions[inside])
+    for c, a, extent in zip(coords, u.src_box.start, u.src_box.shape):
+        local = local * extent + (c[inside] - a)
+    change = Change(local.numel(), u.canon.numel)
+    if _sparse_bytes(change.changed, u.nbytes // u.canon.numel) < u.nbytes:
+        change.index = local.to(_INDEX)
+        change.values = source.view(-1)[positions[inside]].to(torch_dtype(u.dtype))
     return change
 
 
@@ -187,7 +240,10 @@ def _unit_bytes(code: int, u: TransferUnit) -> int:
 
 
 def _dense_bucket(codes: Sequence[int], bucket: Bucket, max_fraction: float) -> bool:
-    """A bucket goes dense whole when its delta would not save `max_fraction` of its bytes."""
+    """A bucket goes dense whole when its delta would not save `max_fraction` of its bytes, or
+    when it holds blockwise-FP8 units (the executor's packing quantizes them)."""
+    if any(u.quantized for u in bucket.units):
+        return True
     delta = sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units))
     return all(c < 0 for c in codes) or delta > max_fraction * bucket.nbytes
 
@@ -250,24 +306,30 @@ def send_with_deltas(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tens
 
 def _send_link(dst: str, link: list[Bucket], tensors, transport: Transport, peer: int, links: DeltaLinks,  # noqa: ANN001
                stats: DeltaStats, timeout_s: float, cancel, options: dict) -> None:
+    """Two messages, whatever the number of buckets (a round trip per bucket would cost more than
+    the bytes on a fast link): the header, then every sparse bucket's encoding back to back."""
     changes = [[links.diffs.of(u, tensors, dst) for u in b.units] for b in link]
     codes = [[_header_code(c) for c in cs] for cs in changes]
     header = torch.tensor([c for cs in codes for c in cs], dtype=torch.int64)
-    transport.isend(header, peer).wait(timeout_s)
-    dense = []
+    sent = [transport.isend(header, peer)]
+    dense, parts = [], []
     for bucket, cs, bucket_codes in zip(link, changes, codes):
         stats.elements += sum(c.numel for c in cs)
         stats.changed += sum(c.changed for c in cs)
         if _dense_bucket(bucket_codes, bucket, links.max_fraction):
             dense.append(bucket)
-            continue
-        _check(cancel)
-        message = _encode(bucket, cs, bucket_codes, tensors, stats.checksums)
-        transport.isend(message, peer).wait(timeout_s)
+        else:
+            parts.append(_encode(bucket, cs, bucket_codes, tensors, stats.checksums))
+    _check(cancel)
+    if parts:
+        message = torch.cat(parts)
+        sent.append(transport.isend(message, peer))
         stats.bytes += message.numel()
-        stats.buckets += 1
+        stats.buckets += len(parts)
     if dense:
         _add(stats, send_buckets(dense, tensors, transport, {dst: peer}, timeout_s=timeout_s, cancel=cancel, **options))
+    for handle in sent:
+        handle.wait(timeout_s)
 
 
 def _encode(bucket: Bucket, changes: list[Change], codes: list[int], tensors, checksums: dict) -> torch.Tensor:  # noqa: ANN001
@@ -307,7 +369,7 @@ def _recv_link(src: str, link: list[Bucket], tensors, transport: Transport, peer
     header = torch.empty(sum(len(b.units) for b in link), dtype=torch.int64)
     transport.irecv(header, peer).wait(timeout_s)
     flat_codes = header.tolist()
-    dense, at = [], 0
+    dense, sparse, at = [], [], 0
     for bucket in link:
         codes = flat_codes[at : at + len(bucket.units)]
         at += len(bucket.units)
@@ -316,14 +378,19 @@ def _recv_link(src: str, link: list[Bucket], tensors, transport: Transport, peer
         if _dense_bucket(codes, bucket, links.max_fraction):
             dense.append(bucket)
             stats.touched.update(u.dst_tensor for u in bucket.units)
-            continue
-        stats.touched.update(u.dst_tensor for u, c in zip(bucket.units, codes) if c)
-        _check(cancel)
-        message = torch.empty(sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units)), dtype=torch.uint8)
+        else:
+            sparse.append((bucket, codes, sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units))))
+            stats.touched.update(u.dst_tensor for u, c in zip(bucket.units, codes) if c)
+    _check(cancel)
+    if sparse:
+        message = torch.empty(sum(size for _, _, size in sparse), dtype=torch.uint8)
         transport.irecv(message, peer).wait(timeout_s)
-        _apply(bucket, codes, message, tensors, stats.checksums)
+        offset = 0
+        for bucket, codes, size in sparse:
+            _apply(bucket, codes, message[offset : offset + size], tensors, stats.checksums)
+            offset += size
         stats.bytes += message.numel()
-        stats.buckets += 1
+        stats.buckets += len(sparse)
     if dense:
         _add(stats, recv_buckets(dense, tensors, transport, {src: peer}, timeout_s=timeout_s, cancel=cancel, **options))
 
@@ -350,10 +417,18 @@ def _scatter(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> No
     """dst.flatten()[index] = values, in place, also for a region that is not contiguous."""
     if dst.is_contiguous():
         dst.view(-1).index_copy_(0, index.long(), values)
-        return
-    flat = dst.reshape(-1).clone()
-    flat.index_copy_(0, index.long(), values)
-    dst.copy_(flat.view(dst.shape))
+    else:
+        dst.index_put_(_unravel(index.long(), dst.shape), values)
+
+
+def _unravel(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """Coordinates of C-order flat positions (torch.unravel_index imports sympy on first use,
+    a third of a second inside the first refit)."""
+    coords = []
+    for extent in reversed(shape):
+        coords.append(flat % extent)
+        flat = flat // extent
+    return tuple(reversed(coords))
 
 
 def _check(cancel: threading.Event | None) -> None:

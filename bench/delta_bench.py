@@ -1,0 +1,178 @@
+"""Delta links against full refits on the data plane alone, CPU, gloo, real processes.
+
+    python -m bench.delta_bench [--layers 24 --experts 128 --rounds 3 --bucket-mib 1] [--out PATH]
+
+Four trainer ranks (ep 2 x tp 2, bf16) send to one receiver in vLLM's layout (TP 1), each a process
+of its own, as in `make demo`. Per round, one after another: a full refit (`send_buckets` /
+`recv_buckets`, what syncd runs without delta refits), a delta refit after an RL-like step (a
+fraction `--changed` of the elements move by one bf16 step), and a delta refit after a step that
+changes everything (every bucket goes dense); plus raw gloo: the same bytes as one buffer per
+sender. Reports medians of the receiver's wall time per method, the bytes on the wire, and the
+receiver's and each sender's seconds. No vLLM: `bench/apply_bench.py` measures the install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
+from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets
+from syncd.member.dataplane.delta import DeltaLinks, Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.plan import DestMember, SourceMember, make_plan
+
+SENDERS = 4
+RECEIVER = "generator"
+
+
+def _shape(args: argparse.Namespace) -> MoeShape:
+    return MoeShape(layers=args.layers, hidden=128, experts=args.experts, moe_inter=64, heads=4, kv_heads=2,
+                    head_dim=32, vocab=512)
+
+
+def _plan(args: argparse.Namespace):
+    shape = _shape(args)
+    sources = [SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(shape, 2, e, 2, t)) for e in range(2) for t in range(2)]
+    dest = DestMember(RECEIVER, vllm_catalog(shape, 1, 0))
+    return sources, dest, make_plan(sources, [dest], bucket_bytes=int(args.bucket_mib * (1 << 20)))
+
+
+def _step(tensors: dict[str, torch.Tensor], fraction: float, gen: torch.Generator) -> None:
+    """Move `fraction` of the elements by one bf16 step (their bits change, the rest keep theirs)."""
+    for x in tensors.values():
+        bits = x.view(torch.int16)
+        hit = torch.rand(x.shape, generator=gen) < fraction
+        bits[hit] += 1
+
+
+def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:  # noqa: ANN001
+    torch.set_num_threads(1)
+    sources, dest, plan = _plan(args)
+    members = [s.member_id for s in sources] + [RECEIVER]
+    ranks = {m: i for i, m in enumerate(members)}
+    me = members[rank]
+    sending = rank < SENDERS
+    catalog = sources[rank].catalog if sending else dest.catalog
+    gen = torch.Generator().manual_seed(rank)
+    tensors = {t.name: (torch.randn(t.shape, generator=gen) * 0.02).to(torch.bfloat16) for t in catalog.tensors}
+    views = catalog_views(catalog, tensors)
+    transport = GlooTransport.connect(address, rank, len(members), "delta-bench", 120)
+    mirror = Mirror()
+    mine = plan.for_member(me)
+    raw = torch.empty(sum(b.nbytes for b in mine), dtype=torch.uint8)
+    rows = []
+
+    def barrier() -> None:
+        flag = torch.zeros(1, dtype=torch.uint8)
+        if rank == len(members) - 1:
+            for r in range(SENDERS):
+                transport.irecv(flag, r).wait(120)
+            for r in range(SENDERS):
+                transport.isend(flag, r).wait(120)
+        else:
+            transport.isend(flag, len(members) - 1).wait(120)
+            transport.irecv(flag, len(members) - 1).wait(120)
+
+    def timed(name: str, fn) -> None:  # noqa: ANN001
+        barrier()
+        t0 = time.perf_counter()
+        stats = fn()
+        rows.append({"method": name, "seconds": time.perf_counter() - t0, "bytes": getattr(stats, "bytes", raw.numel()),
+                     "changed": getattr(stats, "changed", None), "elements": getattr(stats, "elements", None)})
+
+    def full():
+        run = send_buckets if sending else recv_buckets
+        return run(mine, views, transport, ranks, timeout_s=120)
+
+    def delta():
+        if sending:
+            links = DeltaLinks(mirror.version, frozenset({RECEIVER}), 0.5, Diffs(mirror))
+            stats = send_with_deltas(mine, views, transport, ranks, links, timeout_s=120)
+            links.diffs.commit(views)
+            return stats
+        return recv_with_deltas(mine, views, transport, ranks, DeltaLinks(1, frozenset({RECEIVER}), 0.5), timeout_s=120)
+
+    def raw_gloo():
+        if sending:
+            transport.isend(raw, ranks[RECEIVER]).wait(120)
+        else:
+            bufs = {s: torch.empty(sum(b.nbytes for b in mine if b.src == s), dtype=torch.uint8) for s in members[:SENDERS]}
+            for handle in [transport.irecv(buf, ranks[s]) for s, buf in bufs.items()]:
+                handle.wait(120)
+
+    def keep_mirror():  # a full refit with delta refits on: the senders' mirrors take what they sent
+        if sending:
+            links = DeltaLinks(None, frozenset(), 0.5, Diffs(mirror))
+            stats = send_with_deltas(mine, views, transport, ranks, links, timeout_s=120)
+            links.diffs.commit(views)
+            mirror.version = 1
+            return stats
+        return recv_buckets(mine, views, transport, ranks, timeout_s=120)
+
+    for round_ in range(args.rounds + 1):
+        timed("raw gloo", raw_gloo)
+        timed("full refit", full)
+        timed("full refit, delta refits on (mirror kept)", keep_mirror)
+        if sending:
+            _step(tensors, args.changed, gen)
+        timed(f"delta refit, RL-like step ({args.changed:.1%} of elements)", delta)
+        if sending:
+            _step(tensors, 1.0, gen)
+        timed("delta refit, every element changed (dense fallback)", delta)
+    results[me] = rows[len(rows) // (args.rounds + 1):]  # the first round warms up
+    transport.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bucket-mib", type=float, default=1.0)
+    parser.add_argument("--changed", type=float, default=0.01)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    _, _, plan = _plan(args)
+    address, store = GlooTransport.create_address("127.0.0.1", SENDERS + 1, 120)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with mp.Manager() as manager:
+        results = manager.dict()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_member, args=(r, args, address, results)) for r in range(SENDERS + 1)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        results = dict(results)
+    del store
+    receiver = results[RECEIVER]
+    methods = list(dict.fromkeys(r["method"] for r in receiver))
+    full = statistics.median(r["seconds"] for r in receiver if r["method"] == "full refit")
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "plan_bytes": plan.total_bytes,
+              "buckets": len(plan.buckets), "layers": args.layers, "experts": args.experts, "rounds": args.rounds,
+              "bucket_mib": args.bucket_mib, "load": os.getloadavg(), "methods": {}}
+    print(f"{plan.total_bytes / 1e6:.1f} MB, {len(plan.buckets)} buckets, {SENDERS} senders -> 1 receiver (gloo, CPU)")
+    print(f"{'method':<58} {'seconds':>8} {'vs full':>8} {'MB':>8} {'senders s (max)':>16}")
+    for m in methods:
+        mine = [r for r in receiver if r["method"] == m]
+        seconds = statistics.median(r["seconds"] for r in mine)
+        senders = max(statistics.median(r["seconds"] for r in results[s] if r["method"] == m)
+                      for s in results if s != RECEIVER)
+        row = {"seconds": seconds, "min": min(r["seconds"] for r in mine), "max": max(r["seconds"] for r in mine),
+               "vs_full": seconds / full, "bytes": mine[0]["bytes"], "senders_max_seconds": senders,
+               "changed_fraction": (mine[0]["changed"] / mine[0]["elements"]) if mine[0]["elements"] else None}
+        report["methods"][m] = row
+        print(f"{m:<58} {seconds:>8.3f} {seconds / full:>8.2f} {row['bytes'] / 1e6:>8.2f} {senders:>16.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
