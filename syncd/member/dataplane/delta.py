@@ -23,6 +23,7 @@ sender's mirror (a restart, a torn refit, a flipped bit) fails it and the refit 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import defaultdict
@@ -35,6 +36,7 @@ from syncd.commands import checksum_key
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
 from syncd.member.dataplane.transport import Transport
+from syncd.layout import Box
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan.types import Bucket, TransferUnit
 from syncd.weight_version import WeightVersion
@@ -127,8 +129,9 @@ class Diffs:
             self.sent.setdefault((dst, u.src_tensor, u.dtype), set()).add(key)
             if key not in self.changes:
                 positions = self._positions(u, tensors) if self.mirror.holds(u) else None
-                self.changes[key] = (u, Change(u.canon.numel, u.canon.numel) if positions is None
-                                     else _unit_change(u, tensors[u.src_tensor], positions))
+                change = (Change(u.canon.numel, u.canon.numel) if positions is None
+                          else _unit_change(u, tensors[u.src_tensor], positions))
+                self.changes[key] = (u, change)
             return self.changes[key][1]
 
     def _positions(self, u: TransferUnit, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
@@ -211,20 +214,35 @@ def _changed_positions(source: torch.Tensor, old: torch.Tensor, give_up: bool) -
     return differs.nonzero().squeeze(1)
 
 
+def _box_runs(shape: tuple[int, ...], box: Box) -> tuple[torch.Tensor, int]:
+    """A box of a C-order tensor as contiguous runs of flat positions: their starts, in the box's
+    own C order, and their common length. The dims after the last partial one are whole, so
+    each run is that dim's range times the whole dims after it."""
+    partial = max((d for d in range(len(shape)) if (box.start[d], box.stop[d]) != (0, shape[d])), default=-1)
+    if partial < 0:
+        return torch.zeros(1, dtype=torch.int64), math.prod(shape)
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    starts = torch.tensor([box.start[partial] * strides[partial]], dtype=torch.int64)
+    for d in reversed(range(partial)):  # outer dims: every combination of their indices, in C order
+        offsets = torch.arange(box.start[d], box.stop[d], dtype=torch.int64) * strides[d]
+        starts = (offsets[:, None] + starts[None, :]).reshape(-1)
+    return starts, (box.stop[partial] - box.start[partial]) * strides[partial]
+
+
 def _unit_change(u: TransferUnit, source: torch.Tensor, positions: torch.Tensor) -> Change:
-    """The unit's share of its tensor's changed `positions`: their flat positions within the
-    unit's region (C order, as they were in the tensor) and new values."""
-    coords = _unravel(positions, source.shape)
-    inside = torch.ones_like(positions, dtype=torch.bool)
-    for c, a, b in zip(coords, u.src_box.start, u.src_box.stop):
-        inside &= (c >= a) & (c < b)
-    local = torch.zeros_like(positions[inside])
-    for c, a, extent in zip(coords, u.src_box.start, u.src_box.shape):
-        local = local * extent + (c[inside] - a)
-    change = Change(local.numel(), u.canon.numel)
+    """The unit's share of its tensor's changed `positions` (ascending): counted per contiguous
+    run of the unit's box by binary search, so a unit costs its runs, not the tensor's changes;
+    where it goes as a delta, their positions within the box (C order) and new values."""
+    starts, run = _box_runs(tuple(source.shape), u.src_box)
+    first = torch.searchsorted(positions, starts)
+    counts = torch.searchsorted(positions, starts + run) - first
+    change = Change(int(counts.sum()), u.canon.numel)
     if _sparse_bytes(change.changed, u.nbytes // u.canon.numel) < u.nbytes:
-        change.index = local.to(_INDEX)
-        change.values = source.view(-1)[positions[inside]].to(torch_dtype(u.dtype))
+        which = torch.repeat_interleave(torch.arange(len(starts)), counts)  # the run of each change
+        rank = torch.arange(change.changed) - (torch.cumsum(counts, 0) - counts)[which]
+        chosen = positions[first[which] + rank]
+        change.index = (chosen - starts[which] + which * run).to(_INDEX)
+        change.values = source.view(-1)[chosen].to(torch_dtype(u.dtype))
     return change
 
 
