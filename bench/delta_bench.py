@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets
-from syncd.member.dataplane.delta import DeltaLinks, Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.commands import DeltaLinks
+from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.plan import DestMember, SourceMember, make_plan
 
 SENDERS = 4
@@ -93,9 +94,10 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
 
     def delta():
         if sending:
-            links = DeltaLinks(mirror.version, frozenset({RECEIVER}), 0.5, Diffs(mirror))
-            stats = send_with_deltas(mine, views, transport, ranks, links, timeout_s=120)
-            links.diffs.commit(views)
+            diffs = Diffs(mirror)
+            stats = send_with_deltas(mine, views, transport, ranks, DeltaLinks(mirror.version, frozenset({RECEIVER}), 0.5),
+                                     diffs, timeout_s=120)
+            diffs.commit(views)
             return stats
         return recv_with_deltas(mine, views, transport, ranks, DeltaLinks(1, frozenset({RECEIVER}), 0.5), timeout_s=120)
 
@@ -109,9 +111,10 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
 
     def keep_mirror():  # a full refit with delta refits on: the senders' mirrors take what they sent
         if sending:
-            links = DeltaLinks(None, frozenset(), 0.5, Diffs(mirror))
-            stats = send_with_deltas(mine, views, transport, ranks, links, timeout_s=120)
-            links.diffs.commit(views)
+            diffs = Diffs(mirror)
+            stats = send_with_deltas(mine, views, transport, ranks, DeltaLinks(None, frozenset(), 0.5), diffs,
+                                     timeout_s=120)
+            diffs.commit(views)
             mirror.version = 1
             return stats
         return recv_buckets(mine, views, transport, ranks, timeout_s=120)

@@ -28,9 +28,9 @@ from typing import Mapping, Protocol, Sequence
 
 import torch
 
-from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase, Verify
+from syncd.commands import Abort, Command, Commit, DeltaLinks, ExecutePlan, JoinGroup, Phase, Verify
 from syncd.member.dataplane import GlooTransport, Transport, recv_buckets, send_buckets
-from syncd.member.dataplane.delta import DeltaLinks, DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.member.dataplane.delta import DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.plan.types import Bucket
 from syncd.weight_version import WeightVersion
 
@@ -143,25 +143,25 @@ class MemberAgent:
         finally:
             self._endpoint.end(cmd.refit_id, ok)
 
-    def _delta_links(self, cmd: ExecutePlan) -> DeltaLinks | None:
-        """How this member takes part in a delta refit, or None (delta refits off, or it receives
-        full). A sender's mirror must hold the base its delta receivers hold."""
-        if cmd.delta is None:
-            return None
+    def _delta_part(self, cmd: ExecutePlan) -> tuple[DeltaLinks | None, Diffs | None]:
+        """This member's part in a delta refit: the delta links when it sends or receives deltas
+        (a sender sends through its mirror whenever delta refits are on), and a sender's
+        comparisons with its mirror, which must hold the base its delta receivers hold."""
         d = cmd.delta
-        sending = any(b.src == self.member_id for b in cmd.buckets)
-        if not sending:
-            return DeltaLinks(d.base, d.dsts, d.max_fraction) if self.member_id in d.dsts else None
+        if d is None:
+            return None, None
+        if not any(b.src == self.member_id for b in cmd.buckets):
+            return (d if self.member_id in d.dsts else None), None
         if self.mirror is None:
             self.mirror = Mirror()
         if any(b.dst in d.dsts for b in cmd.buckets) and self.mirror.version != d.base:
             raise RuntimeError(f"{self.member_id} holds what it sent of version {self.mirror.version}, "
                                f"not of the delta base {d.base}")
         self.mirror.version = None  # until this transfer completes, the mirror is between versions
-        return DeltaLinks(d.base, d.dsts, d.max_fraction, Diffs(self.mirror))
+        return d, Diffs(self.mirror)
 
     def _transfer(self, cmd: ExecutePlan, tensors: Mapping[str, torch.Tensor]) -> None:
-        delta = self._delta_links(cmd)
+        delta, diffs = self._delta_part(cmd)
         per_stage: dict[int, list[Bucket]] = defaultdict(list)
         for b in cmd.buckets:
             per_stage[b.stage].append(b)
@@ -174,7 +174,7 @@ class MemberAgent:
             if group is None or (expected is not None and expected.group_id != group.group_id):
                 raise RuntimeError(f"{self.member_id} has not joined the group of stage {stage}")
             t = threading.Thread(target=self._run_stage,
-                                 args=(group, buckets, tensors, results, stage, cmd.timeout_s, delta),
+                                 args=(group, buckets, tensors, results, stage, cmd.timeout_s, delta, diffs),
                                  name=f"{self.member_id}-stage{stage}")
             t.start()
             threads.append(t)
@@ -193,8 +193,8 @@ class MemberAgent:
                 elements, changed = elements + stats.elements, changed + stats.changed
                 touched |= stats.touched
         timings["transfer_s"] = max(timings.values(), default=0.0)
-        if delta is not None and delta.diffs is not None:
-            delta.diffs.commit(tensors)
+        if diffs is not None:
+            diffs.commit(tensors)
             self.mirror.version = cmd.weight_version
         elif delta is not None and hasattr(self._endpoint, "received_delta"):
             self._endpoint.received_delta(cmd.refit_id, frozenset(touched))
@@ -202,7 +202,7 @@ class MemberAgent:
                             delta_elements=elements, changed_elements=changed)
 
     def _run_stage(self, group: _Group, buckets: list[Bucket], tensors, results: dict, stage: int,
-                   timeout_s: float, delta: DeltaLinks | None) -> None:
+                   timeout_s: float, delta: DeltaLinks | None, diffs: Diffs | None) -> None:
         ranks = {m: i for i, m in enumerate(group.members)}
         sending = buckets[0].src == self.member_id
         options = dict(timeout_s=timeout_s, in_flight=self._settings.in_flight, cancel=self._cancel)
@@ -210,9 +210,10 @@ class MemberAgent:
             if delta is None:
                 run = send_buckets if sending else recv_buckets
                 results[stage] = run(buckets, tensors, group.transport, ranks, **options)
+            elif sending:
+                results[stage] = send_with_deltas(buckets, tensors, group.transport, ranks, delta, diffs, **options)
             else:
-                run = send_with_deltas if sending else recv_with_deltas
-                results[stage] = run(buckets, tensors, group.transport, ranks, delta, **options)
+                results[stage] = recv_with_deltas(buckets, tensors, group.transport, ranks, delta, **options)
         except BaseException as e:  # noqa: BLE001 - handed to the caller thread, which raises it
             log.warning("%s: stage %d transfer failed: %s", self.member_id, stage, e)
             self._close_group(stage)  # unblock our peers: they fail fast instead of timing out

@@ -14,7 +14,8 @@ import torch
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Replicate, Shard, Sharded, Stack, local_tensor
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import GlooTransport, catalog_views
-from syncd.member.dataplane.delta import DeltaLinks, Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.commands import DeltaLinks
+from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.member.dataplane import recv_buckets
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.simulate import materialize
@@ -78,9 +79,10 @@ class Refits:
             try:
                 views = catalog_views(catalog, local[m] if sending else self.received[m])
                 if sending:
-                    links = DeltaLinks(base, frozenset(delta_dsts), max_fraction, Diffs(self.mirrors[m]))
-                    stats[m] = send_with_deltas(self.plan.for_member(m), views, transport, ranks, links, timeout_s=30)
-                    links.diffs.commit(views)  # as the agent does once all its stages succeeded
+                    links, diffs = DeltaLinks(base, frozenset(delta_dsts), max_fraction), Diffs(self.mirrors[m])
+                    stats[m] = send_with_deltas(self.plan.for_member(m), views, transport, ranks, links, diffs,
+                                                timeout_s=30)
+                    diffs.commit(views)  # as the agent does once all its stages succeeded
                 elif m in delta_dsts:
                     links = DeltaLinks(base, frozenset(delta_dsts), max_fraction)
                     stats[m] = recv_with_deltas(self.plan.for_member(m), views, transport, ranks, links, timeout_s=30)

@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from syncd.commands import checksum_key
+from syncd.commands import DeltaLinks, checksum_key
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
 from syncd.member.dataplane.transport import Transport
@@ -266,18 +266,6 @@ def _dense_bucket(codes: Sequence[int], bucket: Bucket, max_fraction: float) -> 
     return all(c < 0 for c in codes) or delta > max_fraction * bucket.nbytes
 
 
-@dataclass(frozen=True)
-class DeltaLinks:
-    """What syncd decided for one refit: the receivers that get deltas against `base`, and the
-    fraction of a bucket's bytes above which it goes dense. `diffs` is the sender's (None on a
-    receiver)."""
-
-    base: WeightVersion | None
-    dsts: frozenset[str]
-    max_fraction: float
-    diffs: Diffs | None = None
-
-
 @dataclass
 class DeltaStats(TransferStats):
     """A member's transfer with delta links: bytes actually moved; over its delta links, the units'
@@ -302,12 +290,12 @@ def _add(total: DeltaStats, part: TransferStats) -> None:
 
 
 def send_with_deltas(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], transport: Transport,
-                     ranks: Mapping[str, int], links: DeltaLinks, *, timeout_s: float,
+                     ranks: Mapping[str, int], links: DeltaLinks, diffs: Diffs, *, timeout_s: float,
                      cancel: threading.Event | None = None, **options) -> DeltaStats:
-    """`send_buckets` for a sender that keeps a mirror: full links go through it (the mirror takes
-    their values), delta links as described in the module docstring. Links go one after another in
-    destination order (what the receivers' source order expects)."""
-    assert links.diffs is not None
+    """`send_buckets` for a sender that keeps a mirror (`diffs`, this refit's comparisons with it):
+    full links go through it (the mirror takes their values), the links to `links.dsts` as
+    described in the module docstring. Links go one after another in destination order (what the
+    receivers' source order expects)."""
     stats, start = DeltaStats(), time.perf_counter()
     for dst, link in _links(buckets, "dst").items():
         _check(cancel)
@@ -315,18 +303,19 @@ def send_with_deltas(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tens
             _add(stats, send_buckets(link, tensors, transport, ranks, timeout_s=timeout_s, cancel=cancel, **options))
             for b in link:
                 for u in b.units:
-                    links.diffs.absorb(u, dst)
+                    diffs.absorb(u, dst)
             continue
-        _send_link(dst, link, tensors, transport, ranks[dst], links, stats, timeout_s, cancel, options)
+        _send_link(dst, link, tensors, transport, ranks[dst], links.max_fraction, diffs, stats, timeout_s, cancel,
+                   options)
     stats.seconds = time.perf_counter() - start
     return stats
 
 
-def _send_link(dst: str, link: list[Bucket], tensors, transport: Transport, peer: int, links: DeltaLinks,  # noqa: ANN001
-               stats: DeltaStats, timeout_s: float, cancel, options: dict) -> None:
+def _send_link(dst: str, link: list[Bucket], tensors, transport: Transport, peer: int, max_fraction: float,  # noqa: ANN001
+               diffs: Diffs, stats: DeltaStats, timeout_s: float, cancel, options: dict) -> None:
     """Two messages, whatever the number of buckets (a round trip per bucket would cost more than
     the bytes on a fast link): the header, then every sparse bucket's encoding back to back."""
-    changes = [[links.diffs.of(u, tensors, dst) for u in b.units] for b in link]
+    changes = [[diffs.of(u, tensors, dst) for u in b.units] for b in link]
     codes = [[_header_code(c) for c in cs] for cs in changes]
     header = torch.tensor([c for cs in codes for c in cs], dtype=torch.int64)
     sent = [transport.isend(header, peer)]
@@ -334,7 +323,7 @@ def _send_link(dst: str, link: list[Bucket], tensors, transport: Transport, peer
     for bucket, cs, bucket_codes in zip(link, changes, codes):
         stats.elements += sum(c.numel for c in cs)
         stats.changed += sum(c.changed for c in cs)
-        if _dense_bucket(bucket_codes, bucket, links.max_fraction):
+        if _dense_bucket(bucket_codes, bucket, max_fraction):
             dense.append(bucket)
         else:
             parts.append(_encode(bucket, cs, bucket_codes, tensors, stats.checksums))
@@ -377,12 +366,12 @@ def recv_with_deltas(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tens
     stats, start = DeltaStats(), time.perf_counter()
     for src, link in _links(buckets, "src").items():
         _check(cancel)
-        _recv_link(src, link, tensors, transport, ranks[src], links, stats, timeout_s, cancel, options)
+        _recv_link(src, link, tensors, transport, ranks[src], links.max_fraction, stats, timeout_s, cancel, options)
     stats.seconds = time.perf_counter() - start
     return stats
 
 
-def _recv_link(src: str, link: list[Bucket], tensors, transport: Transport, peer: int, links: DeltaLinks,  # noqa: ANN001
+def _recv_link(src: str, link: list[Bucket], tensors, transport: Transport, peer: int, max_fraction: float,  # noqa: ANN001
                stats: DeltaStats, timeout_s: float, cancel, options: dict) -> None:
     header = torch.empty(sum(len(b.units) for b in link), dtype=torch.int64)
     transport.irecv(header, peer).wait(timeout_s)
@@ -393,7 +382,7 @@ def _recv_link(src: str, link: list[Bucket], tensors, transport: Transport, peer
         at += len(bucket.units)
         stats.elements += sum(u.canon.numel for u in bucket.units)
         stats.changed += sum(c if c >= 0 else -1 - c for c in codes)
-        if _dense_bucket(codes, bucket, links.max_fraction):
+        if _dense_bucket(codes, bucket, max_fraction):
             dense.append(bucket)
             stats.touched.update(u.dst_tensor for u in bucket.units)
         else:
