@@ -12,6 +12,8 @@ re-exports its own modules (`syncd.plan`) would otherwise form a cycle with each
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,3 +113,12 @@ def test_the_member_library_and_the_services_never_import_the_daemon_nor_the_dae
     daemon = [m for m in graph if m.startswith("syncd.daemon")]
     assert daemon and all(not any(r.startswith("syncd.member") for r in _reachable(graph, m)) for m in daemon), \
         {m: sorted(r for r in _reachable(graph, m) if r.startswith("syncd.member")) for m in daemon}
+
+
+def test_the_member_library_needs_no_http_stack():
+    """Trainer ranks and GPU workers import the member library where only torch, grpc and the
+    data plane's own packages are installed (the GPU machine has no pydantic, fastapi or httpx)."""
+    code = ("import sys, syncd.member.agent, syncd.member.client, syncd.member.dataplane.delta; "
+            "print(sorted(m for m in ('pydantic', 'fastapi', 'httpx') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]", out.stdout
