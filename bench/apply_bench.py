@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,7 +47,9 @@ def make_checkpoint(out_dir: Path, layers: int, experts: int, dtype: str) -> Pat
 
     from trainer_svc.tiny import TINY_ARGS, make_tiny_checkpoint
 
-    make_tiny_checkpoint(out_dir, seed=0, args=replace(TINY_ARGS, num_hidden_layers=layers, num_experts=experts))
+    make_tiny_checkpoint(
+        out_dir, seed=0, args=replace(TINY_ARGS, num_hidden_layers=layers, num_experts=experts)
+    )
     weights = out_dir / "model.safetensors"
     tensors = {k: v.to(getattr(torch, dtype)) for k, v in load_file(str(weights)).items()}
     save_file(tensors, str(weights), metadata={"format": "pt"})
@@ -59,7 +61,8 @@ def make_checkpoint(out_dir: Path, layers: int, experts: int, dtype: str) -> Pat
 
 # The functions below run inside the vLLM worker (collective_rpc sends them by value).
 
-def time_loader_path(worker) -> float:  # noqa: ANN001
+
+def time_loader_path(worker) -> float:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
@@ -72,7 +75,7 @@ def time_loader_path(worker) -> float:  # noqa: ANN001
     return time.perf_counter() - start
 
 
-def time_plain_copy(worker) -> float:  # noqa: ANN001
+def time_plain_copy(worker) -> float:
     import torch
 
     buffers = worker._ws_staging.buffers
@@ -83,18 +86,30 @@ def time_plain_copy(worker) -> float:  # noqa: ANN001
     return time.perf_counter() - start
 
 
-def time_install(worker) -> dict:  # noqa: ANN001
+def time_install(worker) -> dict:
     start = time.perf_counter()
     worker.start_weight_update()
     worker.update_weights({"version": "bench"})
     worker.finish_weight_update()
     total = time.perf_counter() - start
     report = worker.weight_transfer_engine.last_install.as_dict()
-    return {"total_s": total, **{k: report[k] for k in ("copy_s", "process_s", "layers_processed",
-                                                          "params_copied", "bytes_copied", "fallback_params")}}
+    return {
+        "total_s": total,
+        **{
+            k: report[k]
+            for k in (
+                "copy_s",
+                "process_s",
+                "layers_processed",
+                "params_copied",
+                "bytes_copied",
+                "fallback_params",
+            )
+        },
+    }
 
 
-def time_inplace(worker, checkpoint: str, bucket_bytes: int) -> dict:  # noqa: ANN001
+def time_inplace(worker, checkpoint: str, bucket_bytes: int) -> dict:
     """The inplace mode's install (`generator_svc.inplace`): already packed buckets (packed once,
     outside the timing, as a one-rank trainer sends them) unpacked into the live layers inside the
     layerwise reload, each layer post-processed as it completes."""
@@ -102,28 +117,43 @@ def time_inplace(worker, checkpoint: str, bucket_bytes: int) -> dict:  # noqa: A
 
     packed = getattr(worker, "_bench_packed", None)
     if packed is None:
-        packed = worker._bench_packed = checkpoint_buckets(worker._ws_catalog, worker._ws_member_id, checkpoint,
-                                                           bucket_bytes)
+        packed = worker._bench_packed = checkpoint_buckets(
+            worker._ws_catalog, worker._ws_member_id, checkpoint, bucket_bytes
+        )
     start = time.perf_counter()
-    receiver = install_buckets(worker._ws_model(), worker._ws_catalog, worker.device, worker.vllm_config, packed)
+    receiver = install_buckets(
+        worker._ws_model(), worker._ws_catalog, worker.device, worker.vllm_config, packed
+    )
     total = time.perf_counter() - start
     report = receiver.report.as_dict()
-    return {"total_s": total, "buckets": len(packed), "largest_bucket_bytes": max(b.nbytes for b, _ in packed),
-            **{k: report[k] for k in ("copy_s", "process_s", "peak_open_bytes")}}
+    return {
+        "total_s": total,
+        "buckets": len(packed),
+        "largest_bucket_bytes": max(b.nbytes for b, _ in packed),
+        **{k: report[k] for k in ("copy_s", "process_s", "peak_open_bytes")},
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
     from vllm import LLM
 
-    model_dir = Path(args.keep_model) if args.keep_model else Path(tempfile.mkdtemp(prefix="apply_bench_")) / "model"
+    model_dir = (
+        Path(args.keep_model) if args.keep_model else Path(tempfile.mkdtemp(prefix="apply_bench_")) / "model"
+    )
     model = make_checkpoint(model_dir, args.layers, args.experts, args.dtype)
     from safetensors import safe_open
 
     with safe_open(str(model / "model.safetensors"), framework="pt") as f:
         hf_tensors = len(list(f.keys()))
-    llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, max_model_len=256, dtype=args.dtype,
-              worker_extension_cls="generator_svc.worker.WeightSyncExtension",
-              weight_transfer_config={"backend": "syncd_staging"})
+    llm = LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=256,
+        dtype=args.dtype,
+        worker_extension_cls="generator_svc.worker.WeightSyncExtension",
+        weight_transfer_config={"backend": "syncd_staging"},
+    )
     setup = llm.collective_rpc("ws_setup", args=(0,))[0]
     staged = llm.collective_rpc("ws_stage_file", args=(str(model), "bench"))[0]
     rounds: dict[str, list] = {"loader": [], "copy": [], "install": [], "inplace": []}
@@ -131,30 +161,53 @@ def run(args: argparse.Namespace) -> dict:
         rounds["loader"].append(llm.collective_rpc(time_loader_path)[0])
         rounds["copy"].append(llm.collective_rpc(time_plain_copy)[0])
         rounds["install"].append(llm.collective_rpc(time_install)[0])
-        rounds["inplace"].append(llm.collective_rpc(time_inplace, args=(str(model), args.bucket_mib << 20))[0])
+        rounds["inplace"].append(
+            llm.collective_rpc(time_inplace, args=(str(model), args.bucket_mib << 20))[0]
+        )
     installs = rounds["install"][1:]
     if any(i["fallback_params"] for i in installs):
-        raise RuntimeError(f"the install fell back to vLLM's loaders for {installs[0]['fallback_params'][:5]}")
+        raise RuntimeError(
+            f"the install fell back to vLLM's loaders for {installs[0]['fallback_params'][:5]}"
+        )
     med = statistics.median
     loader, copy = med(rounds["loader"][1:]), med(rounds["copy"][1:])
     install, process = med(i["total_s"] for i in installs), med(i["process_s"] for i in installs)
     inplace = rounds["inplace"][1:]
     inplace_s = med(i["total_s"] for i in inplace)
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.node()}, {os.cpu_count()} cores, {_cpu_model()}, load {os.getloadavg()[0]:.1f}",
-        "model": {"layers": args.layers, "experts": args.experts, "dtype": args.dtype, "bytes": setup["nbytes"],
-                  "vllm_parameters": installs[0]["params_copied"], "canonical_tensors": staged["tensors"], "hf_tensors": hf_tensors},
+        "model": {
+            "layers": args.layers,
+            "experts": args.experts,
+            "dtype": args.dtype,
+            "bytes": setup["nbytes"],
+            "vllm_parameters": installs[0]["params_copied"],
+            "canonical_tensors": staged["tensors"],
+            "hf_tensors": hf_tensors,
+        },
         "rounds": args.rounds,
-        "seconds": {"loader_path": loader, "plain_copy": copy, "post_processing": process,
-                    "install_staged": install, "install_copies": med(i["copy_s"] for i in installs),
-                    "install_inplace": inplace_s},
-        "ratios": {"install_over_loader": install / loader, "install_over_copy_plus_post": install / (copy + process),
-                   "inplace_over_loader": inplace_s / loader, "inplace_over_copy_plus_post": inplace_s / (copy + process)},
-        "inplace": {"bucket_bytes": inplace[0]["largest_bucket_bytes"], "buckets": inplace[0]["buckets"],
-                    "peak_open_bytes": max(i["peak_open_bytes"] for i in inplace),
-                    # one receive buffer (inplace's default depth) plus the layers open at the peak
-                    "extra_bytes": inplace[0]["largest_bucket_bytes"] + max(i["peak_open_bytes"] for i in inplace)},
+        "seconds": {
+            "loader_path": loader,
+            "plain_copy": copy,
+            "post_processing": process,
+            "install_staged": install,
+            "install_copies": med(i["copy_s"] for i in installs),
+            "install_inplace": inplace_s,
+        },
+        "ratios": {
+            "install_over_loader": install / loader,
+            "install_over_copy_plus_post": install / (copy + process),
+            "inplace_over_loader": inplace_s / loader,
+            "inplace_over_copy_plus_post": inplace_s / (copy + process),
+        },
+        "inplace": {
+            "bucket_bytes": inplace[0]["largest_bucket_bytes"],
+            "buckets": inplace[0]["buckets"],
+            "peak_open_bytes": max(i["peak_open_bytes"] for i in inplace),
+            # one receive buffer (inplace's default depth) plus the layers open at the peak
+            "extra_bytes": inplace[0]["largest_bucket_bytes"] + max(i["peak_open_bytes"] for i in inplace),
+        },
         "goal": {"install_over_loader_max": 1 / 8, "install_over_copy_plus_post_max": 3.0},
         "layers_processed": installs[0]["layers_processed"],
         "raw": rounds,
@@ -166,7 +219,9 @@ def _cpu_model() -> str:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return platform.machine()
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
+    return next(
+        (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine()
+    )
 
 
 def main() -> None:
@@ -175,10 +230,13 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--bucket-mib", type=int, default=16, help="inplace: bucket size the checkpoint is packed in")
+    parser.add_argument(
+        "--bucket-mib", type=int, default=16, help="inplace: bucket size the checkpoint is packed in"
+    )
     parser.add_argument("--out", default="")
-    parser.add_argument("--keep-model", default="", help="write the model here and keep it (e.g. for the demo's "
-                                                         "--model-dir)")
+    parser.add_argument(
+        "--keep-model", default="", help="write the model here and keep it (e.g. for the demo's --model-dir)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of the timing functions
@@ -192,9 +250,11 @@ def main() -> None:
     print(f"  inplace / loader path            {r['inplace_over_loader']:.3f}")
     print(f"  inplace / (copy + post-process)  {r['inplace_over_copy_plus_post']:.2f}")
     ip = result["inplace"]
-    print(f"  inplace extra memory: one {ip['bucket_bytes'] / 1e6:.1f} MB bucket + {ip['peak_open_bytes'] / 1e6:.1f} MB of "
-          f"layers open at the peak = {ip['extra_bytes'] / 1e6:.1f} MB ({ip['extra_bytes'] / ip['bucket_bytes']:.2f} buckets); "
-          f"staged keeps {result['model']['bytes'] / 1e6:.1f} MB")
+    print(
+        f"  inplace extra memory: one {ip['bucket_bytes'] / 1e6:.1f} MB bucket + {ip['peak_open_bytes'] / 1e6:.1f} MB of "
+        f"layers open at the peak = {ip['extra_bytes'] / 1e6:.1f} MB ({ip['extra_bytes'] / ip['bucket_bytes']:.2f} buckets); "
+        f"staged keeps {result['model']['bytes'] / 1e6:.1f} MB"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     os._exit(0)  # skip vLLM's slow teardown

@@ -24,8 +24,8 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
-from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets
 from syncd.commands import DeltaLinks
+from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets
 from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.plan import DestMember, SourceMember, make_plan
 
@@ -34,13 +34,25 @@ RECEIVER = "generator"
 
 
 def _shape(args: argparse.Namespace) -> MoeShape:
-    return MoeShape(layers=args.layers, hidden=128, experts=args.experts, moe_inter=64, heads=4, kv_heads=2,
-                    head_dim=32, vocab=512)
+    return MoeShape(
+        layers=args.layers,
+        hidden=128,
+        experts=args.experts,
+        moe_inter=64,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        vocab=512,
+    )
 
 
 def _plan(args: argparse.Namespace):
     shape = _shape(args)
-    sources = [SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(shape, 2, e, 2, t)) for e in range(2) for t in range(2)]
+    sources = [
+        SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(shape, 2, e, 2, t))
+        for e in range(2)
+        for t in range(2)
+    ]
     dest = DestMember(RECEIVER, vllm_catalog(shape, 1, 0))
     return sources, dest, make_plan(sources, [dest], bucket_bytes=int(args.bucket_mib * (1 << 20)))
 
@@ -53,7 +65,7 @@ def _step(tensors: dict[str, torch.Tensor], fraction: float, gen: torch.Generato
         bits[hit] += 1
 
 
-def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:  # noqa: ANN001
+def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
     torch.set_num_threads(1)
     sources, dest, plan = _plan(args)
     members = [s.member_id for s in sources] + [RECEIVER]
@@ -62,7 +74,9 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
     sending = rank < SENDERS
     catalog = sources[rank].catalog if sending else dest.catalog
     gen = torch.Generator().manual_seed(rank)
-    tensors = {t.name: (torch.randn(t.shape, generator=gen) * 0.02).to(torch.bfloat16) for t in catalog.tensors}
+    tensors = {
+        t.name: (torch.randn(t.shape, generator=gen) * 0.02).to(torch.bfloat16) for t in catalog.tensors
+    }
     views = catalog_views(catalog, tensors)
     transport = GlooTransport.connect(address, rank, len(members), "delta-bench", 120)
     mirror = Mirror()
@@ -81,12 +95,19 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
             transport.isend(flag, len(members) - 1).wait(120)
             transport.irecv(flag, len(members) - 1).wait(120)
 
-    def timed(name: str, fn) -> None:  # noqa: ANN001
+    def timed(name: str, fn) -> None:
         barrier()
         t0 = time.perf_counter()
         stats = fn()
-        rows.append({"method": name, "seconds": time.perf_counter() - t0, "bytes": getattr(stats, "bytes", raw.numel()),
-                     "changed": getattr(stats, "changed", None), "elements": getattr(stats, "elements", None)})
+        rows.append(
+            {
+                "method": name,
+                "seconds": time.perf_counter() - t0,
+                "bytes": getattr(stats, "bytes", raw.numel()),
+                "changed": getattr(stats, "changed", None),
+                "elements": getattr(stats, "elements", None),
+            }
+        )
 
     def full():
         run = send_buckets if sending else recv_buckets
@@ -95,25 +116,38 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
     def delta():
         if sending:
             diffs = Diffs(mirror)
-            stats = send_with_deltas(mine, views, transport, ranks, DeltaLinks(mirror.version, frozenset({RECEIVER}), 0.5),
-                                     diffs, timeout_s=120)
+            stats = send_with_deltas(
+                mine,
+                views,
+                transport,
+                ranks,
+                DeltaLinks(mirror.version, frozenset({RECEIVER}), 0.5),
+                diffs,
+                timeout_s=120,
+            )
             diffs.commit(views)
             return stats
-        return recv_with_deltas(mine, views, transport, ranks, DeltaLinks(1, frozenset({RECEIVER}), 0.5), timeout_s=120)
+        return recv_with_deltas(
+            mine, views, transport, ranks, DeltaLinks(1, frozenset({RECEIVER}), 0.5), timeout_s=120
+        )
 
     def raw_gloo():
         if sending:
             transport.isend(raw, ranks[RECEIVER]).wait(120)
         else:
-            bufs = {s: torch.empty(sum(b.nbytes for b in mine if b.src == s), dtype=torch.uint8) for s in members[:SENDERS]}
+            bufs = {
+                s: torch.empty(sum(b.nbytes for b in mine if b.src == s), dtype=torch.uint8)
+                for s in members[:SENDERS]
+            }
             for handle in [transport.irecv(buf, ranks[s]) for s, buf in bufs.items()]:
                 handle.wait(120)
 
     def keep_mirror():  # a full refit with delta refits on: the senders' mirrors take what they sent
         if sending:
             diffs = Diffs(mirror)
-            stats = send_with_deltas(mine, views, transport, ranks, DeltaLinks(None, frozenset(), 0.5), diffs,
-                                     timeout_s=120)
+            stats = send_with_deltas(
+                mine, views, transport, ranks, DeltaLinks(None, frozenset(), 0.5), diffs, timeout_s=120
+            )
             diffs.commit(views)
             mirror.version = 1
             return stats
@@ -129,7 +163,7 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
         if sending:
             _step(tensors, 1.0, gen)
         timed("delta refit, every element changed (dense fallback)", delta)
-    results[me] = rows[len(rows) // (args.rounds + 1):]  # the first round warms up
+    results[me] = rows[len(rows) // (args.rounds + 1) :]  # the first round warms up
     transport.close()
 
 
@@ -158,19 +192,38 @@ def main() -> None:
     receiver = results[RECEIVER]
     methods = list(dict.fromkeys(r["method"] for r in receiver))
     full = statistics.median(r["seconds"] for r in receiver if r["method"] == "full refit")
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "plan_bytes": plan.total_bytes,
-              "buckets": len(plan.buckets), "layers": args.layers, "experts": args.experts, "rounds": args.rounds,
-              "bucket_mib": args.bucket_mib, "load": os.getloadavg(), "methods": {}}
-    print(f"{plan.total_bytes / 1e6:.1f} MB, {len(plan.buckets)} buckets, {SENDERS} senders -> 1 receiver (gloo, CPU)")
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "plan_bytes": plan.total_bytes,
+        "buckets": len(plan.buckets),
+        "layers": args.layers,
+        "experts": args.experts,
+        "rounds": args.rounds,
+        "bucket_mib": args.bucket_mib,
+        "load": os.getloadavg(),
+        "methods": {},
+    }
+    print(
+        f"{plan.total_bytes / 1e6:.1f} MB, {len(plan.buckets)} buckets, {SENDERS} senders -> 1 receiver (gloo, CPU)"
+    )
     print(f"{'method':<58} {'seconds':>8} {'vs full':>8} {'MB':>8} {'senders s (max)':>16}")
     for m in methods:
         mine = [r for r in receiver if r["method"] == m]
         seconds = statistics.median(r["seconds"] for r in mine)
-        senders = max(statistics.median(r["seconds"] for r in results[s] if r["method"] == m)
-                      for s in results if s != RECEIVER)
-        row = {"seconds": seconds, "min": min(r["seconds"] for r in mine), "max": max(r["seconds"] for r in mine),
-               "vs_full": seconds / full, "bytes": mine[0]["bytes"], "senders_max_seconds": senders,
-               "changed_fraction": (mine[0]["changed"] / mine[0]["elements"]) if mine[0]["elements"] else None}
+        senders = max(
+            statistics.median(r["seconds"] for r in results[s] if r["method"] == m)
+            for s in results
+            if s != RECEIVER
+        )
+        row = {
+            "seconds": seconds,
+            "min": min(r["seconds"] for r in mine),
+            "max": max(r["seconds"] for r in mine),
+            "vs_full": seconds / full,
+            "bytes": mine[0]["bytes"],
+            "senders_max_seconds": senders,
+            "changed_fraction": (mine[0]["changed"] / mine[0]["elements"]) if mine[0]["elements"] else None,
+        }
         report["methods"][m] = row
         print(f"{m:<58} {seconds:>8.3f} {seconds / full:>8.2f} {row['bytes'] / 1e6:>8.2f} {senders:>16.3f}")
     if args.out:

@@ -26,8 +26,15 @@ from syncd.member.dataplane.fp8 import quantize_blockwise
 from trainer_svc.tiny import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-QUANTIZED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-             "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+QUANTIZED = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "o_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
 
 
 def write_fp8_checkpoint(out: Path) -> Path:
@@ -45,8 +52,12 @@ def write_fp8_checkpoint(out: Path) -> Path:
     save_file(tensors, str(dst / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
     config["torch_dtype"] = "bfloat16"
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "fmt": "e4m3", "weight_block_size": [128, 128]}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+    }
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 
@@ -55,15 +66,22 @@ def serve(checkpoint: Path) -> None:
     """In its own process (vLLM's workers log the root cause of a failed start, not raise it)."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(str(checkpoint), dtype="bfloat16", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True)
+    llm = LLM(
+        str(checkpoint), dtype="bfloat16", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True
+    )
     out = llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=4, temperature=0))
     print(json.dumps({"tokens": list(out[0].outputs[0].token_ids)}))
 
 
 def probe(checkpoint: Path) -> dict:
-    run = subprocess.run([sys.executable, "-m", "bench.fp8_cpu_probe", "--serve", str(checkpoint)],
-                         capture_output=True, text=True, timeout=600, cwd=REPO,
-                         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.fp8_cpu_probe", "--serve", str(checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     if run.returncode == 0:
         return {"serves": True, **json.loads(run.stdout.strip().splitlines()[-1])}
     lines = (run.stdout + run.stderr).splitlines()
@@ -89,9 +107,12 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = write_fp8_checkpoint(Path(tmp))
-        result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "machine": _cpu_model(),
-                  "amx_tiles": bool(torch.cpu._is_amx_tile_supported()), **probe(checkpoint)}
+        result = {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "machine": _cpu_model(),
+            "amx_tiles": bool(torch.cpu._is_amx_tile_supported()),
+            **probe(checkpoint),
+        }
     line = json.dumps(result)
     print(line)
     if args.out:

@@ -22,24 +22,29 @@ import json
 import statistics
 import sys
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog  # noqa: E402
-from syncd.member.dataplane import catalog_views, pack_into  # noqa: E402
-from syncd.member.dataplane import fp8_kernel  # noqa: E402
-from syncd.member.dataplane.fp8 import dequantize_blockwise, quantize_blockwise  # noqa: E402
-from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
-from syncd.plan.fp8_blocks import blockwise_fp8_catalog  # noqa: E402
+from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
+from syncd.member.dataplane import (
+    catalog_views,
+    fp8_kernel,
+    pack_into,
+)
+from syncd.member.dataplane.fp8 import dequantize_blockwise, quantize_blockwise
+from syncd.plan import DestMember, SourceMember, make_plan
+from syncd.plan.fp8_blocks import blockwise_fp8_catalog
 
-LAYER = MoeShape(layers=1, hidden=2048, experts=128, moe_inter=768, heads=32, kv_heads=4, head_dim=128, vocab=32768)
+LAYER = MoeShape(
+    layers=1, hidden=2048, experts=128, moe_inter=768, heads=32, kv_heads=4, head_dim=128, vocab=32768
+)
 
 
-def _timed(fn) -> float:  # noqa: ANN001
+def _timed(fn) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -65,20 +70,30 @@ def main() -> None:
     src_cat = trainer_catalog(shape, 1, 0, 1, 0)
     source = [SourceMember("trainer-0", 0, src_cat)]
     plans = {
-        "fp8": make_plan(source, [DestMember("g", blockwise_fp8_catalog(vllm_catalog(shape, 1, 0)))],
-                         bucket_bytes=args.bucket_mib << 20),
-        "bf16": make_plan(source, [DestMember("g", vllm_catalog(shape, 1, 0))], bucket_bytes=args.bucket_mib << 20),
+        "fp8": make_plan(
+            source,
+            [DestMember("g", blockwise_fp8_catalog(vllm_catalog(shape, 1, 0)))],
+            bucket_bytes=args.bucket_mib << 20,
+        ),
+        "bf16": make_plan(
+            source, [DestMember("g", vllm_catalog(shape, 1, 0))], bucket_bytes=args.bucket_mib << 20
+        ),
     }
     gen = torch.Generator(device="cuda").manual_seed(0)
-    tensors = {t.name: torch.randn(t.shape, generator=gen, device="cuda").to(torch.bfloat16) for t in src_cat.tensors}
+    tensors = {
+        t.name: torch.randn(t.shape, generator=gen, device="cuda").to(torch.bfloat16) for t in src_cat.tensors
+    }
     views = catalog_views(src_cat, tensors)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     buffer = torch.empty(args.bucket_mib << 20, dtype=torch.uint8, device="cuda")
-    flat_src, flat_dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    flat_src, flat_dst = (
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+    )
     experts = [t for name, t in tensors.items() if ".experts." in name]
     expert_bytes = sum(t.numel() * t.element_size() for t in experts)
 
-    def pack_all(plan) -> None:  # noqa: ANN001
+    def pack_all(plan) -> None:
         for bucket in plan.buckets:
             pack_into(bucket, views, buffer)
 
@@ -108,24 +123,32 @@ def main() -> None:
     q8, scales = quantize_blockwise(w)
     error = ((dequantize_blockwise(q8, scales) - w.float()).abs().max() / w.float().abs().max()).item()
     result = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
-        "layers": shape.layers, "bf16_input_bytes": nbytes, "bucket_mib": args.bucket_mib, "reps": args.reps,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0),
+        "layers": shape.layers,
+        "bf16_input_bytes": nbytes,
+        "bucket_mib": args.bucket_mib,
+        "reps": args.reps,
         "wire_bytes": {k: p.total_bytes for k, p in plans.items()},
         "buckets": {k: len(p.buckets) for k, p in plans.items()},
         "gbps": {k: round(v, 1) for k, v in gbps.items()},
-        "gbps_min_max": {k: [round(input_bytes[k] / max(v) / 1e9, 1), round(input_bytes[k] / min(v) / 1e9, 1)]
-                         for k, v in times.items()},
+        "gbps_min_max": {
+            k: [round(input_bytes[k] / max(v) / 1e9, 1), round(input_bytes[k] / min(v) / 1e9, 1)]
+            for k, v in times.items()
+        },
         "pack_fp8_vs_d2d": round(gbps["pack_fp8"] / gbps["d2d"], 3),
         "pack_fp8_vs_pack_bf16": round(gbps["pack_fp8"] / gbps["pack_bf16"], 3),
         "pack_fp8_vs_reference": round(gbps["pack_fp8"] / gbps["pack_fp8_reference"], 2),
         "fused_kernel": fp8_kernel.available(next(iter(tensors.values()))),
         "max_dequantize_error_vs_amax": error,
     }
-    print(f"{nbytes / 1e9:.2f} GB bf16 ({shape.layers} layers) on {result['device']}: pack into FP8 "
-          f"{result['gbps']['pack_fp8']} GB/s ({result['pack_fp8_vs_d2d']} of d2d copy {result['gbps']['d2d']} GB/s, "
-          f"{result['pack_fp8_vs_pack_bf16']} of packing bf16 {result['gbps']['pack_bf16']} GB/s; the reference "
-          f"quantizer packs {result['gbps']['pack_fp8_reference']} GB/s); wire "
-          f"{plans['fp8'].total_bytes / 1e9:.2f} GB FP8 vs {plans['bf16'].total_bytes / 1e9:.2f} GB bf16")
+    print(
+        f"{nbytes / 1e9:.2f} GB bf16 ({shape.layers} layers) on {result['device']}: pack into FP8 "
+        f"{result['gbps']['pack_fp8']} GB/s ({result['pack_fp8_vs_d2d']} of d2d copy {result['gbps']['d2d']} GB/s, "
+        f"{result['pack_fp8_vs_pack_bf16']} of packing bf16 {result['gbps']['pack_bf16']} GB/s; the reference "
+        f"quantizer packs {result['gbps']['pack_fp8_reference']} GB/s); wire "
+        f"{plans['fp8'].total_bytes / 1e9:.2f} GB FP8 vs {plans['bf16'].total_bytes / 1e9:.2f} GB bf16"
+    )
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -23,20 +23,20 @@ import argparse
 import json
 import statistics
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.refit_bench import shape_for  # noqa: E402
-from bench.synthetic_moe import vllm_catalog  # noqa: E402
-from generator_svc.install import copy_parameters  # noqa: E402
-from syncd.layout.dtypes import torch_dtype  # noqa: E402
+from bench.refit_bench import shape_for
+from bench.synthetic_moe import vllm_catalog
+from generator_svc.install import copy_parameters
+from syncd.layout.dtypes import torch_dtype
 
 
-def timed(fn, device: torch.device) -> float:  # noqa: ANN001
+def timed(fn, device: torch.device) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize(device)
     start.record()
@@ -46,7 +46,7 @@ def timed(fn, device: torch.device) -> float:  # noqa: ANN001
     return start.elapsed_time(end) / 1e3
 
 
-def hf_slices(catalog, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> list:  # noqa: ANN001
+def hf_slices(catalog, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> list:
     """(destination view, source view) per HF tensor: experts split per expert, like the loaders."""
     pairs = []
     for t in catalog.tensors:
@@ -69,8 +69,10 @@ def main() -> None:
     shape = shape_for(args.gib)
     catalog = vllm_catalog(shape, tp=1, tp_rank=0)
     gen = torch.Generator(device=device).manual_seed(0)
-    buffers = {t.name: torch.randn(t.shape, generator=gen, device=device).to(torch_dtype(t.dtype))
-               for t in catalog.tensors}
+    buffers = {
+        t.name: torch.randn(t.shape, generator=gen, device=device).to(torch_dtype(t.dtype))
+        for t in catalog.tensors
+    }
     params = {name: torch.empty_like(b) for name, b in buffers.items()}
     nbytes = sum(b.numel() * b.element_size() for b in buffers.values())
     flat_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -81,8 +83,11 @@ def main() -> None:
         for dst, src in pairs:
             dst.copy_(src)
 
-    methods = {"install": lambda: copy_parameters(params, buffers), "d2d": lambda: flat_dst.copy_(flat_src),
-               "per_hf_tensor": per_hf_tensor}
+    methods = {
+        "install": lambda: copy_parameters(params, buffers),
+        "d2d": lambda: flat_dst.copy_(flat_src),
+        "per_hf_tensor": per_hf_tensor,
+    }
     seconds: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(args.reps + 1):
         for name, fn in methods.items():
@@ -92,7 +97,7 @@ def main() -> None:
     exact = all(torch.equal(params[n], buffers[n]) for n in buffers)
     gbps = {m: sorted(nbytes / s / 1e9 for s in v[1:]) for m, v in seconds.items()}
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "model": {**shape.__dict__, "bytes": nbytes, "parameters": len(buffers), "hf_tensors": len(pairs)},
@@ -102,8 +107,10 @@ def main() -> None:
         "install_over_d2d": statistics.median(gbps["install"]) / statistics.median(gbps["d2d"]),
         "seconds": seconds,
     }
-    print(f"{result['device']}: {nbytes / 1e9:.2f} GB, {len(buffers)} parameters, {len(pairs)} HF tensors, "
-          f"bit-exact {exact}")
+    print(
+        f"{result['device']}: {nbytes / 1e9:.2f} GB, {len(buffers)} parameters, {len(pairs)} HF tensors, "
+        f"bit-exact {exact}"
+    )
     for m, g in result["gb_per_s"].items():
         print(f"  {m:<14} {g['median']:8.1f} GB/s  ({g['min']:.1f}-{g['max']:.1f})")
     print(f"  install / d2d  {result['install_over_d2d']:.3f}")

@@ -29,22 +29,29 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: that `syncd` wins
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import syncd  # noqa: E402
-from bench.loopback_transport import LoopbackWire, NullTransport  # noqa: E402
-from bench.refit_bench import shape_for  # noqa: E402
-from bench.synthetic_moe import trainer_catalog, vllm_catalog  # noqa: E402
-from syncd.member.dataplane import catalog_views, recv_buckets, send_buckets  # noqa: E402
-from syncd.layout.dtypes import torch_dtype  # noqa: E402
-from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
+import syncd
+from bench.loopback_transport import LoopbackWire, NullTransport
+from bench.refit_bench import shape_for
+from bench.synthetic_moe import trainer_catalog, vllm_catalog
+from syncd.layout.dtypes import torch_dtype
+from syncd.member.dataplane import catalog_views, recv_buckets, send_buckets
+from syncd.plan import DestMember, SourceMember, make_plan
 
 _SRC, _DST = "trainer-0", "generator-0-0"
 _RANKS = {_SRC: 0, _DST: 1}
 # Host calls that put work on the GPU: one per kernel, copy or memset.
-_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-             "cudaMemcpyAsync", "cudaMemsetAsync", "cudaGraphLaunch")
+_LAUNCHES = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaMemcpyAsync",
+    "cudaMemsetAsync",
+    "cudaGraphLaunch",
+)
 
 
 class Setup:
@@ -56,7 +63,10 @@ class Setup:
         gen = torch.Generator(device=device).manual_seed(0)
 
         def owned(catalog, fill):
-            return {t.name: fill(torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device)) for t in catalog.tensors}
+            return {
+                t.name: fill(torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device))
+                for t in catalog.tensors
+            }
 
         src = owned(self.src_cat, lambda t: t.copy_(torch.randn(t.shape, generator=gen, device=device)))
         dst = owned(self.dst_cat, lambda t: t.fill_(float("nan")))
@@ -67,7 +77,9 @@ class Setup:
         self.options: dict = {}
 
     def plan(self, mib: int):
-        return make_plan([SourceMember(_SRC, 0, self.src_cat)], [DestMember(_DST, self.dst_cat)], bucket_bytes=mib << 20)
+        return make_plan(
+            [SourceMember(_SRC, 0, self.src_cat)], [DestMember(_DST, self.dst_cat)], bucket_bytes=mib << 20
+        )
 
     def refit(self, plan, verify: bool = True, **options):
         """Both loops at once, each in its own thread; returns (sender stats, receiver stats)."""
@@ -109,8 +121,14 @@ class GcPauses:
 
     def summary(self) -> dict:
         by_gen = {g: [s for gen, s in self.pauses if gen == g] for g in (0, 1, 2)}
-        return {f"gen{g}": {"count": len(v), "max_ms": round(1e3 * max(v, default=0.0), 2),
-                            "total_ms": round(1e3 * sum(v), 2)} for g, v in by_gen.items()}
+        return {
+            f"gen{g}": {
+                "count": len(v),
+                "max_ms": round(1e3 * max(v, default=0.0), 2),
+                "total_ms": round(1e3 * sum(v), 2),
+            }
+            for g, v in by_gen.items()
+        }
 
 
 def timed_rounds(methods: dict, reps: int) -> dict[str, list[float]]:
@@ -144,9 +162,21 @@ def launches(setup: Setup, plan, verify: bool = True, trace: Path | None = None,
     executor step, with the host milliseconds of each step under the profiler; optionally the
     chrome trace."""
     out = {}
-    for side, fn, member, views in (("send", send_buckets, _SRC, setup.src), ("recv", recv_buckets, _DST, setup.dst)):
+    for side, fn, member, views in (
+        ("send", send_buckets, _SRC, setup.src),
+        ("recv", recv_buckets, _DST, setup.dst),
+    ):
+
         def run():
-            fn(plan.for_member(member), views, setup.null[side], _RANKS, timeout_s=120, verify=verify, **options)
+            fn(
+                plan.for_member(member),
+                views,
+                setup.null[side],
+                _RANKS,
+                timeout_s=120,
+                verify=verify,
+                **options,
+            )
             torch.cuda.synchronize()
 
         run()
@@ -160,8 +190,11 @@ def launches(setup: Setup, plan, verify: bool = True, trace: Path | None = None,
         for e in events:
             if e.name.startswith("weightsync."):
                 host_ms[e.name.removeprefix("weightsync.")] += e.cpu_time_total / 1e3
-        out[side] = {"launches": sum(per_step.values()), "by_step": dict(per_step),
-                     "host_ms_by_step": {k: round(v, 2) for k, v in host_ms.items()}}
+        out[side] = {
+            "launches": sum(per_step.values()),
+            "by_step": dict(per_step),
+            "host_ms_by_step": {k: round(v, 2) for k, v in host_ms.items()},
+        }
     return out
 
 
@@ -171,7 +204,10 @@ def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None, 
     per-bucket work as CUDA graphs, as `refit_graphs@MiB`."""
     plans = {mib: setup.plan(mib) for mib in mibs}
     nbytes = plans[mibs[0]].total_bytes
-    a, b = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    a, b = (
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+    )
     methods = {"copy": lambda: b.copy_(a)}
     for mib, plan in plans.items():
         methods[f"refit@{mib}"] = lambda p=plan: setup.refit(p)
@@ -190,21 +226,34 @@ def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None, 
         counted = launches(setup, plan)
         counted_noverify = launches(setup, plan, verify=False)
         per_bucket = {side: round(c["launches"] / len(plan.buckets), 2) for side, c in counted.items()}
-        sizes.append({
-            "bucket_mib": mib, "buckets": len(plan.buckets), "units": plan.num_units,
-            "refit_gbps": round(nbytes / med[f"refit@{mib}"] / 1e9, 1),
-            "refit_noverify_gbps": round(nbytes / med[f"refit_noverify@{mib}"] / 1e9, 1),
-            "refit_vs_copy": round(med["copy"] / med[f"refit@{mib}"], 3),
-            "launches_per_bucket": per_bucket,
-            "launches_per_bucket_noverify": {side: round(c["launches"] / len(plan.buckets), 2)
-                                             for side, c in counted_noverify.items()},
-            "launches": counted, "wire": wire, "bits_ok": setup.check(plan)})
+        sizes.append(
+            {
+                "bucket_mib": mib,
+                "buckets": len(plan.buckets),
+                "units": plan.num_units,
+                "refit_gbps": round(nbytes / med[f"refit@{mib}"] / 1e9, 1),
+                "refit_noverify_gbps": round(nbytes / med[f"refit_noverify@{mib}"] / 1e9, 1),
+                "refit_vs_copy": round(med["copy"] / med[f"refit@{mib}"], 3),
+                "launches_per_bucket": per_bucket,
+                "launches_per_bucket_noverify": {
+                    side: round(c["launches"] / len(plan.buckets), 2) for side, c in counted_noverify.items()
+                },
+                "launches": counted,
+                "wire": wire,
+                "bits_ok": setup.check(plan),
+            }
+        )
         if graphs_too:
             graphed = launches(setup, plan, graphs=True)
-            sizes[-1].update({"refit_graphs_gbps": round(nbytes / med[f"refit_graphs@{mib}"] / 1e9, 1),
-                              "launches_per_bucket_graphs": {side: round(c["launches"] / len(plan.buckets), 2)
-                                                            for side, c in graphed.items()},
-                              "launches_graphs": graphed})
+            sizes[-1].update(
+                {
+                    "refit_graphs_gbps": round(nbytes / med[f"refit_graphs@{mib}"] / 1e9, 1),
+                    "launches_per_bucket_graphs": {
+                        side: round(c["launches"] / len(plan.buckets), 2) for side, c in graphed.items()
+                    },
+                    "launches_graphs": graphed,
+                }
+            )
     if profile_dir is not None:
         profile_dir.mkdir(parents=True, exist_ok=True)
         smallest = min(mibs)
@@ -213,28 +262,46 @@ def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None, 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             setup.refit(plans[smallest])
         prof.export_chrome_trace(str(profile_dir / f"loopback-{smallest}mib-both.json"))
-    return {"bytes": nbytes, "copy_gbps": round(nbytes / med["copy"] / 1e9, 1), "sizes": sizes,
-            "gc_pauses_during_rounds": pauses.summary(),
-            "gbps_min_max": {k: [round(nbytes / max(t) / 1e9, 1), round(nbytes / min(t) / 1e9, 1)] for k, t in seconds.items()}}
+    return {
+        "bytes": nbytes,
+        "copy_gbps": round(nbytes / med["copy"] / 1e9, 1),
+        "sizes": sizes,
+        "gc_pauses_during_rounds": pauses.summary(),
+        "gbps_min_max": {
+            k: [round(nbytes / max(t) / 1e9, 1), round(nbytes / min(t) / 1e9, 1)] for k, t in seconds.items()
+        },
+    }
 
 
 def report(r: dict) -> str:
-    lines = [f"loop-back refit [{r['label']}], {r['bytes'] / 1e9:.2f} GB on {r['device']}, {r['date']}, median of "
-             f"{r['reps']} rounds; device-to-device copy of the same bytes: {r['copy_gbps']:.1f} GB/s",
-             f"{'bucket':>8} {'buckets':>7} {'GB/s':>7} {'no-ck':>7} {'vs copy':>7} {'launches/bucket send+recv':>25} "
-             f"{'no-ck':>11} {'wire idle ms':>12} {'largest gap':>11} {'bits ok':>7}"]
+    lines = [
+        (
+            f"loop-back refit [{r['label']}], {r['bytes'] / 1e9:.2f} GB on {r['device']}, {r['date']}, median of "
+            f"{r['reps']} rounds; device-to-device copy of the same bytes: {r['copy_gbps']:.1f} GB/s"
+        ),
+        (
+            f"{'bucket':>8} {'buckets':>7} {'GB/s':>7} {'no-ck':>7} {'vs copy':>7} {'launches/bucket send+recv':>25} "
+            f"{'no-ck':>11} {'wire idle ms':>12} {'largest gap':>11} {'bits ok':>7}"
+        ),
+    ]
     for s in r["sizes"]:
-        lines.append(f"{s['bucket_mib']:>5} MiB {s['buckets']:>7} {s['refit_gbps']:>7.1f} {s['refit_noverify_gbps']:>7.1f} "
-                     f"{s['refit_vs_copy']:>7.2f} {_pair(s['launches_per_bucket']):>25} {_pair(s['launches_per_bucket_noverify']):>11} "
-                     f"{s['wire']['idle_ms']:>12.2f} {s['wire']['largest_gap_ms']:>11.2f} {str(s['bits_ok']):>7}")
+        lines.append(
+            f"{s['bucket_mib']:>5} MiB {s['buckets']:>7} {s['refit_gbps']:>7.1f} {s['refit_noverify_gbps']:>7.1f} "
+            f"{s['refit_vs_copy']:>7.2f} {_pair(s['launches_per_bucket']):>25} {_pair(s['launches_per_bucket_noverify']):>11} "
+            f"{s['wire']['idle_ms']:>12.2f} {s['wire']['largest_gap_ms']:>11.2f} {s['bits_ok']!s:>7}"
+        )
     lines.append(f"  GC pauses during the timed rounds: {r['gc_pauses_during_rounds']}")
     for s in r["sizes"]:
         if "refit_graphs_gbps" in s:
-            lines.append(f"  {s['bucket_mib']} MiB with CUDA graphs: {s['refit_graphs_gbps']:.1f} GB/s, "
-                         f"launches/bucket {_pair(s['launches_per_bucket_graphs'])}")
+            lines.append(
+                f"  {s['bucket_mib']} MiB with CUDA graphs: {s['refit_graphs_gbps']:.1f} GB/s, "
+                f"launches/bucket {_pair(s['launches_per_bucket_graphs'])}"
+            )
         for side, c in s["launches"].items():
-            lines.append(f"  {s['bucket_mib']} MiB {side}: launches by step {c['by_step']}; "
-                         f"host ms by step (profiled) {c['host_ms_by_step']}")
+            lines.append(
+                f"  {s['bucket_mib']} MiB {side}: launches by step {c['by_step']}; "
+                f"host ms by step (profiled) {c['host_ms_by_step']}"
+            )
     return "\n".join(lines)
 
 
@@ -254,24 +321,39 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=8.0, help="model size to move")
     parser.add_argument("--bucket-mib", type=_mib_list, default=[512, 256, 64])
     parser.add_argument("--reps", type=int, default=5, help="timed rounds (after one warm-up round)")
-    parser.add_argument("--switch-interval-ms", type=float, default=0.1,
-                        help="Python's thread switch interval: both loops share one interpreter here, where a "
-                             "trainer and a generator would not; the default 5 ms lets one side wait that long "
-                             "for the other's Python work")
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.1,
+        help="Python's thread switch interval: both loops share one interpreter here, where a "
+        "trainer and a generator would not; the default 5 ms lets one side wait that long "
+        "for the other's Python work",
+    )
     parser.add_argument("--label", default="", help="names the tree measured (e.g. before, after)")
-    parser.add_argument("--profile", type=Path, help="write a chrome trace of one refit at the smallest bucket size here")
+    parser.add_argument(
+        "--profile", type=Path, help="write a chrome trace of one refit at the smallest bucket size here"
+    )
     parser.add_argument("--json", type=Path, help="also write the result here")
-    parser.add_argument("--graphs-too", action="store_true",
-                        help="also measure the refit with CUDA graphs (needs an executor with the graphs option)")
+    parser.add_argument(
+        "--graphs-too",
+        action="store_true",
+        help="also measure the refit with CUDA graphs (needs an executor with the graphs option)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("loopback_bench.py needs a CUDA GPU")
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
     setup = Setup(args.gib, torch.device("cuda"))
-    result = {"label": args.label, "syncd": str(Path(syncd.__file__).parent), "reps": args.reps,
-              "switch_interval_ms": args.switch_interval_ms,
-              "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
-              "torch": torch.__version__, **measure(setup, args.bucket_mib, args.reps, args.profile, args.graphs_too)}
+    result = {
+        "label": args.label,
+        "syncd": str(Path(syncd.__file__).parent),
+        "reps": args.reps,
+        "switch_interval_ms": args.switch_interval_ms,
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        **measure(setup, args.bucket_mib, args.reps, args.profile, args.graphs_too),
+    }
     print(report(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -15,6 +15,7 @@ of both sides together, and a `fence` blocks the host until the peer posted its 
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 
 import torch
@@ -85,7 +86,9 @@ class LoopbackWire:
             peer_buf, peer_ready, peer_handle = self._waiting[other].popleft()
             src, dst = (buf, peer_buf) if side == "send" else (peer_buf, buf)
             if src.numel() != dst.numel():
-                raise ValueError(f"loop-back send of {src.numel()} bytes paired with a receive of {dst.numel()}")
+                raise ValueError(
+                    f"loop-back send of {src.numel()} bytes paired with a receive of {dst.numel()}"
+                )
             done = self._copy(src, dst, ready, peer_ready)
         handle._complete(done)
         peer_handle._complete(done)
@@ -117,8 +120,10 @@ class LoopbackWire:
             except BaseException as e:  # re-raised in the caller: a failed side must fail the run
                 out[name] = e
 
-        threads = [threading.Thread(target=run, args=("send", send_buckets, *sender, self.sender)),
-                   threading.Thread(target=run, args=("recv", recv_buckets, *receiver, self.receiver))]
+        threads = [
+            threading.Thread(target=run, args=("send", send_buckets, *sender, self.sender)),
+            threading.Thread(target=run, args=("recv", recv_buckets, *receiver, self.receiver)),
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -133,10 +138,14 @@ class LoopbackWire:
         """How busy the wire was between its first and last copy, and its idle gaps (ms)."""
         t0 = self.marks[0][0]
         spans = [(t0.elapsed_time(a), t0.elapsed_time(b)) for a, b in self.marks]
-        gaps = [max(0.0, nxt[0] - cur[1]) for cur, nxt in zip(spans, spans[1:])]
-        return {"copies": len(spans), "span_ms": round(spans[-1][1], 3),
-                "busy_ms": round(sum(b - a for a, b in spans), 3), "idle_ms": round(sum(gaps), 3),
-                "largest_gap_ms": round(max(gaps, default=0.0), 3)}
+        gaps = [max(0.0, nxt[0] - cur[1]) for cur, nxt in itertools.pairwise(spans)]
+        return {
+            "copies": len(spans),
+            "span_ms": round(spans[-1][1], 3),
+            "busy_ms": round(sum(b - a for a, b in spans), 3),
+            "idle_ms": round(sum(gaps), 3),
+            "largest_gap_ms": round(max(gaps, default=0.0), 3),
+        }
 
 
 class _Done:

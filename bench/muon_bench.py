@@ -26,13 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from bench.refit_bench import spawn_workers, timed_rounds  # noqa: E402
-from trainer_svc.optim.muon import muon_update  # noqa: E402
-from trainer_svc.optim.muon_comm import orthogonalized_pieces  # noqa: E402
-from trainer_svc.optim.muon_plan import BatchLayout, choose_path  # noqa: E402
+from bench.refit_bench import spawn_workers, timed_rounds
+from trainer_svc.optim.muon import muon_update
+from trainer_svc.optim.muon_comm import orthogonalized_pieces
+from trainer_svc.optim.muon_plan import BatchLayout, choose_path
 
 NS_STEPS = 5
 # (matrices M, tp, replicas): one scenario per path that communicates
@@ -74,9 +74,12 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     matrices, tp, replicas = args.scenario
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     torch.set_num_threads(1)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=tp * replicas)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=tp * replicas,
+    )
     tp_groups = [dist.new_group(list(range(r * tp, (r + 1) * tp))) for r in range(replicas)]
     tp_group = tp_groups[rank // tp]
     layout = BatchLayout(((args.inter, args.hidden),) * matrices, 0, tp, replicas)
@@ -84,8 +87,9 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     gen = torch.Generator().manual_seed(rank % tp)  # replicas hold the same pieces
     pieces = [torch.randn(layout.piece_shape(m), generator=gen).to(device) for m in range(matrices)]
     methods = {
-        "planned": lambda: orthogonalized_pieces(pieces, layout, path, rank, dist.group.WORLD, tp_group,
-                                                 NS_STEPS),
+        "planned": lambda: orthogonalized_pieces(
+            pieces, layout, path, rank, dist.group.WORLD, tp_group, NS_STEPS
+        ),
         "naive": lambda: _naive(pieces, layout, rank % tp, tp_group),
     }
     for a, b in zip(methods["planned"](), methods["naive"]()):  # the same result, or the timing is moot
@@ -95,8 +99,13 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     mem_all = [None] * dist.get_world_size()
     dist.all_gather_object(mem_all, memory)
     if rank == 0:
-        row = {"matrices": matrices, "tp": tp, "replicas": replicas, "path": path,
-               "matrix": [args.inter, args.hidden]}
+        row = {
+            "matrices": matrices,
+            "tp": tp,
+            "replicas": replicas,
+            "path": path,
+            "matrix": [args.inter, args.hidden],
+        }
         for name in methods:
             row[f"{name}_ms"] = 1e3 * statistics.median(times[name])
             row[f"{name}_ms_min_max"] = [1e3 * min(times[name]), 1e3 * max(times[name])]
@@ -119,11 +128,20 @@ def main() -> None:
         args.scenario = scenario
         row = spawn_workers(worker, args, scenario[1] * scenario[2])
         rows.append(row)
-        print(f"M {row['matrices']:2d} tp {row['tp']} replicas {row['replicas']} {row['path']:10s} "
-              f"planned {row['planned_ms']:8.1f} ms {row['planned_peak_extra_mib_max_rank']:6.1f} MiB | "
-              f"naive {row['naive_ms']:8.1f} ms {row['naive_peak_extra_mib_max_rank']:6.1f} MiB", flush=True)
-    result = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "cpus": os.cpu_count(),
-              "device": args.device, "rounds": args.rounds, "rows": rows}
+        print(
+            f"M {row['matrices']:2d} tp {row['tp']} replicas {row['replicas']} {row['path']:10s} "
+            f"planned {row['planned_ms']:8.1f} ms {row['planned_peak_extra_mib_max_rank']:6.1f} MiB | "
+            f"naive {row['naive_ms']:8.1f} ms {row['naive_peak_extra_mib_max_rank']:6.1f} MiB",
+            flush=True,
+        )
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "device": args.device,
+        "rounds": args.rounds,
+        "rows": rows,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from syncd.layout import (  # noqa: E402
+from syncd.layout import (
     Canon,
     CanonicalTensor,
     Catalog,
@@ -32,7 +32,7 @@ from syncd.layout import (  # noqa: E402
     local_tensor,
     split_range,
 )
-from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
+from syncd.plan import DestMember, SourceMember, make_plan
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class DeepSeekV3:
 
 def canonical_tensors(m: DeepSeekV3) -> dict[int | str, list[CanonicalTensor]]:
     """Canonical tensors per layer (plus 'embed' and 'head'), bf16 except the router bias."""
+
     def bf16(name, *shape):
         return CanonicalTensor(name, shape, "bfloat16")
 
@@ -74,7 +75,7 @@ def canonical_tensors(m: DeepSeekV3) -> dict[int | str, list[CanonicalTensor]]:
             bf16(f"{p}.self_attn.kv_b_proj.weight", m.heads * (m.nope_dim + m.v_dim), m.kv_lora),
             bf16(f"{p}.self_attn.o_proj.weight", m.hidden, m.heads * m.v_dim),
         ]
-        if L < m.dense_layers:
+        if m.dense_layers > L:
             ts += [
                 bf16(f"{p}.mlp.gate_proj.weight", m.dense_inter, m.hidden),
                 bf16(f"{p}.mlp.up_proj.weight", m.dense_inter, m.hidden),
@@ -96,8 +97,14 @@ def canonical_tensors(m: DeepSeekV3) -> dict[int | str, list[CanonicalTensor]]:
 
 
 # Which dim a tensor is split on by tensor parallelism (None: replicated), by name suffix.
-COLUMN = ("q_b_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight",
-          "embed_tokens.weight", "lm_head.weight")
+COLUMN = (
+    "q_b_proj.weight",
+    "kv_b_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "embed_tokens.weight",
+    "lm_head.weight",
+)
 ROW = ("o_proj.weight", "down_proj.weight")
 
 
@@ -125,10 +132,20 @@ def trainer_catalog(tensors: list[CanonicalTensor], ep: int, ep_rank: int, tp: i
             expr = Sharded(fused, (Shard(0), Shard(2)), (ep, tp), (ep_rank, tp_rank))
             locals_.append(local_tensor(c.name.replace("gate_proj", "gate_up_proj"), c.dtype, expr))
         elif ".experts." in c.name:
-            locals_.append(local_tensor(c.name, c.dtype, Sharded(Canon(c.name, c.shape), (Shard(0), Shard(2)), (ep, tp), (ep_rank, tp_rank))))
+            locals_.append(
+                local_tensor(
+                    c.name,
+                    c.dtype,
+                    Sharded(Canon(c.name, c.shape), (Shard(0), Shard(2)), (ep, tp), (ep_rank, tp_rank)),
+                )
+            )
         else:
             pl = (Replicate(), Shard(d) if d is not None else Replicate())
-            locals_.append(local_tensor(c.name, c.dtype, Sharded(Canon(c.name, c.shape), pl, (ep, tp), (ep_rank, tp_rank))))
+            locals_.append(
+                local_tensor(
+                    c.name, c.dtype, Sharded(Canon(c.name, c.shape), pl, (ep, tp), (ep_rank, tp_rank))
+                )
+            )
     return Catalog(tuple(tensors), tuple(locals_))
 
 
@@ -141,8 +158,15 @@ def vllm_catalog(tensors: list[CanonicalTensor], tp: int, tp_rank: int) -> Catal
         if c.name.endswith("experts.up_proj.weight") or c.name.endswith("shared_experts.up_proj.weight"):
             continue
         d = tp_dim(c)
-        expr = Sharded(Canon(c.name, c.shape), (Shard(d) if d is not None else Replicate(),), (tp,), (tp_rank,))
-        if c.name.endswith("gate_proj.weight") and ".mlp." in c.name and "layers" in c.name and (".experts." in c.name or "shared_experts" in c.name):
+        expr = Sharded(
+            Canon(c.name, c.shape), (Shard(d) if d is not None else Replicate(),), (tp,), (tp_rank,)
+        )
+        if (
+            c.name.endswith("gate_proj.weight")
+            and ".mlp." in c.name
+            and "layers" in c.name
+            and (".experts." in c.name or "shared_experts" in c.name)
+        ):
             up = by_name[c.name.replace("gate_proj", "up_proj")]
             up_expr = Sharded(Canon(up.name, up.shape), (Shard(d),), (tp,), (tp_rank,))
             expr = Concat(d, (expr, up_expr))
@@ -164,7 +188,9 @@ def build_members(m: DeepSeekV3, pp: int, ep: int, tp: int, replicas: int, gen_t
                 sources.append(SourceMember(f"trainer-{rank}", stage, trainer_catalog(tensors, ep, e, tp, t)))
     everything = [c for cs in per_layer.values() for c in cs]
     gen_catalogs = [vllm_catalog(everything, gen_tp, t) for t in range(gen_tp)]  # shared by replicas
-    dests = [DestMember(f"generator-{r}-{t}", gen_catalogs[t]) for r in range(replicas) for t in range(gen_tp)]
+    dests = [
+        DestMember(f"generator-{r}-{t}", gen_catalogs[t]) for r in range(replicas) for t in range(gen_tp)
+    ]
     return sources, dests, everything
 
 
@@ -188,33 +214,49 @@ def main() -> None:
 
     model_bytes = sum(c.nbytes for c in canonical)
     links = plan.links()
-    print(f"model: {len(canonical)} canonical tensors (experts grouped; "
-          f"{len(canonical) + 3 * (model.layers - model.dense_layers) * (model.experts - 1)} in HF per-expert names), "
-          f"{model_bytes / 2**30:.1f} GiB")
-    print(f"trainer: pp {args.pp} x ep {args.ep} x tp {args.tp} = {len(sources)} ranks; "
-          f"generator: {args.replicas} replicas x tp {args.gen_tp} = {len(dests)} workers")
-    print(f"catalogs: {len({s.catalog.content_hash for s in sources}) + args.gen_tp} distinct, built in {t1 - t0:.2f} s")
-    print(f"plan: {t2 - t1:.2f} s, {plan.num_units} units, {len(plan.buckets)} buckets of <= {args.bucket_mib} MiB, "
-          f"{plan.total_bytes / 2**30:.1f} GiB moved ({plan.total_bytes / model_bytes:.2f} x model, one copy per replica)")
+    print(
+        f"model: {len(canonical)} canonical tensors (experts grouped; "
+        f"{len(canonical) + 3 * (model.layers - model.dense_layers) * (model.experts - 1)} in HF per-expert names), "
+        f"{model_bytes / 2**30:.1f} GiB"
+    )
+    print(
+        f"trainer: pp {args.pp} x ep {args.ep} x tp {args.tp} = {len(sources)} ranks; "
+        f"generator: {args.replicas} replicas x tp {args.gen_tp} = {len(dests)} workers"
+    )
+    print(
+        f"catalogs: {len({s.catalog.content_hash for s in sources}) + args.gen_tp} distinct, built in {t1 - t0:.2f} s"
+    )
+    print(
+        f"plan: {t2 - t1:.2f} s, {plan.num_units} units, {len(plan.buckets)} buckets of <= {args.bucket_mib} MiB, "
+        f"{plan.total_bytes / 2**30:.1f} GiB moved ({plan.total_bytes / model_bytes:.2f} x model, one copy per replica)"
+    )
     print(f"{'stage':>5} {'links':>6} {'GiB':>8} {'MiB/link min':>13} {'median':>8} {'max':>8}")
     for stage, total in plan.stage_bytes().items():
         sizes = [l.bytes / 2**20 for l in links if l.stage == stage]
-        print(f"{stage:>5} {len(sizes):>6} {total / 2**30:>8.2f} {min(sizes):>13.1f} {statistics.median(sizes):>8.1f} {max(sizes):>8.1f}")
+        print(
+            f"{stage:>5} {len(sizes):>6} {total / 2**30:>8.2f} {min(sizes):>13.1f} {statistics.median(sizes):>8.1f} {max(sizes):>8.1f}"
+        )
     if args.links:
         for l in links:
-            print(f"link stage={l.stage} {l.src}->{l.dst} bytes={l.bytes} buckets={l.buckets} units={l.units}")
+            print(
+                f"link stage={l.stage} {l.src}->{l.dst} bytes={l.bytes} buckets={l.buckets} units={l.units}"
+            )
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({
-        "plan_seconds": round(t2 - t1, 3),
-        "catalog_seconds": round(t1 - t0, 3),
-        "peak_rss_mib": round(peak_mib, 1),
-        "units": plan.num_units,
-        "buckets": len(plan.buckets),
-        "links": len(links),
-        "bytes": plan.total_bytes,
-        "trainer_ranks": len(sources),
-        "generator_workers": len(dests),
-    }))
+    print(
+        json.dumps(
+            {
+                "plan_seconds": round(t2 - t1, 3),
+                "catalog_seconds": round(t1 - t0, 3),
+                "peak_rss_mib": round(peak_mib, 1),
+                "units": plan.num_units,
+                "buckets": len(plan.buckets),
+                "links": len(links),
+                "bytes": plan.total_bytes,
+                "trainer_ranks": len(sources),
+                "generator_workers": len(dests),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

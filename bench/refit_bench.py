@@ -27,18 +27,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import itertools
 
-from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog  # noqa: E402
-from deploy.local.processes import free_port  # noqa: E402
-from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets  # noqa: E402
-from syncd.member.dataplane.executor import _STAGING  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from syncd.layout.dtypes import torch_dtype  # noqa: E402
-from syncd.layout.hf_names import is_grouped_expert, split_to_hf  # noqa: E402
-from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
+from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
+from deploy.local.processes import free_port
+from syncd.layout.dtypes import torch_dtype
+from syncd.layout.hf_names import is_grouped_expert, split_to_hf
+from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets
+from syncd.member.dataplane.executor import _STAGING
+from syncd.plan import DestMember, SourceMember, make_plan
 
 
 def shape_for(gib: float) -> MoeShape:
@@ -47,7 +48,9 @@ def shape_for(gib: float) -> MoeShape:
     per_layer = sum(c.nbytes for c in base.canonical()) - 2 * base.vocab * base.hidden * 2
     layers = max(1, round(gib * 2**30 / per_layer))
     if gib < 1:  # CPU-sized runs: shrink the experts instead of the layer count
-        base = MoeShape(layers=4, hidden=512, experts=32, moe_inter=256, heads=8, kv_heads=2, head_dim=64, vocab=8192)
+        base = MoeShape(
+            layers=4, hidden=512, experts=32, moe_inter=256, heads=8, kv_heads=2, head_dim=64, vocab=8192
+        )
         per_layer = sum(c.nbytes for c in base.canonical()) / base.layers
         layers = max(1, round(gib * 2**30 / per_layer))
     return MoeShape(**{**base.__dict__, "layers": layers})
@@ -150,10 +153,15 @@ class _LinkTimer:
         t0 = self.marks[0][0]
         spans = [(t0.elapsed_time(a), t0.elapsed_time(b)) for a, b in self.marks]
         busy = sum(b - a for a, b in spans)
-        gaps = [max(0.0, nxt[0] - cur[1]) for cur, nxt in zip(spans, spans[1:])]
-        return {"transfers": len(spans), "span_ms": round(spans[-1][1], 3), "busy_ms": round(busy, 3),
-                "gaps_ms": round(sum(gaps), 3), "largest_gap_ms": round(max(gaps, default=0.0), 3),
-                "longest_transfer_ms": round(max(b - a for a, b in spans), 3)}
+        gaps = [max(0.0, nxt[0] - cur[1]) for cur, nxt in itertools.pairwise(spans)]
+        return {
+            "transfers": len(spans),
+            "span_ms": round(spans[-1][1], 3),
+            "busy_ms": round(busy, 3),
+            "gaps_ms": round(sum(gaps), 3),
+            "largest_gap_ms": round(max(gaps, default=0.0), 3),
+            "longest_transfer_ms": round(max(b - a for a, b in spans), 3),
+        }
 
 
 def worker(rank: int, args, port: int, out_path: str) -> None:
@@ -163,35 +171,62 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=300),
+    )
     shape = shape_for(args.gib)
     src_cat, dst_cat = trainer_catalog(shape, 1, 0, 1, 0), vllm_catalog(shape, 1, 0)
     me = "trainer-0" if rank == 0 else "generator-0-0"
-    plans = {mib: make_plan([SourceMember("trainer-0", 0, src_cat)], [DestMember("generator-0-0", dst_cat)],
-                            bucket_bytes=mib << 20) for mib in args.bucket_mib}
+    plans = {
+        mib: make_plan(
+            [SourceMember("trainer-0", 0, src_cat)],
+            [DestMember("generator-0-0", dst_cat)],
+            bucket_bytes=mib << 20,
+        )
+        for mib in args.bucket_mib
+    }
     ranks = {"trainer-0": 0, "generator-0-0": 1}
     catalog = src_cat if rank == 0 else dst_cat
     gen = torch.Generator(device=device).manual_seed(0)
     owned = {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device) for t in catalog.tensors}
     for t in owned.values():
-        t.copy_(torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32)) if rank == 0 else t.zero_()
+        t.copy_(
+            torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32)
+        ) if rank == 0 else t.zero_()
     views = catalog_views(catalog, owned)
     transport = _our_transport(backend, rank, device)
     headline = plans[args.bucket_mib[0]]
     total = headline.total_bytes
-    result: dict = {"bytes": total, "units": headline.num_units, "hf_tensors": shape.hf_tensor_count(),
-                    "canonical_tensors": len(shape.canonical()),
-                    "buckets": {mib: len(p.buckets) for mib, p in plans.items()}}
+    result: dict = {
+        "bytes": total,
+        "units": headline.num_units,
+        "hf_tensors": shape.hf_tensor_count(),
+        "canonical_tensors": len(shape.canonical()),
+        "buckets": {mib: len(p.buckets) for mib, p in plans.items()},
+    }
     raw = torch.empty(total, dtype=torch.uint8, device=device)
     last = {}
 
     def refit(mib: int, verify: bool = True, graphs: bool = False):
         run = send_buckets if rank == 0 else recv_buckets
-        last[mib] = run(plans[mib].for_member(me), views, transport, ranks, timeout_s=300, verify=verify,
-                        in_flight=args.in_flight, graphs=graphs)
+        last[mib] = run(
+            plans[mib].for_member(me),
+            views,
+            transport,
+            ranks,
+            timeout_s=300,
+            verify=verify,
+            in_flight=args.in_flight,
+            graphs=graphs,
+        )
 
-    result["extra_gpu_mib"] = {mib: _extra_memory_mib(lambda m=mib: refit(m), device, transport) for mib in plans}
+    result["extra_gpu_mib"] = {
+        mib: _extra_memory_mib(lambda m=mib: refit(m), device, transport) for mib in plans
+    }
     hf = hf_regions(shape, catalog, views)
     methods = {"raw": lambda: (transport.isend(raw, 1) if rank == 0 else transport.irecv(raw, 0)).wait(300)}
     for mib in plans:
@@ -222,7 +257,9 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
             result["link"][mib] = {"sender": both[0], "receiver": both[1]}
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-        _profile(lambda: refit(args.bucket_mib[0]), device, Path(args.profile) / f"warmup-rank{rank}")  # profiler start-up
+        _profile(
+            lambda: refit(args.bucket_mib[0]), device, Path(args.profile) / f"warmup-rank{rank}"
+        )  # profiler start-up
         for mib in plans:
             _profile(lambda m=mib: refit(m), device, Path(args.profile) / f"refit-{mib}mib-rank{rank}")
     transport.close()
@@ -262,7 +299,7 @@ def _bucketed_bcast(hf, rank: int, bucket_bytes: int, device) -> None:
     """Baseline (d): HF tensors packed into buckets, broadcast, unpacked into vLLM's layout."""
     buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
     batch, size = [], 0
-    for item in hf + [None]:
+    for item in [*hf, None]:
         nbytes = item[1].numel() * item[1].element_size() if item else 0
         if batch and (item is None or size + nbytes > bucket_bytes):
             offset = 0
@@ -309,14 +346,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     parser.add_argument("--gib", type=float, default=0.25, help="model size to move")
-    parser.add_argument("--bucket-mib", type=_mib_list, default=[64],
-                        help="bucket sizes to measure, comma-separated; the first is the headline")
+    parser.add_argument(
+        "--bucket-mib",
+        type=_mib_list,
+        default=[64],
+        help="bucket sizes to measure, comma-separated; the first is the headline",
+    )
     parser.add_argument("--in-flight", type=int, default=2, help="staging buffers per side")
     parser.add_argument("--reps", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--profile", help="also write torch profiler traces and tables of one refit here")
     parser.add_argument("--json", help="also write the result here")
-    parser.add_argument("--graphs", action="store_true",
-                        help="also measure the refit with each bucket's work as CUDA graphs (syncd.member.dataplane.graphs)")
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also measure the refit with each bucket's work as CUDA graphs (syncd.member.dataplane.graphs)",
+    )
     args = parser.parse_args()
     r = spawn_workers(worker, args, 2)
     summary = summarize(r, args)
@@ -352,23 +396,40 @@ def summarize(r: dict, args) -> dict:
         "bucket_mib": head,
         "in_flight": args.in_flight,
         "reps": args.reps,
-        "sweep": [{"bucket_mib": mib, "buckets": r["buckets"][str(mib)], "refit_gbps": gbps(f"refit@{mib}"),
-                   "refit_noverify_gbps": gbps(f"refit_noverify@{mib}"),
-                   "refit_vs_raw": round(med["raw"] / med[f"refit@{mib}"], 3),
-                   **({"refit_graphs_gbps": gbps(f"refit_graphs@{mib}")} if f"refit_graphs@{mib}" in med else {}),
-                   "extra_gpu_mib": round(r["extra_gpu_mib"][str(mib)], 1)} for mib in args.bucket_mib],
+        "sweep": [
+            {
+                "bucket_mib": mib,
+                "buckets": r["buckets"][str(mib)],
+                "refit_gbps": gbps(f"refit@{mib}"),
+                "refit_noverify_gbps": gbps(f"refit_noverify@{mib}"),
+                "refit_vs_raw": round(med["raw"] / med[f"refit@{mib}"], 3),
+                **(
+                    {"refit_graphs_gbps": gbps(f"refit_graphs@{mib}")} if f"refit_graphs@{mib}" in med else {}
+                ),
+                "extra_gpu_mib": round(r["extra_gpu_mib"][str(mib)], 1),
+            }
+            for mib in args.bucket_mib
+        ],
         "link": r.get("link", {}),
-        "gbps_min_max": {name: [round(gb / max(t), 3), round(gb / min(t), 3)] for name, t in r["seconds"].items()},
+        "gbps_min_max": {
+            name: [round(gb / max(t), 3), round(gb / min(t), 3)] for name, t in r["seconds"].items()
+        },
         "date": datetime.date.today().isoformat(),
-        "device": torch.cuda.get_device_name(0) if args.backend == "nccl" else f"CPU ({os.cpu_count()} cores)",
+        "device": torch.cuda.get_device_name(0)
+        if args.backend == "nccl"
+        else f"CPU ({os.cpu_count()} cores)",
     }
 
 
 def report(s: dict) -> str:
     gb = s["bytes"] / 1e9
-    lines = [f"{s['backend']}: {gb:.2f} GB, {s['hf_tensors']} HF tensors, median of {s['reps']} rounds, "
-             f"checksums ok: {s['checksums_ok']}, staging depth {s['in_flight']}",
-             f"{'method':<34} {'GB/s':>8} {'vs raw':>7} {'min-max GB/s':>16}"]
+    lines = [
+        (
+            f"{s['backend']}: {gb:.2f} GB, {s['hf_tensors']} HF tensors, median of {s['reps']} rounds, "
+            f"checksums ok: {s['checksums_ok']}, staging depth {s['in_flight']}"
+        ),
+        f"{'method':<34} {'GB/s':>8} {'vs raw':>7} {'min-max GB/s':>16}",
+    ]
     spread = s["gbps_min_max"]
 
     def row(label: str, key: str, value: float) -> str:
@@ -386,12 +447,16 @@ def report(s: dict) -> str:
     lines.append(row("(d) gather + bucketed broadcast", "gather_bcast", s["gather_bcast_gbps"]))
     for mib, sides in s["link"].items():
         for side, link in sides.items():
-            lines.append(f"{side} link, {mib} MiB buckets: {link['busy_ms']:.2f} ms transferring in a "
-                         f"{link['span_ms']:.2f} ms span ({link['transfers']} transfers), {link['gaps_ms']:.2f} ms idle "
-                         f"between them (largest {link['largest_gap_ms']:.2f}), longest transfer {link['longest_transfer_ms']:.2f} ms")
-    lines.append(f"headline ({s['bucket_mib']} MiB): refit = {s['refit_vs_raw']:.2f} x raw, "
-                 f"{s['refit_vs_per_tensor']:.1f} x per-tensor, {s['refit_vs_gather_bcast']:.1f} x gather+bcast; "
-                 f"extra GPU memory {s['extra_gpu_mib']:.0f} MiB")
+            lines.append(
+                f"{side} link, {mib} MiB buckets: {link['busy_ms']:.2f} ms transferring in a "
+                f"{link['span_ms']:.2f} ms span ({link['transfers']} transfers), {link['gaps_ms']:.2f} ms idle "
+                f"between them (largest {link['largest_gap_ms']:.2f}), longest transfer {link['longest_transfer_ms']:.2f} ms"
+            )
+    lines.append(
+        f"headline ({s['bucket_mib']} MiB): refit = {s['refit_vs_raw']:.2f} x raw, "
+        f"{s['refit_vs_per_tensor']:.1f} x per-tensor, {s['refit_vs_gather_bcast']:.1f} x gather+bcast; "
+        f"extra GPU memory {s['extra_gpu_mib']:.0f} MiB"
+    )
     return "\n".join(lines)
 
 

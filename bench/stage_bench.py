@@ -26,15 +26,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from bench.refit_bench import shape_for, spawn_workers, timed_rounds  # noqa: E402
-from bench.synthetic_moe import trainer_catalog, vllm_catalog  # noqa: E402
-from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets  # noqa: E402
-from syncd.layout.dtypes import torch_dtype  # noqa: E402
-from syncd.plan import DestMember, SourceMember, make_plan  # noqa: E402
-from syncd.daemon.planning import checksum_mismatch  # noqa: E402
+from bench.refit_bench import shape_for, spawn_workers, timed_rounds
+from bench.synthetic_moe import trainer_catalog, vllm_catalog
+from syncd.daemon.planning import checksum_mismatch
+from syncd.layout.dtypes import torch_dtype
+from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets
+from syncd.plan import DestMember, SourceMember, make_plan
 
 
 def _canonical(shape, device) -> dict[str, torch.Tensor]:
@@ -42,7 +42,9 @@ def _canonical(shape, device) -> dict[str, torch.Tensor]:
     out = {}
     for i, c in enumerate(shape.canonical()):
         gen = torch.Generator(device=device).manual_seed(1000 + i)
-        out[c.name] = torch.randn(c.shape, generator=gen, device=device, dtype=torch.float32).to(torch_dtype(c.dtype))
+        out[c.name] = torch.randn(c.shape, generator=gen, device=device, dtype=torch.float32).to(
+            torch_dtype(c.dtype)
+        )
     return out
 
 
@@ -83,7 +85,7 @@ def _in_threads(fns) -> None:
     def guard(fn):
         try:
             fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=guard, args=(fn,)) for fn in fns]
@@ -102,8 +104,13 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=pp + tp,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=pp + tp,
+        timeout=datetime.timedelta(seconds=600),
+    )
     shape = shape_for(args.gib)
     trainers = [SourceMember(f"trainer-{s}", s, trainer_catalog(shape, 1, 0, 1, 0, pp, s)) for s in range(pp)]
     receivers = [DestMember(f"generator-0-{r}", vllm_catalog(shape, tp, r)) for r in range(tp)]
@@ -121,11 +128,16 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
         _fill(catalog, catalog_views(catalog, expected), canonical)
     del canonical
 
-    stage_members = {s: [s] + list(range(pp, pp + tp)) for s in range(pp)}
+    stage_members = {s: [s, *list(range(pp, pp + tp))] for s in range(pp)}
     transports = {s: _connect(args.backend, s, stage_members[s], rank, device, 300) for s in range(pp)}
     transports = {s: t for s, t in transports.items() if t is not None}
-    group_ranks = {s: {("trainer-%d" % m if m < pp else "generator-0-%d" % (m - pp)): i
-                       for i, m in enumerate(stage_members[s])} for s in range(pp)}
+    group_ranks = {
+        s: {
+            ("trainer-%d" % m if m < pp else "generator-0-%d" % (m - pp)): i
+            for i, m in enumerate(stage_members[s])
+        }
+        for s in range(pp)
+    }
     mine = plan.for_member(me.member_id)
     by_stage = {s: [b for b in mine if b.stage == s] for s in transports}
     checksums: dict[str, str] = {}
@@ -133,7 +145,9 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     def refit(concurrent: bool) -> None:
         def stage(s: int):
             run = send_buckets if is_trainer else recv_buckets
-            stats = run(by_stage[s], views, transports[s], group_ranks[s], timeout_s=300, in_flight=args.in_flight)
+            stats = run(
+                by_stage[s], views, transports[s], group_ranks[s], timeout_s=300, in_flight=args.in_flight
+            )
             checksums.update(stats.checksums)
 
         if concurrent or is_trainer:
@@ -148,6 +162,7 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     def raw_links(every_link: bool) -> None:
         """One buffer per link: trainer s -> receiver r over stage s's group (every link at once,
         or only trainer 0 -> receiver 0)."""
+
         def link(s: int, peer: int, send: bool):
             t = transports[s]
             (t.isend(raw, peer) if send else t.irecv(raw, 0)).wait(300)
@@ -159,8 +174,12 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
             stages = transports if every_link else ([0] if rank == pp else [])
             _in_threads([lambda s=s: link(s, 0, False) for s in stages])
 
-    methods = {"raw_link": lambda: raw_links(False), "raw_all_links": lambda: raw_links(True),
-               "concurrent": lambda: refit(True), "serialized": lambda: refit(False)}
+    methods = {
+        "raw_link": lambda: raw_links(False),
+        "raw_all_links": lambda: raw_links(True),
+        "concurrent": lambda: refit(True),
+        "serialized": lambda: refit(False),
+    }
     times = timed_rounds(methods, device, args.reps)
 
     bit_exact = True if is_trainer else all(torch.equal(owned[n], expected[n]) for n in owned)
@@ -171,11 +190,22 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     if rank == 0:
         sums = {member: s for member, _, s in gathered}
         problem = checksum_mismatch(plan, sums)
-        Path(out_path).write_text(json.dumps({
-            "times": times, "bytes": plan.total_bytes, "link_bytes": link_bytes, "buckets": len(plan.buckets),
-            "bit_exact": all(ok for _, ok, _ in gathered), "checksums_ok": problem is None, "checksum_problem": problem,
-            "bytes_per_stage": {s: sum(b.nbytes for b in plan.buckets if b.stage == s) for s in range(pp)},
-        }))
+        Path(out_path).write_text(
+            json.dumps(
+                {
+                    "times": times,
+                    "bytes": plan.total_bytes,
+                    "link_bytes": link_bytes,
+                    "buckets": len(plan.buckets),
+                    "bit_exact": all(ok for _, ok, _ in gathered),
+                    "checksums_ok": problem is None,
+                    "checksum_problem": problem,
+                    "bytes_per_stage": {
+                        s: sum(b.nbytes for b in plan.buckets if b.stage == s) for s in range(pp)
+                    },
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
@@ -188,8 +218,11 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--in-flight", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5, help="timed rounds (after one warm-up round)")
-    parser.add_argument("--devices", help="GPU of each rank, comma-separated (default: rank i on GPU i); "
-                        "trainer stages may share a GPU (their groups differ), e.g. 0,0,1 for pp=2, tp=1")
+    parser.add_argument(
+        "--devices",
+        help="GPU of each rank, comma-separated (default: rank i on GPU i); "
+        "trainer stages may share a GPU (their groups differ), e.g. 0,0,1 for pp=2, tp=1",
+    )
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
     if args.pp < 1 or args.tp < 1:
@@ -198,12 +231,18 @@ def main() -> None:
     args.devices = [int(d) for d in args.devices.split(",")] if args.devices else list(range(n))
     if len(args.devices) != n:
         parser.error(f"--devices needs {n} entries (pp + tp), got {len(args.devices)}")
-    if len(set(args.devices[args.pp:])) != args.tp or set(args.devices[: args.pp]) & set(args.devices[args.pp:]):
-        parser.error("each receiver rank needs a GPU of its own, shared with no trainer stage (one NCCL group "
-                     "cannot hold two ranks on one GPU)")
+    if len(set(args.devices[args.pp :])) != args.tp or set(args.devices[: args.pp]) & set(
+        args.devices[args.pp :]
+    ):
+        parser.error(
+            "each receiver rank needs a GPU of its own, shared with no trainer stage (one NCCL group "
+            "cannot hold two ranks on one GPU)"
+        )
     if args.backend == "nccl" and torch.cuda.device_count() <= max(args.devices):
-        parser.error(f"--backend nccl with --devices {args.devices} needs {max(args.devices) + 1} GPUs, "
-                     f"found {torch.cuda.device_count()}")
+        parser.error(
+            f"--backend nccl with --devices {args.devices} needs {max(args.devices) + 1} GPUs, "
+            f"found {torch.cuda.device_count()}"
+        )
     r = spawn_workers(worker, args, args.pp + args.tp)
     med = {name: statistics.median(t) for name, t in r["times"].items()}
     gb = r["bytes"] / 1e9
@@ -225,17 +264,27 @@ def main() -> None:
         "in_flight": args.in_flight,
         "reps": args.reps,
         "date": datetime.date.today().isoformat(),
-        "device": torch.cuda.get_device_name(0) if args.backend == "nccl" else f"CPU ({os.cpu_count()} cores)",
+        "device": torch.cuda.get_device_name(0)
+        if args.backend == "nccl"
+        else f"CPU ({os.cpu_count()} cores)",
         "gpus": args.devices if args.backend == "nccl" else [],
     }
-    print(f"{args.backend}: pp={args.pp} trainer stages -> tp={args.tp} receiver, {gb:.2f} GB in {r['buckets']} buckets, "
-          f"bit-exact: {r['bit_exact']}, checksums ok: {r['checksums_ok']}"
-          + (f" ({r['checksum_problem']})" if r["checksum_problem"] else ""))
-    print(f"raw: {summary['raw_gbps']:.2f} GB/s on one link, {summary['raw_all_links_gbps']:.2f} GB/s on all "
-          f"{args.pp * args.tp} links at once")
-    print(f"refit, stages concurrent: {med['concurrent']:.4f} s ({summary['refit_gbps']:.2f} GB/s, "
-          f"{summary['refit_gbps'] / summary['raw_all_links_gbps']:.2f} x all-links raw)")
-    print(f"refit, stages serialized: {med['serialized']:.4f} s ({summary['serialized_over_concurrent']:.2f} x concurrent)")
+    print(
+        f"{args.backend}: pp={args.pp} trainer stages -> tp={args.tp} receiver, {gb:.2f} GB in {r['buckets']} buckets, "
+        f"bit-exact: {r['bit_exact']}, checksums ok: {r['checksums_ok']}"
+        + (f" ({r['checksum_problem']})" if r["checksum_problem"] else "")
+    )
+    print(
+        f"raw: {summary['raw_gbps']:.2f} GB/s on one link, {summary['raw_all_links_gbps']:.2f} GB/s on all "
+        f"{args.pp * args.tp} links at once"
+    )
+    print(
+        f"refit, stages concurrent: {med['concurrent']:.4f} s ({summary['refit_gbps']:.2f} GB/s, "
+        f"{summary['refit_gbps'] / summary['raw_all_links_gbps']:.2f} x all-links raw)"
+    )
+    print(
+        f"refit, stages serialized: {med['serialized']:.4f} s ({summary['serialized_over_concurrent']:.2f} x concurrent)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))

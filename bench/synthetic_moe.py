@@ -46,11 +46,20 @@ class MoeShape:
                 CanonicalTensor(f"{p}.self_attn.q_norm.weight", (self.head_dim,), d),
                 CanonicalTensor(f"{p}.self_attn.k_norm.weight", (self.head_dim,), d),
                 CanonicalTensor(f"{p}.mlp.gate.weight", (self.experts, h), d),
-                CanonicalTensor(grouped_expert_name(f"{p}.mlp", "gate_proj"), (self.experts, self.moe_inter, h), d),
-                CanonicalTensor(grouped_expert_name(f"{p}.mlp", "up_proj"), (self.experts, self.moe_inter, h), d),
-                CanonicalTensor(grouped_expert_name(f"{p}.mlp", "down_proj"), (self.experts, h, self.moe_inter), d),
+                CanonicalTensor(
+                    grouped_expert_name(f"{p}.mlp", "gate_proj"), (self.experts, self.moe_inter, h), d
+                ),
+                CanonicalTensor(
+                    grouped_expert_name(f"{p}.mlp", "up_proj"), (self.experts, self.moe_inter, h), d
+                ),
+                CanonicalTensor(
+                    grouped_expert_name(f"{p}.mlp", "down_proj"), (self.experts, h, self.moe_inter), d
+                ),
             ]
-        out += [CanonicalTensor("model.norm.weight", (h,), d), CanonicalTensor("lm_head.weight", (self.vocab, h), d)]
+        out += [
+            CanonicalTensor("model.norm.weight", (h,), d),
+            CanonicalTensor("lm_head.weight", (self.vocab, h), d),
+        ]
         return out
 
     def hf_tensor_count(self) -> int:
@@ -74,7 +83,9 @@ def stage_of(shape: MoeShape, name: str, pp: int) -> int:
     return next(stage for stage in range(pp) if layer < bounds[stage + 1])
 
 
-def trainer_catalog(shape: MoeShape, ep: int, ep_rank: int, tp: int, tp_rank: int, pp: int = 1, pp_rank: int = 0) -> Catalog:
+def trainer_catalog(
+    shape: MoeShape, ep: int, ep_rank: int, tp: int, tp_rank: int, pp: int = 1, pp_rank: int = 0
+) -> Catalog:
     """Expert TP: experts over ep, each expert's fused gate/up split over tp (registered as the
     [E_l, 2, I/tp, H] view), down_proj row-parallel, attention column/row-parallel; with pp > 1
     only the tensors of stage `pp_rank` (all canonical tensors stay declared)."""
@@ -93,10 +104,26 @@ def trainer_catalog(shape: MoeShape, ep: int, ep_rank: int, tp: int, tp_rank: in
             expr = Sharded(fused, (Shard(0), Shard(2)), mesh, coords)
             tensors.append(local_tensor(c.name.replace("gate_proj", "gate_up_proj"), c.dtype, expr))
         elif c.name.endswith("experts.down_proj.weight"):
-            tensors.append(local_tensor(c.name, c.dtype, Sharded(Canon(c.name, c.shape), (Shard(0), Shard(2)), mesh, coords)))
+            tensors.append(
+                local_tensor(
+                    c.name, c.dtype, Sharded(Canon(c.name, c.shape), (Shard(0), Shard(2)), mesh, coords)
+                )
+            )
         else:
-            tp_placement = Shard(0) if c.name.endswith(_COLUMN) else Shard(1) if c.name.endswith("o_proj.weight") else Replicate()
-            tensors.append(local_tensor(c.name, c.dtype, Sharded(Canon(c.name, c.shape), (Replicate(), tp_placement), mesh, coords)))
+            tp_placement = (
+                Shard(0)
+                if c.name.endswith(_COLUMN)
+                else Shard(1)
+                if c.name.endswith("o_proj.weight")
+                else Replicate()
+            )
+            tensors.append(
+                local_tensor(
+                    c.name,
+                    c.dtype,
+                    Sharded(Canon(c.name, c.shape), (Replicate(), tp_placement), mesh, coords),
+                )
+            )
     return Catalog(tuple(canon), tuple(tensors))
 
 
@@ -107,7 +134,9 @@ def vllm_catalog(shape: MoeShape, tp: int, tp_rank: int) -> Catalog:
     by_name = {c.name: c for c in canon}
 
     def split(c: CanonicalTensor, dim: int | None):
-        return Sharded(Canon(c.name, c.shape), (Shard(dim) if dim is not None else Replicate(),), (tp,), (tp_rank,))
+        return Sharded(
+            Canon(c.name, c.shape), (Shard(dim) if dim is not None else Replicate(),), (tp,), (tp_rank,)
+        )
 
     tensors = []
     for c in canon:
@@ -119,7 +148,13 @@ def vllm_catalog(shape: MoeShape, tp: int, tp_rank: int) -> Catalog:
             tensors.append(local_tensor(n.replace("q_proj", "qkv_proj"), c.dtype, Concat(0, parts)))
         elif n.endswith("experts.gate_proj.weight"):
             up = by_name[n.replace("gate_proj", "up_proj")]
-            tensors.append(local_tensor(n.replace("gate_proj.weight", "w13_weight"), c.dtype, Concat(1, (split(c, 1), split(up, 1)))))
+            tensors.append(
+                local_tensor(
+                    n.replace("gate_proj.weight", "w13_weight"),
+                    c.dtype,
+                    Concat(1, (split(c, 1), split(up, 1))),
+                )
+            )
         elif n.endswith("experts.down_proj.weight"):
             tensors.append(local_tensor(n.replace("down_proj.weight", "w2_weight"), c.dtype, split(c, 2)))
         else:

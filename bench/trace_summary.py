@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import itertools
 import json
 
 
@@ -54,17 +55,25 @@ def _gpu_summary(gpu: list[dict]) -> list[str]:
         lines.append(f"  stream {stream}: {busy / 1e3:.3f} ms busy in {n} ops ({top})")
     if nccl:
         busy = sum(e["dur"] for e in nccl)
-        lines.append(f"NCCL kernels: {len(nccl)}, {busy / 1e3:.3f} ms; from first start to last end "
-                     f"{(nccl[-1]['ts'] + nccl[-1]['dur'] - nccl[0]['ts']) / 1e3:.3f} ms")
-        lines.append(f"  before the first NCCL kernel: {(nccl[0]['ts'] - start) / 1e3:.3f} ms; "
-                     f"after the last: {(end - nccl[-1]['ts'] - nccl[-1]['dur']) / 1e3:.3f} ms")
-        gaps = [(b["ts"] - (a["ts"] + a["dur"]), a, b) for a, b in zip(nccl, nccl[1:])]
+        lines.append(
+            f"NCCL kernels: {len(nccl)}, {busy / 1e3:.3f} ms; from first start to last end "
+            f"{(nccl[-1]['ts'] + nccl[-1]['dur'] - nccl[0]['ts']) / 1e3:.3f} ms"
+        )
+        lines.append(
+            f"  before the first NCCL kernel: {(nccl[0]['ts'] - start) / 1e3:.3f} ms; "
+            f"after the last: {(end - nccl[-1]['ts'] - nccl[-1]['dur']) / 1e3:.3f} ms"
+        )
+        gaps = [(b["ts"] - (a["ts"] + a["dur"]), a, b) for a, b in itertools.pairwise(nccl)]
         total_gap = sum(max(0.0, g) for g, _, _ in gaps)
-        lines.append(f"  idle link between NCCL kernels: {total_gap / 1e3:.3f} ms in {len(gaps)} gaps; "
-                     f"largest: " + ", ".join(f"{g:.0f} us" for g, _, _ in sorted(gaps, key=lambda x: -x[0])[:5]))
+        lines.append(
+            f"  idle link between NCCL kernels: {total_gap / 1e3:.3f} ms in {len(gaps)} gaps; "
+            f"largest: " + ", ".join(f"{g:.0f} us" for g, _, _ in sorted(gaps, key=lambda x: -x[0])[:5])
+        )
         durs = sorted(e["dur"] for e in nccl)
-        lines.append(f"  NCCL kernel durations: min {durs[0]:.0f} us, median {durs[len(durs) // 2]:.0f} us, "
-                     f"max {durs[-1]:.0f} us")
+        lines.append(
+            f"  NCCL kernel durations: min {durs[0]:.0f} us, median {durs[len(durs) // 2]:.0f} us, "
+            f"max {durs[-1]:.0f} us"
+        )
     return lines
 
 

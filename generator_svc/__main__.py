@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -12,12 +13,12 @@ def main(argv: list[str] | None = None) -> int:
     from generator_svc.app import serve
     from generator_svc.settings import parse
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s generator %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s generator %(name)s: %(message)s"
+    )
     settings, args = parse(argv)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         uvloop.run(serve(settings, args))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

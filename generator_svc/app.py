@@ -32,10 +32,15 @@ async def serve(settings: Settings, args: Namespace) -> None:
             server.install(app, refitter)  # before init_app_state: the middleware stack freezes there
             await init_app_state(engine, app.state, args, tasks)
             log.info("generator_svc serving on %s", listen_address)
-            shutdown = await serve_http(app, sock=sock, host=args.host, port=args.port,
-                                        log_level=args.uvicorn_log_level,
-                                        access_log=not args.disable_uvicorn_access_log,
-                                        timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+            shutdown = await serve_http(
+                app,
+                sock=sock,
+                host=args.host,
+                port=args.port,
+                log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            )
         await shutdown
     finally:
         sock.close()

@@ -154,10 +154,12 @@ def _qkv_expr(p: QKVParam) -> Expr:
 def _experts_expr(p: ExpertsParam) -> Expr:
     if p.intermediate % p.tp.size:
         raise ValueError(f"{p.name}: intermediate size {p.intermediate} does not split over tp={p.tp.size}")
-    E, I, H = p.num_experts, p.intermediate, p.hidden  # noqa: N806 (shape legend)
+    E, I, H = p.num_experts, p.intermediate, p.hidden
     first, count = p.local_experts or (0, E)
-    if not (0 <= first and count > 0 and first + count <= E):
-        raise ValueError(f"{p.name}: local experts {first}..{first + count - 1} are not within the {E} experts")
+    if not (first >= 0 and count > 0 and first + count <= E):
+        raise ValueError(
+            f"{p.name}: local experts {first}..{first + count - 1} are not within the {E} experts"
+        )
 
     def held(name: str, shape: tuple[int, ...]) -> Canon:  # this rank's experts (all but under EP)
         box = Box((first, *(0 for _ in shape[1:])), (first + count, *shape[1:]))
@@ -207,7 +209,9 @@ def _canonical_shapes(p: ParamSpec) -> dict[str, tuple[int, ...]]:
     return walk(param_expr(p))
 
 
-def build_catalog(specs: list[ParamSpec], *, expected_shapes: dict[str, tuple[int, ...]] | None = None) -> Catalog:
+def build_catalog(
+    specs: list[ParamSpec], *, expected_shapes: dict[str, tuple[int, ...]] | None = None
+) -> Catalog:
     """One worker's catalog: a local tensor per parameter, in spec order.
 
     `expected_shapes` (parameter name -> checkpoint-format shape, as vLLM allocated it) cross-checks
@@ -239,8 +243,15 @@ def catalog_to_json(catalog: Catalog) -> str:
         {
             "canonical": [[c.name, list(c.shape), c.dtype] for c in catalog.canonical],
             "tensors": [
-                [t.name, list(t.shape), t.dtype,
-                 [[p.canonical, p.canon.start, p.canon.stop, p.local.start, p.local.stop] for p in t.pieces]]
+                [
+                    t.name,
+                    list(t.shape),
+                    t.dtype,
+                    [
+                        [p.canonical, p.canon.start, p.canon.stop, p.local.start, p.local.stop]
+                        for p in t.pieces
+                    ],
+                ]
                 for t in catalog.tensors
             ],
         }
@@ -251,9 +262,14 @@ def catalog_from_json(text: str) -> Catalog:
     doc = json.loads(text)
     canonical = tuple(CanonicalTensor(n, tuple(s), d) for n, s, d in doc["canonical"])
     tensors = tuple(
-        LocalTensor(n, tuple(s), d, tuple(
-            Piece(c, Box(tuple(cs), tuple(ce)), Box(tuple(ls), tuple(le))) for c, cs, ce, ls, le in pieces
-        ))
+        LocalTensor(
+            n,
+            tuple(s),
+            d,
+            tuple(
+                Piece(c, Box(tuple(cs), tuple(ce)), Box(tuple(ls), tuple(le))) for c, cs, ce, ls, le in pieces
+            ),
+        )
         for n, s, d, pieces in doc["tensors"]
     )
     return Catalog(canonical, tensors)

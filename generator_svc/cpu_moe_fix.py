@@ -26,7 +26,7 @@ def apply_cpu_moe_fix() -> bool:
     if getattr(original, _MARK, False):
         return True
 
-    def _setup_kernel(self, layer, w13, w2):  # noqa: ANN001 (vLLM's signature)
+    def _setup_kernel(self, layer, w13, w2):
         is_weight_update = self.moe_kernel is not None
         original(self, layer, w13, w2)
         if is_weight_update:

@@ -67,8 +67,9 @@ class InplaceReceiver:
     """Receives one version into a model inside vLLM's layerwise reload. Thread-safe: each PP
     stage's receive runs on its own thread; `close` may come from any thread."""
 
-    def __init__(self, model: torch.nn.Module, catalog: Catalog, device: torch.device,
-                 vllm_config=None) -> None:  # noqa: ANN001
+    def __init__(
+        self, model: torch.nn.Module, catalog: Catalog, device: torch.device, vllm_config=None
+    ) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         # Where the weights live (the model's own parameters are on the meta device by now).
@@ -91,12 +92,19 @@ class InplaceReceiver:
                 raise RuntimeError(f"{path}: not inside a layerwise reload (start_weight_update first)")
             uncovered = uncovered_tensors(module, info, path, set(names))
             if uncovered:
-                raise ValueError(f"{path}: {', '.join(uncovered)} not in the catalog, so the in-place install "
-                                 "cannot fill this layer; use --refit-mode staged (it falls back to vLLM's loaders)")
+                raise ValueError(
+                    f"{path}: {', '.join(uncovered)} not in the catalog, so the in-place install "
+                    "cannot fill this layer; use --refit-mode staged (it falls back to vLLM's loaders)"
+                )
             covered = {n: covered_elements(by_name[n]) for n in names}
-            layer = _Layer(path, module, info, {n: by_name[n].shape for n in names},
-                           {n for n in names if covered[n] < torch.Size(by_name[n].shape).numel()},
-                           sum(covered.values()))
+            layer = _Layer(
+                path,
+                module,
+                info,
+                {n: by_name[n].shape for n in names},
+                {n for n in names if covered[n] < torch.Size(by_name[n].shape).numel()},
+                sum(covered.values()),
+            )
             self._layers[path] = layer
             self._layer_of.update(dict.fromkeys(names, layer))
 
@@ -136,8 +144,11 @@ class InplaceReceiver:
 
     def missing(self) -> list[str]:
         """Layers not completely received, as 'path (N elements missing)'."""
-        return [f"{layer.path} ({layer.remaining} elements missing)" for layer in self._layers.values()
-                if not layer.closed]
+        return [
+            f"{layer.path} ({layer.remaining} elements missing)"
+            for layer in self._layers.values()
+            if not layer.closed
+        ]
 
     def require_complete(self) -> None:
         missing = self.missing()
@@ -159,10 +170,15 @@ class InplaceReceiver:
             return target
         if not layer.targets and not is_plain(layer.module):
             open_processed(layer.module, layer.info)
-            layer.open_bytes = sum(p.numel() * p.element_size() for p in layer.module.parameters(recurse=False))
+            layer.open_bytes = sum(
+                p.numel() * p.element_size() for p in layer.module.parameters(recurse=False)
+            )
             self._opened(layer.open_bytes)
-        live = plain_targets(layer.info)[_param(name)] if is_plain(layer.module) else \
-            getattr(layer.module, _param(name)).data
+        live = (
+            plain_targets(layer.info)[_param(name)]
+            if is_plain(layer.module)
+            else getattr(layer.module, _param(name)).data
+        )
         layer.targets[name] = target = _receive_view(live, layer.shapes[name], name)
         if name in layer.partial:  # what no piece fills is zero, as in staging
             target.zero_()
@@ -183,7 +199,7 @@ class InplaceReceiver:
         self.peak_open_bytes = max(self.peak_open_bytes, self.open_bytes)
         self.report.peak_open_bytes = self.peak_open_bytes
 
-    def _config(self):  # noqa: ANN202
+    def _config(self):
         """vLLM's current config while post-processing runs on the data plane's thread."""
         import contextlib
 
@@ -194,16 +210,17 @@ class InplaceReceiver:
         return set_current_vllm_config(self._vllm_config)
 
 
-def checkpoint_buckets(catalog: Catalog, member_id: str, checkpoint: str,
-                       bucket_bytes: int) -> list[tuple[Bucket, torch.Tensor]]:
+def checkpoint_buckets(
+    catalog: Catalog, member_id: str, checkpoint: str, bucket_bytes: int
+) -> list[tuple[Bucket, torch.Tensor]]:
     """(bucket, packed bytes) of `checkpoint` as a sender would send them to `member_id`, planned
     as one source holding every canonical tensor whole (a test and benchmark aid: the same buckets
     a one-rank trainer sends, without a network)."""
     from safetensors.torch import load_file
 
-    from syncd.member.dataplane import pack_into
     from syncd.layout import Canon, CanonicalTensor, hf_names, local_tensor
     from syncd.layout.dtypes import torch_dtype
+    from syncd.member.dataplane import pack_into
     from syncd.plan import DestMember, SourceMember, make_plan
 
     dtype = {c.name: c.dtype for c in catalog.canonical}
@@ -212,16 +229,28 @@ def checkpoint_buckets(catalog: Catalog, member_id: str, checkpoint: str,
         for name, t in hf_names.group_from_hf(load_file(str(file)).items(), torch.stack).items():
             if name in dtype:
                 canonical[name] = t.to(torch_dtype(dtype[name]))
-    source = Catalog(tuple(CanonicalTensor(n, tuple(t.shape), dtype[n]) for n, t in canonical.items()),
-                     tuple(local_tensor(n, dtype[n], Canon(n, tuple(t.shape))) for n, t in canonical.items()))
-    plan = make_plan([SourceMember("checkpoint", 0, source)], [DestMember(member_id, catalog, by_layer=True)],
-                     bucket_bytes=bucket_bytes)
-    return [(b, pack_into(b, canonical, torch.empty(b.nbytes, dtype=torch.uint8)).clone())
-            for b in plan.for_member(member_id)]
+    source = Catalog(
+        tuple(CanonicalTensor(n, tuple(t.shape), dtype[n]) for n, t in canonical.items()),
+        tuple(local_tensor(n, dtype[n], Canon(n, tuple(t.shape))) for n, t in canonical.items()),
+    )
+    plan = make_plan(
+        [SourceMember("checkpoint", 0, source)],
+        [DestMember(member_id, catalog, by_layer=True)],
+        bucket_bytes=bucket_bytes,
+    )
+    return [
+        (b, pack_into(b, canonical, torch.empty(b.nbytes, dtype=torch.uint8)).clone())
+        for b in plan.for_member(member_id)
+    ]
 
 
-def install_buckets(model: torch.nn.Module, catalog: Catalog, device: torch.device, vllm_config,  # noqa: ANN001
-                    packed: list[tuple[Bucket, torch.Tensor]]) -> InplaceReceiver:
+def install_buckets(
+    model: torch.nn.Module,
+    catalog: Catalog,
+    device: torch.device,
+    vllm_config,
+    packed: list[tuple[Bucket, torch.Tensor]],
+) -> InplaceReceiver:
     """The whole in-place install of already packed buckets inside vLLM's layerwise reload (what a
     refit does between hold and commit, without the wire). Returns the receiver (its report)."""
     from vllm.config import set_current_vllm_config
@@ -253,6 +282,8 @@ def _receive_view(live: torch.Tensor, shape: tuple[int, ...], name: str) -> torc
         return live.view(shape)
     rows = shape[0]
     if live.dim() != len(shape) or tuple(live.shape[1:]) != tuple(shape[1:]) or live.shape[0] < rows:
-        raise ValueError(f"{name}: catalog shape {tuple(shape)} does not fit parameter shape {tuple(live.shape)}")
+        raise ValueError(
+            f"{name}: catalog shape {tuple(shape)} does not fit parameter shape {tuple(live.shape)}"
+        )
     live[rows:].zero_()
     return live[:rows]

@@ -68,7 +68,9 @@ def copy_into(param: torch.Tensor, staged: torch.Tensor) -> None:
         return
     rows = staged.shape[0]
     if param.dim() != staged.dim() or param.shape[1:] != staged.shape[1:] or param.shape[0] < rows:
-        raise ValueError(f"staged shape {tuple(staged.shape)} does not fit parameter shape {tuple(param.shape)}")
+        raise ValueError(
+            f"staged shape {tuple(staged.shape)} does not fit parameter shape {tuple(param.shape)}"
+        )
     param[:rows].copy_(staged)
     param[rows:].zero_()
 
@@ -92,8 +94,9 @@ def params_by_layer(names: list[str]) -> dict[str, list[str]]:
     return dict(out)
 
 
-def install_into_model(model: torch.nn.Module, buffers: dict[str, torch.Tensor],
-                       changed: frozenset[str] | None = None) -> InstallReport:
+def install_into_model(
+    model: torch.nn.Module, buffers: dict[str, torch.Tensor], changed: frozenset[str] | None = None
+) -> InstallReport:
     """Install `buffers` (parameter name -> staged checkpoint-format tensor) into `model`, which must
     be inside the layerwise-reload lifecycle. `changed` (after a delta refit): the only parameters
     that differ from what the model runs; a layer holding none of them keeps its kernel tensors, so
@@ -116,8 +119,11 @@ def install_into_model(model: torch.nn.Module, buffers: dict[str, torch.Tensor],
             continue
         uncovered = uncovered_tensors(layer, info, path, buffers)
         if uncovered:
-            log.warning("%s: %s not in the catalog; installing this layer through vLLM's loaders",
-                        path, ", ".join(uncovered))
+            log.warning(
+                "%s: %s not in the catalog; installing this layer through vLLM's loaders",
+                path,
+                ", ".join(uncovered),
+            )
             report.fallback_params.extend(names)
             continue
         if is_plain(layer):
@@ -128,7 +134,7 @@ def install_into_model(model: torch.nn.Module, buffers: dict[str, torch.Tensor],
     return report
 
 
-def uncovered_tensors(layer, info, path: str, names) -> list[str]:  # noqa: ANN001 (names: a container)
+def uncovered_tensors(layer, info, path: str, names) -> list[str]:
     """Loadable tensors of the layer (checkpoint-format parameters and persistent buffers) that no
     staged buffer fills."""
     params, layer_buffers = info.restore_metadata
@@ -136,7 +142,7 @@ def uncovered_tensors(layer, info, path: str, names) -> list[str]:  # noqa: ANN0
     return [n for n in loadable if f"{path}.{n}" not in names]
 
 
-def _install_plain(layer, info, path: str, buffers, report: InstallReport) -> None:  # noqa: ANN001
+def _install_plain(layer, info, path: str, buffers, report: InstallReport) -> None:
     kernel_params = plain_targets(info)
     t0 = time.perf_counter()
     report.bytes_copied += copy_parameters(kernel_params, {n: buffers[f"{path}.{n}"] for n in kernel_params})
@@ -145,7 +151,7 @@ def _install_plain(layer, info, path: str, buffers, report: InstallReport) -> No
     close_plain(layer, info)
 
 
-def _install_processed(layer, info, path: str, buffers, report: InstallReport) -> None:  # noqa: ANN001
+def _install_processed(layer, info, path: str, buffers, report: InstallReport) -> None:
     open_processed(layer, info)
     t0 = time.perf_counter()
     for name in info.restore_metadata[0]:
@@ -157,19 +163,20 @@ def _install_processed(layer, info, path: str, buffers, report: InstallReport) -
 # The per-layer steps, shared with the in-place receive (`generator_svc.inplace`), which writes the
 # arriving bytes between a layer's open and close instead of copying from staging.
 
-def is_plain(layer) -> bool:  # noqa: ANN001
+
+def is_plain(layer) -> bool:
     """A layer without a quantization method (norms): its kernel tensors are its checkpoint
     tensors, so the bytes go straight into them."""
     return getattr(layer, "quant_method", None) is None
 
 
-def plain_targets(info) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def plain_targets(info) -> dict[str, torch.Tensor]:
     """The kept kernel tensors of a plain layer, by parameter name: where its bytes are written."""
     kernel_params, _ = info.kernel_tensors
     return {n: p.data for n, p in kernel_params.items()}
 
 
-def close_plain(layer, info) -> None:  # noqa: ANN001
+def close_plain(layer, info) -> None:
     """Put the layer's kept kernel tensors back and end its reload (nothing to process)."""
     from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
 
@@ -177,7 +184,7 @@ def close_plain(layer, info) -> None:  # noqa: ANN001
     info.reset()
 
 
-def open_processed(layer, info) -> None:  # noqa: ANN001
+def open_processed(layer, info) -> None:
     """Give the layer real checkpoint-format tensors (new memory, freed by `close_processed`)."""
     from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
@@ -186,7 +193,7 @@ def open_processed(layer, info) -> None:  # noqa: ANN001
         delattr(layer, "_already_called_process_weights_after_loading")
 
 
-def close_processed(layer, info, report: InstallReport) -> None:  # noqa: ANN001
+def close_processed(layer, info, report: InstallReport) -> None:
     """vLLM's post-processing of the filled checkpoint tensors, whose results go into the kept
     kernel tensors (vLLM's own steps of `_layerwise_process`, without the loader calls)."""
     from vllm.model_executor.model_loader.reload.layerwise import _copy_and_restore_kernel_tensors

@@ -24,16 +24,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import httpx
 import torch
 
 from generator_svc.inplace import InplaceReceiver
 from generator_svc.staging import Staging
+from syncd.layout import Catalog
 from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.client import MemberClient
-from syncd.layout import Catalog
 from syncd.plan.types import Bucket
 from syncd.weight_version import WeightVersion, version_label
 
@@ -55,8 +55,12 @@ class _CommitRelay:
         self._applied = threading.Condition()
 
     def _post(self, route: str, body: dict, timeout_s: float) -> httpx.Response:
-        return httpx.post(f"{self.internal_url}/{route}", timeout=timeout_s, json=body,
-                          headers={"Authorization": f"Bearer {self.token}"})
+        return httpx.post(
+            f"{self.internal_url}/{route}",
+            timeout=timeout_s,
+            json=body,
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
 
     def commit(self, refit_id: str, weight_version: WeightVersion, timeout_s: float) -> None:
         """Return once this worker runs `weight_version`; raise if applying it failed or did not
@@ -69,12 +73,17 @@ class _CommitRelay:
             budget = timeout_s - _answer_margin_s(timeout_s)
             if budget <= 0:
                 raise TimeoutError(f"version {version}: {timeout_s:.1f} s left is too little to install")
-            response = self._post("commit", {"refit_id": refit_id, "version": weight_version, "timeout_s": budget},
-                                  timeout_s)
+            response = self._post(
+                "commit", {"refit_id": refit_id, "version": weight_version, "timeout_s": budget}, timeout_s
+            )
             if response.status_code >= 400:
-                raise RuntimeError(f"apply of version {version} failed ({response.status_code}): {response.text}")
+                raise RuntimeError(
+                    f"apply of version {version} failed ({response.status_code}): {response.text}"
+                )
         with self._applied:
-            if not self._applied.wait_for(lambda: version in self._outcomes, max(deadline - time.monotonic(), 0)):
+            if not self._applied.wait_for(
+                lambda: version in self._outcomes, max(deadline - time.monotonic(), 0)
+            ):
                 raise TimeoutError(f"version {version} was not applied within {timeout_s:.1f} s")
             ok, error = self._outcomes.pop(version)
         if not ok:
@@ -95,8 +104,9 @@ class StagedEndpoint(_CommitRelay):
         self.staging = staging
         self._buckets: tuple[Bucket, ...] = ()
 
-    def begin(self, refit_id: str, weight_version: WeightVersion,
-              buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
+    def begin(
+        self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
+    ) -> Mapping[str, torch.Tensor]:
         self.staging.begin(refit_id)
         self._buckets = tuple(buckets)
         return self.staging.buffers
@@ -123,7 +133,9 @@ class InplaceEndpoint(_CommitRelay):
     into its `InplaceReceiver`; Abort releases the hold (`/internal/release`: 503 until a complete
     refit when layers were already installed)."""
 
-    def __init__(self, member_id: str, internal_url: str, token: str, hold_limit_s: float, in_flight: int) -> None:
+    def __init__(
+        self, member_id: str, internal_url: str, token: str, hold_limit_s: float, in_flight: int
+    ) -> None:
         super().__init__(member_id, internal_url, token)
         self.hold_limit_s, self.in_flight = hold_limit_s, in_flight
         self._held = threading.Condition()
@@ -131,23 +143,33 @@ class InplaceEndpoint(_CommitRelay):
         self._refit_id = ""
         self._aborted = False
 
-    def begin(self, refit_id: str, weight_version: WeightVersion,
-              buckets: Sequence[Bucket]) -> InplaceReceiver:
+    def begin(
+        self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
+    ) -> InplaceReceiver:
         with self._held:
             self._refit_id, self._aborted = refit_id, False
         if self.internal_url:
-            response = self._post("hold", {"refit_id": refit_id, "version": weight_version}, self.hold_limit_s)
+            response = self._post(
+                "hold", {"refit_id": refit_id, "version": weight_version}, self.hold_limit_s
+            )
             if response.status_code >= 400:
-                raise RuntimeError(f"holding generation for refit {refit_id} failed ({response.status_code}): "
-                                   f"{response.text}")
+                raise RuntimeError(
+                    f"holding generation for refit {refit_id} failed ({response.status_code}): "
+                    f"{response.text}"
+                )
         with self._held:
-            if not self._held.wait_for(lambda: self._aborted or (self._receiver or ("",))[0] == refit_id,
-                                       self.hold_limit_s):
-                raise TimeoutError(f"refit {refit_id}: generation was not held within {self.hold_limit_s:.0f} s")
+            if not self._held.wait_for(
+                lambda: self._aborted or (self._receiver or ("",))[0] == refit_id, self.hold_limit_s
+            ):
+                raise TimeoutError(
+                    f"refit {refit_id}: generation was not held within {self.hold_limit_s:.0f} s"
+                )
             if self._aborted:
                 raise RuntimeError(f"refit {refit_id} was aborted before its transfer began")
             receiver = self._receiver[1]
-        receiver.receive_buffers(max((b.nbytes for b in buckets if b.dst == self.member_id), default=0), self.in_flight)
+        receiver.receive_buffers(
+            max((b.nbytes for b in buckets if b.dst == self.member_id), default=0), self.in_flight
+        )
         return receiver
 
     def held(self, refit_id: str, receiver: InplaceReceiver) -> None:
@@ -181,14 +203,21 @@ class InplaceEndpoint(_CommitRelay):
         if self.internal_url and refit_id:
             response = self._post("release", {"refit_id": refit_id}, self.hold_limit_s)
             if response.status_code >= 400:
-                log.warning("%s: releasing refit %s: %s %s", self.member_id, refit_id, response.status_code,
-                            response.text)
+                log.warning(
+                    "%s: releasing refit %s: %s %s",
+                    self.member_id,
+                    refit_id,
+                    response.status_code,
+                    response.text,
+                )
 
 
 class GeneratorMember:
     """Registration plus the agent; `close` leaves syncd and tears the groups down."""
 
-    def __init__(self, client: MemberClient, endpoint: StagedEndpoint | InplaceEndpoint, agent: MemberAgent) -> None:
+    def __init__(
+        self, client: MemberClient, endpoint: StagedEndpoint | InplaceEndpoint, agent: MemberAgent
+    ) -> None:
         self.client, self.endpoint, self.agent = client, endpoint, agent
 
     def close(self) -> None:
@@ -196,16 +225,35 @@ class GeneratorMember:
         self.client.close()
 
 
-def start_member(target: str, *, member_id: str, coords: dict[str, int], catalog: Catalog, device: torch.device,
-                 endpoint: StagedEndpoint | InplaceEndpoint, auth_token: str | None,
-                 data_host: str = "127.0.0.1", in_flight: int = 2) -> GeneratorMember:
-    client = MemberClient(target, role="generator", member_id=member_id, coords=coords, catalog=catalog,
-                          device=str(device), data_address=data_host, auth_token=auth_token,
-                          # The engine starts on its --model checkpoint, which is no trainer version:
-                          # it registers serving none, so syncd holds it not ready and catches it up.
-                          weight_version=None,
-                          # An in-place install post-processes whole layers: ask for layer-cut buckets.
-                          receive_by_layer=isinstance(endpoint, InplaceEndpoint))
-    agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(device), in_flight=in_flight))
+def start_member(
+    target: str,
+    *,
+    member_id: str,
+    coords: dict[str, int],
+    catalog: Catalog,
+    device: torch.device,
+    endpoint: StagedEndpoint | InplaceEndpoint,
+    auth_token: str | None,
+    data_host: str = "127.0.0.1",
+    in_flight: int = 2,
+) -> GeneratorMember:
+    client = MemberClient(
+        target,
+        role="generator",
+        member_id=member_id,
+        coords=coords,
+        catalog=catalog,
+        device=str(device),
+        data_address=data_host,
+        auth_token=auth_token,
+        # The engine starts on its --model checkpoint, which is no trainer version:
+        # it registers serving none, so syncd holds it not ready and catches it up.
+        weight_version=None,
+        # An in-place install post-processes whole layers: ask for layer-cut buckets.
+        receive_by_layer=isinstance(endpoint, InplaceEndpoint),
+    )
+    agent = MemberAgent(
+        client, endpoint, AgentSettings(host=data_host, device=str(device), in_flight=in_flight)
+    )
     client.start(agent)
     return GeneratorMember(client, endpoint, agent)

@@ -36,8 +36,8 @@ import logging
 import secrets
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -96,7 +96,7 @@ class RefitState:
 
 
 class Refitter:
-    def __init__(self, engine, settings: Settings) -> None:  # noqa: ANN001 (vLLM EngineClient)
+    def __init__(self, engine, settings: Settings) -> None:
         self.engine = engine
         self.settings = settings
         self.version = settings.initial_version
@@ -121,13 +121,20 @@ class Refitter:
         """Catalog, staging (staged mode) and syncd registration on every worker; tp rank 0 relays
         syncd's commands to `internal_url` (`/commit`, and in inplace mode `/hold`, `/release`)."""
         self.workers = await self.engine.collective_rpc(
-            "ws_setup", kwargs={"replica": self.settings.replica, "syncd": self.settings.syncd,
-                                "auth_token": self.settings.auth_token, "internal_url": internal_url,
-                                "refit_mode": self.settings.refit_mode, "hold_limit_s": self.settings.hold_limit_s,
-                                "commit_token": self.commit_token,
-                                "data_host": self.settings.data_host,
-                                "in_flight": self.settings.in_flight_buckets,
-                                "status_dir": self.status_dir})
+            "ws_setup",
+            kwargs={
+                "replica": self.settings.replica,
+                "syncd": self.settings.syncd,
+                "auth_token": self.settings.auth_token,
+                "internal_url": internal_url,
+                "refit_mode": self.settings.refit_mode,
+                "hold_limit_s": self.settings.hold_limit_s,
+                "commit_token": self.commit_token,
+                "data_host": self.settings.data_host,
+                "in_flight": self.settings.in_flight_buckets,
+                "status_dir": self.status_dir,
+            },
+        )
         await self.engine.update_weight_version(self.version)
         metrics.CATALOG_BYTES.set(sum(w["nbytes"] for w in self.workers))
         metrics.SERVING.set(1)
@@ -181,8 +188,11 @@ class Refitter:
 
     async def _apply_locked(self, version: str, deadline: float | None) -> None:
         status = await self.engine.collective_rpc("ws_status")
-        problems = [f"{w['member_id']}: " + (", ".join(w["missing"]) if w["refit_id"] else "nothing staged")
-                    for w in status if w["missing"] or not w["refit_id"]]
+        problems = [
+            f"{w['member_id']}: " + (", ".join(w["missing"]) if w["refit_id"] else "nothing staged")
+            for w in status
+            if w["missing"] or not w["refit_id"]
+        ]
         if problems:
             raise RefitRefused(f"version {version} is not completely staged: {'; '.join(problems)}")
         if deadline is not None and time.monotonic() >= deadline:
@@ -270,12 +280,21 @@ class Refitter:
             await self.engine.collective_rpc("ws_recover")
             metrics.REFITS.labels("failed").inc()
             if installed:
-                log.error("refit %s released (%s) after %d layers were installed: the weights are mixed, "
-                          "refusing generation until a complete refit", refit_id, reason, installed)
+                log.error(
+                    "refit %s released (%s) after %d layers were installed: the weights are mixed, "
+                    "refusing generation until a complete refit",
+                    refit_id,
+                    reason,
+                    installed,
+                )
                 self._refuse_generation()
             else:
-                log.warning("refit %s released (%s) before any layer was installed; serving version %s on",
-                            refit_id, reason, self.version)
+                log.warning(
+                    "refit %s released (%s) before any layer was installed; serving version %s on",
+                    refit_id,
+                    reason,
+                    self.version,
+                )
                 if self.serving:
                     await self.engine.resume_generation()
         finally:
@@ -297,8 +316,9 @@ class Refitter:
         hold = self._held
         if hold is None or not refit_id or hold.refit_id != refit_id:
             metrics.REFITS.labels("refused").inc()
-            error = (f"version {version}: refit {refit_id or '(none)'} holds no in-place install"
-                     + (f" (refit {hold.refit_id} does)" if hold else ""))
+            error = f"version {version}: refit {refit_id or '(none)'} holds no in-place install" + (
+                f" (refit {hold.refit_id} does)" if hold else ""
+            )
             await self._report(refit_id, version, ok=False, error=error)
             raise RefitRefused(error)
         self._held = None
@@ -331,11 +351,13 @@ class Refitter:
         try:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             await asyncio.wait_for(asyncio.shield(update), remaining)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._refuse_generation()
             self._late_update = asyncio.ensure_future(self._settle_late_update(update, version))
-            raise DeadlineExceeded(f"version {version} was not installed before the commit deadline; "
-                                   "generation is refused until a complete refit succeeds") from None
+            raise DeadlineExceeded(
+                f"version {version} was not installed before the commit deadline; "
+                "generation is refused until a complete refit succeeds"
+            ) from None
 
     async def _end_update(self, version: str) -> None:
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
@@ -348,16 +370,23 @@ class Refitter:
         fallback = [p for r in reports for p in r["fallback_params"]]
         if fallback:
             metrics.INSTALL_FALLBACK_PARAMS.inc(len(fallback))
-            log.warning("version %s: %d parameters went through vLLM's loaders: %s", version, len(fallback),
-                        ", ".join(fallback[:10]))
+            log.warning(
+                "version %s: %d parameters went through vLLM's loaders: %s",
+                version,
+                len(fallback),
+                ", ".join(fallback[:10]),
+            )
         self.last_install = LastInstall(
-            version=version, hold_seconds=round(held_s, 6),
+            version=version,
+            hold_seconds=round(held_s, 6),
             copy_seconds=round(max((r["copy_s"] for r in reports), default=0.0), 6),
             process_seconds=round(max((r["process_s"] for r in reports), default=0.0), 6),
             params_copied=sum(r["params_copied"] for r in reports),
-            bytes_copied=sum(r["bytes_copied"] for r in reports), fallback_params=fallback,
+            bytes_copied=sum(r["bytes_copied"] for r in reports),
+            fallback_params=fallback,
             extra_bytes=max((r["receive_buffer_bytes"] + r["peak_open_bytes"] for r in reports), default=0),
-            bucket_bytes=max((r["bucket_bytes"] for r in reports), default=0))
+            bucket_bytes=max((r["bucket_bytes"] for r in reports), default=0),
+        )
 
     async def _settle_late_update(self, update: asyncio.Future, version: str) -> None:
         """Wait for an update that missed its deadline (`_exclusive` makes everything else that
@@ -367,8 +396,11 @@ class Refitter:
             await update
             log.warning("version %s finished installing after its deadline; not serving it", version)
         except _Untouched:
-            log.warning("version %s missed its deadline before the install began; serving %s again",
-                        version, self.version)
+            log.warning(
+                "version %s missed its deadline before the install began; serving %s again",
+                version,
+                self.version,
+            )
             self.serving = True
             metrics.SERVING.set(1)
             await self.engine.resume_generation()

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from generator_svc.refit import DeadlineExceeded, Refitter, RefitRefused
+from generator_svc.refit import DeadlineExceeded, RefitRefused, Refitter
 from generator_svc.worker_status import behind_workers, quiet_workers
 from syncd.error_body import ErrorBody, error_response
 from syncd.weight_version import WeightVersionJson, version_label
@@ -75,7 +75,9 @@ class AbortRequest(BaseModel):
 class CommitRequest(BaseModel):
     refit_id: str
     version: WeightVersionJson
-    timeout_s: float = Field(gt=0, description="seconds left to install and go live (syncd's commit deadline)")
+    timeout_s: float = Field(
+        gt=0, description="seconds left to install and go live (syncd's commit deadline)"
+    )
 
 
 class HoldRequest(BaseModel):
@@ -88,8 +90,10 @@ class ReleaseRequest(BaseModel):
 
 
 class WeightVersionOut(BaseModel):
-    version: str = Field(description="label of the weights served: a trainer version's decimal digits, "
-                                     "or the label they were loaded under")
+    version: str = Field(
+        description="label of the weights served: a trainer version's decimal digits, "
+        "or the label they were loaded under"
+    )
     serving: bool
     updating: bool
 
@@ -108,8 +112,13 @@ _INVALID = {400: {"description": "invalid request (vLLM's error format)"}}
 _REFUSED = {409: {"model": ErrorBody, "description": "refused; the served weights are unchanged"}}
 _FAILED = {500: {"model": ErrorBody, "description": "the apply failed inside vLLM"}}
 _UNAUTHORIZED = {401: {"model": ErrorBody, "description": "not the worker token of this generator"}}
-_LATE = {504: {"model": ErrorBody, "description": "the install did not finish within the commit deadline; "
-                                             "the served weights are unchanged"}}
+_LATE = {
+    504: {
+        "model": ErrorBody,
+        "description": "the install did not finish within the commit deadline; "
+        "the served weights are unchanged",
+    }
+}
 
 
 _NOT_HEALTHY = "engine dead, a worker not answering, or refusing generation after a failed update"
@@ -123,8 +132,10 @@ def _health_problem(refitter: Refitter) -> tuple[str, str] | None:
     if quiet := quiet_workers(refitter.status_dir, refitter.workers):
         return "worker not answering", quiet
     if not refitter.serving:
-        return ("refusing generation until the next good refit",
-                "the last update failed or missed its deadline")
+        return (
+            "refusing generation until the next good refit",
+            "the last update failed or missed its deadline",
+        )
     return None
 
 
@@ -135,8 +146,9 @@ async def healthz(refitter: RefitterDep) -> JSONResponse:
     return JSONResponse({"status": "ok", "version": refitter.version})
 
 
-@router.get("/readyz",
-            responses={503: {"description": f"{_NOT_HEALTHY}, or behind syncd's committed version"}})
+@router.get(
+    "/readyz", responses={503: {"description": f"{_NOT_HEALTHY}, or behind syncd's committed version"}}
+)
 async def readyz(refitter: RefitterDep) -> JSONResponse:
     """Ready to take traffic: healthy and serving syncd's committed version. A generator that is
     behind keeps generating for callers that reach it directly (its /v1/weight_version says what
@@ -156,10 +168,14 @@ async def weight_version(refitter: RefitterDep) -> WeightVersionOut:
 
 
 class InstallStatus(BaseModel):
-    mode: str = Field(description="refit mode: 'staged' (receive beside the live weights, install on commit) or "
-                                  "'inplace' (hold generation, receive into the live layers)")
-    last: dict | None = Field(description="the last committed install: hold, copy and post-processing seconds, "
-                                          "parameters, bytes, loader fallbacks; null before the first")
+    mode: str = Field(
+        description="refit mode: 'staged' (receive beside the live weights, install on commit) or "
+        "'inplace' (hold generation, receive into the live layers)"
+    )
+    last: dict | None = Field(
+        description="the last committed install: hold, copy and post-processing seconds, "
+        "parameters, bytes, loader fallbacks; null before the first"
+    )
 
 
 @router.get("/v1/install")
@@ -214,8 +230,9 @@ def _not_a_worker(refitter: Refitter, request: Request) -> JSONResponse | None:
     """The 401 for a caller without this generator's worker token, None for a worker."""
     if secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {refitter.commit_token}"):
         return None
-    return error_response(f"{request.url.path} needs this generator's worker token", 401,
-                          headers={"WWW-Authenticate": "Bearer"})
+    return error_response(
+        f"{request.url.path} needs this generator's worker token", 401, headers={"WWW-Authenticate": "Bearer"}
+    )
 
 
 @router.post("/internal/commit", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED, **_LATE})
@@ -246,7 +263,9 @@ async def release(body: ReleaseRequest, refitter: RefitterDep, request: Request)
     return JSONResponse({"released": released, "serving": refitter.serving})
 
 
-async def _apply(refitter: Refitter, version: str, refit_id: str, timeout_s: float | None = None) -> JSONResponse:
+async def _apply(
+    refitter: Refitter, version: str, refit_id: str, timeout_s: float | None = None
+) -> JSONResponse:
     try:
         state = await refitter.apply(version, refit_id, timeout_s)
     except RefitRefused as e:
@@ -270,7 +289,7 @@ def install(app: FastAPI, refitter: Refitter) -> None:
     app.state.refitter = refitter
     app.include_router(router)
 
-    async def refuse_when_torn(request: Request, call_next):  # noqa: ANN001, ANN202
+    async def refuse_when_torn(request: Request, call_next):
         if not refitter.serving and request.url.path.startswith(_GENERATION_PATHS):
             return error_response("weights are being repaired after a failed update; retry later", 503)
         return await call_next(request)

@@ -88,9 +88,16 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     args.worker_extension_cls = WORKER_EXTENSION
     args.weight_transfer_config = {"backend": "syncd_staging"}
     validate_parsed_serve_args(args)
-    settings = Settings(syncd=args.syncd, replica=args.replica, refit_mode=args.refit_mode,
-                        initial_version=args.initial_version, auth_token=args.auth_token, data_host=args.data_host,
-                        in_flight_buckets=(_IN_FLIGHT_DEFAULT[args.refit_mode] if args.in_flight_buckets is None
-                                           else args.in_flight_buckets),
-                        hold_limit_s=args.hold_limit_s)
+    settings = Settings(
+        syncd=args.syncd,
+        replica=args.replica,
+        refit_mode=args.refit_mode,
+        initial_version=args.initial_version,
+        auth_token=args.auth_token,
+        data_host=args.data_host,
+        in_flight_buckets=(
+            _IN_FLIGHT_DEFAULT[args.refit_mode] if args.in_flight_buckets is None else args.in_flight_buckets
+        ),
+        hold_limit_s=args.hold_limit_s,
+    )
     return settings, args

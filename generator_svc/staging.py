@@ -23,15 +23,15 @@ Peak extra memory is therefore the largest single HF tensor (the embedding or lm
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
-from syncd.layout import Box, Catalog, LocalTensor, Piece
-from syncd.layout import hf_names
+from syncd.layout import Box, Catalog, LocalTensor, Piece, hf_names
 from syncd.layout.dtypes import torch_dtype
 from syncd.plan.types import Bucket
+
 
 def covered_elements(t: LocalTensor) -> int:
     """Elements of `t` that some piece fills (a padded vocab shard has more that none does)."""
@@ -45,8 +45,10 @@ class Staging:
         self.catalog = catalog
         self.tensors = {t.name: t for t in catalog.tensors}
         self.device = torch.device(device)
-        self.buffers = {t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=self.device)
-                        for t in catalog.tensors}
+        self.buffers = {
+            t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=self.device)
+            for t in catalog.tensors
+        }
         self._by_canonical: dict[str, list[tuple[str, Piece]]] = defaultdict(list)
         for t in catalog.tensors:
             for p in t.pieces:
@@ -77,8 +79,9 @@ class Staging:
         if not box.within(tuple(buf.shape)):
             raise ValueError(f"box {box} is outside staging tensor {tensor} of shape {tuple(buf.shape)}")
         if data.numel() != box.numel or data.dtype != buf.dtype:
-            raise ValueError(f"{tensor}{box}: got {data.numel()} x {data.dtype}, "
-                             f"expected {box.numel} x {buf.dtype}")
+            raise ValueError(
+                f"{tensor}{box}: got {data.numel()} x {data.dtype}, expected {box.numel} x {buf.dtype}"
+            )
         buf[box.slices()] = data.reshape(box.shape)
         self._received[tensor] += box.numel
 
@@ -117,12 +120,14 @@ class Staging:
                     staged += 1
         return {"tensors": staged, "skipped": skipped}
 
-    def _fill_from_file(self, f, name: str, dtype: str) -> None:  # noqa: ANN001 (safetensors handle)
+    def _fill_from_file(self, f, name: str, dtype: str) -> None:
         for _, piece in self._by_canonical[name]:
             box = piece.canon
             if hf_names.is_grouped_expert(name):
-                rows = [f.get_slice(hf_names.hf_expert_name(name, e))[box.slices()[1:]]
-                        for e in range(box.start[0], box.stop[0])]
+                rows = [
+                    f.get_slice(hf_names.hf_expert_name(name, e))[box.slices()[1:]]
+                    for e in range(box.start[0], box.stop[0])
+                ]
                 data = torch.stack(rows)
             else:
                 data = f.get_slice(name)[box.slices()]
@@ -184,13 +189,17 @@ class Staging:
                     yield canon.name, self._region(canon.name, Box.full(canon.shape))
 
     def _region(self, name: str, region: Box) -> torch.Tensor:
-        hits = [(tensor, piece, hit) for tensor, piece in self._by_canonical[name]
-                if (hit := piece.canon.intersect(region)) is not None]
+        hits = [
+            (tensor, piece, hit)
+            for tensor, piece in self._by_canonical[name]
+            if (hit := piece.canon.intersect(region)) is not None
+        ]
         if len(hits) == 1 and hits[0][2] == region:
             tensor, piece, hit = hits[0]
             return self.buffers[tensor][piece.local_region(hit).slices()].reshape(region.shape)
-        out = torch.zeros(region.shape, dtype=torch_dtype(self.catalog.canonical_by_name[name].dtype),
-                          device=self.device)
+        out = torch.zeros(
+            region.shape, dtype=torch_dtype(self.catalog.canonical_by_name[name].dtype), device=self.device
+        )
         for tensor, piece, hit in hits:
             local = self.buffers[tensor][piece.local_region(hit).slices()]
             dst = tuple(slice(a - r, b - r) for a, b, r in zip(hit.start, hit.stop, region.start))

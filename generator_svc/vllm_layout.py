@@ -35,7 +35,9 @@ def _packed_names(model: torch.nn.Module, module_path: str) -> list[str]:
     parent, _, leaf = module_path.rpartition(".")
     mapping = getattr(model, "packed_modules_mapping", {}) or {}
     if leaf not in mapping:
-        raise ValueError(f"{module_path}.weight: fused layer {leaf!r} is not in the model's packed_modules_mapping")
+        raise ValueError(
+            f"{module_path}.weight: fused layer {leaf!r} is not in the model's packed_modules_mapping"
+        )
     return [f"{parent}.{sub}.weight" for sub in mapping[leaf]]
 
 
@@ -54,8 +56,18 @@ def _linear_spec(model: torch.nn.Module, path: str, module: torch.nn.Module, dty
         q, k, v = _packed_names(model, path)
         if getattr(module, "v_head_size", module.head_size) != module.head_size:
             raise ValueError(f"{name}: v head size differs from q/k head size; not supported")
-        return QKVParam(name, dtype, q, k, v, module.input_size, module.head_size,
-                        module.total_num_heads, module.total_num_kv_heads, tp)
+        return QKVParam(
+            name,
+            dtype,
+            q,
+            k,
+            v,
+            module.input_size,
+            module.head_size,
+            module.total_num_heads,
+            module.total_num_kv_heads,
+            tp,
+        )
     if isinstance(module, MergedColumnParallelLinear):
         names = _packed_names(model, path)
         if len(names) != len(module.output_sizes):
@@ -84,8 +96,14 @@ def _module_specs(model: torch.nn.Module, path: str, module: torch.nn.Module) ->
         # The loader receives HF names relative to the runner that owns `routed_experts`.
         prefix = path.rpartition(".")[0] if path.endswith(".routed_experts") else path
         total_i = cfg.intermediate_size_per_partition * cfg.tp_size
-        common = dict(prefix=prefix, num_experts=module.global_num_experts, intermediate=total_i,
-                      hidden=cfg.hidden_dim, tp=tp, local_experts=(first, module.local_num_experts))
+        common = {
+            "prefix": prefix,
+            "num_experts": module.global_num_experts,
+            "intermediate": total_i,
+            "hidden": cfg.hidden_dim,
+            "tp": tp,
+            "local_experts": (first, module.local_num_experts),
+        }
         out: list[ParamSpec] = []
         for pname, p in params.items():
             kind = pname.removesuffix("_weight")
@@ -97,20 +115,30 @@ def _module_specs(model: torch.nn.Module, path: str, module: torch.nn.Module) ->
         if set(params) != {"weight"}:
             raise ValueError(f"{path}: unexpected parameters {sorted(params)} on a vocab-parallel layer")
         idx = module.shard_indices
-        return [VocabParam(f"{path}.weight", _dtype(params["weight"]), f"{path}.weight",
-                           (module.org_vocab_size, module.embedding_dim),
-                           idx.org_vocab_start_index, idx.org_vocab_end_index)]
+        return [
+            VocabParam(
+                f"{path}.weight",
+                _dtype(params["weight"]),
+                f"{path}.weight",
+                (module.org_vocab_size, module.embedding_dim),
+                idx.org_vocab_start_index,
+                idx.org_vocab_end_index,
+            )
+        ]
     if isinstance(module, LinearBase):
         if set(params) != {"weight"}:
             raise ValueError(f"{path}: parameters {sorted(set(params) - {'weight'})} have no layout rule")
         return [_linear_spec(model, path, module, _dtype(params["weight"]))]
     if type(module).__name__ in _REPLICATED_LAYER_NAMES:
-        return [ReplicatedParam(f"{path}.{n}", _dtype(p), f"{path}.{n}", tuple(p.shape)) for n, p in params.items()]
+        return [
+            ReplicatedParam(f"{path}.{n}", _dtype(p), f"{path}.{n}", tuple(p.shape))
+            for n, p in params.items()
+        ]
     name = f"{path}.{next(iter(params))}"
     raise ValueError(f"parameter {name}: no layout rule for layer type {type(module).__name__}")
 
 
-def _local_experts_start(path: str, module) -> int:  # noqa: ANN001 (vLLM RoutedExperts)
+def _local_experts_start(path: str, module) -> int:
     """The first global expert this rank holds. Without expert parallelism that is 0 (all held);
     with it, vLLM's `expert_map` (global id -> local index, -1 elsewhere) must place a contiguous
     range in order (vLLM's default "linear" placement); other placements are refused by name."""
@@ -124,8 +152,10 @@ def _local_experts_start(path: str, module) -> int:  # noqa: ANN001 (vLLM Routed
     held = [e for e, i in enumerate(mapping) if i >= 0]
     first = held[0] if held else 0
     if held != list(range(first, first + local)) or [mapping[e] for e in held] != list(range(local)):
-        raise ValueError(f"{path}: expert placement {mapping} is not a contiguous range in order (vLLM's "
-                         "'linear' placement); only that placement is supported")
+        raise ValueError(
+            f"{path}: expert placement {mapping} is not a contiguous range in order (vLLM's "
+            "'linear' placement); only that placement is supported"
+        )
     return first
 
 

@@ -47,11 +47,24 @@ class WeightSyncExtension:
     def _ws_tp(self) -> tuple[int, int]:
         from vllm.distributed import parallel_state
 
-        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+        return (
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        )
 
-    def ws_setup(self, replica: int, syncd: str = "", auth_token: str = "", internal_url: str = "",
-                 commit_token: str = "", data_host: str = "127.0.0.1", in_flight: int = 2,
-                 status_dir: str = "", refit_mode: str = "staged", hold_limit_s: float = 300.0) -> dict[str, Any]:
+    def ws_setup(
+        self,
+        replica: int,
+        syncd: str = "",
+        auth_token: str = "",
+        internal_url: str = "",
+        commit_token: str = "",
+        data_host: str = "127.0.0.1",
+        in_flight: int = 2,
+        status_dir: str = "",
+        refit_mode: str = "staged",
+        hold_limit_s: float = 300.0,
+    ) -> dict[str, Any]:
         """Build this worker's catalog and, in staged mode, its staging; register with syncd when
         `syncd` is set, and publish this worker's status into `status_dir` when set
         (`worker_status`). Raises ValueError naming any parameter the catalog cannot cover."""
@@ -70,7 +83,9 @@ class WeightSyncExtension:
         if refit_mode == "inplace":
             self._ws_staging = None  # the point of the mode: no second copy of the weights
             engine.inplace_catalog = catalog
-            self._ws_endpoint = InplaceEndpoint(self._ws_member_id, relay, commit_token, hold_limit_s, in_flight)
+            self._ws_endpoint = InplaceEndpoint(
+                self._ws_member_id, relay, commit_token, hold_limit_s, in_flight
+            )
         else:
             # Staging lives where the weights live, so the data plane writes into it with the
             # transport of that device (gloo on CPU, NCCL on GPU) and the install copies
@@ -83,29 +98,50 @@ class WeightSyncExtension:
             from generator_svc.member import start_member
 
             self._ws_member = start_member(
-                syncd, member_id=self._ws_member_id, coords={"replica": replica, "tp": tp_rank}, catalog=catalog,
-                device=self.device, endpoint=self._ws_endpoint,  # type: ignore[attr-defined]
-                auth_token=auth_token or None, data_host=data_host, in_flight=in_flight,
+                syncd,
+                member_id=self._ws_member_id,
+                coords={"replica": replica, "tp": tp_rank},
+                catalog=catalog,
+                device=self.device,
+                endpoint=self._ws_endpoint,  # type: ignore[attr-defined]
+                auth_token=auth_token or None,
+                data_host=data_host,
+                in_flight=in_flight,
             )
         if status_dir:
-            self._ws_status_publisher = StatusPublisher(status_dir, self._ws_member_id,
-                                                        self._ws_worker_status)
-        log.info("%s: catalog %s, %d tensors, %d bytes", self._ws_member_id, catalog.content_hash[:19],
-                 len(catalog.tensors), catalog.nbytes)
-        return {"member_id": self._ws_member_id, "pid": os.getpid(), "tp_rank": tp_rank, "tp_size": tp_size,
-                "catalog_hash": catalog.content_hash, "nbytes": catalog.nbytes,
-                "shapes_checked": sum(t.name in shapes for t in catalog.tensors)}
+            self._ws_status_publisher = StatusPublisher(
+                status_dir, self._ws_member_id, self._ws_worker_status
+            )
+        log.info(
+            "%s: catalog %s, %d tensors, %d bytes",
+            self._ws_member_id,
+            catalog.content_hash[:19],
+            len(catalog.tensors),
+            catalog.nbytes,
+        )
+        return {
+            "member_id": self._ws_member_id,
+            "pid": os.getpid(),
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "catalog_hash": catalog.content_hash,
+            "nbytes": catalog.nbytes,
+            "shapes_checked": sum(t.name in shapes for t in catalog.tensors),
+        }
 
     def _ws_worker_status(self) -> WorkerStatus:
         # The member's client knows the version of this worker's last confirmed Commit (None after
         # a start: the --model checkpoint is no trainer version) and syncd's committed version.
         client = self._ws_member.client if self._ws_member is not None else None
         return WorkerStatus(
-            member_id=self._ws_member_id, pid=os.getpid(),
+            member_id=self._ws_member_id,
+            pid=os.getpid(),
             unregistered=client is not None and not client.wait_registered(0),
             serves=client.weight_version if client else None,
             committed=client.committed_version if client else None,
-            committing=tuple(sorted(client.committing_versions)) if client else (), written_at=time.time())
+            committing=tuple(sorted(client.committing_versions)) if client else (),
+            written_at=time.time(),
+        )
 
     def ws_catalog(self) -> str:
         return catalog_to_json(self._ws_catalog)
@@ -117,7 +153,9 @@ class WeightSyncExtension:
         """Stage this worker's boxes of a safetensors checkpoint (the data plane's stand-in for
         operators and tests). Starts refit `refit_id`: earlier staged bytes no longer count."""
         if self._ws_staging is None:
-            raise ValueError("this generator runs --refit-mode inplace: it has no staging to load a file into")
+            raise ValueError(
+                "this generator runs --refit-mode inplace: it has no staging to load a file into"
+            )
         self._ws_staging.begin(refit_id)
         return self._ws_staging.fill_from_safetensors(path)
 
@@ -125,11 +163,17 @@ class WeightSyncExtension:
         """What is ready to commit: staging (staged) or the open in-place install (inplace)."""
         if self._ws_staging is None:
             receiver = self.weight_transfer_engine.receiver  # type: ignore[attr-defined]
-            return {"member_id": self._ws_member_id, "refit_id": "inplace" if receiver else None,
-                    "missing": receiver.missing()[:10] if receiver else []}
+            return {
+                "member_id": self._ws_member_id,
+                "refit_id": "inplace" if receiver else None,
+                "missing": receiver.missing()[:10] if receiver else [],
+            }
         s = self._ws_staging
-        return {"member_id": self._ws_member_id, "refit_id": s.refit_id,
-                "missing": s.missing()[:10] if s.refit_id else []}
+        return {
+            "member_id": self._ws_member_id,
+            "refit_id": s.refit_id,
+            "missing": s.missing()[:10] if s.refit_id else [],
+        }
 
     def ws_hold(self, refit_id: str) -> None:
         """inplace: generation is held and this worker's install is open (start_weight_update made
@@ -207,6 +251,7 @@ class WeightSyncExtension:
         """Test aid: like `ws_dump_loaded`, but through the staged refit path (stage `checkpoint`,
         then the update lifecycle with the install by parameter), to
         `{out_dir}/installed-tp{rank}.safetensors`."""
+
         def install() -> None:
             self._ws_staging.begin("dump")
             self._ws_staging.fill_from_safetensors(checkpoint)
@@ -228,14 +273,19 @@ class WeightSyncExtension:
         out: dict[str, Any] = {}
 
         def install() -> None:
-            receiver = install_buckets(self._ws_model(), self._ws_catalog, self.device,  # type: ignore[attr-defined]
-                                       self.vllm_config, packed)  # type: ignore[attr-defined]
+            receiver = install_buckets(
+                self._ws_model(),
+                self._ws_catalog,
+                self.device,  # type: ignore[attr-defined]
+                self.vllm_config,
+                packed,
+            )  # type: ignore[attr-defined]
             out.update(receiver.report.as_dict())
 
         self._ws_dump(install, f"{out_dir}/inplace-tp{self._ws_tp()[0]}.safetensors")
         return out
 
-    def _ws_dump(self, run, out_path: str) -> str:  # noqa: ANN001 (run: () -> None)
+    def _ws_dump(self, run, out_path: str) -> str:
         """Run `run` and save every parameter in checkpoint format: the values each layer's
         `process_weights_after_loading` received (before kernel repacking), and the parameters of
         layers that have no processing as they are afterwards."""
@@ -250,7 +300,7 @@ class WeightSyncExtension:
             if isinstance(method, QuantizeMethodBase):
                 original = method.process_weights_after_loading
 
-                def capture(layer, _path=path, _orig=original):  # noqa: ANN001
+                def capture(layer, _path=path, _orig=original):
                     for n, p in layer.named_parameters(recurse=False):
                         captured[f"{_path}.{n}"] = p.detach().clone()
                     return _orig(layer)
@@ -268,12 +318,12 @@ class WeightSyncExtension:
         return out_path
 
 
-def _read_checkpoint(directory: str):  # noqa: ANN202 (generator of (name, tensor))
+def _read_checkpoint(directory: str):
     from pathlib import Path
 
     from safetensors import safe_open
 
     for file in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 yield name, f.get_tensor(name)

@@ -22,9 +22,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from syncd.weight_version import WeightVersion
 
@@ -103,8 +103,10 @@ def quiet_workers(directory: str, workers: Sequence[dict], now: float | None = N
         if status is None:
             problems.append(f"worker {worker['member_id']} (pid {worker['pid']}) has published no status")
         elif (age := now - status.written_at) > QUIET_AFTER_S:
-            problems.append(f"worker {worker['member_id']} (pid {worker['pid']}) has not answered for "
-                            f"{age:.1f} s (frozen or dead)")
+            problems.append(
+                f"worker {worker['member_id']} (pid {worker['pid']}) has not answered for "
+                f"{age:.1f} s (frozen or dead)"
+            )
     return "; ".join(problems)
 
 
@@ -114,10 +116,14 @@ def behind_workers(directory: str, workers: Sequence[dict]) -> str:
     for worker in workers:
         status = read_status(directory, worker["member_id"])
         if status is not None and status.unregistered:
-            problems.append(f"worker {status.member_id} is not registered with syncd yet, so it cannot "
-                            "know the committed version")
+            problems.append(
+                f"worker {status.member_id} is not registered with syncd yet, so it cannot "
+                "know the committed version"
+            )
         elif status is not None and status.behind():
             serves = "its start-up checkpoint" if status.serves is None else f"version {status.serves}"
-            problems.append(f"worker {status.member_id} serves {serves} but syncd committed version "
-                            f"{status.committed}: waiting for a catch-up refit")
+            problems.append(
+                f"worker {status.member_id} serves {serves} but syncd committed version "
+                f"{status.committed}: waiting for a catch-up refit"
+            )
     return "; ".join(problems)

@@ -6,7 +6,7 @@ import logging
 import signal
 import sqlite3
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
@@ -18,8 +18,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"syncd: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s syncd %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s syncd %(name)s: %(message)s"
+    )
     try:
         daemon = Daemon(settings)
     except (OSError, sqlite3.Error, ValueError) as e:  # port taken, unwritable db, bad stored value

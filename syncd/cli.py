@@ -14,7 +14,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import httpx
 
@@ -73,6 +74,7 @@ def _duration(r: dict) -> str:
 
 # ---- commands: each returns (json-able result, human text) ----
 
+
 def cmd_status(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     s = api.call("GET", "/v1/status")
     r = s["readiness"]
@@ -95,30 +97,59 @@ def _label(run_id: str | None, version: WeightVersion | None) -> str | None:
 
 def cmd_members(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     body = api.call("GET", "/v1/members")
-    rows = [(m["member_id"], m["role"], ",".join(f"{k}={v}" for k, v in m["coords"].items()), m["device"],
-             m["data_address"] or "-", m["catalog_hash"][7:19]) for m in body["members"]]
+    rows = [
+        (
+            m["member_id"],
+            m["role"],
+            ",".join(f"{k}={v}" for k, v in m["coords"].items()),
+            m["device"],
+            m["data_address"] or "-",
+            m["catalog_hash"][7:19],
+        )
+        for m in body["members"]
+    ]
     return body, table(("MEMBER", "ROLE", "COORDS", "DEVICE", "DATA ADDRESS", "CATALOG"), rows)
 
 
 def cmd_plan(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     p = api.call("GET", "/v1/plan")
-    head = (f"{human_bytes(p['total_bytes'])} in {p['buckets']} buckets, {p['units']} units "
-            f"(bucket size {human_bytes(p['bucket_bytes'])})")
-    stages = table(("STAGE", "BYTES", "MEMBERS"),
-                   [(s["stage"], human_bytes(s["bytes"]), " ".join(s["members"])) for s in p["stages"]])
-    links = table(("STAGE", "SRC", "DST", "BYTES", "BUCKETS", "UNITS"),
-                  [(k["stage"], k["src"], k["dst"], human_bytes(k["bytes"]), k["buckets"], k["units"])
-                   for k in p["links"]])
+    head = (
+        f"{human_bytes(p['total_bytes'])} in {p['buckets']} buckets, {p['units']} units "
+        f"(bucket size {human_bytes(p['bucket_bytes'])})"
+    )
+    stages = table(
+        ("STAGE", "BYTES", "MEMBERS"),
+        [(s["stage"], human_bytes(s["bytes"]), " ".join(s["members"])) for s in p["stages"]],
+    )
+    links = table(
+        ("STAGE", "SRC", "DST", "BYTES", "BUCKETS", "UNITS"),
+        [
+            (k["stage"], k["src"], k["dst"], human_bytes(k["bytes"]), k["buckets"], k["units"])
+            for k in p["links"]
+        ],
+    )
     return p, f"{head}\n\n{stages}\n\n{links}"
 
 
 def cmd_history(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     body = api.call("GET", "/v1/refits", params={"limit": args.limit})
-    rows = [(r["id"], r["state"], _label(r["run_id"], r["weight_version"]), _duration(r), r["mode"],
-             human_bytes(r["bytes"]), human_bytes(r["planned_bytes"]), _changed(r), r["error"])
-            for r in body["refits"]]
-    return body, table(("REFIT", "STATE", "VERSION", "DURATION", "MODE", "BYTES", "PLANNED", "CHANGED", "ERROR"),
-                       rows)
+    rows = [
+        (
+            r["id"],
+            r["state"],
+            _label(r["run_id"], r["weight_version"]),
+            _duration(r),
+            r["mode"],
+            human_bytes(r["bytes"]),
+            human_bytes(r["planned_bytes"]),
+            _changed(r),
+            r["error"],
+        )
+        for r in body["refits"]
+    ]
+    return body, table(
+        ("REFIT", "STATE", "VERSION", "DURATION", "MODE", "BYTES", "PLANNED", "CHANGED", "ERROR"), rows
+    )
 
 
 def _changed(r: Mapping[str, Any]) -> str:
@@ -153,6 +184,7 @@ def cmd_refit(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
 
 def _wait(api: Api, refit: dict, timeout: float, quiet: bool) -> dict:
     """Poll until the refit finishes, showing each state as it is reached (on stderr)."""
+
     def show(body: Mapping[str, Any]) -> None:
         if not quiet:
             print(f"{body['id']}: {body['state']}", file=sys.stderr, flush=True)
@@ -174,10 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="JSON output")
     parser = argparse.ArgumentParser(prog="syncctl", description="Operate syncd.", parents=[common])
-    parser.add_argument("--url", default=os.environ.get("SYNCCTL_URL", "http://127.0.0.1:8470"),
-                        help="syncd HTTP URL (env SYNCCTL_URL)")
-    parser.add_argument("--token", default=os.environ.get("SYNCD_AUTH_TOKEN"),
-                        help="bearer token for mutating calls (env SYNCD_AUTH_TOKEN)")
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("SYNCCTL_URL", "http://127.0.0.1:8470"),
+        help="syncd HTTP URL (env SYNCCTL_URL)",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("SYNCD_AUTH_TOKEN"),
+        help="bearer token for mutating calls (env SYNCD_AUTH_TOKEN)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("status", parents=[common], help="state, readiness and versions")
     p.set_defaults(run=cmd_status)
@@ -190,12 +228,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("refit_id")
     p.set_defaults(run=cmd_abort)
     p = sub.add_parser("refit", parents=[common], help="start a refit")
-    p.add_argument("--version", type=_weight_version, default=None,
-                   help="weight version; must be the trainers' newest announced one (the default)")
-    p.add_argument("--allow-rollback", action="store_true",
-                   help="allow moving a version older than the committed one of the same training run")
-    p.add_argument("--full", action="store_true",
-                   help="move every byte even where delta refits are on (e.g. to rule out a bad base)")
+    p.add_argument(
+        "--version",
+        type=_weight_version,
+        default=None,
+        help="weight version; must be the trainers' newest announced one (the default)",
+    )
+    p.add_argument(
+        "--allow-rollback",
+        action="store_true",
+        help="allow moving a version older than the committed one of the same training run",
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="move every byte even where delta refits are on (e.g. to rule out a bad base)",
+    )
     p.add_argument("--wait", action="store_true", help="wait for the outcome; exit 0 only if COMMITTED")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait with --wait")
     p.set_defaults(run=cmd_refit)

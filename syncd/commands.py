@@ -11,9 +11,9 @@ phase, ...)` builds it) naming its `Phase`; both sides convert it to and from pr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Mapping
 
 from syncd.layout import Box
 from syncd.plan.types import Bucket

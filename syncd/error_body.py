@@ -9,8 +9,8 @@ the generator's port, so that a client reads syncd's, the generator's and vLLM's
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from http import HTTPStatus
-from typing import Mapping
 
 from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse
@@ -29,11 +29,18 @@ class ErrorBody(BaseModel):
 
 
 def error_body(message: str, status: int, kind: str | None = None) -> dict[str, dict]:
-    return {"error": {"message": message, "type": kind or HTTPStatus(status).phrase.replace(" ", ""), "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": kind or HTTPStatus(status).phrase.replace(" ", ""),
+            "code": status,
+        }
+    }
 
 
-def error_response(message: str, status: int, kind: str | None = None,
-                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+def error_response(
+    message: str, status: int, kind: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, status, kind), status_code=status, headers=dict(headers or {}))
 
 

@@ -5,8 +5,9 @@ each state is also its plain string, which is what travels in JSON and sits in t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from enum import StrEnum
-from typing import Any, Callable, Mapping
+from typing import Any
 
 
 class RefitState(StrEnum):
@@ -21,8 +22,14 @@ class RefitState(StrEnum):
 TERMINAL = frozenset({RefitState.COMMITTED, RefitState.ABORTED})
 
 
-def wait_final(get: Callable[[str], Mapping[str, Any]], refit_id: str, timeout_s: float, *,
-               on_state: Callable[[Mapping[str, Any]], None] | None = None, poll_s: float = 0.2) -> Mapping[str, Any]:
+def wait_final(
+    get: Callable[[str], Mapping[str, Any]],
+    refit_id: str,
+    timeout_s: float,
+    *,
+    on_state: Callable[[Mapping[str, Any]], None] | None = None,
+    poll_s: float = 0.2,
+) -> Mapping[str, Any]:
     """Poll syncd's `GET /v1/refits/{refit_id}` (`get(path)` returns the JSON body) until the refit
     is COMMITTED or ABORTED, and return that body; `on_state` sees the body at each new state.
     Raises TimeoutError naming the state it is still in. The one refit-waiting loop: `syncctl`,

@@ -25,7 +25,7 @@ WeightVersion = NewType("WeightVersion", int)
 MAX_WEIGHT_VERSION = 2**63 - 1  # the protobuf fields are int64
 
 
-def __getattr__(name: str):  # noqa: ANN202 - PEP 562: `WeightVersionJson`, built on first import
+def __getattr__(name: str):
     """`WeightVersionJson` needs pydantic, which only the HTTP servers have: the member library
     (trainer ranks, GPU workers) imports this module without it."""
     if name == "WeightVersionJson":
@@ -33,6 +33,7 @@ def __getattr__(name: str):  # noqa: ANN202 - PEP 562: `WeightVersionJson`, buil
 
         return Annotated[WeightVersion, Strict(), Field(ge=0, le=MAX_WEIGHT_VERSION)]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _DECIMAL = re.compile(r"[0-9]+")
 

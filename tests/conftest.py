@@ -10,7 +10,7 @@ def _gpu_count() -> int:
         import torch
 
         return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - no usable CUDA at all means no GPUs
+    except Exception:
         return 0
 
 

@@ -24,7 +24,9 @@ def block_by_block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             part = x[i : i + BLOCK, j : j + BLOCK].float()
             scale = part.abs().max().clamp_min(1e-12) / torch.tensor(E4M3_MAX)
             scales[i // BLOCK, j // BLOCK] = scale
-            values[i : i + BLOCK, j : j + BLOCK] = (part / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            values[i : i + BLOCK, j : j + BLOCK] = (
+                (part / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            )
     return values, scales
 
 

@@ -4,11 +4,12 @@ assertions, and fail with what was awaited."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
-def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition",
-               interval: float = 0.05) -> object:
+def wait_until(
+    predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition", interval: float = 0.05
+) -> object:
     """Poll `predicate` until it returns something truthy, and return that."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

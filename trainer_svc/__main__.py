@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from trainer_svc.settings import LaunchEnv, TrainSettings
 from trainer_svc.job import run
+from trainer_svc.settings import LaunchEnv, TrainSettings
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,13 +18,13 @@ import contextlib
 import logging
 import threading
 import uuid
-from typing import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from syncd.layout import Catalog
 from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.dataplane import catalog_views
-from syncd.layout import Catalog
 from syncd.plan.types import Bucket
 from syncd.weight_version import WeightVersion
 from trainer_svc.catalog import build_catalog
@@ -74,8 +74,9 @@ class TrainerEndpoint:
         self._committed = WeightVersion(0)  # newest weight version a refit committed
         self._aborts = 0  # refits aborted so far
 
-    def begin(self, refit_id: str, weight_version: WeightVersion,
-              buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
+    def begin(
+        self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
+    ) -> Mapping[str, torch.Tensor]:
         self.trainer.lock.acquire()
         self._held = True
         if self.trainer.version != weight_version:
@@ -109,20 +110,31 @@ class TrainerEndpoint:
         call; returns "committed", "aborted" or "timeout"."""
         with self._changed:
             aborts = self._aborts
-            done = self._changed.wait_for(lambda: self._committed >= version or self._aborts > aborts, timeout_s)
+            done = self._changed.wait_for(
+                lambda: self._committed >= version or self._aborts > aborts, timeout_s
+            )
             if not done:
                 return "timeout"
             return "committed" if self._committed >= version else "aborted"
 
 
 class RankAgent:
-    def __init__(self, client, endpoint: TrainerEndpoint, agent: MemberAgent, sync_refit_s: float | None) -> None:
+    def __init__(
+        self, client, endpoint: TrainerEndpoint, agent: MemberAgent, sync_refit_s: float | None
+    ) -> None:
         self.client, self.endpoint, self.agent = client, endpoint, agent
         self.sync_refit_s = sync_refit_s
 
     @staticmethod
-    def start(target: str, trainer: Trainer, env: LaunchEnv, data_host: str = "127.0.0.1",
-              sync_refit_s: float | None = None, in_flight: int = 2, auth_token: str | None = None) -> RankAgent:
+    def start(
+        target: str,
+        trainer: Trainer,
+        env: LaunchEnv,
+        data_host: str = "127.0.0.1",
+        sync_refit_s: float | None = None,
+        in_flight: int = 2,
+        auth_token: str | None = None,
+    ) -> RankAgent:
         from syncd.member.client import MemberClient
 
         mesh = trainer.mesh
@@ -135,13 +147,20 @@ class RankAgent:
         if torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(run_id, src=0)
         client = MemberClient(
-            target, role="trainer", member_id=member_id, coords=mesh.coords.as_dict(),
-            catalog=catalog, device=str(trainer.device), data_address=data_host,
-            auth_token=auth_token, run_id=run_id[0],
+            target,
+            role="trainer",
+            member_id=member_id,
+            coords=mesh.coords.as_dict(),
+            catalog=catalog,
+            device=str(trainer.device),
+            data_address=data_host,
+            auth_token=auth_token,
+            run_id=run_id[0],
         )
         endpoint = TrainerEndpoint(shards, trainer, member_id)
-        agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=str(trainer.device),
-                                                            in_flight=in_flight))
+        agent = MemberAgent(
+            client, endpoint, AgentSettings(host=data_host, device=str(trainer.device), in_flight=in_flight)
+        )
         rank_agent = RankAgent(client, endpoint, agent, sync_refit_s)
         client.start(agent)
         trainer.after_step.append(rank_agent.on_step)
@@ -156,8 +175,12 @@ class RankAgent:
             # which announces it (`syncd.daemon.versions`). So a synchronous trainer still waits for its
             # refit; returning here let a job's last step finish, unannounced, while syncd
             # restarted, and the job exit before anyone could move its weights.
-            log.warning("could not announce version %d to syncd now (%s); it is announced when this rank "
-                        "re-registers", version, e)
+            log.warning(
+                "could not announce version %d to syncd now (%s); it is announced when this rank "
+                "re-registers",
+                version,
+                e,
+            )
         if self.sync_refit_s is not None:
             outcome = self.endpoint.wait_refit(version, self.sync_refit_s)
             if outcome != "committed":

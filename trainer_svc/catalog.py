@@ -26,8 +26,10 @@ def build_catalog(args: ModelArgs, dims: ParallelDims, c: Coords, dtype: str = M
     or the weights the model computes with), all canonical tensors declared."""
     shapes = canonical_shapes(args)
     canonical = tuple(CanonicalTensor(name, shape, dtype) for name, shape in shapes.items())
-    tensors = tuple(local_tensor(name, dtype, layout_expr(name, shapes, dims, c))
-                    for name in param_names(_stage_canonical_names(args, dims, c)))
+    tensors = tuple(
+        local_tensor(name, dtype, layout_expr(name, shapes, dims, c))
+        for name in param_names(_stage_canonical_names(args, dims, c))
+    )
     catalog = Catalog(canonical, tensors)
     catalog.validate()
     return catalog
@@ -36,8 +38,9 @@ def build_catalog(args: ModelArgs, dims: ParallelDims, c: Coords, dtype: str = M
 def layout_expr(param: str, shapes: dict[str, tuple[int, ...]], dims: ParallelDims, c: Coords) -> Expr:
     """Local parameter `param` of the rank at `c`, fused sources stacked on dim 1."""
     placements = sharding_of(param).placements
-    parts = tuple(Sharded(Canon(name, shapes[name]), placements, on_mesh(dims), on_mesh(c))
-                  for name in sources(param))
+    parts = tuple(
+        Sharded(Canon(name, shapes[name]), placements, on_mesh(dims), on_mesh(c)) for name in sources(param)
+    )
     return Stack(1, parts) if len(parts) > 1 else parts[0]
 
 
@@ -48,9 +51,8 @@ def _stage_canonical_names(args: ModelArgs, dims: ParallelDims, c: Coords) -> li
         if name.startswith("model.layers."):
             if int(name.split(".")[2]) in layers:
                 names.append(name)
-        elif name == "model.embed_tokens.weight" and c.pp == 0:
-            names.append(name)
-        elif name in ("model.norm.weight", "lm_head.weight") and c.pp == dims.pp - 1:
+        elif (name == "model.embed_tokens.weight" and c.pp == 0) or (
+            name in ("model.norm.weight", "lm_head.weight") and c.pp == dims.pp - 1
+        ):
             names.append(name)
     return names
-

@@ -148,8 +148,7 @@ def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group: Gr
     if group_size(group) == 1:
         return x.clone()
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send,
-                           group=group)
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
 
 

@@ -24,7 +24,12 @@ FP8_UNQUANTIZED_DTYPE = "bfloat16"
 
 def fp8_quantization_config() -> dict[str, Any]:
     """config.json's `quantization_config` of a FP8_EXPORT checkpoint (a fresh dict)."""
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(BLOCK),
+    }
 
 
 def unquantized_dtype(export_dtype: str) -> str:
@@ -51,9 +56,17 @@ class ModelArgs:
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
-                     "num_experts_per_tok"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "moe_intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_experts",
+            "num_experts_per_tok",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"config {name} must be a positive integer, got {value!r}")

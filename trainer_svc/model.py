@@ -36,7 +36,9 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(seq_len: int, args: ModelArgs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [S, D] of the default RoPE."""
     D = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
+    inv_freq = 1.0 / (
+        args.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D)
+    )
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()

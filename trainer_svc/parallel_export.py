@@ -18,8 +18,8 @@ import json
 import math
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from trainer_svc.state_dict_adapter import (
     tp_whole,
 )
 
+
 def file_layout(args: ModelArgs, dtype: str = "float32") -> tuple[bytes, dict[str, int], int]:
     """(header bytes, absolute file offset of every stored tensor, file size) of the safetensors
     file of an export in `dtype` (a dtype name, or FP8_EXPORT: see `stored_entries`)."""
@@ -52,19 +53,24 @@ def file_layout(args: ModelArgs, dtype: str = "float32") -> tuple[bytes, dict[st
     offset = 0
     for name, entry_dtype, shape in sorted(entries):
         size = math.prod(shape) * lookup(entry_dtype).itemsize
-        header[name] = {"dtype": lookup(entry_dtype).safetensors, "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": lookup(entry_dtype).safetensors,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as safetensors writes it
     prefix = struct.pack("<Q", len(text)) + text
-    starts = {name: len(prefix) + h["data_offsets"][0]
-              for name, h in header.items() if name != "__metadata__"}
+    starts = {
+        name: len(prefix) + h["data_offsets"][0] for name, h in header.items() if name != "__metadata__"
+    }
     return prefix, starts, len(prefix) + offset
 
 
-def _hf_tensors(name: str, p: torch.Tensor, mesh: Mesh, args: ModelArgs,
-                shapes: Mapping[str, tuple[int, ...]]) -> list[tuple[str, torch.Tensor]]:
+def _hf_tensors(
+    name: str, p: torch.Tensor, mesh: Mesh, args: ModelArgs, shapes: Mapping[str, tuple[int, ...]]
+) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors that parameter `name` holds, whole over tp (collective over the tp group)."""
     first_expert = mesh.coords.ep * (args.num_experts // mesh.dims.ep)
     out = []
@@ -85,8 +91,13 @@ def _writes(name: str, mesh: Mesh) -> tuple[bool, bool]:
 
 
 @torch.no_grad()
-def export_parallel(weights: Mapping[str, torch.Tensor], mesh: Mesh, args: ModelArgs, out_dir: str | Path,
-                    dtype: str = "float32") -> None:
+def export_parallel(
+    weights: Mapping[str, torch.Tensor],
+    mesh: Mesh,
+    args: ModelArgs,
+    out_dir: str | Path,
+    dtype: str = "float32",
+) -> None:
     """Collective over the world: write config.json + model.safetensors (in `dtype`, rounded to
     nearest even where it is narrower than the weights, or FP8_EXPORT) from every writer rank.
     `weights`: this rank's stage parameters by name."""

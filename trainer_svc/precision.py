@@ -11,7 +11,7 @@ forward computes with, and what the catalog declares, the refit sends and the ex
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch.func import functional_call

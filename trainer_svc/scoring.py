@@ -7,8 +7,8 @@ same tokens; a wrong fused layout or a torn refit shows up here as a KL far from
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

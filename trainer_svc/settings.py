@@ -40,7 +40,9 @@ class TrainSettings:
     microbatches: int = 2
     export_dir: str | None = None
     export_each_step: bool = False  # also write export_dir/step-N after every step
-    export_dtype: str | None = None  # the exported checkpoint's dtype, or FP8_EXPORT; None: the training dtype
+    export_dtype: str | None = (
+        None  # the exported checkpoint's dtype, or FP8_EXPORT; None: the training dtype
+    )
     syncd: str | None = None
     auth_token: str | None = None  # bearer token when syncd requires one
     sync_refit: bool = False  # after announcing a step, wait until a refit of it commits or aborts
@@ -53,8 +55,15 @@ class TrainSettings:
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.init_config is None):
             raise ValueError("give exactly one of --model-dir (HF checkpoint) or --init-config (random init)")
-        for name in ("steps", "global_batch_size", "seq_len", "microbatches", "threads", "in_flight_buckets",
-                     "muon_ns_steps"):
+        for name in (
+            "steps",
+            "global_batch_size",
+            "seq_len",
+            "microbatches",
+            "threads",
+            "in_flight_buckets",
+            "muon_ns_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.global_batch_size % (self.dp * self.ep * self.microbatches):
@@ -67,7 +76,9 @@ class TrainSettings:
         if self.export_dtype is None:
             object.__setattr__(self, "export_dtype", self.dtype)
         if self.export_dtype not in EXPORT_DTYPES:
-            raise ValueError(f"--export-dtype must be one of {', '.join(EXPORT_DTYPES)}, got {self.export_dtype!r}")
+            raise ValueError(
+                f"--export-dtype must be one of {', '.join(EXPORT_DTYPES)}, got {self.export_dtype!r}"
+            )
         if self.export_each_step and not self.export_dir:
             raise ValueError("--export-each-step needs --export-dir")
         if self.sync_refit and not self.syncd:
@@ -95,35 +106,60 @@ class TrainSettings:
         p.add_argument("--steps", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--lr", type=float, default=1e-3)
-        p.add_argument("--dtype", default="float32", choices=TRAIN_DTYPES,
-                       help="parameters and compute; bfloat16 keeps float32 master weights and optimizer "
-                            "state, and exports and refits the bfloat16 weights it computes with")
+        p.add_argument(
+            "--dtype",
+            default="float32",
+            choices=TRAIN_DTYPES,
+            help="parameters and compute; bfloat16 keeps float32 master weights and optimizer "
+            "state, and exports and refits the bfloat16 weights it computes with",
+        )
         p.add_argument("--weight-decay", type=float, default=0.0)
-        p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
-                       help="muon: Muon for attention and expert matrices, AdamW for the rest")
+        p.add_argument(
+            "--optimizer",
+            default="adamw",
+            choices=("adamw", "muon"),
+            help="muon: Muon for attention and expert matrices, AdamW for the rest",
+        )
         p.add_argument("--muon-momentum", type=float, default=0.95, help="Muon's Nesterov momentum")
         p.add_argument("--muon-ns-steps", type=int, default=5, help="Newton-Schulz iterations of Muon")
         p.add_argument("--global-batch-size", type=int, default=8, help="sequences per step, all ranks")
         p.add_argument("--seq-len", type=int, default=32)
         p.add_argument("--microbatches", type=int, default=2, help="pipeline microbatches per data rank")
         p.add_argument("--export-dir", help="write the HF checkpoint here after the last step")
-        p.add_argument("--export-each-step", action="store_true",
-                       help="also export after every step, to EXPORT_DIR/step-N")
-        p.add_argument("--export-dtype", default=None, choices=EXPORT_DTYPES,
-                       help="dtype of the exported checkpoint (default: --dtype): what a generator serving "
-                            "that dtype holds (the weights rounded to nearest even, as a refit converts them); "
-                            f"{FP8_EXPORT}: blockwise FP8 (the DeepSeek-V3 / Qwen3-FP8 format), attention and "
-                            f"expert projections as e4m3 with a float32 scale per {BLOCK[0]}x{BLOCK[1]} block, "
-                            f"quantized from their {FP8_UNQUANTIZED_DTYPE} values, every other tensor in "
-                            f"{FP8_UNQUANTIZED_DTYPE}")
+        p.add_argument(
+            "--export-each-step",
+            action="store_true",
+            help="also export after every step, to EXPORT_DIR/step-N",
+        )
+        p.add_argument(
+            "--export-dtype",
+            default=None,
+            choices=EXPORT_DTYPES,
+            help="dtype of the exported checkpoint (default: --dtype): what a generator serving "
+            "that dtype holds (the weights rounded to nearest even, as a refit converts them); "
+            f"{FP8_EXPORT}: blockwise FP8 (the DeepSeek-V3 / Qwen3-FP8 format), attention and "
+            f"expert projections as e4m3 with a float32 scale per {BLOCK[0]}x{BLOCK[1]} block, "
+            f"quantized from their {FP8_UNQUANTIZED_DTYPE} values, every other tensor in "
+            f"{FP8_UNQUANTIZED_DTYPE}",
+        )
         p.add_argument("--syncd", help="syncd gRPC address host:port (omit to train standalone)")
-        p.add_argument("--auth-token", default=os.environ.get(ENV_AUTH_TOKEN) or None,
-                       help=f"syncd bearer token (default: ${ENV_AUTH_TOKEN})")
-        p.add_argument("--sync-refit", action="store_true",
-                       help="after each step, wait until syncd committed (or aborted) a refit of it")
+        p.add_argument(
+            "--auth-token",
+            default=os.environ.get(ENV_AUTH_TOKEN) or None,
+            help=f"syncd bearer token (default: ${ENV_AUTH_TOKEN})",
+        )
+        p.add_argument(
+            "--sync-refit",
+            action="store_true",
+            help="after each step, wait until syncd committed (or aborted) a refit of it",
+        )
         p.add_argument("--refit-timeout", type=float, default=300.0, help="seconds --sync-refit waits")
-        p.add_argument("--in-flight-buckets", type=int, default=2,
-                       help="staging buffers the data plane packs into (extra memory = this x bucket size)")
+        p.add_argument(
+            "--in-flight-buckets",
+            type=int,
+            default=2,
+            help="staging buffers the data plane packs into (extra memory = this x bucket size)",
+        )
         p.add_argument("--data-host", default="127.0.0.1", help="this host's address for data-plane groups")
         p.add_argument("--device", default="auto", choices=("cpu", "cuda", "auto"))
         p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")

@@ -14,15 +14,14 @@ o_proj, touches the pages of every row of that tensor.)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Mapping
 
 import torch
 from safetensors import safe_open
 
-from syncd.layout import Box, Catalog, Piece
-from syncd.layout import hf_names
+from syncd.layout import Box, Catalog, Piece, hf_names
 
 
 def checkpoint_index(model_dir: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
@@ -33,7 +32,7 @@ def checkpoint_index(model_dir: str | Path) -> dict[str, tuple[Path, tuple[int, 
     index = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 index[name] = (path, tuple(f.get_slice(name).get_shape()))
     return index
 
@@ -44,8 +43,10 @@ def _check_shapes(catalog: Catalog, index: Mapping[str, tuple[Path, tuple[int, .
         if canon.name not in found:
             raise ValueError(f"{model_dir}: tensor {canon.name} missing from the checkpoint")
         if tuple(found[canon.name]) != tuple(canon.shape):
-            raise ValueError(f"{model_dir}: {canon.name} has shape {tuple(found[canon.name])}, "
-                             f"expected {tuple(canon.shape)}")
+            raise ValueError(
+                f"{model_dir}: {canon.name} has shape {tuple(found[canon.name])}, "
+                f"expected {tuple(canon.shape)}"
+            )
 
 
 @torch.no_grad()
@@ -78,7 +79,7 @@ def read_shards(model_dir: str | Path, catalog: Catalog, views: Mapping[str, tor
     return read
 
 
-def _read_box(name: str, box: Box, target: torch.Tensor, handle) -> int:  # noqa: ANN001
+def _read_box(name: str, box: Box, target: torch.Tensor, handle) -> int:
     """Copy canonical `name`[box] into `target`; grouped experts one expert at a time, so only one
     expert's slice is in flight. Returns the bytes read."""
     if not hf_names.is_grouped_expert(name):

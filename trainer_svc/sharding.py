@@ -21,11 +21,10 @@ and syncd's `Shard` then cut alike.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
-from syncd.layout import Replicate, Shard
-from syncd.layout import hf_names
+from syncd.layout import Replicate, Shard, hf_names
 from syncd.layout.placements import Placement
 from trainer_svc.parallel_dims import Coords, ParallelDims
 

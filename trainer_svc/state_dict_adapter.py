@@ -14,17 +14,17 @@ Local parameter names equal canonical names except the fused experts:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from syncd.member.dataplane.fp8 import quantize_blockwise
 from syncd.layout import Shard, hf_names
 from syncd.layout.dtypes import torch_dtype
+from syncd.member.dataplane.fp8 import quantize_blockwise
 from syncd.plan.fp8_blocks import FP8_DTYPE, SCALE_DTYPE, is_quantized, scale_name, scale_shape
 from trainer_svc import comm
 from trainer_svc.config import FP8_EXPORT, FP8_UNQUANTIZED_DTYPE, ModelArgs, unquantized_dtype
@@ -40,20 +40,22 @@ def canonical_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, H)}
     for layer in range(args.num_hidden_layers):
         p = f"model.layers.{layer}"
-        out.update({
-            f"{p}.input_layernorm.weight": (H,),
-            f"{p}.self_attn.q_proj.weight": (args.num_attention_heads * D, H),
-            f"{p}.self_attn.k_proj.weight": (args.num_key_value_heads * D, H),
-            f"{p}.self_attn.v_proj.weight": (args.num_key_value_heads * D, H),
-            f"{p}.self_attn.o_proj.weight": (H, args.num_attention_heads * D),
-            f"{p}.self_attn.q_norm.weight": (D,),
-            f"{p}.self_attn.k_norm.weight": (D,),
-            f"{p}.post_attention_layernorm.weight": (H,),
-            f"{p}.mlp.gate.weight": (E, H),
-            hf_names.grouped_expert_name(f"{p}.mlp", "gate_proj"): (E, I, H),
-            hf_names.grouped_expert_name(f"{p}.mlp", "up_proj"): (E, I, H),
-            hf_names.grouped_expert_name(f"{p}.mlp", "down_proj"): (E, H, I),
-        })
+        out.update(
+            {
+                f"{p}.input_layernorm.weight": (H,),
+                f"{p}.self_attn.q_proj.weight": (args.num_attention_heads * D, H),
+                f"{p}.self_attn.k_proj.weight": (args.num_key_value_heads * D, H),
+                f"{p}.self_attn.v_proj.weight": (args.num_key_value_heads * D, H),
+                f"{p}.self_attn.o_proj.weight": (H, args.num_attention_heads * D),
+                f"{p}.self_attn.q_norm.weight": (D,),
+                f"{p}.self_attn.k_norm.weight": (D,),
+                f"{p}.post_attention_layernorm.weight": (H,),
+                f"{p}.mlp.gate.weight": (E, H),
+                hf_names.grouped_expert_name(f"{p}.mlp", "gate_proj"): (E, I, H),
+                hf_names.grouped_expert_name(f"{p}.mlp", "up_proj"): (E, I, H),
+                hf_names.grouped_expert_name(f"{p}.mlp", "down_proj"): (E, H, I),
+            }
+        )
     out["model.norm.weight"] = (H,)
     out["lm_head.weight"] = (args.vocab_size, H)
     return out
@@ -82,18 +84,22 @@ def load_hf(model_dir: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     items = []
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            items += [(k, f.get_tensor(k).to(torch.float32)) for k in f.keys()]
+            items += [(k, f.get_tensor(k).to(torch.float32)) for k in f.keys()]  # noqa: SIM118 - safe_open is not iterable
     canonical = hf_names.group_from_hf(items, torch.stack)
     expected = canonical_shapes(args)
     for name, shape in expected.items():
         if name not in canonical:
             raise ValueError(f"{model_dir}: tensor {name} missing from the checkpoint")
         if tuple(canonical[name].shape) != shape:
-            raise ValueError(f"{model_dir}: {name} has shape {tuple(canonical[name].shape)}, expected {shape}")
+            raise ValueError(
+                f"{model_dir}: {name} has shape {tuple(canonical[name].shape)}, expected {shape}"
+            )
     return args, {k: canonical[k] for k in expected}
 
 
-def stored_entries(hf_name: str, shape: tuple[int, ...], dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+def stored_entries(
+    hf_name: str, shape: tuple[int, ...], dtype: str
+) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of each tensor that an export in `dtype` (a dtype name, or
     FP8_EXPORT) stores for HF tensor `hf_name` of `shape`: the tensor, and under FP8_EXPORT the
     block scales of a quantized one."""
@@ -113,7 +119,9 @@ def stored_tensors(hf_name: str, t: torch.Tensor, dtype: str) -> list[tuple[str,
     return [(hf_name, t.detach().to("cpu", torch_dtype(unquantized_dtype(dtype))).contiguous())]
 
 
-def save_hf(out_dir: str | Path, args: ModelArgs, canonical: dict[str, torch.Tensor], dtype: str = "float32") -> Path:
+def save_hf(
+    out_dir: str | Path, args: ModelArgs, canonical: dict[str, torch.Tensor], dtype: str = "float32"
+) -> Path:
     """Write config.json + model.safetensors with per-expert HF names, in `dtype` (a dtype name,
     or FP8_EXPORT)."""
     out_dir = Path(out_dir)
@@ -145,13 +153,16 @@ def shard_for_rank(
 
 
 @torch.no_grad()
-def load_into(model: torch.nn.Module, canonical: dict[str, torch.Tensor], dims: ParallelDims, c: Coords) -> None:
+def load_into(
+    model: torch.nn.Module, canonical: dict[str, torch.Tensor], dims: ParallelDims, c: Coords
+) -> None:
     for name, p in model.named_parameters():
         p.copy_(shard_for_rank(name, canonical, dims, c))
 
 
-def tp_whole(name: str, p: torch.Tensor, shapes: Mapping[str, tuple[int, ...]],
-             mesh: Mesh) -> list[tuple[str, torch.Tensor]]:
+def tp_whole(
+    name: str, p: torch.Tensor, shapes: Mapping[str, tuple[int, ...]], mesh: Mesh
+) -> list[tuple[str, torch.Tensor]]:
     """(canonical name, value) of every source of local parameter `name`, gathered over tp but still
     this rank's ep shard (collective over the tp group when `name` is cut over tp)."""
     sharding, names = sharding_of(name), sources(name)
@@ -165,7 +176,9 @@ def tp_whole(name: str, p: torch.Tensor, shapes: Mapping[str, tuple[int, ...]],
 
 
 @torch.no_grad()
-def gather_canonical(weights: Mapping[str, torch.Tensor], mesh: Mesh, args: ModelArgs) -> dict[str, torch.Tensor]:
+def gather_canonical(
+    weights: Mapping[str, torch.Tensor], mesh: Mesh, args: ModelArgs
+) -> dict[str, torch.Tensor]:
     """Collective over the whole world: rank 0 gets every canonical tensor of `weights` (each
     rank's stage parameters by name), others get {}.
     Shards are all-gathered over tp, then over ep; one rank per stage (dp = ep = tp = 0) then ships

@@ -1,7 +1,7 @@
 """A tiny random Qwen3-MoE checkpoint for tests and demos (no transformers needed, no side effects).
 
-    from trainer_svc.tiny import make_tiny_checkpoint
-    path = make_tiny_checkpoint(tmp_dir, seed=0)   # config.json + model.safetensors, HF names
+from trainer_svc.tiny import make_tiny_checkpoint
+path = make_tiny_checkpoint(tmp_dir, seed=0)   # config.json + model.safetensors, HF names
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -73,8 +73,13 @@ def process_group(
     joined = env.world_size > 1 or init_method is not None
     if joined:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=env.rank,
-                                world_size=env.world_size, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            backend,
+            init_method=init_method or "env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
     try:
         yield device
     finally:
@@ -87,8 +92,9 @@ class Trainer:
     (the optimizer step) and `version` (optimizer steps taken) with them: a syncd transfer reading
     the shards takes the lock too, so it sees one consistent version."""
 
-    def __init__(self, settings: TrainSettings, args: ModelArgs, mesh: Mesh, canonical: dict | None,
-                 device) -> None:
+    def __init__(
+        self, settings: TrainSettings, args: ModelArgs, mesh: Mesh, canonical: dict | None, device
+    ) -> None:
         """`canonical`: the whole model's tensors to cut this rank's shards from, or None to read
         only this rank's boxes from `settings.model_dir`."""
         self.settings, self.args, self.mesh, self.device = settings, args, mesh, device
@@ -129,8 +135,9 @@ class Trainer:
         s = self.settings
         start = time.perf_counter()
         tokens = data.global_batch(s.seed, step, s.global_batch_size, s.seq_len, self.args.vocab_size)
-        mbs = data.local_microbatches(tokens, self.mesh.data_rank, self.mesh.dims.data_ranks,
-                                      s.microbatches, self.device)
+        mbs = data.local_microbatches(
+            tokens, self.mesh.data_rank, self.mesh.dims.data_ranks, s.microbatches, self.device
+        )
         self.optimizer.zero_grad(set_to_none=True)
         loss = train_microbatches(self.precision, self.mesh, mbs, s.global_batch_size * s.seq_len)
         sync_grads(self.plan)
@@ -163,8 +170,13 @@ class Trainer:
             stats = self.train_step(step)
             result.steps.append(stats)
             if self.mesh.rank == 0:
-                log.info("step %d loss %.6f grad_norm %.6f tokens/s %.1f", stats.step, stats.loss,
-                         stats.grad_norm, stats.tokens_per_s)
+                log.info(
+                    "step %d loss %.6f grad_norm %.6f tokens/s %.1f",
+                    stats.step,
+                    stats.loss,
+                    stats.grad_norm,
+                    stats.tokens_per_s,
+                )
         return result
 
     def export(self, out_dir: str) -> None:
@@ -183,7 +195,6 @@ class Trainer:
             log.info("exported HF checkpoint to %s", out_dir)
         if self.distributed:
             dist.barrier()
-
 
     def _one_host(self) -> bool:
         """Collective (first call only): whether every rank runs on this rank's host."""

@@ -40,7 +40,7 @@ from deploy.local.processes import PYTHON, Cluster, free_port
 from syncd.states import wait_final
 from syncd.weight_version import WeightVersion, version_label
 
-LAYOUTS = {"ep2tp2": dict(pp=1, ep=2, tp=2), "pp2": dict(pp=2, ep=2, tp=1)}
+LAYOUTS = {"ep2tp2": {"pp": 1, "ep": 2, "tp": 2}, "pp2": {"pp": 2, "ep": 2, "tp": 1}}
 PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 3, 250, 7, 81], [400, 12, 12, 9], [33, 44, 55, 66, 77, 88, 99]]
 log = logging.getLogger("demo")
 
@@ -77,8 +77,9 @@ class Generator:
     def sample(self, seed: int, max_tokens: int = 24) -> list[tuple[list[int], list[int], list[float]]]:
         out = []
         for i, prompt in enumerate(PROMPTS):
-            tokens, logprobs = openai_client.complete(self.api, "tiny", prompt, max_tokens=max_tokens,
-                                                      temperature=1.0, seed=seed * 100 + i)
+            tokens, logprobs = openai_client.complete(
+                self.api, "tiny", prompt, max_tokens=max_tokens, temperature=1.0, seed=seed * 100 + i
+            )
             out.append((prompt, tokens, logprobs))
         return out
 
@@ -118,7 +119,9 @@ class Syncd:
         r = self.http.post("/v1/refits", json={"weight_version": version, "full": full})
         if r.status_code != 202:
             raise RuntimeError(f"syncd refused the refit: {r.status_code} {r.text}")
-        return dict(wait_final(lambda path: self.http.get(path).json(), r.json()["id"], timeout_s, poll_s=0.1))
+        return dict(
+            wait_final(lambda path: self.http.get(path).json(), r.json()["id"], timeout_s, poll_s=0.1)
+        )
 
 
 def trainer_loss(log_text: str, step: int) -> float:
@@ -129,31 +132,106 @@ def trainer_loss(log_text: str, step: int) -> float:
 def start_services(cluster: Cluster, work: Path, layout: dict, args) -> tuple[Syncd, Generator, object]:
     from trainer_svc.tiny import make_tiny_checkpoint
 
-    model = Path(args.model_dir).resolve() if args.model_dir else make_tiny_checkpoint(work / "model", seed=args.seed)
+    model = (
+        Path(args.model_dir).resolve()
+        if args.model_dir
+        else make_tiny_checkpoint(work / "model", seed=args.seed)
+    )
     http_port, grpc_port, gen_port = free_port(), free_port(), free_port()
-    syncd = cluster.start("syncd", [
-        PYTHON, "-m", "syncd", "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-        "--db", str(work / "syncd.db"), "--expected-trainers", "4", "--expected-generators", "1",
-        "--backend", "gloo", "--bucket-bytes", str(1 << 20), *(["--delta-refits"] if args.delta else []),
-    ])
+    syncd = cluster.start(
+        "syncd",
+        [
+            PYTHON,
+            "-m",
+            "syncd",
+            "--host",
+            "127.0.0.1",
+            "--http-port",
+            str(http_port),
+            "--grpc-port",
+            str(grpc_port),
+            "--db",
+            str(work / "syncd.db"),
+            "--expected-trainers",
+            "4",
+            "--expected-generators",
+            "1",
+            "--backend",
+            "gloo",
+            "--bucket-bytes",
+            str(1 << 20),
+            *(["--delta-refits"] if args.delta else []),
+        ],
+    )
     cluster.wait_http(syncd, f"http://127.0.0.1:{http_port}/healthz", 60)
     log.info("syncd up (http %d, grpc %d); starting the vLLM generator (about 30 s)", http_port, grpc_port)
-    generator = cluster.start("generator", [
-        PYTHON, "-m", "generator_svc", "--model", str(model), "--syncd", f"127.0.0.1:{grpc_port}",
-        "--port", str(gen_port), "--served-model-name", "tiny", "--dtype", args.dtype, "--enforce-eager",
-        "--refit-mode", args.refit_mode,
-        "--max-model-len", "256", "--skip-tokenizer-init",
-    ], env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    generator = cluster.start(
+        "generator",
+        [
+            PYTHON,
+            "-m",
+            "generator_svc",
+            "--model",
+            str(model),
+            "--syncd",
+            f"127.0.0.1:{grpc_port}",
+            "--port",
+            str(gen_port),
+            "--served-model-name",
+            "tiny",
+            "--dtype",
+            args.dtype,
+            "--enforce-eager",
+            "--refit-mode",
+            args.refit_mode,
+            "--max-model-len",
+            "256",
+            "--skip-tokenizer-init",
+        ],
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     cluster.wait_http(generator, f"http://127.0.0.1:{gen_port}/healthz", 300)
     log.info("generator up; starting the trainer (4 gloo ranks: pp %(pp)d x ep %(ep)d x tp %(tp)d)", layout)
-    trainer = cluster.start("trainer", [
-        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "trainer_svc",
-        "--pp", str(layout["pp"]), "--ep", str(layout["ep"]), "--tp", str(layout["tp"]),
-        "--model-dir", str(model), "--steps", str(args.steps), "--seed", str(args.seed), "--lr", str(args.lr),
-        "--device", "cpu", "--syncd", f"127.0.0.1:{grpc_port}", "--sync-refit",
-        "--export-dir", str(work / "export"), "--export-each-step", "--dtype", args.train_dtype,
-        "--export-dtype", args.dtype,
-    ], env={"OMP_NUM_THREADS": "1"})
+    trainer = cluster.start(
+        "trainer",
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "trainer_svc",
+            "--pp",
+            str(layout["pp"]),
+            "--ep",
+            str(layout["ep"]),
+            "--tp",
+            str(layout["tp"]),
+            "--model-dir",
+            str(model),
+            "--steps",
+            str(args.steps),
+            "--seed",
+            str(args.seed),
+            "--lr",
+            str(args.lr),
+            "--device",
+            "cpu",
+            "--syncd",
+            f"127.0.0.1:{grpc_port}",
+            "--sync-refit",
+            "--export-dir",
+            str(work / "export"),
+            "--export-each-step",
+            "--dtype",
+            args.train_dtype,
+            "--export-dtype",
+            args.dtype,
+        ],
+        env={"OMP_NUM_THREADS": "1"},
+    )
     return Syncd(f"http://127.0.0.1:{http_port}"), Generator(f"http://127.0.0.1:{gen_port}"), trainer
 
 
@@ -165,31 +243,49 @@ def run(args) -> dict:
     rows: list[StepRow] = []
     with Cluster(work / "logs") as cluster:
         syncd, generator, trainer = start_services(cluster, work, layout, args)
-        print(f"{'step':>4} {'loss':>9} {'refit':>9} {'mode':>5} {'changed':>8} {'seconds':>8} {'install':>8} "
-              f"{'MB':>7} {'MB/s':>8} {'checksums':>9} {'KL before':>10} {'KL after':>10}", flush=True)
+        print(
+            f"{'step':>4} {'loss':>9} {'refit':>9} {'mode':>5} {'changed':>8} {'seconds':>8} {'install':>8} "
+            f"{'MB':>7} {'MB/s':>8} {'checksums':>9} {'KL before':>10} {'KL after':>10}",
+            flush=True,
+        )
         for step in range(1, args.steps + 1):
             syncd.wait_announced(step, 300, trainer)
             export = work / "export" / f"step-{step}"
             kl_before = policy_kl(generator, export, seed=step)
-            state = syncd.refit(step, 300, full=bool(args.full_every) and step % args.full_every == 1 % args.full_every)
+            state = syncd.refit(
+                step, 300, full=bool(args.full_every) and step % args.full_every == 1 % args.full_every
+            )
             committed = state["state"] == "COMMITTED"
             kl_after = policy_kl(generator, export, seed=step) if committed else float("nan")
             seconds = (state["finished_at"] or time.time()) - state["created_at"]
             phases = state.get("phases") or {}
-            row = StepRow(step, trainer_loss(trainer.log.read_text(errors="replace"), step), state["state"],
-                          seconds, phases.get("TRANSFERRING", float("nan")), phases.get("VERIFYING", float("nan")),
-                          generator.install_seconds(step) if committed else float("nan"),
-                          state.get("bytes") or 0, committed, kl_before, kl_after, state.get("mode", "full"),
-                          state.get("changed_fraction"))
+            row = StepRow(
+                step,
+                trainer_loss(trainer.log.read_text(errors="replace"), step),
+                state["state"],
+                seconds,
+                phases.get("TRANSFERRING", float("nan")),
+                phases.get("VERIFYING", float("nan")),
+                generator.install_seconds(step) if committed else float("nan"),
+                state.get("bytes") or 0,
+                committed,
+                kl_before,
+                kl_after,
+                state.get("mode", "full"),
+                state.get("changed_fraction"),
+            )
             rows.append(row)
             changed = "-" if row.changed_fraction is None else f"{100 * row.changed_fraction:.2f}%"
-            print(f"{row.step:>4} {row.loss:>9.4f} {row.refit_state:>9} {row.mode:>5} {changed:>8} {row.refit_seconds:>8.2f} "
-                  f"{row.install_seconds:>8.3f} {row.bytes / 1e6:>7.2f} {row.mb_per_s:>8.2f} {'ok' if row.checksums_ok else 'FAILED':>9} "
-                  f"{row.kl_before:>10.2e} {row.kl_after:>10.2e}", flush=True)
+            print(
+                f"{row.step:>4} {row.loss:>9.4f} {row.refit_state:>9} {row.mode:>5} {changed:>8} {row.refit_seconds:>8.2f} "
+                f"{row.install_seconds:>8.3f} {row.bytes / 1e6:>7.2f} {row.mb_per_s:>8.2f} {'ok' if row.checksums_ok else 'FAILED':>9} "
+                f"{row.kl_before:>10.2e} {row.kl_after:>10.2e}",
+                flush=True,
+            )
             if not committed:
                 print(f"     refit failed: {state.get('error')}", flush=True)
         trainer.popen.wait(120)
-    summary = {
+    return {
         "refits": len(rows),
         "refits_committed": sum(r.refit_state == "COMMITTED" for r in rows),
         "checksums_ok": all(r.checksums_ok for r in rows) and bool(rows),
@@ -199,12 +295,21 @@ def run(args) -> dict:
         "layout": args.layout,
         "train_dtype": args.train_dtype,
         "served_dtype": args.dtype,
-        "refit_phases": [{"step": r.step, "transfer": r.transfer_seconds, "verify": r.verify_seconds,
-                          "install": r.install_seconds, "total": r.refit_seconds, "bytes": r.bytes, "mode": r.mode,
-                          "changed_fraction": r.changed_fraction} for r in rows],
+        "refit_phases": [
+            {
+                "step": r.step,
+                "transfer": r.transfer_seconds,
+                "verify": r.verify_seconds,
+                "install": r.install_seconds,
+                "total": r.refit_seconds,
+                "bytes": r.bytes,
+                "mode": r.mode,
+                "changed_fraction": r.changed_fraction,
+            }
+            for r in rows
+        ],
         "steps": [asdict(r) for r in rows],
     }
-    return summary
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -217,20 +322,44 @@ def main() -> int:
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="ep2tp2")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="what the generator serves (and the trainer exports); from a float32 trainer "
-                             "the refit rounds to it (to nearest even), moving half the bytes for bfloat16")
-    parser.add_argument("--train-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                        help="the trainer's parameters and compute (bfloat16 keeps float32 masters)")
-    parser.add_argument("--refit-mode", choices=("staged", "inplace"), default="staged",
-                        help="the generator's refit mode (generator_svc/README.md, 'Refit modes')")
-    parser.add_argument("--delta", action="store_true",
-                        help="syncd's delta refits: after the first refit, move only the elements that changed")
-    parser.add_argument("--full-every", type=int, default=0, metavar="K",
-                        help="with --delta: make refits 1, K+1, 2K+1, ... full ones (compare both in one run)")
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="what the generator serves (and the trainer exports); from a float32 trainer "
+        "the refit rounds to it (to nearest even), moving half the bytes for bfloat16",
+    )
+    parser.add_argument(
+        "--train-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the trainer's parameters and compute (bfloat16 keeps float32 masters)",
+    )
+    parser.add_argument(
+        "--refit-mode",
+        choices=("staged", "inplace"),
+        default="staged",
+        help="the generator's refit mode (generator_svc/README.md, 'Refit modes')",
+    )
+    parser.add_argument(
+        "--delta",
+        action="store_true",
+        help="syncd's delta refits: after the first refit, move only the elements that changed",
+    )
+    parser.add_argument(
+        "--full-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --delta: make refits 1, K+1, 2K+1, ... full ones (compare both in one run)",
+    )
     parser.add_argument("--workdir", default="runs/demo")
-    parser.add_argument("--model-dir", default="", help="a Qwen3-MoE HF directory (config.json + *.safetensors) "
-                                                        "to train and serve instead of the tiny random model")
+    parser.add_argument(
+        "--model-dir",
+        default="",
+        help="a Qwen3-MoE HF directory (config.json + *.safetensors) "
+        "to train and serve instead of the tiny random model",
+    )
     parser.add_argument("--summary-json", help="also write the summary here")
     args = parser.parse_args()
     if args.full_every < 0 or (args.full_every and not args.delta):

@@ -16,7 +16,10 @@ def complete(api: openai.OpenAI, model: str, prompt: list[int], **sampling) -> t
     """One completion of a token-id prompt: the sampled token ids and their logprobs.
     `sampling`: max_tokens, temperature, seed, ... as `completions.create` takes them."""
     r = api.completions.create(
-        model=model, prompt=prompt, logprobs=1, **sampling,
+        model=model,
+        prompt=prompt,
+        logprobs=1,
+        **sampling,
         # vLLM's extensions: no tokenizer here, so tokens come back as "token_id:N".
         extra_body={"detokenize": False, "return_tokens_as_token_ids": True},
     )

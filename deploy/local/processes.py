@@ -6,6 +6,7 @@ ranks, vLLM's engine core); `Cluster` stops everything it started, newest first,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -56,10 +57,8 @@ class Proc:
             time.sleep(0.1)
         if group_members(pgid):
             _signal_group(pgid, signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def group_members(pgid: int) -> list[int]:
@@ -76,10 +75,8 @@ def group_members(pgid: int) -> list[int]:
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 @dataclass
@@ -98,8 +95,14 @@ class Cluster:
         out = open(log, "a")
         out.write(f"==== {time.strftime('%H:%M:%S')} start: {' '.join(cmd)}\n")
         out.flush()
-        popen = subprocess.Popen(cmd, cwd=REPO, env={**self.env, **(env or {})}, stdout=out,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+        popen = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env={**self.env, **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         proc = Proc(name, popen, log)
         self.procs.append(proc)
         return proc

@@ -38,15 +38,24 @@ def command(launch: Launch, this_node: str) -> list[str]:
     if launch.data_host_flag:  # each node's own name, known only inside the task
         argv = ["bash", "-c", 'exec "$@" --data-host "$SLURMD_NODENAME"', "bash", *argv]
     exports = ",".join(["ALL", *(f"{k}={v}" for k, v in launch.env.items())])
-    return ["srun", "--overlap", "--kill-on-bad-exit=1", f"--nodes={len(launch.nodes)}",
-            f"--ntasks={len(launch.nodes)}", "--ntasks-per-node=1", f"--nodelist={','.join(launch.nodes)}",
-            f"--export={exports}", *argv]
+    return [
+        "srun",
+        "--overlap",
+        "--kill-on-bad-exit=1",
+        f"--nodes={len(launch.nodes)}",
+        f"--ntasks={len(launch.nodes)}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(launch.nodes)}",
+        f"--export={exports}",
+        *argv,
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m deploy.slurm.launcher", description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", required=True,
-                   help="starting HF checkpoint, on a filesystem every node sees")
+    p.add_argument(
+        "--model-dir", required=True, help="starting HF checkpoint, on a filesystem every node sees"
+    )
     p.add_argument("--generator-nodes", type=int, default=1)
     p.add_argument("--generator-tp", type=int, default=1, help="vLLM tensor parallelism per generator")
     p.add_argument("--trainer-nproc-per-node", type=int, default=1)
@@ -54,26 +63,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--syncd-grpc-port", type=int, default=8471)
     p.add_argument("--generator-port", type=int, default=8000)
     p.add_argument("--rdzv-port", type=int, default=29400)
-    p.add_argument("--no-auto-refit", dest="auto_refit", action="store_false",
-                   help="do not start a refit on each trainer step (trigger them with syncctl)")
-    p.add_argument("--cpu", action="store_true",
-                   help="CPU everywhere: gloo, vLLM on CPU, trainer --device cpu")
+    p.add_argument(
+        "--no-auto-refit",
+        dest="auto_refit",
+        action="store_false",
+        help="do not start a refit on each trainer step (trigger them with syncctl)",
+    )
+    p.add_argument(
+        "--cpu", action="store_true", help="CPU everywhere: gloo, vLLM on CPU, trainer --device cpu"
+    )
     p.add_argument("--syncd-args", default="", help="more syncd flags, one shell-quoted string")
     p.add_argument("--generator-args", default="", help="more generator_svc / vllm serve flags")
     p.add_argument("--trainer-args", default="", help="more trainer_svc flags (--pp --ep --tp --steps ...)")
-    p.add_argument("--workdir", default=None,
-                   help="logs, syncd.db and summary.json (default ./weightsync-JOBID)")
+    p.add_argument(
+        "--workdir", default=None, help="logs, syncd.db and summary.json (default ./weightsync-JOBID)"
+    )
     p.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for each service")
     return p.parse_args(argv)
 
 
 def options(args: argparse.Namespace, workdir: Path) -> Options:
     return Options(
-        model_dir=args.model_dir, syncd_db=str(workdir / "syncd.db"),
-        trainer_nproc_per_node=args.trainer_nproc_per_node, generator_tp=args.generator_tp,
-        syncd_http_port=args.syncd_http_port, syncd_grpc_port=args.syncd_grpc_port,
-        generator_port=args.generator_port, rdzv_port=args.rdzv_port, auto_refit=args.auto_refit,
-        cpu=args.cpu, syncd_args=tuple(shlex.split(args.syncd_args)),
+        model_dir=args.model_dir,
+        syncd_db=str(workdir / "syncd.db"),
+        trainer_nproc_per_node=args.trainer_nproc_per_node,
+        generator_tp=args.generator_tp,
+        syncd_http_port=args.syncd_http_port,
+        syncd_grpc_port=args.syncd_grpc_port,
+        generator_port=args.generator_port,
+        rdzv_port=args.rdzv_port,
+        auto_refit=args.auto_refit,
+        cpu=args.cpu,
+        syncd_args=tuple(shlex.split(args.syncd_args)),
         generator_args=tuple(shlex.split(args.generator_args)),
         trainer_args=tuple(shlex.split(args.trainer_args)),
     )
@@ -83,8 +104,13 @@ def run(args: argparse.Namespace, alloc: Allocation, workdir: Path) -> int:
     layout = assign(alloc.nodes, args.generator_nodes)
     specs = launches(layout, options(args, workdir), alloc.job_id, PYTHON)
     syncd_spec, *generator_specs, trainer_spec = specs
-    log.info("job %s: syncd on %s, generators on %s, trainer on %s", alloc.job_id, layout.syncd,
-             ",".join(layout.generators), ",".join(layout.trainers))
+    log.info(
+        "job %s: syncd on %s, generators on %s, trainer on %s",
+        alloc.job_id,
+        layout.syncd,
+        ",".join(layout.generators),
+        ",".join(layout.trainers),
+    )
     syncd_url = f"http://{layout.syncd}:{args.syncd_http_port}"
     pids = workdir / "pids"
     pids.write_text("")
@@ -135,8 +161,11 @@ def _write_summary(path: Path, syncd_url: str, trainer_rc: int) -> None:
     refits = httpx.get(f"{syncd_url}/v1/refits", timeout=30).json()["refits"]
     status = httpx.get(f"{syncd_url}/v1/status", timeout=30).json()
     fields = ("id", "state", "weight_version", "bytes", "error")
-    summary = {"trainer_exit_code": trainer_rc, "committed_version": status["committed_version"],
-               "refits": [{k: r.get(k) for k in fields} for r in refits]}
+    summary = {
+        "trainer_exit_code": trainer_rc,
+        "committed_version": status["committed_version"],
+        "refits": [{k: r.get(k) for k in fields} for r in refits],
+    }
     path.write_text(json.dumps(summary, indent=2) + "\n")
     log.info("summary: %s", json.dumps(summary))
 

@@ -12,8 +12,8 @@ allocation runs everything on that node (a demo, or the test on a workstation).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -47,8 +47,9 @@ class Allocation:
             raise ValueError(f"not inside a SLURM allocation: {', '.join(missing)} unset")
         nodes = tuple(expand_nodelist(environ["SLURM_JOB_NODELIST"]))
         if len(nodes) != int(environ["SLURM_NNODES"]):
-            raise ValueError(f"SLURM_JOB_NODELIST has {len(nodes)} hosts but SLURM_NNODES is "
-                             f"{environ['SLURM_NNODES']}")
+            raise ValueError(
+                f"SLURM_JOB_NODELIST has {len(nodes)} hosts but SLURM_NNODES is {environ['SLURM_NNODES']}"
+            )
         return Allocation(environ["SLURM_JOB_ID"], nodes, environ.get("SLURMD_NODENAME", hostname))
 
 
@@ -65,8 +66,10 @@ def assign(nodes: tuple[str, ...], generator_nodes: int) -> Layout:
     if len(nodes) == 1 and generator_nodes == 1:
         return Layout(nodes[0], nodes, nodes)
     if len(nodes) <= generator_nodes:
-        raise ValueError(f"{len(nodes)} node(s) cannot hold {generator_nodes} generator node(s) and at least "
-                         f"one trainer node; allocate more nodes or lower --generator-nodes")
+        raise ValueError(
+            f"{len(nodes)} node(s) cannot hold {generator_nodes} generator node(s) and at least "
+            f"one trainer node; allocate more nodes or lower --generator-nodes"
+        )
     return Layout(nodes[0], nodes[:generator_nodes], nodes[generator_nodes:])
 
 
@@ -90,8 +93,14 @@ class Options:
 
 
 # What vLLM needs to serve the tiny model on CPU (see deploy/local/demo.py).
-CPU_GENERATOR_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-                      "--skip-tokenizer-init")
+CPU_GENERATOR_ARGS = (
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--max-model-len",
+    "256",
+    "--skip-tokenizer-init",
+)
 CPU_GENERATOR_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
@@ -110,32 +119,88 @@ class Launch:
 def launches(layout: Layout, opts: Options, job_id: str, python: str = "python") -> list[Launch]:
     """syncd, then one launch per generator node, then the trainer (one torchrun per node)."""
     syncd_addr = f"{layout.syncd}:{opts.syncd_grpc_port}"
-    syncd = Launch("syncd", (layout.syncd,), (
-        python, "-m", "syncd", "--db", opts.syncd_db,
-        "--http-port", str(opts.syncd_http_port), "--grpc-port", str(opts.syncd_grpc_port),
-        "--expected-trainers", str(len(layout.trainers) * opts.trainer_nproc_per_node),
-        "--expected-generators", str(len(layout.generators) * opts.generator_tp),
-        *(("--auto-refit",) if opts.auto_refit else ()), *(("--backend", "gloo") if opts.cpu else ()),
-        *opts.syncd_args,
-    ))
+    syncd = Launch(
+        "syncd",
+        (layout.syncd,),
+        (
+            python,
+            "-m",
+            "syncd",
+            "--db",
+            opts.syncd_db,
+            "--http-port",
+            str(opts.syncd_http_port),
+            "--grpc-port",
+            str(opts.syncd_grpc_port),
+            "--expected-trainers",
+            str(len(layout.trainers) * opts.trainer_nproc_per_node),
+            "--expected-generators",
+            str(len(layout.generators) * opts.generator_tp),
+            *(("--auto-refit",) if opts.auto_refit else ()),
+            *(("--backend", "gloo") if opts.cpu else ()),
+            *opts.syncd_args,
+        ),
+    )
     generators = [
-        Launch(f"generator-{i}", (node,), (
-            python, "-m", "generator_svc", "--model", opts.model_dir, "--syncd", syncd_addr,
-            "--replica", str(i),
-            "--port", str(opts.generator_port), "--tensor-parallel-size", str(opts.generator_tp),
-            *(CPU_GENERATOR_ARGS if opts.cpu else ()), *opts.generator_args,
-        ), dict(CPU_GENERATOR_ENV) if opts.cpu else {}, data_host_flag=True)
+        Launch(
+            f"generator-{i}",
+            (node,),
+            (
+                python,
+                "-m",
+                "generator_svc",
+                "--model",
+                opts.model_dir,
+                "--syncd",
+                syncd_addr,
+                "--replica",
+                str(i),
+                "--port",
+                str(opts.generator_port),
+                "--tensor-parallel-size",
+                str(opts.generator_tp),
+                *(CPU_GENERATOR_ARGS if opts.cpu else ()),
+                *opts.generator_args,
+            ),
+            dict(CPU_GENERATOR_ENV) if opts.cpu else {},
+            data_host_flag=True,
+        )
         for i, node in enumerate(layout.generators)
     ]
     if len(layout.trainers) == 1:
         rendezvous: tuple[str, ...] = ("--standalone",)
     else:
-        rendezvous = ("--nnodes", str(len(layout.trainers)), "--rdzv-backend", "c10d",
-                      "--rdzv-endpoint", f"{layout.trainers[0]}:{opts.rdzv_port}", "--rdzv-id", job_id)
-    trainer = Launch("trainer", layout.trainers, (
-        python, "-m", "torch.distributed.run", *rendezvous,
-        "--nproc-per-node", str(opts.trainer_nproc_per_node),
-        "-m", "trainer_svc", "--model-dir", opts.model_dir, "--syncd", syncd_addr, "--sync-refit",
-        *(("--device", "cpu") if opts.cpu else ()), *opts.trainer_args,
-    ), {"OMP_NUM_THREADS": "1"} if opts.cpu else {}, data_host_flag=True)
+        rendezvous = (
+            "--nnodes",
+            str(len(layout.trainers)),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{layout.trainers[0]}:{opts.rdzv_port}",
+            "--rdzv-id",
+            job_id,
+        )
+    trainer = Launch(
+        "trainer",
+        layout.trainers,
+        (
+            python,
+            "-m",
+            "torch.distributed.run",
+            *rendezvous,
+            "--nproc-per-node",
+            str(opts.trainer_nproc_per_node),
+            "-m",
+            "trainer_svc",
+            "--model-dir",
+            opts.model_dir,
+            "--syncd",
+            syncd_addr,
+            "--sync-refit",
+            *(("--device", "cpu") if opts.cpu else ()),
+            *opts.trainer_args,
+        ),
+        {"OMP_NUM_THREADS": "1"} if opts.cpu else {},
+        data_host_flag=True,
+    )
     return [syncd, *generators, trainer]

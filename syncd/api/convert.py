@@ -33,6 +33,7 @@ def phase_to_pb(phase: str) -> int:
 
 # ---- layout ----
 
+
 def box_to_pb(box: Box) -> pb.Box:
     return pb.Box(start=box.start, stop=box.stop)
 
@@ -76,6 +77,7 @@ def catalog_from_pb(msg: pb.Catalog) -> Catalog:
 
 # ---- plan ----
 
+
 def unit_to_pb(u: TransferUnit) -> pb.TransferUnit:
     return pb.TransferUnit(
         canonical=u.canonical,
@@ -110,15 +112,23 @@ def unit_from_pb(m: pb.TransferUnit) -> TransferUnit:
 
 def bucket_to_pb(b: Bucket) -> pb.Bucket:
     return pb.Bucket(
-        stage=b.stage, src=b.src, dst=b.dst, index=b.index,
-        units=[unit_to_pb(u) for u in b.units], nbytes=b.nbytes,
+        stage=b.stage,
+        src=b.src,
+        dst=b.dst,
+        index=b.index,
+        units=[unit_to_pb(u) for u in b.units],
+        nbytes=b.nbytes,
     )
 
 
 def bucket_from_pb(m: pb.Bucket) -> Bucket:
     return Bucket(
-        stage=m.stage, src=m.src, dst=m.dst, index=m.index,
-        units=tuple(unit_from_pb(u) for u in m.units), nbytes=m.nbytes,
+        stage=m.stage,
+        src=m.src,
+        dst=m.dst,
+        index=m.index,
+        units=tuple(unit_from_pb(u) for u in m.units),
+        nbytes=m.nbytes,
     )
 
 
@@ -142,6 +152,7 @@ def _buckets_from_pb(buckets) -> tuple[Bucket, ...]:
 
 # ---- commands ----
 
+
 def _group_to_pb(g: commands.StageGroup) -> pb.StageGroup:
     return pb.StageGroup(stage=g.stage, group_id=g.group_id, backend=g.backend, members=g.members)
 
@@ -149,24 +160,45 @@ def _group_to_pb(g: commands.StageGroup) -> pb.StageGroup:
 def command_to_pb(cmd: commands.Command) -> pb.Command:
     match cmd:
         case commands.JoinGroup():
-            return pb.Command(join_group=pb.JoinGroup(
-                refit_id=cmd.refit_id, group_id=cmd.group_id, stage=cmd.stage, rank=cmd.rank,
-                world_size=cmd.world_size, backend=cmd.backend, address=cmd.address,
-                members=cmd.members, timeout_s=cmd.timeout_s,
-            ))
+            return pb.Command(
+                join_group=pb.JoinGroup(
+                    refit_id=cmd.refit_id,
+                    group_id=cmd.group_id,
+                    stage=cmd.stage,
+                    rank=cmd.rank,
+                    world_size=cmd.world_size,
+                    backend=cmd.backend,
+                    address=cmd.address,
+                    members=cmd.members,
+                    timeout_s=cmd.timeout_s,
+                )
+            )
         case commands.ExecutePlan():
-            return pb.Command(execute_plan=pb.ExecutePlan(
-                refit_id=cmd.refit_id, weight_version=cmd.weight_version,
-                buckets=[bucket_to_pb(b) for b in cmd.buckets],
-                groups=[_group_to_pb(g) for g in cmd.groups], timeout_s=cmd.timeout_s,
-                delta=_delta_to_pb(cmd.delta),
-            ))
+            return pb.Command(
+                execute_plan=pb.ExecutePlan(
+                    refit_id=cmd.refit_id,
+                    weight_version=cmd.weight_version,
+                    buckets=[bucket_to_pb(b) for b in cmd.buckets],
+                    groups=[_group_to_pb(g) for g in cmd.groups],
+                    timeout_s=cmd.timeout_s,
+                    delta=_delta_to_pb(cmd.delta),
+                )
+            )
         case commands.Verify():
-            return pb.Command(verify=pb.Verify(refit_id=cmd.refit_id, weight_version=cmd.weight_version,
-                                               timeout_s=cmd.timeout_s))
+            return pb.Command(
+                verify=pb.Verify(
+                    refit_id=cmd.refit_id, weight_version=cmd.weight_version, timeout_s=cmd.timeout_s
+                )
+            )
         case commands.Commit():
-            return pb.Command(commit=pb.Commit(refit_id=cmd.refit_id, weight_version=cmd.weight_version,
-                                               timeout_s=cmd.timeout_s, run_id=cmd.run_id))
+            return pb.Command(
+                commit=pb.Commit(
+                    refit_id=cmd.refit_id,
+                    weight_version=cmd.weight_version,
+                    timeout_s=cmd.timeout_s,
+                    run_id=cmd.run_id,
+                )
+            )
         case commands.Abort():
             return pb.Command(abort=pb.Abort(refit_id=cmd.refit_id, reason=cmd.reason))
     raise TypeError(f"not a command: {cmd!r}")
@@ -175,8 +207,11 @@ def command_to_pb(cmd: commands.Command) -> pb.Command:
 def _delta_to_pb(delta: commands.DeltaLinks | None) -> pb.DeltaLinks | None:
     if delta is None:
         return None
-    return pb.DeltaLinks(base=-1 if delta.base is None else delta.base, dsts=sorted(delta.dsts),
-                         max_fraction=delta.max_fraction)
+    return pb.DeltaLinks(
+        base=-1 if delta.base is None else delta.base,
+        dsts=sorted(delta.dsts),
+        max_fraction=delta.max_fraction,
+    )
 
 
 def _delta_from_pb(m: pb.ExecutePlan) -> commands.DeltaLinks | None:
@@ -191,15 +226,25 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
     if kind == "join_group":
         m = msg.join_group
         return commands.JoinGroup(
-            m.refit_id, m.group_id, m.stage, m.rank, m.world_size, m.backend, m.address, tuple(m.members),
+            m.refit_id,
+            m.group_id,
+            m.stage,
+            m.rank,
+            m.world_size,
+            m.backend,
+            m.address,
+            tuple(m.members),
             m.timeout_s,
         )
     if kind == "execute_plan":
         m = msg.execute_plan
         return commands.ExecutePlan(
-            m.refit_id, m.weight_version, _buckets_from_pb(m.buckets),
+            m.refit_id,
+            m.weight_version,
+            _buckets_from_pb(m.buckets),
             tuple(commands.StageGroup(g.stage, g.group_id, g.backend, tuple(g.members)) for g in m.groups),
-            m.timeout_s, _delta_from_pb(m),
+            m.timeout_s,
+            _delta_from_pb(m),
         )
     if kind == "verify":
         return commands.Verify(msg.verify.refit_id, msg.verify.weight_version, msg.verify.timeout_s)
@@ -213,19 +258,36 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
 
 # ---- reports ----
 
+
 def report_to_pb(r: commands.MemberReport) -> pb.ReportRequest:
     """A member's answer as it travels (syncd fills in the member from the session)."""
     return pb.ReportRequest(
-        member_id=r.member_id, refit_id=r.refit_id, phase=phase_to_pb(r.phase), ok=r.ok, error=r.error,
-        bytes=r.bytes, checksums=dict(r.checksums), timings=dict(r.timings), address=r.address,
-        delta_elements=r.delta_elements, changed_elements=r.changed_elements,
+        member_id=r.member_id,
+        refit_id=r.refit_id,
+        phase=phase_to_pb(r.phase),
+        ok=r.ok,
+        error=r.error,
+        bytes=r.bytes,
+        checksums=dict(r.checksums),
+        timings=dict(r.timings),
+        address=r.address,
+        delta_elements=r.delta_elements,
+        changed_elements=r.changed_elements,
     )
 
 
 def report_from_pb(m: pb.ReportRequest, member_id: str) -> commands.MemberReport:
     """The answer of member `member_id` (its session's, not what the message claims)."""
     return commands.MemberReport(
-        member_id=member_id, refit_id=m.refit_id, phase=commands.Phase(PHASE_NAMES[m.phase]), ok=m.ok,
-        error=m.error, bytes=m.bytes, checksums=dict(m.checksums), timings=dict(m.timings), address=m.address,
-        delta_elements=m.delta_elements, changed_elements=m.changed_elements,
+        member_id=member_id,
+        refit_id=m.refit_id,
+        phase=commands.Phase(PHASE_NAMES[m.phase]),
+        ok=m.ok,
+        error=m.error,
+        bytes=m.bytes,
+        checksums=dict(m.checksums),
+        timings=dict(m.timings),
+        address=m.address,
+        delta_elements=m.delta_elements,
+        changed_elements=m.changed_elements,
     )

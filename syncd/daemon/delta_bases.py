@@ -12,7 +12,7 @@ plan. The whole-region checksums catch what this bookkeeping cannot see (a flipp
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from syncd.commands import DeltaLinks, StageGroup
 from syncd.daemon.registry import Member
@@ -27,8 +27,15 @@ class DeltaBases:
     def _holds(self, m: Member, version: int) -> bool:
         return self._held.get(m.member_id) == (m.session_id, version)
 
-    def links(self, plan: Plan, members: Mapping[str, Member], groups: Mapping[int, StageGroup],
-              base: WeightVersion | None, max_fraction: float, full: bool = False) -> DeltaLinks:
+    def links(
+        self,
+        plan: Plan,
+        members: Mapping[str, Member],
+        groups: Mapping[int, StageGroup],
+        base: WeightVersion | None,
+        max_fraction: float,
+        full: bool = False,
+    ) -> DeltaLinks:
         """The delta links of a refit from `base` (the committed version; None before the first):
         every generator whose senders and itself hold it, unless `full` forces a full refit."""
         senders: dict[str, set[str]] = {}
@@ -41,9 +48,13 @@ class DeltaBases:
         if full or base is None:
             return DeltaLinks(None, frozenset(), max_fraction)
         dsts = frozenset(
-            g for g, srcs in senders.items()
-            if g not in refused and not members[g].receive_by_layer and self._holds(members[g], base)
-            and all(self._holds(members[s], base) for s in srcs))
+            g
+            for g, srcs in senders.items()
+            if g not in refused
+            and not members[g].receive_by_layer
+            and self._holds(members[g], base)
+            and all(self._holds(members[s], base) for s in srcs)
+        )
         return DeltaLinks(base if dsts else None, dsts, max_fraction)
 
     def committed(self, members: Mapping[str, Member], version: WeightVersion) -> None:
@@ -51,7 +62,7 @@ class DeltaBases:
         for m in members.values():
             self._held[m.member_id] = (m.session_id, version)
 
-    def forget(self, member_ids) -> None:  # noqa: ANN001 (an iterable of ids)
+    def forget(self, member_ids) -> None:
         """A refit these members took part in did not commit: their delta state is between versions."""
         for m in member_ids:
             self._held.pop(m, None)

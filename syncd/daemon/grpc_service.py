@@ -11,8 +11,9 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -47,6 +48,7 @@ class TokenFirst(grpc.ServerInterceptor):
 
             def refuse(_requests: Iterator, context: grpc.ServicerContext) -> None:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
             # A request-streaming handler: gRPC reads no message before it runs (and this one reads none).
             return grpc.stream_unary_rpc_method_handler(refuse)
         return continuation(details)
@@ -60,12 +62,14 @@ def _guarded(method: Callable) -> Callable:
         context.abort(grpc_code(err), str(err))
 
     if method.__name__ == "Watch":
+
         @functools.wraps(method)
         def stream(self: SyncdServicer, request: Any, context: grpc.ServicerContext) -> Iterator:
             try:
                 yield from method(self, request, context)
             except (SyncdError, ValueError) as err:
                 fail(context, err)
+
         return stream
 
     @functools.wraps(method)
@@ -74,6 +78,7 @@ def _guarded(method: Callable) -> Callable:
             return method(self, request, context)
         except (SyncdError, ValueError) as err:
             fail(context, err)
+
     return unary
 
 
@@ -106,15 +111,18 @@ class SyncdServicer(pb_grpc.SyncdServicer):
         if result.catalog_required:
             return pb.RegisterResponse(catalog_required=True)
         assert result.member is not None
-        return pb.RegisterResponse(session_id=result.member.session_id,
-                                   lease_seconds=self.registry.lease_seconds,
-                                   committed_version=self._committed_version())
+        return pb.RegisterResponse(
+            session_id=result.member.session_id,
+            lease_seconds=self.registry.lease_seconds,
+            committed_version=self._committed_version(),
+        )
 
     @_guarded
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         self.registry.heartbeat(request.member_id, request.session_id)
-        return pb.HeartbeatResponse(lease_seconds=self.registry.lease_seconds,
-                                    committed_version=self._committed_version())
+        return pb.HeartbeatResponse(
+            lease_seconds=self.registry.lease_seconds, committed_version=self._committed_version()
+        )
 
     def _committed_version(self) -> WeightVersion | None:
         committed = self.coordinator.versions.committed
@@ -146,17 +154,25 @@ class SyncdServicer(pb_grpc.SyncdServicer):
 
 
 def build_grpc_server(
-    servicer: SyncdServicer, host: str, port: int, max_workers: int, auth_token: str | None,
+    servicer: SyncdServicer,
+    host: str,
+    port: int,
+    max_workers: int,
+    auth_token: str | None,
     max_message_bytes: int,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A gRPC server with the Syncd and health services; returns it with its bound port.
     Each open Watch stream holds a worker thread, so `max_workers` must exceed the member count."""
     # gRPC enables SO_REUSEPORT by default: a second syncd would silently share the port.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                         interceptors=[TokenFirst(auth_token)],
-                         options=[("grpc.so_reuseport", 0),
-                                  ("grpc.max_receive_message_length", max_message_bytes),
-                                  ("grpc.max_send_message_length", 1 << 30)])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[TokenFirst(auth_token)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", 1 << 30),
+        ],
+    )
     pb_grpc.add_SyncdServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

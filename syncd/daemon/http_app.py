@@ -19,7 +19,14 @@ from starlette.routing import Match
 
 from syncd.daemon.errors import SyncdError, check_token, http_headers, http_status
 from syncd.daemon.http_models import (
-    HealthOut, MemberOut, MembersOut, PlanOut, ReadinessOut, RefitIn, RefitOut, RefitsOut,
+    HealthOut,
+    MemberOut,
+    MembersOut,
+    PlanOut,
+    ReadinessOut,
+    RefitIn,
+    RefitOut,
+    RefitsOut,
     StatusOut,
 )
 from syncd.daemon.metrics import Metrics
@@ -28,6 +35,7 @@ from syncd.daemon.registry import ROLES, Registry
 from syncd.error_body import ErrorBody, error_response
 
 log = logging.getLogger(__name__)
+
 
 def require_token(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
     """Mutating endpoints need `Authorization: Bearer <token>` when a token is configured."""
@@ -53,8 +61,9 @@ def build_app(
     async def healthz() -> HealthOut:
         return HealthOut()
 
-    @app.get("/readyz", response_model=ReadinessOut, responses={503: {"model": ReadinessOut}},
-             tags=["health"])
+    @app.get(
+        "/readyz", response_model=ReadinessOut, responses={503: {"model": ReadinessOut}}, tags=["health"]
+    )
     def readyz() -> JSONResponse:
         r = ReadinessOut.of(coordinator.readiness())
         return JSONResponse(r.model_dump(), status_code=200 if r.ready else 503)
@@ -88,8 +97,9 @@ def build_app(
     def plan() -> PlanOut:
         return PlanOut.of(coordinator.current_plan())
 
-    @app.post("/v1/refits", response_model=RefitOut, status_code=202, responses=_TRIGGER_ERRORS,
-              tags=["refits"])
+    @app.post(
+        "/v1/refits", response_model=RefitOut, status_code=202, responses=_TRIGGER_ERRORS, tags=["refits"]
+    )
     def trigger(_: Authorized, body: RefitIn | None = None) -> RefitOut:
         body = body or RefitIn()
         return RefitOut.of(coordinator.trigger(body.weight_version, body.allow_rollback, body.full))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from syncd.plan import Plan
 from syncd.daemon.planning import plan_members
 from syncd.daemon.readiness import Readiness
 from syncd.daemon.registry import Member
 from syncd.daemon.store import RefitRecord
+from syncd.plan import Plan
 from syncd.weight_version import WeightVersion, WeightVersionJson
 
 
@@ -38,8 +38,15 @@ class MemberOut(BaseModel):
 
     @classmethod
     def of(cls, m: Member) -> MemberOut:
-        return cls(member_id=m.member_id, role=m.role, coords=dict(m.coords), device=m.device,
-                   data_address=m.data_address, catalog_hash=m.catalog_hash, registered_at=m.registered_at)
+        return cls(
+            member_id=m.member_id,
+            role=m.role,
+            coords=dict(m.coords),
+            device=m.device,
+            data_address=m.data_address,
+            catalog_hash=m.catalog_hash,
+            registered_at=m.registered_at,
+        )
 
 
 class MembersOut(BaseModel):
@@ -74,12 +81,19 @@ class PlanOut(BaseModel):
     def of(cls, plan: Plan) -> PlanOut:
         stage_bytes = plan.stage_bytes()
         return cls(
-            total_bytes=plan.total_bytes, buckets=len(plan.buckets), units=plan.num_units,
-            bucket_bytes=plan.bucket_bytes, members=list(plan_members(plan)),
-            stages=[StageOut(stage=s, bytes=n, members=list(plan.stage_members.get(s, ())))
-                    for s, n in stage_bytes.items()],
-            links=[LinkOut(stage=k.stage, src=k.src, dst=k.dst, bytes=k.bytes, buckets=k.buckets,
-                           units=k.units) for k in plan.links()],
+            total_bytes=plan.total_bytes,
+            buckets=len(plan.buckets),
+            units=plan.num_units,
+            bucket_bytes=plan.bucket_bytes,
+            members=list(plan_members(plan)),
+            stages=[
+                StageOut(stage=s, bytes=n, members=list(plan.stage_members.get(s, ())))
+                for s, n in stage_bytes.items()
+            ],
+            links=[
+                LinkOut(stage=k.stage, src=k.src, dst=k.dst, bytes=k.bytes, buckets=k.buckets, units=k.units)
+                for k in plan.links()
+            ],
         )
 
 
@@ -108,8 +122,10 @@ class RefitOut(BaseModel):
     error: str = Field(description="the cause when ABORTED; when COMMITTED, why members are unconfirmed")
     phases: dict[str, float] = Field(description="seconds spent per phase")
     bytes: int = Field(description="bytes received by generators, as they reported after TRANSFERRING")
-    planned_bytes: int = Field(description="bytes the plan moves to generators; set once TRANSFERRING "
-                                           "starts, so a refit cut short still shows what it was moving")
+    planned_bytes: int = Field(
+        description="bytes the plan moves to generators; set once TRANSFERRING "
+        "starts, so a refit cut short still shows what it was moving"
+    )
     run_id: str = Field(description="training run of weight_version; the pair names one weight set")
     unconfirmed: list[str] = Field(
         description="COMMITTED: members that did not confirm Commit (the cause is in `error`)"
@@ -117,16 +133,29 @@ class RefitOut(BaseModel):
     mode: str = Field(description="delta (some generator received only what changed) or full")
     delta_generators: list[str] = Field(description="generators that received only what changed")
     changed_fraction: float | None = Field(
-        description="of the elements on delta links, the fraction that changed; null for a full refit")
+        description="of the elements on delta links, the fraction that changed; null for a full refit"
+    )
     saved_bytes: int = Field(description="bytes of planned_bytes that delta links did not move")
 
     @classmethod
     def of(cls, r: RefitRecord) -> RefitOut:
-        return cls(id=r.id, state=r.state, weight_version=r.weight_version, created_at=r.created_at,
-                   finished_at=r.finished_at, error=r.error, phases=r.phases, bytes=r.bytes,
-                   planned_bytes=r.planned_bytes, run_id=r.run_id, unconfirmed=list(r.unconfirmed),
-                   mode=r.mode, delta_generators=list(r.delta_generators), changed_fraction=r.changed_fraction,
-                   saved_bytes=r.saved_bytes)
+        return cls(
+            id=r.id,
+            state=r.state,
+            weight_version=r.weight_version,
+            created_at=r.created_at,
+            finished_at=r.finished_at,
+            error=r.error,
+            phases=r.phases,
+            bytes=r.bytes,
+            planned_bytes=r.planned_bytes,
+            run_id=r.run_id,
+            unconfirmed=list(r.unconfirmed),
+            mode=r.mode,
+            delta_generators=list(r.delta_generators),
+            changed_fraction=r.changed_fraction,
+            saved_bytes=r.saved_bytes,
+        )
 
 
 class RefitsOut(BaseModel):
@@ -139,6 +168,7 @@ class StatusOut(BaseModel):
     committed_version: WeightVersion | None
     committed_run: str | None = Field(description="training run of committed_version")
     announced_version: WeightVersion | None = Field(
-        description="newest version the current training run announced")
+        description="newest version the current training run announced"
+    )
     announced_run: str | None = Field(description="the trainers' current training run")
     readiness: ReadinessOut

@@ -6,7 +6,12 @@ Each daemon owns a registry (several daemons may live in one test process).
 from __future__ import annotations
 
 from prometheus_client import (
-    CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
 )
 
 # `*_created` series only double the output; nothing here needs them.
@@ -22,29 +27,40 @@ class Metrics:
         self.members = Gauge(
             "weightsync_syncd_members", "Registered members with a live lease", ["role"], registry=r
         )
-        self.refits = Counter("weightsync_syncd_refits", "Finished refits by outcome", ["outcome"], registry=r)
+        self.refits = Counter(
+            "weightsync_syncd_refits", "Finished refits by outcome", ["outcome"], registry=r
+        )
         self.refit_duration = Histogram(
-            "weightsync_syncd_refit_duration_seconds", "Trigger to COMMITTED/ABORTED", buckets=DURATION_BUCKETS,
+            "weightsync_syncd_refit_duration_seconds",
+            "Trigger to COMMITTED/ABORTED",
+            buckets=DURATION_BUCKETS,
             registry=r,
         )
         self.phase_duration = Histogram(
-            "weightsync_syncd_phase_duration_seconds", "Duration of each refit phase", ["phase"],
-            buckets=DURATION_BUCKETS, registry=r,
+            "weightsync_syncd_phase_duration_seconds",
+            "Duration of each refit phase",
+            ["phase"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
         )
         self.bytes_moved = Counter(
             "weightsync_syncd_moved_bytes", "Bytes received by generators in committed refits", registry=r
         )
         self.refit_mode = Counter(
             "weightsync_syncd_committed_refits_by_mode",
-            "Committed refits, delta (some generator received only what changed) or full", ["mode"], registry=r,
+            "Committed refits, delta (some generator received only what changed) or full",
+            ["mode"],
+            registry=r,
         )
         self.delta_saved_bytes = Counter(
             "weightsync_syncd_delta_saved_bytes",
-            "Bytes of the full plan that delta refits did not move to generators", registry=r,
+            "Bytes of the full plan that delta refits did not move to generators",
+            registry=r,
         )
         self.changed_fraction = Gauge(
             "weightsync_syncd_delta_changed_ratio",
-            "Fraction of the elements on delta links that changed, in the last committed delta refit", registry=r,
+            "Fraction of the elements on delta links that changed, in the last committed delta refit",
+            registry=r,
         )
         self.committed_version = Gauge(
             "weightsync_syncd_committed_weight_version", "Weight version generators serve", registry=r

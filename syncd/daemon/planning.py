@@ -6,20 +6,22 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from syncd.commands import checksum_key
+from syncd.daemon.registry import Member
 from syncd.layout import Catalog, dtype_bytes, dtypes
 from syncd.plan import DestMember, Plan, SourceMember, fp8_blocks, make_plan
-from syncd.daemon.registry import Member
 
 PlanKey = tuple
 
 
 def plan_key(members: Sequence[Member], bucket_bytes: int) -> PlanKey:
     """Everything a plan depends on: who sits where with which catalog, and the bucket size."""
-    return (bucket_bytes,
-            tuple(sorted((m.role, m.member_id, m.stage, m.catalog_hash, m.receive_by_layer) for m in members)))
+    return (
+        bucket_bytes,
+        tuple(sorted((m.role, m.member_id, m.stage, m.catalog_hash, m.receive_by_layer) for m in members)),
+    )
 
 
 class PlanCache:
@@ -36,19 +38,27 @@ class PlanCache:
             if key in self._plans:
                 self._plans.move_to_end(key)
                 return self._plans[key]
-        sources = [SourceMember(m.member_id, m.stage, catalog(m.catalog_hash)) for m in members
-                   if m.role == "trainer"]
-        dests = [DestMember(m.member_id, catalog(m.catalog_hash), by_layer=m.receive_by_layer)
-                 for m in members if m.role == "generator"]
+        sources = [
+            SourceMember(m.member_id, m.stage, catalog(m.catalog_hash))
+            for m in members
+            if m.role == "trainer"
+        ]
+        dests = [
+            DestMember(m.member_id, catalog(m.catalog_hash), by_layer=m.receive_by_layer)
+            for m in members
+            if m.role == "generator"
+        ]
         if not sources or not dests:
             raise ValueError(f"a plan needs trainers and generators; have {len(sources)} and {len(dests)}")
         # Planning costs at least one bucket per `bucket_bytes` received: refuse absurd catalogs
         # (an 81-byte catalog can declare int8[2**62]) before spending minutes and gigabytes.
         buckets = sum(-(-_held_bytes(d.catalog) // bucket_bytes) for d in dests)
         if buckets > self._max_buckets:
-            raise ValueError(f"the plan would need at least {buckets} buckets of {bucket_bytes} bytes, "
-                             f"more than the limit {self._max_buckets} (max_plan_buckets); raise bucket_bytes "
-                             "or check the generators' catalogs")
+            raise ValueError(
+                f"the plan would need at least {buckets} buckets of {bucket_bytes} bytes, "
+                f"more than the limit {self._max_buckets} (max_plan_buckets); raise bucket_bytes "
+                "or check the generators' catalogs"
+            )
         plan = make_plan(sources, dests, bucket_bytes=bucket_bytes)
         with self._lock:
             self._plans[key] = plan
@@ -70,8 +80,10 @@ def dtype_mismatch(generator_id: str, generator: Catalog, trainers: Sequence[Cat
         try:
             dtypes.conversion(want, c.dtype, tensor=c.name)
         except ValueError as e:
-            return (f"{generator_id} holds {c.name} as {c.dtype} but the trainers send {want} ({e}): "
-                    f"start the generator with --dtype {want}")
+            return (
+                f"{generator_id} holds {c.name} as {c.dtype} but the trainers send {want} ({e}): "
+                f"start the generator with --dtype {want}"
+            )
     return None
 
 

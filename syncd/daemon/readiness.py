@@ -5,14 +5,14 @@ that registered behind the committed version gets its weights)."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from syncd.daemon.errors import FailedPrecondition
-from syncd.layout import Catalog
 from syncd.daemon.planning import dtype_mismatch
 from syncd.daemon.registry import ROLES, Member
 from syncd.daemon.versions import WeightSet
+from syncd.layout import Catalog
 
 
 @dataclass(frozen=True)
@@ -23,18 +23,28 @@ class Readiness:
     reason: str
 
 
-def refit_problems(members: Sequence[Member], expected: dict[str, int], run_id: str | None,
-                   catalog: Callable[[str], Catalog], plan: Callable[[], object]) -> list[str]:
+def refit_problems(
+    members: Sequence[Member],
+    expected: dict[str, int],
+    run_id: str | None,
+    catalog: Callable[[str], Catalog],
+    plan: Callable[[], object],
+) -> list[str]:
     """Why a refit could not start now (empty: it could)."""
     counts = Counter(m.role for m in members)
     problems = [f"{counts[r]} of {expected[r]} {r}s registered" for r in ROLES if counts[r] < expected[r]]
     stale = sorted(m.member_id for m in members if m.role == "trainer" and m.run_id != run_id)
     if stale:
-        problems.append(f"trainers {', '.join(stale)} belong to a superseded training run (the current "
-                        f"run is {run_id!r})")
+        problems.append(
+            f"trainers {', '.join(stale)} belong to a superseded training run (the current run is {run_id!r})"
+        )
     trainers = [catalog(m.catalog_hash) for m in members if m.role == "trainer"]
-    problems += [p for m in members if m.role == "generator"
-                 if (p := dtype_mismatch(m.member_id, catalog(m.catalog_hash), trainers))]
+    problems += [
+        p
+        for m in members
+        if m.role == "generator"
+        if (p := dtype_mismatch(m.member_id, catalog(m.catalog_hash), trainers))
+    ]
     if not problems:  # ready means a refit could start now: GET /v1/plan must agree
         try:
             plan()
@@ -54,5 +64,6 @@ def behind(members: Sequence[Member], committed: WeightSet | None) -> list[Membe
 def behind_reason(generators: Sequence[Member], committed: WeightSet) -> str:
     serving = ", ".join(
         f"{m.member_id} serves {'an unknown version' if m.weight_version is None else m.weight_version}"
-        for m in generators)
+        for m in generators
+    )
     return f"{serving}; committed is {committed.label}: waiting for a catch-up refit"

@@ -26,21 +26,31 @@ import threading
 import time
 from collections import Counter
 
-from syncd.commands import Abort, Commit, DeltaLinks, ExecutePlan, JoinGroup, MemberReport, Phase, StageGroup, Verify
+from syncd.commands import (
+    Abort,
+    Commit,
+    DeltaLinks,
+    ExecutePlan,
+    JoinGroup,
+    MemberReport,
+    Phase,
+    StageGroup,
+    Verify,
+)
 from syncd.daemon.delta_bases import DeltaBases
 from syncd.daemon.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from syncd.daemon.journal import Journal
-from syncd.layout import Catalog
 from syncd.daemon.metrics import Metrics
-from syncd.plan import Plan
 from syncd.daemon.planning import PlanCache, checksum_mismatch, dtype_mismatch, plan_members, stage_membership
 from syncd.daemon.readiness import Readiness, behind, behind_reason, refit_problems
 from syncd.daemon.refit_run import RefitAborted, Run, transfer_report_problem
 from syncd.daemon.registry import ROLES, Member, Registry, check_weight_version
 from syncd.daemon.settings import Settings
-from syncd.states import RefitState
 from syncd.daemon.store import RefitRecord, Store, StoreUnavailable
 from syncd.daemon.versions import Versions, WeightSet
+from syncd.layout import Catalog
+from syncd.plan import Plan
+from syncd.states import RefitState
 from syncd.weight_version import WeightVersion
 
 __all__ = ["Coordinator", "Readiness"]
@@ -89,8 +99,13 @@ class Coordinator:
         return {"trainer": self.settings.expected_trainers, "generator": self.settings.expected_generators}
 
     def _refit_problems(self, members: list[Member] | None = None) -> list[str]:
-        return refit_problems(self.registry.members() if members is None else members, self._expected(),
-                              self.versions.run_id, self.registry.catalog, self.current_plan)
+        return refit_problems(
+            self.registry.members() if members is None else members,
+            self._expected(),
+            self.versions.run_id,
+            self.registry.catalog,
+            self.current_plan,
+        )
 
     def current(self) -> RefitRecord | None:
         with self._lock:
@@ -119,8 +134,9 @@ class Coordinator:
         """Refuse, at registration, a generator that could never receive the trainers' weights."""
         if role != "generator":
             return
-        trainers = [self.registry.catalog(m.catalog_hash) for m in self.registry.members()
-                    if m.role == "trainer"]
+        trainers = [
+            self.registry.catalog(m.catalog_hash) for m in self.registry.members() if m.role == "trainer"
+        ]
         problem = dtype_mismatch(member_id, catalog, trainers)
         if problem is not None:
             raise FailedPrecondition(problem)
@@ -133,8 +149,9 @@ class Coordinator:
 
     # ---- commands from operators and members ----
 
-    def trigger(self, weight_version: WeightVersion | None = None, allow_rollback: bool = False,
-                full: bool = False) -> RefitRecord:
+    def trigger(
+        self, weight_version: WeightVersion | None = None, allow_rollback: bool = False, full: bool = False
+    ) -> RefitRecord:
         """Start a refit of the trainers' newest announced version (`weight_version`, when given,
         must be that one; `full`: no delta links even where delta refits are on); raises
         FailedPrecondition (changing nothing) if one runs, the version is not held or not ready,
@@ -193,8 +210,12 @@ class Coordinator:
         with self._lock:
             run = self._run
         if run is None or run.id != report.refit_id:
-            log.info("ignoring %s report from %s for refit %s (not running)",
-                     report.phase, report.member_id, report.refit_id)
+            log.info(
+                "ignoring %s report from %s for refit %s (not running)",
+                report.phase,
+                report.member_id,
+                report.refit_id,
+            )
             return
         run.add(report)
 
@@ -257,6 +278,7 @@ class Coordinator:
         if self._auto_pending:
             self._auto_pending = False
             self._maybe_auto_refit()
+
     def _prepare(self, run: Run) -> tuple[Plan, dict[int, StageGroup]]:
         deadline = run.enter(RefitState.PREPARING, self.settings.prepare_timeout)
         problems = self._refit_problems()
@@ -293,9 +315,19 @@ class Coordinator:
         """Rank 0 creates the address and reports it before blocking in init; syncd relays it.
         Groups are negotiated one after another: a generator in several groups then never waits
         in one group's init while its peers wait in another's."""
+
         def join(rank: int, address: str) -> JoinGroup:
-            return JoinGroup(run.id, group.group_id, group.stage, rank, len(group.members), group.backend,
-                             address, group.members, _left(deadline))
+            return JoinGroup(
+                run.id,
+                group.group_id,
+                group.stage,
+                rank,
+                len(group.members),
+                group.backend,
+                address,
+                group.members,
+                _left(deadline),
+            )
 
         root = group.members[0]
         self._send(run, root, join(0, ""))
@@ -317,7 +349,9 @@ class Coordinator:
         ids = plan_members(plan)
         for m in ids:
             mine = tuple(g for g in groups.values() if m in g.members)
-            self._send(run, m, ExecutePlan(run.id, run.version, plan.for_member(m), mine, _left(deadline), delta))
+            self._send(
+                run, m, ExecutePlan(run.id, run.version, plan.for_member(m), mine, _left(deadline), delta)
+            )
         reports = run.wait_for(Phase.TRANSFERRED, ids, deadline)
         problem = transfer_report_problem(plan, reports, frozenset(run.delta_generators))
         if problem is not None:
@@ -377,8 +411,9 @@ class Coordinator:
         if self.settings.delta_refits:
             members = {m.member_id: m for m in self.registry.members()}
             self.delta_bases.forget(unconfirmed)
-            self.delta_bases.committed({m: members[m] for m in ids if m not in unconfirmed and m in members},
-                                       run.version)
+            self.delta_bases.committed(
+                {m: members[m] for m in ids if m not in unconfirmed and m in members}, run.version
+            )
         self._conclude(run, RefitState.COMMITTED, "; ".join(unconfirmed.values()), tuple(unconfirmed))
 
     def _enter(self, run: Run, state: str, timeout: float) -> float:
@@ -406,12 +441,30 @@ class Coordinator:
             self.registry.send(m.member_id, Abort(run.id, reason))
         self._conclude(run, RefitState.ABORTED, reason)
 
-    def _record(self, run: Run, state: str, error: str, unconfirmed: tuple[str, ...] = (),
-                finished: float | None = None) -> RefitRecord:
-        return RefitRecord(run.id, state, run.version, run.record.created_at, finished, error,
-                           run.timings() if finished is None else dict(run.phases), run.bytes, unconfirmed,
-                           run.record.run_id, run.planned_bytes, run.delta_generators, run.delta_elements,
-                           run.changed_elements)
+    def _record(
+        self,
+        run: Run,
+        state: str,
+        error: str,
+        unconfirmed: tuple[str, ...] = (),
+        finished: float | None = None,
+    ) -> RefitRecord:
+        return RefitRecord(
+            run.id,
+            state,
+            run.version,
+            run.record.created_at,
+            finished,
+            error,
+            run.timings() if finished is None else dict(run.phases),
+            run.bytes,
+            unconfirmed,
+            run.record.run_id,
+            run.planned_bytes,
+            run.delta_generators,
+            run.delta_elements,
+            run.changed_elements,
+        )
 
     def _conclude(self, run: Run, state: str, error: str, unconfirmed: tuple[str, ...] = ()) -> None:
         """End the refit once: free the slot and record the outcome (in memory at once, in the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from syncd.commands import MemberReport, Phase
 from syncd.daemon.store import RefitRecord
@@ -115,7 +115,8 @@ class Run:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RefitAborted(
-                        f"timeout in {self._phase}: no {phase} report from {', '.join(missing)}")
+                        f"timeout in {self._phase}: no {phase} report from {', '.join(missing)}"
+                    )
                 self._cond.wait(remaining)
 
     def wait_confirmations(self, members: tuple[str, ...], deadline: float) -> dict[str, str]:
@@ -123,8 +124,11 @@ class Run:
         passed; returns member -> cause for those that did not confirm."""
         with self._cond:
             while True:
-                pending = [m for m in members
-                           if (Phase.COMMITTED, m) not in self._reports and m not in self._commit_notes]
+                pending = [
+                    m
+                    for m in members
+                    if (Phase.COMMITTED, m) not in self._reports and m not in self._commit_notes
+                ]
                 remaining = deadline - time.monotonic()
                 if not pending or remaining <= 0:
                     for m in pending:
@@ -133,8 +137,9 @@ class Run:
                 self._cond.wait(remaining)
 
 
-def transfer_report_problem(plan: Plan, reports: Mapping[str, MemberReport],
-                            delta_dsts: frozenset[str] = frozenset()) -> str | None:
+def transfer_report_problem(
+    plan: Plan, reports: Mapping[str, MemberReport], delta_dsts: frozenset[str] = frozenset()
+) -> str | None:
     """What is wrong with the members' TRANSFERRED reports, judged against the plan, or None.
     Every member must report exactly the bytes its part of the plan moves (at most those, on delta
     links: their size depends on what changed), and sane timings."""
@@ -144,8 +149,9 @@ def transfer_report_problem(plan: Plan, reports: Mapping[str, MemberReport],
         expected = sum(b.nbytes for b in buckets)
         delta = any(b.dst in delta_dsts for b in buckets)
         if report.bytes > expected if delta else report.bytes != expected:
-            problems.append(f"member {member_id} reported {report.bytes} bytes, its part of the plan moves "
-                            f"{expected}")
+            problems.append(
+                f"member {member_id} reported {report.bytes} bytes, its part of the plan moves {expected}"
+            )
         bad = {k: v for k, v in report.timings.items() if not (math.isfinite(v) and v >= 0)}
         if bad:
             problems.append(f"member {member_id} reported timings out of range: {bad}")

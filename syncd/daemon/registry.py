@@ -23,8 +23,8 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Mapping
 
 from syncd.commands import Command
 from syncd.daemon.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
@@ -107,8 +107,17 @@ class Registry:
         self._registered_listeners.append(listener)
 
     def register(
-        self, *, role: str, member_id: str, coords: Mapping[str, int], device: str, data_address: str,
-        catalog_hash: str, catalog: Catalog | None, run_id: str = "", weight_version: int | None = None,
+        self,
+        *,
+        role: str,
+        member_id: str,
+        coords: Mapping[str, int],
+        device: str,
+        data_address: str,
+        catalog_hash: str,
+        catalog: Catalog | None,
+        run_id: str = "",
+        weight_version: int | None = None,
         receive_by_layer: bool = False,
     ) -> Registration:
         """Validate and open a session; raises InvalidArgument / AlreadyExists and changes nothing."""
@@ -116,16 +125,21 @@ class Registry:
             raise InvalidArgument(f"unknown role {role!r}; expected one of {list(ROLES)}")
         check_member_id(member_id)
         if not _RUN_ID.fullmatch(run_id):
-            raise InvalidArgument(f"member {member_id}: run_id {run_id[:64]!r} is not 0-128 characters of "
-                                  "letters, digits, '.', '_', ':' or '-'")
+            raise InvalidArgument(
+                f"member {member_id}: run_id {run_id[:64]!r} is not 0-128 characters of "
+                "letters, digits, '.', '_', ':' or '-'"
+            )
         negative = {d: v for d, v in coords.items() if v < 0}
         if negative:
-            raise InvalidArgument(f"member {member_id}: coords {negative} are negative; mesh coordinates "
-                                  "count from 0")
+            raise InvalidArgument(
+                f"member {member_id}: coords {negative} are negative; mesh coordinates count from 0"
+            )
         if weight_version is not None:
             weight_version = check_weight_version(member_id, weight_version)
         if role == "trainer" and receive_by_layer:
-            raise InvalidArgument(f"trainer {member_id}: receive_by_layer is for generators (trainers only send)")
+            raise InvalidArgument(
+                f"trainer {member_id}: receive_by_layer is for generators (trainers only send)"
+            )
         if role == "trainer" and "pp" not in coords:
             raise InvalidArgument(f"trainer {member_id}: coords {dict(coords)} lack the 'pp' dim")
         if catalog is not None:
@@ -137,14 +151,32 @@ class Registry:
             self._check_coords(role, member_id, coords)
             if catalog is not None:
                 self._catalogs.setdefault(catalog_hash, catalog)
-            member = Member(member_id, role, _ordered(coords), device, data_address, catalog_hash,
-                            uuid.uuid4().hex, time.time(), run_id, weight_version, receive_by_layer)
+            member = Member(
+                member_id,
+                role,
+                _ordered(coords),
+                device,
+                data_address,
+                catalog_hash,
+                uuid.uuid4().hex,
+                time.time(),
+                run_id,
+                weight_version,
+                receive_by_layer,
+            )
             old = self._sessions.get(member_id)
             self._sessions[member_id] = _Session(member, time.monotonic() + self.lease_seconds)
         if old is not None:
             self._end(old, "its lease ran out before it registered again")
-        log.info("registered %s %s coords=%s catalog=%s run=%r version=%s", role, member_id, dict(coords),
-                 catalog_hash[:19], run_id, weight_version)
+        log.info(
+            "registered %s %s coords=%s catalog=%s run=%r version=%s",
+            role,
+            member_id,
+            dict(coords),
+            catalog_hash[:19],
+            run_id,
+            weight_version,
+        )
         for listener in self._registered_listeners:
             listener(member)
         return Registration(catalog_required=False, member=member)
@@ -275,13 +307,17 @@ def _ordered(coords: Mapping[str, int]) -> dict[str, int]:
 def _check_catalog(member_id: str, catalog: Catalog, claimed_hash: str, limits: Limits) -> None:
     entries = len(catalog.canonical) + len(catalog.tensors) + sum(len(t.pieces) for t in catalog.tensors)
     if entries > limits.catalog_entries:
-        raise InvalidArgument(f"catalog of {member_id}: {entries} tensors and pieces, more than the limit "
-                              f"{limits.catalog_entries} (max_catalog_entries)")
+        raise InvalidArgument(
+            f"catalog of {member_id}: {entries} tensors and pieces, more than the limit "
+            f"{limits.catalog_entries} (max_catalog_entries)"
+        )
     for t in (*catalog.canonical, *catalog.tensors):
         elements = math.prod(t.shape)
         if elements > limits.tensor_elements:
-            raise InvalidArgument(f"catalog of {member_id}: tensor {t.name[:200]} has {elements} elements, "
-                                  f"more than the limit {limits.tensor_elements} (max_tensor_elements)")
+            raise InvalidArgument(
+                f"catalog of {member_id}: tensor {t.name[:200]} has {elements} elements, "
+                f"more than the limit {limits.tensor_elements} (max_tensor_elements)"
+            )
     try:
         catalog.validate()
     except ValueError as e:

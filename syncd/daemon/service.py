@@ -29,20 +29,31 @@ class Daemon:
         self.settings = settings
         self.store = Store(settings.db, settings.store_busy_timeout)
         self.metrics = Metrics()
-        self.registry = Registry(settings.lease_seconds, Limits(
-            settings.max_catalog_entries, settings.max_tensor_elements, settings.max_watch_streams))
+        self.registry = Registry(
+            settings.lease_seconds,
+            Limits(settings.max_catalog_entries, settings.max_tensor_elements, settings.max_watch_streams),
+        )
         self.coordinator = Coordinator(settings, self.registry, self.store, self.metrics)
         members = settings.expected_trainers + settings.expected_generators
         self.grpc_server, self.grpc_port, self._health = build_grpc_server(
             SyncdServicer(self.registry, self.coordinator),
             # Threads start lazily, so a generous cap costs nothing; each Watch stream holds one.
-            settings.host, settings.grpc_port, max_workers=4 * members + 256, auth_token=settings.auth_token,
+            settings.host,
+            settings.grpc_port,
+            max_workers=4 * members + 256,
+            auth_token=settings.auth_token,
             max_message_bytes=settings.max_message_bytes,
         )
         app = build_app(self.registry, self.coordinator, self.metrics, settings.auth_token)
-        self._http = uvicorn.Server(uvicorn.Config(
-            app, host=settings.host, port=settings.http_port, log_level="warning", access_log=False,
-        ))
+        self._http = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=settings.host,
+                port=settings.http_port,
+                log_level="warning",
+                access_log=False,
+            )
+        )
         self._stopping = threading.Event()
         self._stopped = False
         self._threads: list[threading.Thread] = []
@@ -58,8 +69,12 @@ class Daemon:
             if not self._threads[0].is_alive() or time.monotonic() > deadline:
                 raise OSError(f"HTTP server did not start on {self.settings.host}:{self.settings.http_port}")
             time.sleep(0.02)
-        log.info("syncd serving: gRPC :%d, HTTP :%d, db %s", self.grpc_port, self.settings.http_port,
-                 self.settings.db)
+        log.info(
+            "syncd serving: gRPC :%d, HTTP :%d, db %s",
+            self.grpc_port,
+            self.settings.http_port,
+            self.settings.db,
+        )
 
     def _reap(self) -> None:
         period = min(1.0, self.settings.lease_seconds / 4)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 
 def _setting(default: Any, env: str, help: str) -> Any:
@@ -28,11 +29,13 @@ class Settings:
         None, "SYNCD_AUTH_TOKEN", "when set, mutating HTTP calls and all member RPCs need 'Bearer <token>'"
     )
     store_busy_timeout: float = _setting(
-        5.0, "SYNCD_STORE_BUSY_TIMEOUT",
+        5.0,
+        "SYNCD_STORE_BUSY_TIMEOUT",
         "seconds a store write waits for SQLite's lock (3 attempts); refits never wait for it",
     )
     auth_token_file: str | None = _setting(
-        None, "SYNCD_AUTH_TOKEN_FILE",
+        None,
+        "SYNCD_AUTH_TOKEN_FILE",
         "file holding the token (e.g. a mounted Secret), so it never shows in /proc/PID/cmdline",
     )
     lease_seconds: float = _setting(10.0, "SYNCD_LEASE_SECONDS", "member lease; renewed by heartbeats")
@@ -52,7 +55,8 @@ class Settings:
         False, "SYNCD_AUTO_REFIT", "start a refit whenever a trainer announces a version"
     )
     max_message_bytes: int = _setting(
-        64 << 20, "SYNCD_MAX_MESSAGE_BYTES",
+        64 << 20,
+        "SYNCD_MAX_MESSAGE_BYTES",
         "largest gRPC message syncd reads; read only after the token was checked",
     )
     max_catalog_entries: int = _setting(
@@ -68,12 +72,14 @@ class Settings:
         2, "SYNCD_MAX_WATCH_STREAMS", "open Watch streams per member session (each holds a gRPC thread)"
     )
     delta_refits: bool = _setting(
-        False, "SYNCD_DELTA_REFITS",
+        False,
+        "SYNCD_DELTA_REFITS",
         "send generators that hold the committed version only the elements that changed (trainer ranks "
         "then keep a copy of what they sent, in the generators' dtype; off by default for that memory)",
     )
     delta_max_fraction: float = _setting(
-        0.5, "SYNCD_DELTA_MAX_FRACTION",
+        0.5,
+        "SYNCD_DELTA_MAX_FRACTION",
         "a bucket goes dense when its delta would be more than this fraction of its dense bytes",
     )
     log_level: str = _setting("INFO", "SYNCD_LOG_LEVEL", "logging level")
@@ -86,9 +92,20 @@ class Settings:
             object.__setattr__(self, "auth_token", token)
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be auto, gloo or nccl, not {self.backend!r}")
-        for name in ("store_busy_timeout", "lease_seconds", "prepare_timeout", "transfer_timeout",
-                     "verify_timeout", "commit_timeout", "bucket_bytes", "max_message_bytes",
-                     "max_catalog_entries", "max_tensor_elements", "max_plan_buckets", "max_watch_streams"):
+        for name in (
+            "store_busy_timeout",
+            "lease_seconds",
+            "prepare_timeout",
+            "transfer_timeout",
+            "verify_timeout",
+            "commit_timeout",
+            "bucket_bytes",
+            "max_message_bytes",
+            "max_catalog_entries",
+            "max_tensor_elements",
+            "max_plan_buckets",
+            "max_watch_streams",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
         if not 0 < self.delta_max_fraction <= 1:
@@ -106,11 +123,16 @@ class Settings:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             if f.type == "bool":
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                    help=f"{f.metadata['help']} (env {f.metadata['env']})")
+                parser.add_argument(
+                    flag,
+                    action=argparse.BooleanOptionalAction,
+                    default=None,
+                    help=f"{f.metadata['help']} (env {f.metadata['env']})",
+                )
             else:
                 parser.add_argument(
-                    flag, default=None,
+                    flag,
+                    default=None,
                     help=f"{f.metadata['help']} (env {f.metadata['env']}, default {f.default})",
                 )
         args = vars(parser.parse_args(argv))

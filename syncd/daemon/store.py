@@ -19,8 +19,9 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from syncd.states import TERMINAL, RefitState
 from syncd.weight_version import WeightVersion
@@ -41,12 +42,19 @@ CREATE TABLE IF NOT EXISTS refits (
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-_COLUMNS = ("id, state, weight_version, created_at, finished_at, error, phases, bytes, unconfirmed, run_id, "
-            "planned_bytes, delta_generators, delta_elements, changed_elements")
+_COLUMNS = (
+    "id, state, weight_version, created_at, finished_at, error, phases, bytes, unconfirmed, run_id, "
+    "planned_bytes, delta_generators, delta_elements, changed_elements"
+)
 # Columns added after the first release, with their definitions (added when a store opens).
-_ADDED_COLUMNS = {"unconfirmed": "TEXT NOT NULL DEFAULT '[]'", "run_id": "TEXT NOT NULL DEFAULT ''",
-                  "planned_bytes": "INTEGER NOT NULL DEFAULT 0", "delta_generators": "TEXT NOT NULL DEFAULT '[]'",
-                  "delta_elements": "INTEGER NOT NULL DEFAULT 0", "changed_elements": "INTEGER NOT NULL DEFAULT 0"}
+_ADDED_COLUMNS = {
+    "unconfirmed": "TEXT NOT NULL DEFAULT '[]'",
+    "run_id": "TEXT NOT NULL DEFAULT ''",
+    "planned_bytes": "INTEGER NOT NULL DEFAULT 0",
+    "delta_generators": "TEXT NOT NULL DEFAULT '[]'",
+    "delta_elements": "INTEGER NOT NULL DEFAULT 0",
+    "changed_elements": "INTEGER NOT NULL DEFAULT 0",
+}
 
 T = TypeVar("T")
 
@@ -74,7 +82,7 @@ class RefitRecord:
 
     @property
     def mode(self) -> str:
-        """"delta" when some generator received only what changed (`delta_generators`), else "full"."""
+        """ "delta" when some generator received only what changed (`delta_generators`), else "full"."""
         return "delta" if self.delta_generators else "full"
 
     @property
@@ -107,8 +115,9 @@ class Store:
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None,
-                                 check_same_thread=False)
+            db = sqlite3.connect(
+                self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False
+            )
             self._local.db = db
             with self._connections_lock:
                 self._connections.append(db)
@@ -119,10 +128,13 @@ class Store:
         with self._transaction() as db:
             db.execute(
                 f"UPDATE refits SET state=?, error='syncd stopped during the refit', finished_at=? "
-                f"WHERE state NOT IN ({', '.join('?' * len(TERMINAL))})", (RefitState.ABORTED, now, *sorted(TERMINAL)))
+                f"WHERE state NOT IN ({', '.join('?' * len(TERMINAL))})",
+                (RefitState.ABORTED, now, *sorted(TERMINAL)),
+            )
             db.execute(
                 "UPDATE refits SET finished_at=?, error=? WHERE state=? AND finished_at IS NULL",
-                (now, _STOPPED_NOTE, RefitState.COMMITTED))
+                (now, _STOPPED_NOTE, RefitState.COMMITTED),
+            )
 
     def close(self) -> None:
         with self._connections_lock:
@@ -132,16 +144,21 @@ class Store:
 
     # ---- writes ----
 
-    def create(self, state: str, weight_version: WeightVersion, run_id: str,
-               created_at: float) -> RefitRecord:
+    def create(
+        self, state: str, weight_version: WeightVersion, run_id: str, created_at: float
+    ) -> RefitRecord:
         """Insert a new refit; its id is `refit-<n>`, n counting refits without gaps."""
+
         def insert() -> str:
             with self._transaction() as db:
                 (n,) = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM refits").fetchone()
-                db.execute("INSERT INTO refits (seq, id, state, weight_version, created_at, run_id) "
-                           "VALUES (?, ?, ?, ?, ?, ?)",
-                           (n, f"refit-{n}", state, weight_version, created_at, run_id))
+                db.execute(
+                    "INSERT INTO refits (seq, id, state, weight_version, created_at, run_id) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (n, f"refit-{n}", state, weight_version, created_at, run_id),
+                )
             return f"refit-{n}"
+
         return RefitRecord(self._retry(insert), state, weight_version, created_at, run_id=run_id)
 
     def update(self, r: RefitRecord) -> None:
@@ -150,15 +167,18 @@ class Store:
     def decide_commit(self, r: RefitRecord) -> None:
         """The commit decision: the refit COMMITTED (members still unconfirmed) and the committed
         version, in one transaction, before any member is told to commit."""
+
         def write() -> None:
             with self._transaction() as db:
                 self._update(db, r)
                 self._set(db, "committed_version", str(r.weight_version))
                 self._set(db, "committed_run", r.run_id)
+
         self._retry(write)
 
     def set_meta(self, values: dict[str, str | None]) -> None:
         """Set (None: delete) several meta keys in one transaction."""
+
         def write() -> None:
             with self._transaction() as db:
                 for key, value in values.items():
@@ -166,6 +186,7 @@ class Store:
                         db.execute("DELETE FROM meta WHERE key = ?", (key,))
                     else:
                         self._set(db, key, value)
+
         self._retry(write)
 
     @staticmethod
@@ -173,13 +194,27 @@ class Store:
         db.execute(
             "UPDATE refits SET state=?, finished_at=?, error=?, phases=?, bytes=?, unconfirmed=?, "
             "planned_bytes=?, delta_generators=?, delta_elements=?, changed_elements=? WHERE id=?",
-            (r.state, r.finished_at, r.error, json.dumps(r.phases), r.bytes, json.dumps(list(r.unconfirmed)),
-             r.planned_bytes, json.dumps(list(r.delta_generators)), r.delta_elements, r.changed_elements, r.id))
+            (
+                r.state,
+                r.finished_at,
+                r.error,
+                json.dumps(r.phases),
+                r.bytes,
+                json.dumps(list(r.unconfirmed)),
+                r.planned_bytes,
+                json.dumps(list(r.delta_generators)),
+                r.delta_elements,
+                r.changed_elements,
+                r.id,
+            ),
+        )
 
     @staticmethod
     def _set(db: sqlite3.Connection, key: str, value: str) -> None:
-        db.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
-                   "ON CONFLICT(key) DO UPDATE SET value=excluded.value", (key, value))
+        db.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+            (key, value),
+        )
 
     def _transaction(self) -> _Transaction:
         return _Transaction(self._db())
@@ -192,7 +227,8 @@ class Store:
                 if attempt == self.attempts:
                     raise StoreUnavailable(
                         f"store {self.path}: {e} ({self.attempts} attempts, {self.busy_timeout:g}s busy "
-                        f"timeout each)") from None
+                        f"timeout each)"
+                    ) from None
             except (sqlite3.DatabaseError, OverflowError) as e:
                 raise StoreUnavailable(f"store {self.path}: {type(e).__name__}: {e}") from None
         raise AssertionError("unreachable")
@@ -209,9 +245,25 @@ class Store:
 
     def _select(self, where: str, args: tuple) -> list[RefitRecord]:
         rows = self._db().execute(f"SELECT {_COLUMNS} FROM refits {where}", args).fetchall()
-        return [RefitRecord(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]), r[7],
-                            tuple(json.loads(r[8])), r[9], r[10], tuple(json.loads(r[11])), r[12], r[13])
-                for r in rows]
+        return [
+            RefitRecord(
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                r[4],
+                r[5],
+                json.loads(r[6]),
+                r[7],
+                tuple(json.loads(r[8])),
+                r[9],
+                r[10],
+                tuple(json.loads(r[11])),
+                r[12],
+                r[13],
+            )
+            for r in rows
+        ]
 
     def get_text(self, key: str) -> str | None:
         row = self._db().execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

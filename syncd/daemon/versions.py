@@ -46,16 +46,22 @@ class Versions:
         self._lock = threading.Lock()
         self.run_id: str | None = store.get_text("announced_run")
         self.announced = _weight_set(store.get_text("announced_run"), store.get_int("announced_version"))
-        self.committed = _weight_set(store.get_text("committed_run") or "",
-                                     store.get_int("committed_version"))
+        self.committed = _weight_set(
+            store.get_text("committed_run") or "", store.get_int("committed_version")
+        )
 
     def trainer_registered(self, member: Member) -> None:
         """A trainer rank registered: a new run supersedes the current one; the version the rank
         holds becomes the announced one."""
         with self._lock:
             if member.run_id != self.run_id:
-                log.warning("training run %r supersedes run %r (registered by %s): the old run's versions "
-                            "are no longer held", member.run_id, self.run_id, member.member_id)
+                log.warning(
+                    "training run %r supersedes run %r (registered by %s): the old run's versions "
+                    "are no longer held",
+                    member.run_id,
+                    self.run_id,
+                    member.member_id,
+                )
                 self.run_id, self.announced = member.run_id, None
                 self._persist({"announced_run": member.run_id, "announced_version": None})
             held = member.weight_version
@@ -93,8 +99,12 @@ class Versions:
                 f"weight version {requested} is not held by the trainers: their run {announced.run_id!r} "
                 f"announced {announced.version} as its newest version, and trainers hold only their newest"
             )
-        if (committed is not None and committed.run_id == announced.run_id
-                and announced.version < committed.version and not allow_rollback):
+        if (
+            committed is not None
+            and committed.run_id == announced.run_id
+            and announced.version < committed.version
+            and not allow_rollback
+        ):
             raise FailedPrecondition(
                 f"moving version {announced.version} would roll back from the committed version "
                 f"{committed.version} of the same run; set allow_rollback to do it anyway"

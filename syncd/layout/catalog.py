@@ -134,9 +134,7 @@ def _validate_local(t: LocalTensor, canon: dict[str, CanonicalTensor], full_cove
         if c is None:
             raise ValueError(f"local tensor {t.name}: canonical tensor {p.canonical} is not declared")
         if c.dtype != t.dtype:
-            raise ValueError(
-                f"local tensor {t.name} is {t.dtype} but its canonical {c.name} is {c.dtype}"
-            )
+            raise ValueError(f"local tensor {t.name} is {t.dtype} but its canonical {c.name} is {c.dtype}")
         if not p.canon.within(c.shape):
             raise ValueError(f"box {p.canon} is outside canonical tensor {c.name} of shape {c.shape}")
         if not p.local.within(t.shape):

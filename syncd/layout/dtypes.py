@@ -51,12 +51,14 @@ DTYPES: dict[str, DType] = {
 }
 
 # (source, destination) pairs that the sender casts while packing, besides the identity.
-CASTS: frozenset[tuple[str, str]] = frozenset({
-    ("float32", "bfloat16"),  # round to nearest even
-    ("float32", "float16"),  # round to nearest even
-    ("bfloat16", "float32"),  # exact
-    ("float16", "float32"),  # exact
-})
+CASTS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("float32", "bfloat16"),  # round to nearest even
+        ("float32", "float16"),  # round to nearest even
+        ("bfloat16", "float32"),  # exact
+        ("float16", "float32"),  # exact
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,9 +101,8 @@ def conversion(src: str, dst: str, *, tensor: str) -> Conversion:
 
 
 @cache  # packing asks once per unit, on the host path that feeds the GPU
-def torch_dtype(name: str) -> "torch.dtype":
+def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of `name` (imports torch: for data planes only)."""
     import torch
 
     return getattr(torch, lookup(name).name)
-

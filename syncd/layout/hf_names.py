@@ -10,14 +10,19 @@ fast. These helpers are the only place that converts between the two spellings.
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable, Mapping, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 T = TypeVar("T")
 
 # `weight_scale_inv`: the block scales of a blockwise-FP8 weight (`syncd.plan.fp8_blocks`), which
 # an FP8 checkpoint also stores per expert.
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight(?:_scale_inv)?)$")
-_GROUPED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>weight(?:_scale_inv)?)$")
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight(?:_scale_inv)?)$"
+)
+_GROUPED = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>weight(?:_scale_inv)?)$"
+)
 
 
 def grouped_expert_name(layer_prefix: str, proj: str) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+
 from syncd.layout.box import Box, split_range
 from syncd.layout.catalog import LocalTensor, Piece
 
@@ -89,9 +90,7 @@ class Concat(Expr):
                 a != b for d, (a, b) in enumerate(zip(p.shape, first)) if d != self.dim
             ):
                 raise ValueError(f"cannot concatenate shapes {first} and {p.shape} on dim {self.dim}")
-        return tuple(
-            sum(p.shape[d] for p in self.parts) if d == self.dim else n for d, n in enumerate(first)
-        )
+        return tuple(sum(p.shape[d] for p in self.parts) if d == self.dim else n for d, n in enumerate(first))
 
     def pieces(self) -> list[Piece]:
         out, offset = [], 0
@@ -154,8 +153,11 @@ class Sharded(Expr):
                     )
                 stripe = total // placement.stripes
                 lo, hi = split_range(stripe, size, coord)
-                runs[d] = [r for s in range(placement.stripes)
-                           for r in _select(runs[d], s * stripe + lo, s * stripe + hi)]
+                runs[d] = [
+                    r
+                    for s in range(placement.stripes)
+                    for r in _select(runs[d], s * stripe + lo, s * stripe + hi)
+                ]
         return runs
 
     @property

@@ -23,8 +23,9 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -40,8 +41,9 @@ log = logging.getLogger(__name__)
 class Endpoint(Protocol):
     """What a member exposes to the data plane."""
 
-    def begin(self, refit_id: str, weight_version: WeightVersion,
-              buckets: Sequence[Bucket]) -> Mapping[str, torch.Tensor]:
+    def begin(
+        self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
+    ) -> Mapping[str, torch.Tensor]:
         """Tensors (views in the catalog's shapes) to send `buckets` from or receive them into."""
         ...
 
@@ -118,7 +120,9 @@ class MemberAgent:
             address = NcclTransport.create_address() if cmd.rank == 0 else cmd.address
             if cmd.rank == 0:
                 self._client.report(cmd.refit_id, Phase.GROUP_ADDRESS, address=address)
-            transport = NcclTransport.connect(address, cmd.rank, cmd.world_size, torch.device(self._settings.device), timeout)
+            transport = NcclTransport.connect(
+                address, cmd.rank, cmd.world_size, torch.device(self._settings.device), timeout
+            )
         elif cmd.backend == "gloo":
             store = None
             address = cmd.address
@@ -155,8 +159,10 @@ class MemberAgent:
         if self.mirror is None:
             self.mirror = Mirror()
         if any(b.dst in d.dsts for b in cmd.buckets) and self.mirror.version != d.base:
-            raise RuntimeError(f"{self.member_id} holds what it sent of version {self.mirror.version}, "
-                               f"not of the delta base {d.base}")
+            raise RuntimeError(
+                f"{self.member_id} holds what it sent of version {self.mirror.version}, "
+                f"not of the delta base {d.base}"
+            )
         self.mirror.version = None  # until this transfer completes, the mirror is between versions
         return d, Diffs(self.mirror)
 
@@ -173,9 +179,11 @@ class MemberAgent:
             expected = groups.get(stage)
             if group is None or (expected is not None and expected.group_id != group.group_id):
                 raise RuntimeError(f"{self.member_id} has not joined the group of stage {stage}")
-            t = threading.Thread(target=self._run_stage,
-                                 args=(group, buckets, tensors, results, stage, cmd.timeout_s, delta, diffs),
-                                 name=f"{self.member_id}-stage{stage}")
+            t = threading.Thread(
+                target=self._run_stage,
+                args=(group, buckets, tensors, results, stage, cmd.timeout_s, delta, diffs),
+                name=f"{self.member_id}-stage{stage}",
+            )
             t.start()
             threads.append(t)
         for t in threads:
@@ -198,23 +206,41 @@ class MemberAgent:
             self.mirror.version = cmd.weight_version
         elif delta is not None and hasattr(self._endpoint, "received_delta"):
             self._endpoint.received_delta(cmd.refit_id, frozenset(touched))
-        self._client.report(cmd.refit_id, Phase.TRANSFERRED, bytes=total, checksums=checksums, timings=timings,
-                            delta_elements=elements, changed_elements=changed)
+        self._client.report(
+            cmd.refit_id,
+            Phase.TRANSFERRED,
+            bytes=total,
+            checksums=checksums,
+            timings=timings,
+            delta_elements=elements,
+            changed_elements=changed,
+        )
 
-    def _run_stage(self, group: _Group, buckets: list[Bucket], tensors, results: dict, stage: int,
-                   timeout_s: float, delta: DeltaLinks | None, diffs: Diffs | None) -> None:
+    def _run_stage(
+        self,
+        group: _Group,
+        buckets: list[Bucket],
+        tensors,
+        results: dict,
+        stage: int,
+        timeout_s: float,
+        delta: DeltaLinks | None,
+        diffs: Diffs | None,
+    ) -> None:
         ranks = {m: i for i, m in enumerate(group.members)}
         sending = buckets[0].src == self.member_id
-        options = dict(timeout_s=timeout_s, in_flight=self._settings.in_flight, cancel=self._cancel)
+        options = {"timeout_s": timeout_s, "in_flight": self._settings.in_flight, "cancel": self._cancel}
         try:
             if delta is None:
                 run = send_buckets if sending else recv_buckets
                 results[stage] = run(buckets, tensors, group.transport, ranks, **options)
             elif sending:
-                results[stage] = send_with_deltas(buckets, tensors, group.transport, ranks, delta, diffs, **options)
+                results[stage] = send_with_deltas(
+                    buckets, tensors, group.transport, ranks, delta, diffs, **options
+                )
             else:
                 results[stage] = recv_with_deltas(buckets, tensors, group.transport, ranks, delta, **options)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller thread, which raises it
+        except BaseException as e:
             log.warning("%s: stage %d transfer failed: %s", self.member_id, stage, e)
             self._close_group(stage)  # unblock our peers: they fail fast instead of timing out
             results[stage] = e

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -43,7 +43,10 @@ log = logging.getLogger(__name__)
 CommandHandler = Callable[[Command], None]
 
 _PHASE_OF = {
-    JoinGroup: Phase.JOINED, ExecutePlan: Phase.TRANSFERRED, Verify: Phase.VERIFIED, Commit: Phase.COMMITTED,
+    JoinGroup: Phase.JOINED,
+    ExecutePlan: Phase.TRANSFERRED,
+    Verify: Phase.VERIFIED,
+    Commit: Phase.COMMITTED,
 }
 _RPC_TIMEOUT_S = 10.0
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.1, 5.0
@@ -51,9 +54,19 @@ _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.1, 5.0
 
 class MemberClient:
     def __init__(
-        self, target: str, *, role: str, member_id: str, coords: dict[str, int], catalog: Catalog,
-        device: str = "cpu", data_address: str = "", auth_token: str | None = None,
-        run_id: str = "", weight_version: WeightVersion | None = None, receive_by_layer: bool = False,
+        self,
+        target: str,
+        *,
+        role: str,
+        member_id: str,
+        coords: dict[str, int],
+        catalog: Catalog,
+        device: str = "cpu",
+        data_address: str = "",
+        auth_token: str | None = None,
+        run_id: str = "",
+        weight_version: WeightVersion | None = None,
+        receive_by_layer: bool = False,
     ) -> None:
         convert.role_to_pb(role)  # fail here, not in a background thread
         self.target = target
@@ -98,15 +111,38 @@ class MemberClient:
         return self._session_id
 
     def report(
-        self, refit_id: str, phase: str, *, ok: bool = True, error: str = "", bytes: int = 0,
-        checksums: dict[str, str] | None = None, timings: dict[str, float] | None = None, address: str = "",
-        delta_elements: int = 0, changed_elements: int = 0,
+        self,
+        refit_id: str,
+        phase: str,
+        *,
+        ok: bool = True,
+        error: str = "",
+        bytes: int = 0,
+        checksums: dict[str, str] | None = None,
+        timings: dict[str, float] | None = None,
+        address: str = "",
+        delta_elements: int = 0,
+        changed_elements: int = 0,
     ) -> None:
         """Answer a command with a `MemberReport`. Raises grpc.RpcError when syncd cannot be reached
         or refuses."""
-        self._send_report(convert.report_to_pb(MemberReport(
-            self.member_id, refit_id, Phase(phase), ok, error, bytes, checksums or {}, timings or {}, address,
-            delta_elements, changed_elements)))
+        self._send_report(
+            convert.report_to_pb(
+                MemberReport(
+                    self.member_id,
+                    refit_id,
+                    Phase(phase),
+                    ok,
+                    error,
+                    bytes,
+                    checksums or {},
+                    timings or {},
+                    address,
+                    delta_elements,
+                    changed_elements,
+                )
+            )
+        )
         if phase == Phase.COMMITTED and refit_id in self._commit_versions:
             version = self._commit_versions.pop(refit_id)
             if ok:  # syncd recorded the decision before it sent Commit: this is the committed version
@@ -146,8 +182,14 @@ class MemberClient:
                 self._serve()
             except grpc.RpcError as e:
                 if not self._closed.is_set():
-                    log.warning("%s: syncd at %s: %s %s; retrying in %.1fs", self.member_id, self.target,
-                                e.code().name, e.details(), backoff)
+                    log.warning(
+                        "%s: syncd at %s: %s %s; retrying in %.1fs",
+                        self.member_id,
+                        self.target,
+                        e.code().name,
+                        e.details(),
+                        backoff,
+                    )
             except ValueError as e:  # closed channel during shutdown
                 if not self._closed.is_set():
                     raise
@@ -158,9 +200,15 @@ class MemberClient:
 
     def _register(self) -> None:
         request = pb.RegisterRequest(
-            role=convert.role_to_pb(self.role), member_id=self.member_id, coords=self.coords,
-            device=self.device, data_address=self.data_address, catalog_hash=self.catalog.content_hash,
-            run_id=self.run_id, weight_version=self.weight_version, receive_by_layer=self.receive_by_layer,
+            role=convert.role_to_pb(self.role),
+            member_id=self.member_id,
+            coords=self.coords,
+            device=self.device,
+            data_address=self.data_address,
+            catalog_hash=self.catalog.content_hash,
+            run_id=self.run_id,
+            weight_version=self.weight_version,
+            receive_by_layer=self.receive_by_layer,
         )
         response = self._stub.Register(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
         if response.catalog_required:
@@ -175,10 +223,12 @@ class MemberClient:
 
     def _serve(self) -> None:
         """Heartbeat until the session ends; the Watch stream runs on its own thread."""
-        call = self._stub.Watch(pb.WatchRequest(member_id=self.member_id, session_id=self._session_id),
-                                metadata=self._metadata)
-        watcher = threading.Thread(target=self._watch, args=(call,), name=f"{self.member_id}-watch",
-                                   daemon=True)
+        call = self._stub.Watch(
+            pb.WatchRequest(member_id=self.member_id, session_id=self._session_id), metadata=self._metadata
+        )
+        watcher = threading.Thread(
+            target=self._watch, args=(call,), name=f"{self.member_id}-watch", daemon=True
+        )
         watcher.start()
         try:
             beat = pb.HeartbeatRequest(member_id=self.member_id, session_id=self._session_id)
@@ -205,8 +255,9 @@ class MemberClient:
         if isinstance(command, Commit):
             self._commit_versions[command.refit_id] = command.weight_version
         if isinstance(command, Abort):
-            threading.Thread(target=self._call_handler, args=(command,), name=f"{self.member_id}-abort",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._call_handler, args=(command,), name=f"{self.member_id}-abort", daemon=True
+            ).start()
         else:
             self._commands.put(command)
 

@@ -31,8 +31,8 @@ the operator which dim to shard differently until then.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Iterable
 
 from syncd.layout import Box, CanonicalTensor, Catalog, LocalTensor, Piece
 
@@ -125,8 +125,10 @@ def blockwise_fp8_catalog(catalog: Catalog, block: tuple[int, int] = BLOCK) -> C
     canonical: list[CanonicalTensor] = []
     for c in catalog.canonical:
         if is_quantized(c.name):
-            canonical += [replace(c, dtype=FP8_DTYPE),
-                          CanonicalTensor(scale_name(c.name), scale_shape(c.shape, block), SCALE_DTYPE)]
+            canonical += [
+                replace(c, dtype=FP8_DTYPE),
+                CanonicalTensor(scale_name(c.name), scale_shape(c.shape, block), SCALE_DTYPE),
+            ]
         else:
             canonical.append(c)
     shapes = {c.name: c.shape for c in catalog.canonical}
@@ -136,11 +138,17 @@ def blockwise_fp8_catalog(catalog: Catalog, block: tuple[int, int] = BLOCK) -> C
             tensors.append(t)
             continue
         for p in t.pieces:
-            require_whole_blocks(p.canonical, shapes[p.canonical], [(f"local tensor {t.name}", p.canon)], block)
+            require_whole_blocks(
+                p.canonical, shapes[p.canonical], [(f"local tensor {t.name}", p.canon)], block
+            )
             require_whole_blocks(t.name, t.shape, [("its layout", p.local)], block)
-        scales = tuple(Piece(scale_name(p.canonical), to_grid(p.canon, block), to_grid(p.local, block)) for p in t.pieces)
-        tensors += [replace(t, dtype=FP8_DTYPE),
-                    LocalTensor(scale_name(t.name), scale_shape(t.shape, block), SCALE_DTYPE, scales)]
+        scales = tuple(
+            Piece(scale_name(p.canonical), to_grid(p.canon, block), to_grid(p.local, block)) for p in t.pieces
+        )
+        tensors += [
+            replace(t, dtype=FP8_DTYPE),
+            LocalTensor(scale_name(t.name), scale_shape(t.shape, block), SCALE_DTYPE, scales),
+        ]
     out = Catalog(tuple(canonical), tuple(tensors))
     out.validate()
     return out

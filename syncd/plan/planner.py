@@ -28,10 +28,19 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
-from syncd.layout import Box, CanonicalTensor, Catalog, Conversion, Piece, conversion, dtype_bytes, owning_layer
+from syncd.layout import (
+    Box,
+    CanonicalTensor,
+    Catalog,
+    Conversion,
+    Piece,
+    conversion,
+    dtype_bytes,
+    owning_layer,
+)
 from syncd.layout.catalog import first_overlap
 from syncd.plan import fp8_blocks
 from syncd.plan.types import Bucket, DestMember, Plan, SourceMember, TransferUnit
@@ -80,8 +89,11 @@ def make_plan(
             raise ValueError(f"no source holds canonical tensor {name}, which a destination needs")
         _check_destination_overlap(name, dst_holdings[name])
         if meta[name].quantized:
-            fp8_blocks.require_whole_blocks(meta[name].source, meta[name].source_shape,
-                                            [(members[h.member], h.piece.canon) for h in holders])
+            fp8_blocks.require_whole_blocks(
+                meta[name].source,
+                meta[name].source_shape,
+                [(members[h.member], h.piece.canon) for h in holders],
+            )
         limit = max(1, bucket_bytes // dtype_bytes(meta[name].tensor.dtype))
         for src, dst, unit in _units_for_tensor(meta[name], holders, dst_holdings[name], load, limit):
             links[(src, dst)].append(unit)
@@ -157,10 +169,15 @@ def _canonical_meta(
         _require_same_shape(name, held, dst, held.tensor.shape)
         quantized = fp8_blocks.quantizes(name, held.tensor.dtype, dst.tensor.dtype)
         if quantized and fp8_blocks.scale_name(name) not in dsts:
-            raise ValueError(f"canonical tensor {name}: {dst.member_id} holds it as {dst.tensor.dtype} but does "
-                             f"not declare its block scales {fp8_blocks.scale_name(name)}")
-        conv = Conversion(held.tensor.dtype, dst.tensor.dtype) if quantized else \
-            conversion(held.tensor.dtype, dst.tensor.dtype, tensor=name)
+            raise ValueError(
+                f"canonical tensor {name}: {dst.member_id} holds it as {dst.tensor.dtype} but does "
+                f"not declare its block scales {fp8_blocks.scale_name(name)}"
+            )
+        conv = (
+            Conversion(held.tensor.dtype, dst.tensor.dtype)
+            if quantized
+            else conversion(held.tensor.dtype, dst.tensor.dtype, tensor=name)
+        )
         meta[name] = _TensorMeta(dst.tensor, conv, name, held.tensor.shape, "values" if quantized else None)
     return meta
 
@@ -169,14 +186,20 @@ def _scales_meta(dst: _Declared, weight_src: _Declared, weight_dst: _Declared) -
     """The scales of an FP8 weight, planned from the sources' (wider) weight."""
     name, weight = dst.tensor.name, weight_src.tensor
     if not fp8_blocks.quantizes(weight.name, weight.dtype, weight_dst.tensor.dtype):
-        raise ValueError(f"canonical tensor {name}: scales of {weight.name}, which {weight_dst.member_id} "
-                         f"declares as {weight_dst.tensor.dtype}, not {fp8_blocks.FP8_DTYPE} from a wider source")
+        raise ValueError(
+            f"canonical tensor {name}: scales of {weight.name}, which {weight_dst.member_id} "
+            f"declares as {weight_dst.tensor.dtype}, not {fp8_blocks.FP8_DTYPE} from a wider source"
+        )
     expected = CanonicalTensor(name, fp8_blocks.scale_shape(weight.shape), fp8_blocks.SCALE_DTYPE)
     if dst.tensor != expected:
-        raise ValueError(f"canonical tensor {name}: {dst.member_id} declares {dst.tensor.dtype}"
-                         f"{list(dst.tensor.shape)}; the block scales of {weight.name}{list(weight.shape)} "
-                         f"are {expected.dtype}{list(expected.shape)}")
-    return _TensorMeta(dst.tensor, Conversion(weight.dtype, dst.tensor.dtype), weight.name, weight.shape, "scales")
+        raise ValueError(
+            f"canonical tensor {name}: {dst.member_id} declares {dst.tensor.dtype}"
+            f"{list(dst.tensor.shape)}; the block scales of {weight.name}{list(weight.shape)} "
+            f"are {expected.dtype}{list(expected.shape)}"
+        )
+    return _TensorMeta(
+        dst.tensor, Conversion(weight.dtype, dst.tensor.dtype), weight.name, weight.shape, "scales"
+    )
 
 
 def _require_same_shape(name: str, held: _Declared, dst: _Declared, shape: tuple[int, ...]) -> None:
@@ -217,8 +240,10 @@ def _units_for_tensor(
     wire_itemsize = dtype_bytes(tensor.dtype)
     src_dtype = None if conv.is_identity else conv.src
     covered = [meta.covers(h.piece.canon) for h in sources]
-    cuts = [sorted({0, n, *(b.start[d] for b in covered), *(b.stop[d] for b in covered)})
-            for d, n in enumerate(tensor.shape)]
+    cuts = [
+        sorted({0, n, *(b.start[d] for b in covered), *(b.stop[d] for b in covered)})
+        for d, n in enumerate(tensor.shape)
+    ]
     replicas: dict[tuple[int, ...], list[_Holding]] = defaultdict(list)
     for h, box in zip(sources, covered):
         for cell in _cells(cuts, box):
@@ -226,7 +251,9 @@ def _units_for_tensor(
     for dst in dests:
         for cell in _cells(cuts, dst.piece.canon):
             holders = replicas.get(cell)
-            cell_box = Box(tuple(c[i] for c, i in zip(cuts, cell)), tuple(c[i + 1] for c, i in zip(cuts, cell)))
+            cell_box = Box(
+                tuple(c[i] for c, i in zip(cuts, cell)), tuple(c[i + 1] for c, i in zip(cuts, cell))
+            )
             sub = cell_box.intersect(dst.piece.canon)
             assert sub is not None  # cells come from the destination box's own range
             if not holders:
@@ -237,18 +264,22 @@ def _units_for_tensor(
             align = fp8_blocks.BLOCK[0] if meta.quantized == "values" else 1
             for slab in _slabs(sub, max_elements, align):
                 read = meta.reads(slab)
-                yield src.member, dst.member, TransferUnit(
-                    canonical=tensor.name,
-                    canon=slab,
-                    dtype=tensor.dtype,
-                    src_tensor=src.tensor,
-                    src_box=src.piece.local_region(read),
-                    dst_tensor=dst.tensor,
-                    dst_box=dst.piece.local_region(slab),
-                    nbytes=slab.numel * wire_itemsize,
-                    src_dtype=src_dtype,
-                    quantized=meta.quantized,
-                    block_box=read if meta.quantized else None,
+                yield (
+                    src.member,
+                    dst.member,
+                    TransferUnit(
+                        canonical=tensor.name,
+                        canon=slab,
+                        dtype=tensor.dtype,
+                        src_tensor=src.tensor,
+                        src_box=src.piece.local_region(read),
+                        dst_tensor=dst.tensor,
+                        dst_box=dst.piece.local_region(slab),
+                        nbytes=slab.numel * wire_itemsize,
+                        src_dtype=src_dtype,
+                        quantized=meta.quantized,
+                        block_box=read if meta.quantized else None,
+                    ),
                 )
 
 
@@ -297,8 +328,9 @@ def _pack(
 ) -> Plan:
     buckets: list[Bucket] = []
     stage_members: dict[int, set[str]] = defaultdict(set)
-    layer_groups = {d: _layer_groups(dst, links, d, bucket_bytes)
-                    for d, dst in enumerate(destinations) if dst.by_layer}
+    layer_groups = {
+        d: _layer_groups(dst, links, d, bucket_bytes) for d, dst in enumerate(destinations) if dst.by_layer
+    }
     for (s, d), units in sorted(links.items(), key=lambda kv: (sources[kv[0][0]].stage, kv[0])):
         src, dst = sources[s], destinations[d]
         stage_members[src.stage].update((src.member_id, dst.member_id))
@@ -309,8 +341,10 @@ def _pack(
         size = 0
         for unit in units:
             full = size + unit.nbytes > bucket_bytes
-            if groups[-1] and (full or (group_of is not None and
-                                        group_of[unit.dst_tensor] != group_of[groups[-1][-1].dst_tensor])):
+            if groups[-1] and (
+                full
+                or (group_of is not None and group_of[unit.dst_tensor] != group_of[groups[-1][-1].dst_tensor])
+            ):
                 groups.append([])
                 size = 0
             groups[-1].append(unit)
@@ -325,8 +359,9 @@ def _pack(
     )
 
 
-def _layer_groups(dst: DestMember, links: dict[tuple[int, int], list[TransferUnit]], d: int,
-                  bucket_bytes: int) -> dict[str, int]:
+def _layer_groups(
+    dst: DestMember, links: dict[tuple[int, int], list[TransferUnit]], d: int, bucket_bytes: int
+) -> dict[str, int]:
     """For a `by_layer` destination: its tensors' group numbers. Layers (`owning_layer`) are taken
     in the destination's catalog order and grouped greedily while the bytes it receives for them,
     from every source, fit in `bucket_bytes`."""

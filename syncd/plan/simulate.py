@@ -10,13 +10,12 @@ even, as torch's `.to()`), so tests can check the torch data plane against it.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from syncd.layout import Catalog
 from syncd.plan.types import Bucket, Plan
-
 
 NUMPY_DTYPES: dict[str, type] = {
     "float64": np.float64,
@@ -70,7 +69,9 @@ def pack(bucket: Bucket, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
     parts = []
     for u in bucket.units:
         if u.quantized:  # NumPy has no e4m3; the torch data plane is the only FP8 sender
-            raise ValueError(f"{u.canonical}: blockwise-FP8 units are packed by syncd.member.dataplane.pack only")
+            raise ValueError(
+                f"{u.canonical}: blockwise-FP8 units are packed by syncd.member.dataplane.pack only"
+            )
         values = tensors[u.src_tensor][u.src_box.slices()].reshape(-1)
         parts.append(np.ascontiguousarray(convert(values, u.src_dtype or u.dtype, u.dtype)).view(np.uint8))
     return np.concatenate(parts)
@@ -94,5 +95,7 @@ def execute(
     for bucket in plan.buckets:
         flat = pack(bucket, sources[bucket.src])
         if flat.nbytes != bucket.nbytes:
-            raise AssertionError(f"bucket {bucket.src}->{bucket.dst}#{bucket.index} packed {flat.nbytes} bytes, planned {bucket.nbytes}")
+            raise AssertionError(
+                f"bucket {bucket.src}->{bucket.dst}#{bucket.index} packed {flat.nbytes} bytes, planned {bucket.nbytes}"
+            )
         unpack(bucket, flat, destinations[bucket.dst])

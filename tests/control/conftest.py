@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import httpx
 import pytest
@@ -19,8 +19,9 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     def make(**overrides: object) -> Cluster:
         daemon = Daemon(base_settings(tmp_path, **overrides))
         daemon.start()
-        cluster = Cluster(daemon, httpx.Client(base_url=f"http://127.0.0.1:{daemon.settings.http_port}",
-                                               timeout=30))
+        cluster = Cluster(
+            daemon, httpx.Client(base_url=f"http://127.0.0.1:{daemon.settings.http_port}", timeout=30)
+        )
         clusters.append(cluster)
         return cluster
 

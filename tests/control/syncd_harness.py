@@ -10,17 +10,18 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import httpx
+
 from deploy.local.processes import free_port
-from syncd.member.client import MemberClient
 from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase, Verify, checksum_key
 from syncd.daemon.service import Daemon
-from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, local_tensor
 from syncd.daemon.settings import Settings
+from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, local_tensor
+from syncd.member.client import MemberClient
 from syncd.states import wait_final
 from tests.polling import wait_until
 
@@ -43,8 +44,9 @@ def trainer_catalog(stage: int) -> Catalog:
 def generator_catalog(tp: int, tp_size: int = 2) -> Catalog:
     canon = (EMBED, GATE, HEAD)
     tensors = tuple(
-        local_tensor(c.name, c.dtype,
-                     Sharded(Canon(c.name, c.shape), (Shard(len(c.shape) - 2),), (tp_size,), (tp,)))
+        local_tensor(
+            c.name, c.dtype, Sharded(Canon(c.name, c.shape), (Shard(len(c.shape) - 2),), (tp_size,), (tp,))
+        )
         for c in canon
     )
     return Catalog(canon, tensors)
@@ -119,8 +121,9 @@ class FakeMember:
                 sums[key] = fake_checksum(key + ("flipped" if bad else ""))
         if self.behaviour.reported_bytes is not None:
             nbytes = self.behaviour.reported_bytes
-        self.client.report(cmd.refit_id, Phase.TRANSFERRED, bytes=nbytes, checksums=sums,
-                           timings={"transfer_s": 0.001})
+        self.client.report(
+            cmd.refit_id, Phase.TRANSFERRED, bytes=nbytes, checksums=sums, timings={"transfer_s": 0.001}
+        )
 
 
 MEMBERS = {
@@ -131,23 +134,45 @@ MEMBERS = {
 }
 
 
-def make_member(target: str, member_id: str, token: str | None = None, *, run_id: str = "",
-                weight_version: int | None = None, **behaviour: object) -> FakeMember:
+def make_member(
+    target: str,
+    member_id: str,
+    token: str | None = None,
+    *,
+    run_id: str = "",
+    weight_version: int | None = None,
+    **behaviour: object,
+) -> FakeMember:
     role, coords, catalog = MEMBERS[member_id]
     # Only what a test sets is passed, so the harness also drives an older syncd (to show a
     # regression test fails there).
-    optional = {k: v for k, v in (("run_id", run_id), ("weight_version", weight_version)) if v not in ("", None)}
-    client = MemberClient(target, role=role, member_id=member_id, coords=coords, catalog=catalog(),
-                          auth_token=token, **optional)
+    optional = {
+        k: v for k, v in (("run_id", run_id), ("weight_version", weight_version)) if v not in ("", None)
+    }
+    client = MemberClient(
+        target, role=role, member_id=member_id, coords=coords, catalog=catalog(), auth_token=token, **optional
+    )
     return FakeMember(client, Behaviour(**behaviour))  # type: ignore[arg-type]
 
 
 def base_settings(tmp_path: Path, **overrides: object) -> Settings:
-    return replace(Settings(
-        host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), db=str(tmp_path / "syncd.db"),
-        lease_seconds=5.0, prepare_timeout=20, transfer_timeout=20, verify_timeout=20, commit_timeout=20,
-        bucket_bytes=256, expected_trainers=2, expected_generators=2,
-    ), **overrides)
+    return replace(
+        Settings(
+            host="127.0.0.1",
+            http_port=free_port(),
+            grpc_port=free_port(),
+            db=str(tmp_path / "syncd.db"),
+            lease_seconds=5.0,
+            prepare_timeout=20,
+            transfer_timeout=20,
+            verify_timeout=20,
+            commit_timeout=20,
+            bucket_bytes=256,
+            expected_trainers=2,
+            expected_generators=2,
+        ),
+        **overrides,
+    )
 
 
 @dataclass
@@ -166,18 +191,28 @@ class Cluster:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.daemon.settings.http_port}"
 
-    def start_member(self, member_id: str, *, run_id: str = "", weight_version: int | None = None,
-                     **behaviour: object) -> FakeMember:
-        m = make_member(self.target, member_id, self.daemon.settings.auth_token, run_id=run_id,
-                        weight_version=weight_version, **behaviour)
+    def start_member(
+        self, member_id: str, *, run_id: str = "", weight_version: int | None = None, **behaviour: object
+    ) -> FakeMember:
+        m = make_member(
+            self.target,
+            member_id,
+            self.daemon.settings.auth_token,
+            run_id=run_id,
+            weight_version=weight_version,
+            **behaviour,
+        )
         m.client.start(m.handle)
         self.members[member_id] = m
         return m
 
     def start_all(self, run_id: str = "", **behaviour_by_member: dict) -> None:
         for member_id in MEMBERS:
-            self.start_member(member_id, run_id=run_id if member_id.startswith("trainer") else "",
-                              **behaviour_by_member.get(member_id, {}))
+            self.start_member(
+                member_id,
+                run_id=run_id if member_id.startswith("trainer") else "",
+                **behaviour_by_member.get(member_id, {}),
+            )
         wait_until(lambda: self.http.get("/readyz").status_code == 200, what="syncd ready")
 
     def announce(self, version: int) -> None:
@@ -217,13 +252,26 @@ class SyncdProcess:
     def __init__(self, db: Path, http_port: int, grpc_port: int, *extra: str) -> None:
         self.url = f"http://127.0.0.1:{http_port}"
         self.target = f"127.0.0.1:{grpc_port}"
-        self.args = [PYTHON, "-m", "syncd", "--host", "127.0.0.1", "--http-port", str(http_port),
-                     "--grpc-port", str(grpc_port), "--db", str(db), *extra]
+        self.args = [
+            PYTHON,
+            "-m",
+            "syncd",
+            "--host",
+            "127.0.0.1",
+            "--http-port",
+            str(http_port),
+            "--grpc-port",
+            str(grpc_port),
+            "--db",
+            str(db),
+            *extra,
+        ]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> SyncdProcess:
-        self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            self.args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
 
         def healthy() -> bool:
             assert self.proc is not None
@@ -232,6 +280,7 @@ class SyncdProcess:
                 return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return False
+
         wait_until(healthy, what="syncd to serve")
         return self
 

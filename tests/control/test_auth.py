@@ -35,9 +35,12 @@ def test_reads_stay_open_and_the_right_token_passes(secured) -> None:
 
 
 def test_grpc_without_token_is_unauthenticated(secured) -> None:
-    request = pb.RegisterRequest(role=pb.ROLE_GENERATOR, member_id="generator-0-0",
-                                 coords={"replica": 0, "tp": 0},
-                                 catalog_hash=generator_catalog(0).content_hash)
+    request = pb.RegisterRequest(
+        role=pb.ROLE_GENERATOR,
+        member_id="generator-0-0",
+        coords={"replica": 0, "tp": 0},
+        catalog_hash=generator_catalog(0).content_hash,
+    )
     with grpc.insecure_channel(secured.target) as channel:
         stub = pb_grpc.SyncdStub(channel)
         for metadata in ((), (("authorization", "Bearer wrong"),)):
@@ -46,7 +49,8 @@ def test_grpc_without_token_is_unauthenticated(secured) -> None:
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # Health checks stay open for probes.
         health = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="weightsync.v1.Syncd"), timeout=10)
+            health_pb2.HealthCheckRequest(service="weightsync.v1.Syncd"), timeout=10
+        )
         assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert secured.http.get("/v1/members").json()["members"] == []
 

@@ -18,12 +18,17 @@ def test_a_restarted_generator_is_held_not_ready_then_caught_up(cluster: Cluster
     hold = threading.Event()
     cluster.members.pop("generator-0-1").client.close()  # restarts, serving its --model checkpoint
     back = cluster.start_member("generator-0-1", on_execute=lambda _: hold.wait(30))
-    wait_until(lambda: cluster.http.get("/v1/status").json()["state"] == "TRANSFERRING", what="catch-up refit")
+    wait_until(
+        lambda: cluster.http.get("/v1/status").json()["state"] == "TRANSFERRING", what="catch-up refit"
+    )
     # Registration tells the member it is behind (generator_svc's /readyz is built on this).
     assert (back.client.weight_version, back.client.committed_version) == (None, 1)
     ready = cluster.http.get("/readyz")
     assert ready.status_code == 503
-    assert "generator-0-1 serves an unknown version" in ready.json()["reason"] and "catch-up" in ready.json()["reason"]
+    assert (
+        "generator-0-1 serves an unknown version" in ready.json()["reason"]
+        and "catch-up" in ready.json()["reason"]
+    )
 
     hold.set()
     wait_until(lambda: cluster.http.get("/readyz").status_code == 200, what="caught up")

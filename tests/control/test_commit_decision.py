@@ -14,8 +14,16 @@ from syncd.commands import Abort, Commit
 def test_syncd_killed_after_sending_commit_comes_back_committed(tmp_path: Path) -> None:
     db = tmp_path / "state.db"
     ports = (free_port(), free_port())
-    args = ("--lease-seconds", "5", "--expected-trainers", "2", "--expected-generators", "2",
-            "--bucket-bytes", "256")
+    args = (
+        "--lease-seconds",
+        "5",
+        "--expected-trainers",
+        "2",
+        "--expected-generators",
+        "2",
+        "--bucket-bytes",
+        "256",
+    )
     syncd = SyncdProcess(db, *ports, *args).start()
     members = [make_member(syncd.target, member_id) for member_id in MEMBERS]
 

@@ -33,14 +33,17 @@ def test_catalog_and_commands_round_trip() -> None:
     decoded = convert.catalog_from_pb(pb.Catalog.FromString(wire))
     assert decoded == catalog and decoded.content_hash == catalog.content_hash
 
-    unit = TransferUnit("w", Box((0, 2), (4, 6)), "bfloat16", "w", Box((0, 0), (4, 4)), "w_local",
-                        Box((1, 0), (5, 4)), 32)
+    unit = TransferUnit(
+        "w", Box((0, 2), (4, 6)), "bfloat16", "w", Box((0, 0), (4, 4)), "w_local", Box((1, 0), (5, 4)), 32
+    )
     bucket = Bucket(stage=1, src="trainer-1", dst="generator-0-0", index=3, units=(unit,), nbytes=32)
     group = StageGroup(1, "refit-1/stage1", "gloo", ("trainer-1", "generator-0-0"))
     for cmd in (
         JoinGroup("refit-1", "refit-1/stage1", 1, 0, 2, "gloo", "", group.members, 45.0),
         ExecutePlan("refit-1", 4, (bucket,), (group,), 30.5),
-        Verify("refit-1", 4, 60.0), Commit("refit-1", 4, 12.25), Abort("refit-1", "checksum mismatch"),
+        Verify("refit-1", 4, 60.0),
+        Commit("refit-1", 4, 12.25),
+        Abort("refit-1", "checksum mismatch"),
     ):
         wire = convert.command_to_pb(cmd).SerializeToString()
         assert convert.command_from_pb(pb.Command.FromString(wire)) == cmd

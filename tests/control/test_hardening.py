@@ -12,25 +12,39 @@ import grpc
 import httpx
 import pytest
 from syncd_harness import (
-    PYTHON, REPO, TOKEN, Cluster, FakeMember, SyncdProcess, free_port, generator_catalog, trainer_catalog, wait_until,
+    PYTHON,
+    REPO,
+    TOKEN,
+    Cluster,
+    FakeMember,
+    SyncdProcess,
+    free_port,
+    generator_catalog,
+    trainer_catalog,
+    wait_until,
 )
 
 from syncd.api import convert
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
-from syncd.member.client import MemberClient
 from syncd.layout import Catalog
+from syncd.member.client import MemberClient
 
 
 def register(target: str, member_id: str, coords: dict | None = None) -> pb.RegisterResponse:
     catalog = generator_catalog(0)
-    request = pb.RegisterRequest(role=pb.ROLE_GENERATOR, member_id=member_id, coords=coords or {"replica": 7, "tp": 0},
-                                 catalog_hash=catalog.content_hash, catalog=convert.catalog_to_pb(catalog))
+    request = pb.RegisterRequest(
+        role=pb.ROLE_GENERATOR,
+        member_id=member_id,
+        coords=coords or {"replica": 7, "tp": 0},
+        catalog_hash=catalog.content_hash,
+        catalog=convert.catalog_to_pb(catalog),
+    )
     with grpc.insecure_channel(target) as channel:
         return pb_grpc.SyncdStub(channel).Register(request, timeout=10)
 
 
-def refused(call, code: grpc.StatusCode) -> str:  # noqa: ANN001
+def refused(call, code: grpc.StatusCode) -> str:
     with pytest.raises(grpc.RpcError) as info:
         call()
     assert info.value.code() == code, info.value.details()
@@ -39,8 +53,10 @@ def refused(call, code: grpc.StatusCode) -> str:  # noqa: ANN001
 
 def test_a_live_member_id_is_not_taken_over(cluster: Cluster) -> None:
     cluster.start_all()
-    details = refused(lambda: register(cluster.target, "generator-0-0", {"replica": 7, "tp": 0}),
-                      grpc.StatusCode.ALREADY_EXISTS)
+    details = refused(
+        lambda: register(cluster.target, "generator-0-0", {"replica": 7, "tp": 0}),
+        grpc.StatusCode.ALREADY_EXISTS,
+    )
     assert "live session" in details
     members = cluster.http.get("/v1/members").json()["members"]
     held = next(m for m in members if m["member_id"] == "generator-0-0")
@@ -48,16 +64,19 @@ def test_a_live_member_id_is_not_taken_over(cluster: Cluster) -> None:
     assert cluster.wait_refit(cluster.refit(weight_version=1)["id"])["state"] == "COMMITTED"
 
 
-@pytest.mark.parametrize("member_id", ["generator-9\n2026 INFO syncd: forged", "x" * (1 << 20), "Generator-9",
-                                       "-generator", ""])
+@pytest.mark.parametrize(
+    "member_id", ["generator-9\n2026 INFO syncd: forged", "x" * (1 << 20), "Generator-9", "-generator", ""]
+)
 def test_member_ids_must_be_kubernetes_names(cluster: Cluster, member_id: str) -> None:
     details = refused(lambda: register(cluster.target, member_id), grpc.StatusCode.INVALID_ARGUMENT)
     assert "not a Kubernetes name" in details and len(details) < 400 and "\n" not in details
 
 
 def test_negative_coordinates_are_refused(cluster: Cluster) -> None:
-    details = refused(lambda: register(cluster.target, "generator-9-0", {"replica": 9, "tp": -3}),
-                      grpc.StatusCode.INVALID_ARGUMENT)
+    details = refused(
+        lambda: register(cluster.target, "generator-9-0", {"replica": 9, "tp": -3}),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
     assert "'tp': -3" in details and "negative" in details
 
 
@@ -87,7 +106,9 @@ def test_refit_ids_count_without_gaps(cluster: Cluster) -> None:
 
 
 def in_dtype(c: Catalog, dtype: str) -> Catalog:
-    return Catalog(tuple(replace(t, dtype=dtype) for t in c.canonical), tuple(replace(t, dtype=dtype) for t in c.tensors))
+    return Catalog(
+        tuple(replace(t, dtype=dtype) for t in c.canonical), tuple(replace(t, dtype=dtype) for t in c.tensors)
+    )
 
 
 def test_a_dtype_mismatch_is_refused_at_registration_with_the_hint(cluster: Cluster) -> None:
@@ -98,10 +119,14 @@ def test_a_dtype_mismatch_is_refused_at_registration_with_the_hint(cluster: Clus
     with grpc.insecure_channel(cluster.target) as channel:
         for dtype, accepted in (("bfloat16", True), ("float8_e4m3fn", False)):
             catalog = in_dtype(generator_catalog(0), dtype)
-            request = pb.RegisterRequest(role=pb.ROLE_GENERATOR, member_id=f"generator-{int(accepted)}-0",
-                                         coords={"replica": int(accepted), "tp": 0},
-                                         catalog_hash=catalog.content_hash, catalog=convert.catalog_to_pb(catalog))
-            register = lambda r=request: pb_grpc.SyncdStub(channel).Register(r, timeout=10)  # noqa: E731
+            request = pb.RegisterRequest(
+                role=pb.ROLE_GENERATOR,
+                member_id=f"generator-{int(accepted)}-0",
+                coords={"replica": int(accepted), "tp": 0},
+                catalog_hash=catalog.content_hash,
+                catalog=convert.catalog_to_pb(catalog),
+            )
+            register = lambda r=request: pb_grpc.SyncdStub(channel).Register(r, timeout=10)
             if accepted:
                 register()
                 continue
@@ -115,8 +140,9 @@ def test_readiness_shows_a_dtype_mismatch_and_agrees_with_the_plan(cluster: Clus
     cluster.start_member("generator-0-1")
     wait_until(lambda: len(cluster.http.get("/v1/members").json()["members"]) == 2, what="generators")
     fp64 = in_dtype(trainer_catalog(0), "float64")  # float64 -> float32 is no conversion senders make
-    odd = FakeMember(MemberClient(cluster.target, role="trainer", member_id="trainer-0", coords={"pp": 0},
-                                  catalog=fp64))
+    odd = FakeMember(
+        MemberClient(cluster.target, role="trainer", member_id="trainer-0", coords={"pp": 0}, catalog=fp64)
+    )
     odd.client.start(odd.handle)
     cluster.members["trainer-0"] = odd
     cluster.start_member("trainer-1")
@@ -130,7 +156,9 @@ def test_readiness_shows_a_dtype_mismatch_and_agrees_with_the_plan(cluster: Clus
 def test_the_token_can_come_from_a_file(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    syncd = SyncdProcess(tmp_path / "db", free_port(), free_port(), "--auth-token-file", str(token_file)).start()
+    syncd = SyncdProcess(
+        tmp_path / "db", free_port(), free_port(), "--auth-token-file", str(token_file)
+    ).start()
     try:
         assert TOKEN not in Path(f"/proc/{syncd.proc.pid}/cmdline").read_text()  # type: ignore[union-attr]
         assert httpx.post(f"{syncd.url}/v1/refits", json={}).status_code == 401
@@ -145,7 +173,22 @@ def test_a_non_integer_committed_version_is_one_clear_line(tmp_path: Path) -> No
     with sqlite3.connect(db) as conn:
         conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         conn.execute("INSERT INTO meta VALUES ('committed_version', 'seven')")
-    r = subprocess.run([PYTHON, "-m", "syncd", "--db", str(db), "--http-port", str(free_port()),
-                        "--grpc-port", str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "syncd",
+            "--db",
+            str(db),
+            "--http-port",
+            str(free_port()),
+            "--grpc-port",
+            str(free_port()),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1
     assert "meta.committed_version is 'seven', not an integer" in r.stderr and "Traceback" not in r.stderr

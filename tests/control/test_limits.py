@@ -26,10 +26,16 @@ def test_an_unauthenticated_huge_message_is_refused_before_it_is_read(tmp_path: 
     syncd = SyncdProcess(tmp_path / "db", free_port(), free_port(), "--auth-token", TOKEN).start()
     try:
         before = peak_rss_mib(syncd.proc.pid)  # type: ignore[union-attr]
-        huge = pb.RegisterRequest(role=pb.ROLE_GENERATOR, member_id="generator-0-0", catalog_hash="x" * (96 << 20))
-        with grpc.insecure_channel(syncd.target, options=[("grpc.max_send_message_length", 1 << 30)]) as channel:
-            with pytest.raises(grpc.RpcError) as refused:
-                pb_grpc.SyncdStub(channel).Register(huge, timeout=60)
+        huge = pb.RegisterRequest(
+            role=pb.ROLE_GENERATOR, member_id="generator-0-0", catalog_hash="x" * (96 << 20)
+        )
+        with (
+            grpc.insecure_channel(
+                syncd.target, options=[("grpc.max_send_message_length", 1 << 30)]
+            ) as channel,
+            pytest.raises(grpc.RpcError) as refused,
+        ):
+            pb_grpc.SyncdStub(channel).Register(huge, timeout=60)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         grown = peak_rss_mib(syncd.proc.pid) - before  # type: ignore[union-attr]
         assert grown < 48, f"syncd's peak memory grew by {grown:.0f} MiB for a refused 96 MiB message"
@@ -47,10 +53,17 @@ def test_a_message_over_the_limit_is_refused(make_cluster) -> None:
 
 def test_a_catalog_declaring_an_absurd_tensor_is_refused(cluster: Cluster) -> None:
     shape = (2**62,)
-    absurd = Catalog((CanonicalTensor("w", shape, "int8"),),
-                     (LocalTensor("w", shape, "int8", (Piece("w", Box((0,), shape), Box((0,), shape)),)),))
-    request = pb.RegisterRequest(role=pb.ROLE_GENERATOR, member_id="generator-0-0", coords={"tp": 0},
-                                 catalog_hash=absurd.content_hash, catalog=convert.catalog_to_pb(absurd))
+    absurd = Catalog(
+        (CanonicalTensor("w", shape, "int8"),),
+        (LocalTensor("w", shape, "int8", (Piece("w", Box((0,), shape), Box((0,), shape)),)),),
+    )
+    request = pb.RegisterRequest(
+        role=pb.ROLE_GENERATOR,
+        member_id="generator-0-0",
+        coords={"tp": 0},
+        catalog_hash=absurd.content_hash,
+        catalog=convert.catalog_to_pb(absurd),
+    )
     with grpc.insecure_channel(cluster.target) as channel, pytest.raises(grpc.RpcError) as refused:
         pb_grpc.SyncdStub(channel).Register(request, timeout=30)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -72,8 +85,13 @@ def test_watch_streams_per_session_are_limited_and_honest_members_keep_their_lea
     cluster.start_all()
     honest = cluster.members["generator-0-0"].client
     catalog = generator_catalog(1)
-    register = pb.RegisterRequest(role=pb.ROLE_GENERATOR, member_id="generator-7-0", coords={"replica": 7, "tp": 0},
-                                  catalog_hash=catalog.content_hash, catalog=convert.catalog_to_pb(catalog))
+    register = pb.RegisterRequest(
+        role=pb.ROLE_GENERATOR,
+        member_id="generator-7-0",
+        coords={"replica": 7, "tp": 0},
+        catalog_hash=catalog.content_hash,
+        catalog=convert.catalog_to_pb(catalog),
+    )
     with grpc.insecure_channel(cluster.target) as channel:
         stub = pb_grpc.SyncdStub(channel)
         session = stub.Register(register, timeout=10).session_id
@@ -85,6 +103,8 @@ def test_watch_streams_per_session_are_limited_and_honest_members_keep_their_lea
     assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) == 2
     session_before = honest.session_id
     # The flooding member stops heartbeating; once its lease ran out, honest members still hold theirs.
-    wait_until(lambda: "generator-7-0" not in str(cluster.http.get("/v1/members").json()), what="lease expiry")
+    wait_until(
+        lambda: "generator-7-0" not in str(cluster.http.get("/v1/members").json()), what="lease expiry"
+    )
     assert cluster.wait_refit(cluster.refit(weight_version=1)["id"])["state"] == "COMMITTED"
     assert honest.session_id == session_before

@@ -45,8 +45,11 @@ def test_refit_ends_and_slot_returns_while_the_store_is_locked(make_cluster) -> 
     second = cluster.refit(weight_version=2)
     assert cluster.wait_refit(second["id"])["state"] == "COMMITTED"
     # The first outcome reached the database once the lock was gone.
-    rows = sqlite3.connect(cluster.daemon.settings.db).execute(
-        "SELECT id, state FROM refits ORDER BY seq").fetchall()
+    rows = (
+        sqlite3.connect(cluster.daemon.settings.db)
+        .execute("SELECT id, state FROM refits ORDER BY seq")
+        .fetchall()
+    )
     assert rows == [(refit_id, "ABORTED"), (second["id"], "COMMITTED")]
 
 

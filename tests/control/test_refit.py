@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from syncd.commands import Abort, Commit, ExecutePlan, JoinGroup
-
 from syncd_harness import Cluster, wait_until
+
+from syncd.commands import Abort, Commit, ExecutePlan, JoinGroup
 
 
 def test_full_refit_commits_and_reports_everywhere(cluster: Cluster) -> None:
@@ -47,7 +47,7 @@ def test_groups_negotiated_once_then_reused_and_rebuilt_on_membership_change(clu
     gen = cluster.members["generator-0-0"]
     joins = gen.of_type(JoinGroup)
     assert sorted(j.stage for j in joins) == [0, 1]  # a generator receives from both stages
-    root = [j for j in cluster.members["trainer-0"].of_type(JoinGroup)]
+    root = list(cluster.members["trainer-0"].of_type(JoinGroup))
     assert root[0].rank == 0 and root[0].world_size == 3 and root[0].backend == "gloo"
     assert all(j.address == "127.0.0.1:29500" for j in joins if j.stage == 0)
 
@@ -125,7 +125,10 @@ def test_one_refit_at_a_time_and_operator_abort(cluster: Cluster) -> None:
 
     second = cluster.http.post("/v1/refits", json={"weight_version": 2})
     assert second.status_code == 409
-    assert refit_id in second.json()["error"]["message"] and "one refit at a time" in second.json()["error"]["message"]
+    assert (
+        refit_id in second.json()["error"]["message"]
+        and "one refit at a time" in second.json()["error"]["message"]
+    )
     assert len(cluster.http.get("/v1/refits").json()["refits"]) == 1
 
     aborted = cluster.http.post(f"/v1/refits/{refit_id}/abort")

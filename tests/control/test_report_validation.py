@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from syncd_harness import Cluster
 
-from syncd.member.client import MemberClient
 from syncd.commands import Commit
 from syncd.layout import Catalog
+from syncd.member.client import MemberClient
 from tests.polling import wait_until
 
 PLAN_BYTES = 2 * 16 * 8 * 4 + 4 * 6 * 8 * 2
@@ -16,7 +16,8 @@ PLAN_BYTES = 2 * 16 * 8 * 4 + 4 * 6 * 8 * 2
 
 @pytest.mark.parametrize("reported", [0, -5, 2**63 - 1], ids=["zero", "negative", "int64-max"])
 def test_receivers_reporting_other_bytes_than_the_plan_abort_before_commit(
-        cluster: Cluster, reported: int) -> None:
+    cluster: Cluster, reported: int
+) -> None:
     cluster.start_all(**{g: {"reported_bytes": reported} for g in ("generator-0-0", "generator-0-1")})
     done = cluster.wait_refit(cluster.refit(weight_version=3)["id"])
 
@@ -36,8 +37,9 @@ def test_empty_catalogs_commit_nothing(make_cluster) -> None:
     empty = Catalog((), ())
     clients = [
         MemberClient(cluster.target, role="trainer", member_id="trainer-0", coords={"pp": 0}, catalog=empty),
-        MemberClient(cluster.target, role="generator", member_id="generator-0-0", coords={"tp": 0},
-                     catalog=empty),
+        MemberClient(
+            cluster.target, role="generator", member_id="generator-0-0", coords={"tp": 0}, catalog=empty
+        ),
     ]
     commits: list[object] = []
     try:

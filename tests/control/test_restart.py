@@ -14,8 +14,19 @@ from syncd.commands import Abort
 
 def test_restart_keeps_history_and_members_come_back(tmp_path: Path) -> None:
     db = tmp_path / "state.db"
-    syncd = SyncdProcess(db, free_port(), free_port(), "--lease-seconds", "5", "--expected-trainers", "2",
-                         "--expected-generators", "2", "--bucket-bytes", "256").start()
+    syncd = SyncdProcess(
+        db,
+        free_port(),
+        free_port(),
+        "--lease-seconds",
+        "5",
+        "--expected-trainers",
+        "2",
+        "--expected-generators",
+        "2",
+        "--bucket-bytes",
+        "256",
+    ).start()
     members = [make_member(syncd.target, member_id) for member_id in MEMBERS]
     http = httpx.Client(base_url=syncd.url, timeout=30)
     try:
@@ -35,15 +46,17 @@ def test_restart_keeps_history_and_members_come_back(tmp_path: Path) -> None:
         assert status["committed_version"] == 11 and status["announced_version"] == 11
         history = http.get("/v1/refits").json()["refits"]
         assert [(r["id"], r["state"], r["weight_version"]) for r in history] == [(refit_id, "COMMITTED", 11)]
-        wait_until(lambda: all(m.client.session_id != sessions[m.member_id] for m in members),
-                   what="new sessions")
+        wait_until(
+            lambda: all(m.client.session_id != sessions[m.member_id] for m in members), what="new sessions"
+        )
         assert "weightsync_syncd_committed_weight_version 11.0" in http.get("/metrics").text
 
         members[0].client.announce_version(12)
         second = http.post("/v1/refits", json={"weight_version": 12}).json()["id"]
         assert second != refit_id
-        wait_until(lambda: http.get(f"/v1/refits/{second}").json()["state"] == "COMMITTED",
-                   what="second commit")
+        wait_until(
+            lambda: http.get(f"/v1/refits/{second}").json()["state"] == "COMMITTED", what="second commit"
+        )
         assert all(m.committed == [11, 12] for m in members)
     finally:
         http.close()
@@ -71,7 +84,16 @@ def test_stopping_syncd_mid_refit_records_it_aborted(make_cluster) -> None:
 def test_a_refit_killed_with_syncd_keeps_the_phases_it_reached(tmp_path: Path) -> None:
     """Issue 19 #13 (syncd side): kill -9 mid-transfer leaves a record naming TRANSFERRING."""
     db, ports = tmp_path / "state.db", (free_port(), free_port())
-    args = ("--lease-seconds", "5", "--expected-trainers", "2", "--expected-generators", "2", "--bucket-bytes", "256")
+    args = (
+        "--lease-seconds",
+        "5",
+        "--expected-trainers",
+        "2",
+        "--expected-generators",
+        "2",
+        "--bucket-bytes",
+        "256",
+    )
     syncd = SyncdProcess(db, *ports, *args).start()
     release = threading.Event()
     members = [make_member(syncd.target, member_id) for member_id in MEMBERS]
@@ -84,7 +106,9 @@ def test_a_refit_killed_with_syncd_keeps_the_phases_it_reached(tmp_path: Path) -
         members[0].client.announce_version(1)
         planned = http.get("/v1/plan").json()["total_bytes"]
         refit_id = http.post("/v1/refits", json={}).json()["id"]
-        wait_until(lambda: http.get(f"/v1/refits/{refit_id}").json()["state"] == "TRANSFERRING", what="transfer")
+        wait_until(
+            lambda: http.get(f"/v1/refits/{refit_id}").json()["state"] == "TRANSFERRING", what="transfer"
+        )
         syncd.kill()
         release.set()
         syncd = SyncdProcess(db, *ports, *args).start()

@@ -30,7 +30,10 @@ def test_a_restarted_trainer_job_is_refitted_by_auto_refit(make_cluster) -> None
     # Two weight sets called "version 1" or "3" never share a label: each refit names its run.
     refits = cluster.http.get("/v1/refits").json()["refits"]
     assert [(r["run_id"], r["weight_version"], r["state"]) for r in refits] == [
-        ("job-b", 1, "COMMITTED"), ("job-a", 2**63 - 1, "COMMITTED"), ("job-a", 3, "COMMITTED")]
+        ("job-b", 1, "COMMITTED"),
+        ("job-a", 2**63 - 1, "COMMITTED"),
+        ("job-a", 3, "COMMITTED"),
+    ]
 
 
 def test_the_old_job_cannot_announce_after_a_new_job_registered(cluster: Cluster) -> None:
@@ -48,7 +51,9 @@ def test_the_old_job_cannot_announce_after_a_new_job_registered(cluster: Cluster
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "superseded" in refused.value.details()
     ready = cluster.http.get("/readyz")
-    assert ready.status_code == 503 and "trainer-1 belong to a superseded training run" in ready.json()["reason"]
+    assert (
+        ready.status_code == 503 and "trainer-1 belong to a superseded training run" in ready.json()["reason"]
+    )
 
 
 def test_triggers_of_versions_no_trainer_holds_are_refused(cluster: Cluster) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from deploy_tools import K8S, OVERLAYS, kustomize
 
 

@@ -58,8 +58,9 @@ def kustomizations() -> list[Path]:
 
 @cache
 def _kustomize_text(directory: Path) -> str:
-    result = subprocess.run([require_tool("kubectl"), "kustomize", str(directory)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [require_tool("kubectl"), "kustomize", str(directory)], capture_output=True, text=True, timeout=60
+    )
     if result.returncode:
         raise RuntimeError(f"kubectl kustomize {directory} failed: {result.stderr.strip()}")
     return result.stdout

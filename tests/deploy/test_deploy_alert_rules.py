@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 
 import yaml
-
 from deploy_tools import REPO, require_tool
 
 OBSERVABILITY = REPO / "deploy" / "observability"

@@ -11,7 +11,6 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
 from deploy_tools import K8S, OVERLAYS, kustomizations, kustomize
 
 K8S_VERSION = "1.33.0"  # the Kubernetes release whose OpenAPI schemas the manifests must satisfy
@@ -19,20 +18,35 @@ CRD_KINDS = {"ServiceMonitor"}
 # kubernetes-validate ships only core schemas. The ServiceMonitor is checked against the fields we
 # use from monitoring.coreos.com/v1 (the prometheus-operator CRD), which is what a typo would break.
 SERVICE_MONITOR_SCHEMA = {
-    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
     "properties": {
         "apiVersion": {"const": "monitoring.coreos.com/v1"},
         "metadata": {"type": "object", "required": ["name"]},
         "spec": {
-            "type": "object", "required": ["selector", "endpoints"], "additionalProperties": False,
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
             "properties": {
-                "selector": {"type": "object", "properties": {"matchLabels": {"type": "object"}},
-                             "additionalProperties": False},
-                "endpoints": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "additionalProperties": False, "required": ["port"],
-                    "properties": {"port": {"type": "string"}, "path": {"type": "string"},
-                                   "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}},
-                }},
+                "selector": {
+                    "type": "object",
+                    "properties": {"matchLabels": {"type": "object"}},
+                    "additionalProperties": False,
+                },
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["port"],
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                        },
+                    },
+                },
             },
         },
     },
@@ -76,9 +90,15 @@ def _validate_strict(resource: dict) -> None:
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_rendered_overlays_are_complete(name):
     kinds = {(r["kind"], r["metadata"]["name"]) for r in kustomize(K8S / "overlays" / name)}
-    assert {("Deployment", "syncd"), ("Service", "syncd"), ("Secret", "syncd-auth"),
-            ("PersistentVolumeClaim", "syncd-data"), ("Deployment", "generator"),
-            ("StatefulSet", "trainer"), ("Service", "trainer")} <= kinds
+    assert {
+        ("Deployment", "syncd"),
+        ("Service", "syncd"),
+        ("Secret", "syncd-auth"),
+        ("PersistentVolumeClaim", "syncd-data"),
+        ("Deployment", "generator"),
+        ("StatefulSet", "trainer"),
+        ("Service", "trainer"),
+    } <= kinds
 
 
 def test_overlays_pick_their_image_variant(overlay):
@@ -97,6 +117,7 @@ def test_a_patch_of_a_missing_resource_fails_the_render(tmp_path):
 
 
 # -- agreement with the services' settings ---------------------------------------------------------
+
 
 def _containers(resource: dict, init: bool = False) -> list[dict]:
     spec = resource.get("spec", {}).get("template", {}).get("spec", {})
@@ -124,10 +145,12 @@ def _literal_env(container: dict) -> dict[str, str]:
 
 def _expand(args: list[str], env: dict[str, str]) -> list[str]:
     """Kubernetes' $(VAR) expansion of command and args; an undefined $(VAR) would stay literal."""
+
     def one(arg: str) -> str:
         out = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
         assert "$(" not in out, f"{arg!r} names a variable the container does not define"
         return out
+
     return [one(a) for a in args]
 
 
@@ -226,7 +249,8 @@ def test_trainer_args_parse_and_the_mesh_fills_the_statefulset(overlay):
     assert torchrun.nnodes == str(replicas), "TRAINER_NNODES must equal the StatefulSet's replicas"
     world = replicas * int(torchrun.nproc_per_node)
     assert settings.dims.world_size == world, (
-        f"pp x dp x ep x tp = {settings.dims.world_size} but the StatefulSet runs {world} ranks")
+        f"pp x dp x ep x tp = {settings.dims.world_size} but the StatefulSet runs {world} ranks"
+    )
     host, port = settings.syncd.split(":")
     assert host == "syncd" and int(port) == _service_port(overlay, "syncd", "grpc")
     assert settings.sync_refit and settings.data_host == "10.0.0.7"

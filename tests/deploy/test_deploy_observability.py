@@ -8,14 +8,25 @@ import re
 
 import pytest
 import yaml
-
 from deploy_tools import REPO
 
 OBSERVABILITY = REPO / "deploy" / "observability"
 # Series Prometheus itself makes for every target: not ours to export.
 PROMETHEUS_SERIES = {"up": set()}
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-                "offset", "le"}
+PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "le",
+}
 
 
 def _exported() -> dict[str, set[str]]:
@@ -97,7 +108,8 @@ def test_every_queried_metric_is_exported_with_those_labels(where, expr):
 
 def test_selector_parsing_sees_names_and_labels():
     assert _selectors('sum by (role) (rate(weightsync_syncd_members{job="syncd", role!="x"}[5m]))') == [
-        ("weightsync_syncd_members", {"job", "role"})]
+        ("weightsync_syncd_members", {"job", "role"})
+    ]
 
 
 def test_every_metric_each_service_exports_is_on_the_dashboard():
@@ -142,7 +154,9 @@ def test_metric_names_say_which_service_and_follow_prometheus_units():
     from syncd.daemon.metrics import Metrics
 
     syncd = {f.name: f.type for f in Metrics().registry.collect()}
-    generator = {f.name: f.type for f in prometheus_client.REGISTRY.collect() if f.name.startswith("weightsync_")}
+    generator = {
+        f.name: f.type for f in prometheus_client.REGISTRY.collect() if f.name.startswith("weightsync_")
+    }
     assert syncd and all(n.startswith("weightsync_syncd_") for n in syncd), sorted(syncd)
     assert generator and all(n.startswith("weightsync_generator_") for n in generator), sorted(generator)
     for name, kind in {**syncd, **generator}.items():

@@ -12,30 +12,35 @@ import time
 from pathlib import Path
 
 import pytest
-
 from deploy_tools import REPO
-from deploy.local.processes import free_port
-from deploy.local.processes import group_members
+
+from deploy.local.processes import free_port, group_members
 from deploy.slurm.launcher import command
 from deploy.slurm.plan import Allocation, Layout, Options, assign, expand_nodelist, launches
 
 
-@pytest.mark.parametrize("nodelist,hosts", [
-    ("localhost", ["localhost"]),
-    ("gpu[01-03]", ["gpu01", "gpu02", "gpu03"]),
-    ("gpu[01-02,07],login1", ["gpu01", "gpu02", "gpu07", "login1"]),
-    ("a[8-11],b[1,3]", ["a8", "a9", "a10", "a11", "b1", "b3"]),
-    ("n[009-011]", ["n009", "n010", "n011"]),
-])
+@pytest.mark.parametrize(
+    "nodelist,hosts",
+    [
+        ("localhost", ["localhost"]),
+        ("gpu[01-03]", ["gpu01", "gpu02", "gpu03"]),
+        ("gpu[01-02,07],login1", ["gpu01", "gpu02", "gpu07", "login1"]),
+        ("a[8-11],b[1,3]", ["a8", "a9", "a10", "a11", "b1", "b3"]),
+        ("n[009-011]", ["n009", "n010", "n011"]),
+    ],
+)
 def test_expand_nodelist(nodelist, hosts):
     assert expand_nodelist(nodelist) == hosts
 
 
-@pytest.mark.parametrize("nodes,generators,layout", [
-    (("n0",), 1, Layout("n0", ("n0",), ("n0",))),
-    (("n0", "n1"), 1, Layout("n0", ("n0",), ("n1",))),
-    (("n0", "n1", "n2", "n3"), 2, Layout("n0", ("n0", "n1"), ("n2", "n3"))),
-])
+@pytest.mark.parametrize(
+    "nodes,generators,layout",
+    [
+        (("n0",), 1, Layout("n0", ("n0",), ("n0",))),
+        (("n0", "n1"), 1, Layout("n0", ("n0",), ("n1",))),
+        (("n0", "n1", "n2", "n3"), 2, Layout("n0", ("n0", "n1"), ("n2", "n3"))),
+    ],
+)
 def test_assign_puts_generators_first_and_trainers_on_the_rest(nodes, generators, layout):
     assert assign(nodes, generators) == layout
 
@@ -47,8 +52,12 @@ def test_assign_refuses_allocations_without_room_for_a_trainer(nodes, generators
 
 
 def test_allocation_from_env_checks_the_node_count():
-    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu[1-3]", "SLURM_NNODES": "3",
-           "SLURMD_NODENAME": "gpu1"}
+    env = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "gpu[1-3]",
+        "SLURM_NNODES": "3",
+        "SLURMD_NODENAME": "gpu1",
+    }
     assert Allocation.from_env(env, "ignored") == Allocation("7", ("gpu1", "gpu2", "gpu3"), "gpu1")
     with pytest.raises(ValueError, match="SLURM_NNODES is 2"):
         Allocation.from_env({**env, "SLURM_NNODES": "2"}, "x")
@@ -68,8 +77,12 @@ def test_group_members_sees_live_processes_of_a_group():
 
 def _multi_node():
     layout = assign(("g0", "t0", "t1"), 1)
-    opts = Options(model_dir="/ckpt", trainer_nproc_per_node=8, generator_tp=8,
-                   trainer_args=("--pp", "2", "--ep", "4", "--tp", "2"))
+    opts = Options(
+        model_dir="/ckpt",
+        trainer_nproc_per_node=8,
+        generator_tp=8,
+        trainer_args=("--pp", "2", "--ep", "4", "--tp", "2"),
+    )
     return layout, launches(layout, opts, job_id="99")
 
 
@@ -84,11 +97,11 @@ def test_launches_parse_with_each_services_own_settings(monkeypatch):
     s = Settings.load(list(syncd.argv[3:]), environ={})
     assert (s.expected_trainers, s.expected_generators, s.grpc_port) == (16, 8, 8471)
     monkeypatch.delenv("GENERATOR_SYNCD", raising=False)
-    g, gargs = parse_generator(list(generator.argv[3:]) + ["--data-host", "g0"])
+    g, gargs = parse_generator([*list(generator.argv[3:]), "--data-host", "g0"])
     assert (g.syncd, g.replica, gargs.port, gargs.tensor_parallel_size) == ("g0:8471", 0, 8000, 8)
     torchrun = get_args_parser().parse_args(list(trainer.argv[3:]))
     assert (torchrun.nnodes, torchrun.rdzv_endpoint, torchrun.rdzv_id) == ("2", "t0:29400", "99")
-    t = TrainSettings.from_argv(torchrun.training_script_args + ["--data-host", "t0"])
+    t = TrainSettings.from_argv([*torchrun.training_script_args, "--data-host", "t0"])
     assert t.dims.world_size == 2 * 8 == s.expected_trainers and t.syncd == "g0:8471" and t.sync_refit
 
 
@@ -106,8 +119,9 @@ def test_shell_scripts_pass_shellcheck():
     scripts = sorted((REPO / "deploy").rglob("*.sh")) + sorted((REPO / "deploy").rglob("*.sbatch"))
     assert scripts
     shellcheck = Path(sys.executable).with_name("shellcheck")
-    result = subprocess.run([str(shellcheck), "--shell=bash", *map(str, scripts)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [str(shellcheck), "--shell=bash", *map(str, scripts)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -125,8 +139,15 @@ def test_sbatch_script_passes_launcher_flags_it_accepts_and_forwards_sigterm(tmp
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
     record = tmp_path / "launcher"
-    env = {**os.environ, "PYTHON": str(fake), "RECORD": str(record), "MODEL_DIR": "/shared/ckpt",
-           "SLURM_JOB_ID": "5", "SLURM_GPUS_ON_NODE": "4", "WEIGHTSYNC_DIR": str(tmp_path)}
+    env = {
+        **os.environ,
+        "PYTHON": str(fake),
+        "RECORD": str(record),
+        "MODEL_DIR": "/shared/ckpt",
+        "SLURM_JOB_ID": "5",
+        "SLURM_GPUS_ON_NODE": "4",
+        "WEIGHTSYNC_DIR": str(tmp_path),
+    }
     sbatch = REPO / "deploy" / "slurm" / "weightsync.sbatch"
     script = subprocess.Popen(["bash", str(sbatch), "--cpu"], env=env)
     try:
@@ -137,7 +158,11 @@ def test_sbatch_script_passes_launcher_flags_it_accepts_and_forwards_sigterm(tmp
         assert argv[:2] == ["-m", "deploy.slurm.launcher"]
         args = parse_args(argv[2:])
         assert (args.model_dir, args.trainer_nproc_per_node, args.workdir, args.cpu) == (
-            "/shared/ckpt", 4, "weightsync-5", True)
+            "/shared/ckpt",
+            4,
+            "weightsync-5",
+            True,
+        )
         time.sleep(0.5)  # let the launcher's own trap be installed
         script.send_signal(signal.SIGTERM)
         assert script.wait(20) == 143
@@ -152,16 +177,41 @@ def test_launcher_runs_a_one_node_allocation_to_a_committed_refit(tmp_path):
 
     model = make_tiny_checkpoint(tmp_path / "model")
     work = tmp_path / "job"
-    env = {**os.environ, "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1",
-           "SLURM_NODEID": "0", "SLURMD_NODENAME": "localhost", "PYTHONUNBUFFERED": "1"}
-    argv = [sys.executable, "-m", "deploy.slurm.launcher", "--model-dir", str(model), "--cpu",
-            "--workdir", str(work),
-            "--syncd-http-port", str(free_port()), "--syncd-grpc-port", str(free_port()),
-            "--generator-port", str(free_port()), "--trainer-args", "--steps 1",
-            "--syncd-args", "--bucket-bytes 1048576", "--ready-timeout", "240"]
+    env = {
+        **os.environ,
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURMD_NODENAME": "localhost",
+        "PYTHONUNBUFFERED": "1",
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "deploy.slurm.launcher",
+        "--model-dir",
+        str(model),
+        "--cpu",
+        "--workdir",
+        str(work),
+        "--syncd-http-port",
+        str(free_port()),
+        "--syncd-grpc-port",
+        str(free_port()),
+        "--generator-port",
+        str(free_port()),
+        "--trainer-args",
+        "--steps 1",
+        "--syncd-args",
+        "--bucket-bytes 1048576",
+        "--ready-timeout",
+        "240",
+    ]
     result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
-    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                     for p in (work / "logs").glob("*.log"))
+    logs = "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in (work / "logs").glob("*.log")
+    )
     assert result.returncode == 0, result.stderr[-4000:] + logs
     summary = json.loads((work / "summary.json").read_text())
     assert summary["committed_version"] == 1
@@ -176,11 +226,29 @@ def test_launcher_runs_a_one_node_allocation_to_a_committed_refit(tmp_path):
 
 def test_launcher_stops_everything_it_started_on_sigterm(tmp_path):
     work = tmp_path / "job"
-    env = {**os.environ, "SLURM_JOB_ID": "4243", "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1",
-           "SLURMD_NODENAME": "localhost"}
-    argv = [sys.executable, "-m", "deploy.slurm.launcher", "--model-dir", str(tmp_path / "no-model"), "--cpu",
-            "--workdir", str(work), "--syncd-http-port", str(free_port()),
-            "--syncd-grpc-port", str(free_port()), "--generator-port", str(free_port())]
+    env = {
+        **os.environ,
+        "SLURM_JOB_ID": "4243",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_NNODES": "1",
+        "SLURMD_NODENAME": "localhost",
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "deploy.slurm.launcher",
+        "--model-dir",
+        str(tmp_path / "no-model"),
+        "--cpu",
+        "--workdir",
+        str(work),
+        "--syncd-http-port",
+        str(free_port()),
+        "--syncd-grpc-port",
+        str(free_port()),
+        "--generator-port",
+        str(free_port()),
+    ]
     launcher = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60

@@ -17,7 +17,14 @@ from syncd.weight_version import WeightVersion, version_label
 from tests.polling import wait_until
 
 PROMPTS = {"short": [1, 2, 3, 4, 5], "long": [(i * 37 + 11) % 512 for i in range(200)]}
-GENERATOR_FLAGS = ["--served-model-name", "tiny", "--enforce-eager", "--max-model-len", "256", "--skip-tokenizer-init"]
+GENERATOR_FLAGS = [
+    "--served-model-name",
+    "tiny",
+    "--enforce-eager",
+    "--max-model-len",
+    "256",
+    "--skip-tokenizer-init",
+]
 
 
 @dataclass
@@ -28,8 +35,10 @@ class Generator:
     def greedy(self, max_tokens: int = 8) -> dict[str, tuple[list[int], list[float]]]:
         """Greedy completions of every prompt, through the openai client as users call it."""
         api = openai_client.client(str(self.http.base_url))
-        return {name: openai_client.complete(api, "tiny", prompt, max_tokens=max_tokens, temperature=0)
-                for name, prompt in PROMPTS.items()}
+        return {
+            name: openai_client.complete(api, "tiny", prompt, max_tokens=max_tokens, temperature=0)
+            for name, prompt in PROMPTS.items()
+        }
 
     def load(self, checkpoint: Path, version: WeightVersion) -> None:
         """Load an HF checkpoint through vLLM's own loaders (no syncd, no data plane)."""
@@ -58,17 +67,46 @@ class Stack:
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def start_syncd(self, trainers: int, db: str = "syncd.db", bucket_bytes: int = 1 << 20, generators: int = 1,
-                    delta: bool = False) -> None:
+    def start_syncd(
+        self,
+        trainers: int,
+        db: str = "syncd.db",
+        bucket_bytes: int = 1 << 20,
+        generators: int = 1,
+        delta: bool = False,
+    ) -> None:
         """syncd for `trainers` trainer ranks and `generators` generator workers (a TP-2 generator
         has two); `delta`: with delta refits on."""
         self.stop_syncd()
-        self.syncd = self.cluster.start("syncd", [
-            PYTHON, "-m", "syncd", "--host", "127.0.0.1", "--http-port", str(self.http_port),
-            "--grpc-port", str(self.grpc_port), "--db", str(self.work / db), "--expected-trainers", str(trainers),
-            "--expected-generators", str(generators), "--backend", "gloo", "--bucket-bytes", str(bucket_bytes),
-            "--lease-seconds", "4", "--transfer-timeout", "60", *(["--delta-refits"] if delta else []),
-        ])
+        self.syncd = self.cluster.start(
+            "syncd",
+            [
+                PYTHON,
+                "-m",
+                "syncd",
+                "--host",
+                "127.0.0.1",
+                "--http-port",
+                str(self.http_port),
+                "--grpc-port",
+                str(self.grpc_port),
+                "--db",
+                str(self.work / db),
+                "--expected-trainers",
+                str(trainers),
+                "--expected-generators",
+                str(generators),
+                "--backend",
+                "gloo",
+                "--bucket-bytes",
+                str(bucket_bytes),
+                "--lease-seconds",
+                "4",
+                "--transfer-timeout",
+                "60",
+                *(["--delta-refits"] if delta else []),
+            ],
+        )
         self.cluster.wait_http(self.syncd, f"http://127.0.0.1:{self.http_port}/healthz", 60)
 
     def stop_syncd(self) -> None:
@@ -77,36 +115,106 @@ class Stack:
             self.cluster.procs.remove(self.syncd)
             self.syncd = None
 
-    def start_generator(self, model: Path, tp: int = 1, syncd: bool = True, name: str = "generator",
-                        replica: int = 0, dtype: str = "bfloat16", refit_mode: str = "staged") -> Generator:
+    def start_generator(
+        self,
+        model: Path,
+        tp: int = 1,
+        syncd: bool = True,
+        name: str = "generator",
+        replica: int = 0,
+        dtype: str = "bfloat16",
+        refit_mode: str = "staged",
+    ) -> Generator:
         port = free_port()
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
         flags = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         if tp > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
-        proc = self.cluster.start(name, [
-            PYTHON, "-m", "generator_svc", "--model", str(model), "--port", str(port), "--dtype", dtype,
-            *GENERATOR_FLAGS, *flags,
-            "--replica", str(replica), "--refit-mode", refit_mode, *(["--syncd", self.target] if syncd else []),
-        ], env=env)
+        proc = self.cluster.start(
+            name,
+            [
+                PYTHON,
+                "-m",
+                "generator_svc",
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+                "--dtype",
+                dtype,
+                *GENERATOR_FLAGS,
+                *flags,
+                "--replica",
+                str(replica),
+                "--refit-mode",
+                refit_mode,
+                *(["--syncd", self.target] if syncd else []),
+            ],
+            env=env,
+        )
         self.cluster.wait_http(proc, f"http://127.0.0.1:{port}/healthz", 300)
         return Generator(proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
 
-    def train(self, model: Path, *, pp: int, ep: int, tp: int, steps: int, export: Path, name: str = "trainer",
-              sync_refit: bool = True, dtype: str = "bfloat16", export_dtype: str | None = None,
-              lr: float = 3e-3) -> Proc:
+    def train(
+        self,
+        model: Path,
+        *,
+        pp: int,
+        ep: int,
+        tp: int,
+        steps: int,
+        export: Path,
+        name: str = "trainer",
+        sync_refit: bool = True,
+        dtype: str = "bfloat16",
+        export_dtype: str | None = None,
+        lr: float = 3e-3,
+    ) -> Proc:
         """A torchrun trainer job training in `dtype` (bfloat16: float32 masters), exporting every
         step in `export_dtype` (default: `dtype`)."""
         world = pp * ep * tp
-        return self.cluster.start(name, [
-            PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "-m", "trainer_svc",
-            "--pp", str(pp), "--ep", str(ep), "--tp", str(tp), "--model-dir", str(model), "--steps", str(steps),
-            "--lr", str(lr), "--device", "cpu", "--syncd", self.target, "--export-dir", str(export),
-            "--export-each-step", "--dtype", dtype, "--export-dtype", export_dtype or dtype,
-            *(["--sync-refit"] if sync_refit else []),
-        ], env={"OMP_NUM_THREADS": "1"})
+        return self.cluster.start(
+            name,
+            [
+                PYTHON,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(world),
+                "-m",
+                "trainer_svc",
+                "--pp",
+                str(pp),
+                "--ep",
+                str(ep),
+                "--tp",
+                str(tp),
+                "--model-dir",
+                str(model),
+                "--steps",
+                str(steps),
+                "--lr",
+                str(lr),
+                "--device",
+                "cpu",
+                "--syncd",
+                self.target,
+                "--export-dir",
+                str(export),
+                "--export-each-step",
+                "--dtype",
+                dtype,
+                "--export-dtype",
+                export_dtype or dtype,
+                *(["--sync-refit"] if sync_refit else []),
+            ],
+            env={"OMP_NUM_THREADS": "1"},
+        )
 
-    def train_and_refit(self, model: Path, layout: tuple[int, int, int], export: Path, steps: int = 1) -> list[dict]:
+    def train_and_refit(
+        self, model: Path, layout: tuple[int, int, int], export: Path, steps: int = 1
+    ) -> list[dict]:
         """A trainer job of `layout` (pp, ep, tp) taking `steps` steps, each refitted once announced;
         the refits' final states."""
         pp, ep, tp = layout
@@ -118,8 +226,9 @@ class Stack:
         assert trainer.popen.wait(180) == 0, trainer.tail()
         return states
 
-    def refit_with_a_rank_killed(self, model: Path, export: Path, steps: int = 1, lr: float = 3e-3,
-                                 committed=None) -> dict:  # noqa: ANN001 (committed: a callable)
+    def refit_with_a_rank_killed(
+        self, model: Path, export: Path, steps: int = 1, lr: float = 3e-3, committed=None
+    ) -> dict:
         """A two-rank (ep 2) trainer job whose steps before the last are refitted (then `committed()`
         is called) and whose first rank is killed once the refit of its last step is transferring
         (start syncd with tiny buckets so that the transfer lasts); returns that refit's final state.
@@ -135,8 +244,11 @@ class Stack:
         r = self.http.post("/v1/refits", json={"weight_version": steps})
         assert r.status_code == 202, r.text
         refit_id = r.json()["id"]
-        wait_until(lambda: self.http.get(f"/v1/refits/{refit_id}").json()["state"] == "TRANSFERRING", 60,
-                   "the transfer to start")
+        wait_until(
+            lambda: self.http.get(f"/v1/refits/{refit_id}").json()["state"] == "TRANSFERRING",
+            60,
+            "the transfer to start",
+        )
         os.kill(rank_pids(trainer.popen.pid)[0], signal.SIGKILL)
         state = self.wait_refit(refit_id)
         trainer.stop()
@@ -146,8 +258,11 @@ class Stack:
         wait_until(lambda: self.http.get("/readyz").status_code == 200, timeout_s, "syncd ready")
 
     def wait_announced(self, version: int, timeout_s: float = 180) -> None:
-        wait_until(lambda: (self.http.get("/v1/status").json()["announced_version"] or 0) >= version, timeout_s,
-                   f"version {version} announced")
+        wait_until(
+            lambda: (self.http.get("/v1/status").json()["announced_version"] or 0) >= version,
+            timeout_s,
+            f"version {version} announced",
+        )
 
     def refit(self, version: int, timeout_s: float = 120) -> dict:
         self.wait_ready()

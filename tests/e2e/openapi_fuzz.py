@@ -26,14 +26,42 @@ def run_schemathesis(url: str, work: Path, config: str, *options: str) -> dict[t
     schema = work / "openapi.json"
     schema.write_bytes(httpx.get(f"{url}/openapi.json", timeout=120).raise_for_status().content)
     st = Path(sys.executable).parent / "st"
-    result = subprocess.run([
-        str(st), "--config-file", str(work / "schemathesis.toml"), "run", str(schema), "--url", url,
-        "--phases", PHASES, "--max-examples", str(MAX_EXAMPLES), "--seed", str(SEED), "--workers", "1", "--no-color",
-        "--generation-database", "none", "--report", "json", "--report-json-path", str(report), *options,
-    ], capture_output=True, text=True, timeout=540, cwd=work)
+    result = subprocess.run(
+        [
+            str(st),
+            "--config-file",
+            str(work / "schemathesis.toml"),
+            "run",
+            str(schema),
+            "--url",
+            url,
+            "--phases",
+            PHASES,
+            "--max-examples",
+            str(MAX_EXAMPLES),
+            "--seed",
+            str(SEED),
+            "--workers",
+            "1",
+            "--no-color",
+            "--generation-database",
+            "none",
+            "--report",
+            "json",
+            "--report-json-path",
+            str(report),
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=work,
+    )
     (work / "schemathesis.log").write_text(result.stdout + result.stderr)  # the cases, to replay
     if not report.exists():
-        raise AssertionError(f"schemathesis wrote no report (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise AssertionError(
+            f"schemathesis wrote no report (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
     body = json.loads(report.read_text())
     assert not body["errors"], f"schemathesis errors: {body['errors']}\n{result.stdout[-3000:]}"
     assert body["operations"]["tested"] > 0, body["operations"]

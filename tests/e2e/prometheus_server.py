@@ -24,8 +24,11 @@ RATE_INTERVAL = "1m"
 def dashboard_queries() -> list[tuple[str, str]]:
     """(panel title, PromQL) for every target of the Grafana dashboard, its rate window filled in."""
     dashboard = json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
-    return [(p["title"], t["expr"].replace("$__rate_interval", RATE_INTERVAL))
-            for p in dashboard["panels"] for t in p["targets"]]
+    return [
+        (p["title"], t["expr"].replace("$__rate_interval", RATE_INTERVAL))
+        for p in dashboard["panels"]
+        for t in p["targets"]
+    ]
 
 
 def alert_rules() -> dict[str, str]:
@@ -48,27 +51,40 @@ def as_bool(expr: str) -> str:
             found.append(m.end())
     if len(found) != 1:
         raise ValueError(f"expected one top-level comparison in {expr!r}, found {len(found)}")
-    return expr[: found[0]] + " bool" + expr[found[0]:]
+    return expr[: found[0]] + " bool" + expr[found[0] :]
 
 
 class PrometheusServer:
-    def __init__(self, cluster: Cluster, work: Path, jobs: dict[str, list[str]], rule_files: list[Path]) -> None:
+    def __init__(
+        self, cluster: Cluster, work: Path, jobs: dict[str, list[str]], rule_files: list[Path]
+    ) -> None:
         """`jobs`: job name -> host:port targets whose /metrics it scrapes."""
         binary = require_tool("prometheus")
         work.mkdir(parents=True, exist_ok=True)
         config = work / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
-            "rule_files": [str(p) for p in rule_files],
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}
-                               for job, targets in jobs.items()],
-        }))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
+                    "rule_files": [str(p) for p in rule_files],
+                    "scrape_configs": [
+                        {"job_name": job, "static_configs": [{"targets": targets}]}
+                        for job, targets in jobs.items()
+                    ],
+                }
+            )
+        )
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.proc: Proc = cluster.start("prometheus", [
-            binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ])
+        self.proc: Proc = cluster.start(
+            "prometheus",
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={work / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+        )
         cluster.wait_http(self.proc, f"{self.url}/-/ready", 60)
         self.http = httpx.Client(base_url=self.url, timeout=30)
 
@@ -86,12 +102,16 @@ class PrometheusServer:
 
     def values(self, expr: str) -> dict[tuple, float]:
         """An instant query's values by their sorted label pairs (the metric name left out)."""
-        return {tuple(sorted((k, v) for k, v in s["metric"].items() if k != "__name__")): float(s["value"][1])
-                for s in self.query(expr)}
+        return {
+            tuple(sorted((k, v) for k, v in s["metric"].items() if k != "__name__")): float(s["value"][1])
+            for s in self.query(expr)
+        }
 
     def rules(self) -> list[dict]:
         """Every loaded alerting rule with its health, last error and state."""
-        return [r for g in self._get("/api/v1/rules")["groups"] for r in g["rules"] if r["type"] == "alerting"]
+        return [
+            r for g in self._get("/api/v1/rules")["groups"] for r in g["rules"] if r["type"] == "alerting"
+        ]
 
     def close(self) -> None:
         self.http.close()

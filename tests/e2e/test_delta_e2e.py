@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
 LR = 1e-6  # an RL-like step: most bfloat16 weights keep their bits (2-3% change on the tiny model)
@@ -55,8 +54,9 @@ def test_a_trainer_rank_killed_mid_delta_leaves_the_previous_version_served(stac
     generator = stack.start_generator(model, name="generator-delta-kill")
     try:
         served: list = []
-        state = stack.refit_with_a_rank_killed(model, tmp_path / "export", steps=2, lr=LR,
-                                               committed=lambda: served.append(generator.greedy()))
+        state = stack.refit_with_a_rank_killed(
+            model, tmp_path / "export", steps=2, lr=LR, committed=lambda: served.append(generator.greedy())
+        )
         assert state["state"] == "ABORTED", state
         assert state["delta_generators"] == ["generator-0-0"], state  # it was a delta refit
         assert generator.greedy() == served[0]  # version 1, untouched

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from e2e_harness import Stack, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -38,7 +37,9 @@ def _fresh_engine_outputs(stack: Stack, checkpoint: Path) -> dict:
         stack.cluster.procs.remove(reference.proc)
 
 
-def test_an_inplace_refit_from_four_ranks_generates_as_a_fresh_engine_within_two_buckets(stack, generator, model, tmp_path):
+def test_an_inplace_refit_from_four_ranks_generates_as_a_fresh_engine_within_two_buckets(
+    stack, generator, model, tmp_path
+):
     install = generator.http.get("/v1/install").json()
     assert install["mode"] == "inplace"
     # 1 MiB buckets, larger than any layer of the tiny model: without layer-cut buckets each
@@ -75,8 +76,11 @@ def test_a_trainer_killed_mid_transfer_never_leaves_mixed_weights_served(stack, 
 
     outcome = wait_until(settled, 60, "the released hold to settle")
     if outcome == "refused":
-        api = httpx.post(f"{generator.http.base_url}v1/completions", timeout=30,
-                         json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
+        api = httpx.post(
+            f"{generator.http.base_url}v1/completions",
+            timeout=30,
+            json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2},
+        )
         assert api.status_code == 503, api.text
 
     stack.start_syncd(trainers=1, db="inplace-after-abort.db")  # 1 MiB buckets: larger than a layer

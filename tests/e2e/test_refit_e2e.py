@@ -10,9 +10,7 @@ A real Prometheus scrapes one of these refits and runs the dashboard's and the a
 
 from __future__ import annotations
 
-
 import pytest
-
 from e2e_harness import wait_until
 from openapi_fuzz import run_schemathesis
 from prometheus_server import ALERTS, PrometheusServer, alert_rules, as_bool, dashboard_queries
@@ -29,7 +27,9 @@ def generator(stack, model):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "pp{}-ep{}-tp{}".format(*l))
-def test_refit_from_every_trainer_layout_equals_the_trainers_export(stack, generator, model, layout, tmp_path):
+def test_refit_from_every_trainer_layout_equals_the_trainers_export(
+    stack, generator, model, layout, tmp_path
+):
     stack.start_syncd(trainers=layout[0] * layout[1] * layout[2], db=f"{tmp_path.name}.db")
     states = stack.train_and_refit(model, layout, tmp_path / "export")
     assert [s["state"] for s in states] == ["COMMITTED"], states
@@ -101,26 +101,47 @@ def test_sender_killed_mid_transfer_aborts_and_the_generator_keeps_serving(stack
 MAY_HOLD_AFTER_THE_TRAINER_EXITS = {"WeightsyncMemberLost"}
 
 
-def test_prometheus_sees_the_refit_and_every_dashboard_and_alert_query_returns_samples(stack, generator, model, tmp_path):
+def test_prometheus_sees_the_refit_and_every_dashboard_and_alert_query_returns_samples(
+    stack, generator, model, tmp_path
+):
     """A real Prometheus scrapes syncd and the generator through a refit: the refit shows in
     weightsync_syncd_refits_total, every Grafana query and alert expression returns samples through
     Prometheus's HTTP API, and the alert rules evaluate without error."""
     syncd_target = f"127.0.0.1:{stack.http_port}"  # the same port across syncd restarts
     generator_target = str(generator.http.base_url).removeprefix("http://").rstrip("/")
-    prometheus = PrometheusServer(stack.cluster, tmp_path / "prometheus",
-                                  {"syncd": [syncd_target], "generator": [generator_target]}, [ALERTS])
+    prometheus = PrometheusServer(
+        stack.cluster,
+        tmp_path / "prometheus",
+        {"syncd": [syncd_target], "generator": [generator_target]},
+        [ALERTS],
+    )
     try:
         stack.start_syncd(trainers=1, db="prometheus.db")
-        up = {(("instance", syncd_target), ("job", "syncd")): 1.0, (("instance", generator_target), ("job", "generator")): 1.0}
-        wait_until(lambda: prometheus.values("up") == up, 60, "Prometheus scraping syncd and the generator")  # before the refit
+        up = {
+            (("instance", syncd_target), ("job", "syncd")): 1.0,
+            (("instance", generator_target), ("job", "generator")): 1.0,
+        }
+        wait_until(
+            lambda: prometheus.values("up") == up, 60, "Prometheus scraping syncd and the generator"
+        )  # before the refit
 
         states = stack.train_and_refit(model, (1, 1, 1), tmp_path / "export")
         assert states[0]["state"] == "COMMITTED", states
         refits = 'sum by (outcome) (weightsync_syncd_refits_total{job="syncd"})'
-        wait_until(lambda: prometheus.values(refits) == {(("outcome", "committed"),): 1.0, (("outcome", "aborted"),): 0.0},
-                   30, f"the committed refit in Prometheus ({refits})")
+        wait_until(
+            lambda: (
+                prometheus.values(refits)
+                == {(("outcome", "committed"),): 1.0, (("outcome", "aborted"),): 0.0}
+            ),
+            30,
+            f"the committed refit in Prometheus ({refits})",
+        )
         served = 'weightsync_generator_weight_version{job="generator"}'
-        wait_until(lambda: list(prometheus.values(served).values()) == [1.0], 30, "the generator's version 1 in Prometheus")
+        wait_until(
+            lambda: list(prometheus.values(served).values()) == [1.0],
+            30,
+            "the generator's version 1 in Prometheus",
+        )
 
         # rate() over a series born in this refit (the phase histograms) needs two scrapes of it.
         def empty() -> list[str]:
@@ -129,14 +150,19 @@ def test_prometheus_sees_the_refit_and_every_dashboard_and_alert_query_returns_s
         try:
             wait_until(lambda: not empty(), 30, "every dashboard query to return samples")
         except AssertionError:
-            raise AssertionError("dashboard queries without samples after a refit:\n" + "\n".join(empty())) from None
+            raise AssertionError(
+                "dashboard queries without samples after a refit:\n" + "\n".join(empty())
+            ) from None
         for alert, expr in alert_rules().items():
             values = prometheus.values(as_bool(expr))
             assert values, f"{alert}: {expr} selects no series"
             if alert not in MAY_HOLD_AFTER_THE_TRAINER_EXITS:
                 assert set(values.values()) == {0.0}, f"{alert} would fire after a healthy refit: {values}"
-        rules = wait_until(lambda: (r := prometheus.rules()) and all(x["health"] != "unknown" for x in r) and r,
-                           30, "Prometheus to evaluate the alert rules")
+        rules = wait_until(
+            lambda: (r := prometheus.rules()) and all(x["health"] != "unknown" for x in r) and r,
+            30,
+            "Prometheus to evaluate the alert rules",
+        )
         assert sorted(r["name"] for r in rules) == sorted(alert_rules())
         assert [(r["name"], r["lastError"]) for r in rules if r["health"] != "ok"] == []
     finally:
@@ -145,7 +171,10 @@ def test_prometheus_sees_the_refit_and_every_dashboard_and_alert_query_returns_s
 
 def test_as_bool_makes_only_the_top_level_comparison_bool():
     assert as_bool('up{job="syncd"} == 0') == 'up{job="syncd"} == bool 0'
-    assert as_bool('a{x="1"} < on() group_left() max(b{y=~"a|b"})') == 'a{x="1"} < bool on() group_left() max(b{y=~"a|b"})'
+    assert (
+        as_bool('a{x="1"} < on() group_left() max(b{y=~"a|b"})')
+        == 'a{x="1"} < bool on() group_left() max(b{y=~"a|b"})'
+    )
     with pytest.raises(ValueError, match="found 0"):
         as_bool("rate(x[5m])")
 
@@ -165,7 +194,12 @@ def test_schemathesis_finds_nothing_in_the_generators_own_routes(generator, tmp_
     versions, workers, manual weight routes; vLLM's OpenAI routes are vLLM's contract). Last in
     this module: it sends the weight routes random input."""
     url = str(generator.http.base_url).rstrip("/")
-    found = run_schemathesis(url, tmp_path, _GENERATOR_FUZZ_CONFIG, "--include-path-regex",
-                             r"^/(healthz|readyz|v1/weight_version|v1/workers.*|v1/weights/.*|internal/.*)$")
+    found = run_schemathesis(
+        url,
+        tmp_path,
+        _GENERATOR_FUZZ_CONFIG,
+        "--include-path-regex",
+        r"^/(healthz|readyz|v1/weight_version|v1/workers.*|v1/weights/.*|internal/.*)$",
+    )
     assert found == {}, f"schemathesis found: {found} (cases in {tmp_path / 'schemathesis.log'})"
     assert generator.greedy()  # and it still serves

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from openapi_fuzz import run_schemathesis
 
 from deploy.local.processes import free_port
-from openapi_fuzz import run_schemathesis
 from tests.control.syncd_harness import MEMBERS, TOKEN, SyncdProcess, make_member
 from tests.polling import wait_until
 
-CONFIG = f'''
+CONFIG = f"""
 # /readyz answers 503 by design while members are missing (documented in the schema).
 [[operations]]
 include-path = "/readyz"
@@ -30,13 +30,25 @@ checks.positive_data_acceptance.enabled = false
 # Requests carry the operator's token, so the fuzzing reaches the handlers behind the auth check.
 [parameters]
 "header.authorization" = "Bearer {TOKEN}"
-'''
+"""
+
 
 @pytest.fixture(scope="module")
 def findings(tmp_path_factory):
     work = tmp_path_factory.mktemp("syncd-fuzz")
-    syncd = SyncdProcess(work / "syncd.db", free_port(), free_port(), "--auth-token", TOKEN,
-                         "--expected-trainers", "2", "--expected-generators", "2", "--bucket-bytes", "256").start()
+    syncd = SyncdProcess(
+        work / "syncd.db",
+        free_port(),
+        free_port(),
+        "--auth-token",
+        TOKEN,
+        "--expected-trainers",
+        "2",
+        "--expected-generators",
+        "2",
+        "--bucket-bytes",
+        "256",
+    ).start()
     members = [make_member(syncd.target, member_id, TOKEN) for member_id in MEMBERS]
     try:
         for m in members:
@@ -58,12 +70,17 @@ def test_schemathesis_finds_nothing(findings):
 @pytest.mark.parametrize("weight_version", [2**63, True, "7", 7.0], ids=["2**63", "true", "string", "float"])
 def test_a_weight_version_that_is_no_int64_is_a_422(findings, weight_version):
     url, _ = findings
-    r = httpx.post(f"{url}/v1/refits", json={"weight_version": weight_version},
-                   headers={"Authorization": f"Bearer {TOKEN}"})
+    r = httpx.post(
+        f"{url}/v1/refits",
+        json={"weight_version": weight_version},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
     assert r.status_code == 422, (r.status_code, r.text)
 
 
 def test_a_401_says_how_to_authenticate(findings):
     url, _ = findings
     r = httpx.post(f"{url}/v1/refits", json={})
-    assert r.status_code == 401 and r.headers.get("www-authenticate", "").startswith("Bearer"), dict(r.headers)
+    assert r.status_code == 401 and r.headers.get("www-authenticate", "").startswith("Bearer"), dict(
+        r.headers
+    )

@@ -38,11 +38,32 @@ class Service:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "generator_svc", "--model", str(model), "--port", str(self.port),
-               "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-               "--skip-tokenizer-init", *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env or engine_env(), stdout=open(log, "w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "generator_svc",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "256",
+            "--skip-tokenizer-init",
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env or engine_env(),
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.http = httpx.Client(base_url=self.url, timeout=120)
 
     def wait_ready(self, timeout: float = 300) -> Service:
@@ -63,9 +84,18 @@ class Service:
 
     def complete(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], list[float]]:
         """Greedy tokens and their logprobs (token ids, not text: the tiny model has no tokenizer)."""
-        r = self.http.post("/v1/completions", json={
-            "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
-            "detokenize": False, "return_tokens_as_token_ids": True})
+        r = self.http.post(
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "logprobs": 1,
+                "detokenize": False,
+                "return_tokens_as_token_ids": True,
+            },
+        )
         assert r.status_code == 200, r.text
         lp = r.json()["choices"][0]["logprobs"]
         return [int(t.removeprefix("token_id:")) for t in lp["tokens"]], lp["token_logprobs"]
@@ -91,17 +121,20 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def _launched(checkpoints, tmp_path_factory):  # noqa: ANN001, ANN202
+def _launched(checkpoints, tmp_path_factory):
     """Start the shared A service and the reference B engine together (their inits overlap)."""
     logs = tmp_path_factory.mktemp("logs")
-    services = {"A": Service(checkpoints["A"], logs / "A.log"), "B": Service(checkpoints["B"], logs / "B.log")}
+    services = {
+        "A": Service(checkpoints["A"], logs / "A.log"),
+        "B": Service(checkpoints["B"], logs / "B.log"),
+    }
     yield services
     for s in services.values():
         s.stop()
 
 
 @pytest.fixture(scope="session")
-def service_a(_launched) -> Service:  # noqa: ANN001
+def service_a(_launched) -> Service:
     return _launched["A"].wait_ready()
 
 
@@ -112,7 +145,7 @@ def outputs_a(service_a: Service) -> dict:
 
 
 @pytest.fixture(scope="session")
-def outputs_fresh_b(_launched) -> dict:  # noqa: ANN001
+def outputs_fresh_b(_launched) -> dict:
     """What a fresh engine started on B generates (the engine is stopped afterwards)."""
     b = _launched["B"].wait_ready()
     try:

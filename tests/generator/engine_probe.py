@@ -25,18 +25,34 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--ep", action="store_true", help="vLLM's expert parallelism (experts whole over the TP ranks)")
+    parser.add_argument(
+        "--ep", action="store_true", help="vLLM's expert parallelism (experts whole over the TP ranks)"
+    )
     parser.add_argument("--out", required=True)
-    parser.add_argument("--refit-to", default="", help="also refit to this checkpoint and back, recording outputs")
-    parser.add_argument("--fail-to", default="", help="also fail an update to this checkpoint half way, recover, "
-                                                       "and refit back to --model, recording outputs")
+    parser.add_argument(
+        "--refit-to", default="", help="also refit to this checkpoint and back, recording outputs"
+    )
+    parser.add_argument(
+        "--fail-to",
+        default="",
+        help="also fail an update to this checkpoint half way, recover, "
+        "and refit back to --model, recording outputs",
+    )
     args = parser.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, tensor_parallel_size=args.tp, enable_expert_parallel=args.ep, skip_tokenizer_init=True,
-              enforce_eager=True, max_model_len=256, dtype="float32", worker_extension_cls="generator_svc.worker.WeightSyncExtension",
-              weight_transfer_config={"backend": "syncd_staging"})
+    llm = LLM(
+        model=args.model,
+        tensor_parallel_size=args.tp,
+        enable_expert_parallel=args.ep,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=256,
+        dtype="float32",
+        worker_extension_cls="generator_svc.worker.WeightSyncExtension",
+        weight_transfer_config={"backend": "syncd_staging"},
+    )
     setup = llm.collective_rpc("ws_setup", args=(0,))
     catalogs = llm.collective_rpc("ws_catalog")
     names = llm.collective_rpc("ws_param_names")
@@ -44,8 +60,10 @@ def main() -> None:
     llm.collective_rpc("ws_dump_installed", args=(args.model, args.out))
     installs = llm.collective_rpc("ws_last_install")
     inplace = llm.collective_rpc("ws_dump_inplace", args=(args.model, args.out))
-    doc = [{"setup": s, "catalog": json.loads(c), "params": n, "install": i, "inplace": p}
-           for s, c, n, i, p in zip(setup, catalogs, names, installs, inplace)]
+    doc = [
+        {"setup": s, "catalog": json.loads(c), "params": n, "install": i, "inplace": p}
+        for s, c, n, i, p in zip(setup, catalogs, names, installs, inplace)
+    ]
     Path(args.out, "catalogs.json").write_text(json.dumps(doc))
     prompts = json.loads(os.environ.get("PROBE_PROMPTS", "{}"))
     if args.refit_to or args.fail_to:
@@ -76,7 +94,7 @@ def main() -> None:
             try:
                 llm.collective_rpc("update_weights", kwargs={"update_info": {"version": "doomed"}})
                 record["failed"] = False
-            except Exception as e:  # noqa: BLE001 (the failure is the point)
+            except Exception as e:
                 record["failed"] = "feed broke after" in str(e)
             llm.collective_rpc("ws_recover")
             # The engine must survive; it must not generate: weights may be torn, and the service
@@ -89,14 +107,14 @@ def main() -> None:
     os._exit(0)  # skip vLLM's slow teardown; the files are written
 
 
-def _break_feed(worker) -> None:  # noqa: ANN001 (runs in the worker; needs VLLM_ALLOW_INSECURE_SERIALIZATION)
+def _break_feed(worker) -> None:
     """Make the next install from staging fail half way through the model, as a crash would."""
     from generator_svc import install
 
     full = install.copy_into
     calls = [0]
 
-    def broken(param, staged):  # noqa: ANN001, ANN202
+    def broken(param, staged):
         calls[0] += 1
         if calls[0] > 20:
             raise RuntimeError("feed broke after 20 parameters")
@@ -106,7 +124,7 @@ def _break_feed(worker) -> None:  # noqa: ANN001 (runs in the worker; needs VLLM
     install._unbroken_copy_into = full
 
 
-def _mend_feed(worker) -> None:  # noqa: ANN001
+def _mend_feed(worker) -> None:
     from generator_svc import install
 
     install.copy_into = install._unbroken_copy_into

@@ -46,7 +46,7 @@ class SlowEngine:
     async def start_weight_update(self) -> None:
         self.calls.append(("start",))
 
-    async def update_weights(self, request) -> None:  # noqa: ANN001
+    async def update_weights(self, request) -> None:
         self.calls.append(("update", request.update_info["version"]))
         while not self.release.is_set():
             await asyncio.sleep(0.01)
@@ -62,10 +62,19 @@ class SlowEngine:
 
 
 @pytest.fixture
-def generator():  # noqa: ANN201
+def generator():
     engine = SlowEngine()
-    refitter = Refitter(engine, Settings(syncd="", replica=0, refit_mode="staged", initial_version="1",
-                                         auth_token="", data_host="127.0.0.1"))
+    refitter = Refitter(
+        engine,
+        Settings(
+            syncd="",
+            replica=0,
+            refit_mode="staged",
+            initial_version="1",
+            auth_token="",
+            data_host="127.0.0.1",
+        ),
+    )
     app = FastAPI()
     server.install(app, refitter)
     with TestClient(app) as http:
@@ -74,11 +83,14 @@ def generator():  # noqa: ANN201
 
 def commit(http: TestClient, version: int, timeout_s: float, token: str | None) -> int:
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    return http.post("/internal/commit", json={"refit_id": f"r{version}", "version": version, "timeout_s": timeout_s},
-                     headers=headers).status_code
+    return http.post(
+        "/internal/commit",
+        json={"refit_id": f"r{version}", "version": version, "timeout_s": timeout_s},
+        headers=headers,
+    ).status_code
 
 
-def test_commit_without_the_worker_token_is_refused_and_changes_nothing(generator) -> None:  # noqa: ANN001
+def test_commit_without_the_worker_token_is_refused_and_changes_nothing(generator) -> None:
     http, engine, refitter = generator
     engine.release.set()
     assert commit(http, 2, 30, token=None) == 401
@@ -89,17 +101,21 @@ def test_commit_without_the_worker_token_is_refused_and_changes_nothing(generato
     assert http.get("/v1/weight_version").json() == {"version": "2", "serving": True, "updating": False}
 
 
-def test_an_install_past_the_deadline_gives_up_and_its_version_never_goes_live(generator) -> None:  # noqa: ANN001
+def test_an_install_past_the_deadline_gives_up_and_its_version_never_goes_live(generator) -> None:
     http, engine, refitter = generator
     # The install is blocked until released, so this answer can only come from the deadline.
     assert commit(http, 2, 0.5, token=refitter.commit_token) == 504
     assert ("update", "2") in engine.calls and ("finish", "2") not in engine.calls
     assert http.get("/v1/weight_version").json() == {"version": "1", "serving": False, "updating": True}
     assert http.post("/v1/completions", json={}).status_code == 503
-    assert not any(c[0] == "ws_committed" for c in engine.calls), "syncd hears of the failure from the workers"
+    assert not any(c[0] == "ws_committed" for c in engine.calls), (
+        "syncd hears of the failure from the workers"
+    )
 
     engine.release.set()  # the slow install finishes after the failure was reported
-    wait_until(lambda: not http.get("/v1/weight_version").json()["updating"], what="the late install to settle")
+    wait_until(
+        lambda: not http.get("/v1/weight_version").json()["updating"], what="the late install to settle"
+    )
     assert ("finish", "2") in engine.calls
     assert http.get("/v1/weight_version").json() == {"version": "1", "serving": False, "updating": False}
     assert ("resume",) not in engine.calls, "generation must not resume on a version reported failed"
@@ -113,7 +129,7 @@ def test_an_install_past_the_deadline_gives_up_and_its_version_never_goes_live(g
     assert http.get("/v1/install").json()["last"]["version"] == "3"
 
 
-def test_a_deadline_that_passes_while_requests_finish_leaves_the_engine_untouched(generator) -> None:  # noqa: ANN001
+def test_a_deadline_that_passes_while_requests_finish_leaves_the_engine_untouched(generator) -> None:
     http, engine, refitter = generator
     engine.requests_done.clear()  # a long request is still running when the commit comes
     assert commit(http, 2, 0.5, token=refitter.commit_token) == 504
@@ -124,6 +140,6 @@ def test_a_deadline_that_passes_while_requests_finish_leaves_the_engine_untouche
     assert engine.calls[-1] == ("resume",)
 
 
-def test_a_commit_without_a_positive_deadline_is_rejected(generator) -> None:  # noqa: ANN001
+def test_a_commit_without_a_positive_deadline_is_rejected(generator) -> None:
     http, _, refitter = generator
     assert commit(http, 2, 0, token=refitter.commit_token) == 422

@@ -20,19 +20,35 @@ from generator_svc.catalog import (
 from generator_svc.staging import Staging
 from syncd.layout import Box
 
-H, D, E, I, V = 16, 4, 4, 8, 40  # noqa: E741 (shape legend: hidden, head dim, experts, intermediate, vocab)
+H, D, E, I, V = 16, 4, 4, 8, 40
 
 
 def layer_specs(tp: TP, *, heads: int = 4, kv_heads: int = 2, vocab_rows: tuple[int, int] = (0, V)) -> list:
     p = "model.layers.0"
     return [
         VocabParam("model.embed_tokens.weight", "float32", "model.embed_tokens.weight", (V, H), *vocab_rows),
-        QKVParam(f"{p}.self_attn.qkv_proj.weight", "float32", f"{p}.self_attn.q_proj.weight",
-                 f"{p}.self_attn.k_proj.weight", f"{p}.self_attn.v_proj.weight", H, D, heads, kv_heads, tp),
-        ShardedParam(f"{p}.self_attn.o_proj.weight", "float32", f"{p}.self_attn.o_proj.weight", (H, heads * D), 1, tp),
+        QKVParam(
+            f"{p}.self_attn.qkv_proj.weight",
+            "float32",
+            f"{p}.self_attn.q_proj.weight",
+            f"{p}.self_attn.k_proj.weight",
+            f"{p}.self_attn.v_proj.weight",
+            H,
+            D,
+            heads,
+            kv_heads,
+            tp,
+        ),
+        ShardedParam(
+            f"{p}.self_attn.o_proj.weight", "float32", f"{p}.self_attn.o_proj.weight", (H, heads * D), 1, tp
+        ),
         ReplicatedParam(f"{p}.mlp.gate.weight", "float32", f"{p}.mlp.gate.weight", (E, H)),
-        ExpertsParam(f"{p}.mlp.experts.routed_experts.w13_weight", "float32", "w13", f"{p}.mlp.experts", E, I, H, tp),
-        ExpertsParam(f"{p}.mlp.experts.routed_experts.w2_weight", "float32", "w2", f"{p}.mlp.experts", E, I, H, tp),
+        ExpertsParam(
+            f"{p}.mlp.experts.routed_experts.w13_weight", "float32", "w13", f"{p}.mlp.experts", E, I, H, tp
+        ),
+        ExpertsParam(
+            f"{p}.mlp.experts.routed_experts.w2_weight", "float32", "w2", f"{p}.mlp.experts", E, I, H, tp
+        ),
         ReplicatedParam(f"{p}.input_layernorm.weight", "float32", f"{p}.input_layernorm.weight", (H,)),
     ]
 
@@ -65,7 +81,12 @@ def vllm_rank_view(canon: dict[str, np.ndarray], tp: TP, kv_heads: int) -> dict[
     sl = slice(tp.rank * i, (tp.rank + 1) * i)
     return {
         f"{p}.self_attn.qkv_proj.weight": np.concatenate(
-            [q[tp.rank * qs:(tp.rank + 1) * qs], k[kv_rank * ks:(kv_rank + 1) * ks], v[kv_rank * ks:(kv_rank + 1) * ks]]),
+            [
+                q[tp.rank * qs : (tp.rank + 1) * qs],
+                k[kv_rank * ks : (kv_rank + 1) * ks],
+                v[kv_rank * ks : (kv_rank + 1) * ks],
+            ]
+        ),
         f"{p}.mlp.experts.routed_experts.w13_weight": np.concatenate([gate[:, sl], up[:, sl]], axis=1),
         f"{p}.mlp.experts.routed_experts.w2_weight": down[:, :, sl],
     }
@@ -96,8 +117,9 @@ def test_replicated_kv_heads_are_registered_on_every_rank_that_holds_them() -> N
 
 def test_vocab_padding_rows_are_not_in_the_catalog() -> None:
     """A padded vocab shard registers only its real rows; the padded tail belongs to no tensor."""
-    catalog = build_catalog(layer_specs(TP(2, 1), vocab_rows=(32, V)),
-                            expected_shapes={"model.embed_tokens.weight": (32, H)})  # V_pad/tp = 32 rows
+    catalog = build_catalog(
+        layer_specs(TP(2, 1), vocab_rows=(32, V)), expected_shapes={"model.embed_tokens.weight": (32, H)}
+    )  # V_pad/tp = 32 rows
     embed = catalog.tensors[0]
     assert embed.shape == (V - 32, H)
     assert [p.canon for p in embed.pieces] == [Box((32, 0), (V, H))]
@@ -148,8 +170,9 @@ def test_staging_feeds_loaders_full_shape_tensors_whose_rank_region_is_exact(tp_
                     np.testing.assert_array_equal(got.numpy(), canon[p.canonical][e][p.canon.slices()[1:]])
             else:
                 assert tuple(fed[p.canonical].shape) == canon[p.canonical].shape
-                np.testing.assert_array_equal(fed[p.canonical][p.canon.slices()].numpy(),
-                                              canon[p.canonical][p.canon.slices()])
+                np.testing.assert_array_equal(
+                    fed[p.canonical][p.canon.slices()].numpy(), canon[p.canonical][p.canon.slices()]
+                )
 
 
 def test_incomplete_staging_names_the_missing_tensor() -> None:
@@ -159,7 +182,9 @@ def test_incomplete_staging_names_the_missing_tensor() -> None:
     for name, a in canonical_arrays(catalog).items():
         if not name.endswith("v_proj.weight"):
             staging.fill_canonical(name, Box.full(a.shape), torch.from_numpy(a))
-    with pytest.raises(ValueError, match=r"refit r7: staging incomplete: model.layers.0.self_attn.qkv_proj.weight"):
+    with pytest.raises(
+        ValueError, match=r"refit r7: staging incomplete: model.layers.0.self_attn.qkv_proj.weight"
+    ):
         staging.require_complete()
 
 
@@ -175,13 +200,22 @@ def test_a_parameter_without_layout_rule_is_an_error_naming_it() -> None:
 
 
 def test_expert_parallel_ranks_hold_their_experts_whole_and_together_every_expert_once() -> None:
-    E, I, H, ranks = 8, 6, 4, 2  # noqa: N806 (shape legend)
+    E, I, H, ranks = 8, 6, 4, 2
     prefix = "model.layers.0.mlp.experts"
     held = np.zeros((E, I, H), dtype=int)
     for rank in range(ranks):
         first, count = rank * E // ranks, E // ranks
-        spec = ExpertsParam(f"{prefix}.routed_experts.w13_weight", "float32", "w13", prefix, E, I, H, TP(1, 0),
-                            local_experts=(first, count))
+        spec = ExpertsParam(
+            f"{prefix}.routed_experts.w13_weight",
+            "float32",
+            "w13",
+            prefix,
+            E,
+            I,
+            H,
+            TP(1, 0),
+            local_experts=(first, count),
+        )
         [w13] = build_catalog([spec]).tensors
         assert w13.shape == (count, 2 * I, H)
         for p in w13.pieces:
@@ -192,6 +226,8 @@ def test_expert_parallel_ranks_hold_their_experts_whole_and_together_every_exper
 
 
 def test_experts_outside_the_layer_are_an_error_naming_the_parameter() -> None:
-    spec = ExpertsParam("m.routed_experts.w13_weight", "float32", "w13", "m", 8, 6, 4, TP(1, 0), local_experts=(6, 4))
+    spec = ExpertsParam(
+        "m.routed_experts.w13_weight", "float32", "w13", "m", 8, 6, 4, TP(1, 0), local_experts=(6, 4)
+    )
     with pytest.raises(ValueError, match="m.routed_experts.w13_weight: local experts 6..9"):
         build_catalog([spec])

@@ -21,7 +21,7 @@ from syncd.layout import hf_names
 from tests.generator.conftest import PROMPTS, REPO, engine_env
 
 
-def canonical_arrays(checkpoint) -> dict[str, np.ndarray]:  # noqa: ANN001
+def canonical_arrays(checkpoint) -> dict[str, np.ndarray]:
     tensors = load_file(str(checkpoint / "model.safetensors"))
     return hf_names.group_from_hf(tensors.items(), np.stack)
 
@@ -31,16 +31,39 @@ def canonical_arrays(checkpoint) -> dict[str, np.ndarray]:  # noqa: ANN001
 # but its forward crashes the worker (SIGSEGV in vLLM 0.32 CPU), so nothing is generated.
 @pytest.mark.vllm
 @pytest.mark.parametrize("tp,ep", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-ep"])
-def test_registered_catalog_covers_every_parameter_exactly_once(tp: int, ep: bool, checkpoints,  # noqa: ANN001
-                                                                 outputs_fresh_b, tmp_path) -> None:
-    env = engine_env(PROBE_PROMPTS=json.dumps(PROMPTS), VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-                     **({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}))
+def test_registered_catalog_covers_every_parameter_exactly_once(
+    tp: int,
+    ep: bool,
+    checkpoints,
+    outputs_fresh_b,
+    tmp_path,
+) -> None:
+    env = engine_env(
+        PROBE_PROMPTS=json.dumps(PROMPTS),
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        **({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}),
+    )
     refit = ["--ep"] if ep else ["--refit-to" if tp == 2 else "--fail-to", str(checkpoints["B"])]
     log = tmp_path / "probe.log"
     with open(log, "w") as out:
-        probe = subprocess.Popen([sys.executable, str(REPO / "tests/generator/engine_probe.py"), "--model",
-                                  str(checkpoints["A"]), "--tp", str(tp), "--out", str(tmp_path), *refit],
-                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        probe = subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "tests/generator/engine_probe.py"),
+                "--model",
+                str(checkpoints["A"]),
+                "--tp",
+                str(tp),
+                "--out",
+                str(tmp_path),
+                *refit,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             returncode = probe.wait(timeout=300)
         finally:
@@ -64,7 +87,9 @@ def test_registered_catalog_covers_every_parameter_exactly_once(tp: int, ep: boo
             installed = load_file(str(tmp_path / f"{mode}-tp{rank}.safetensors"))
             assert sorted(installed) == sorted(loaded)
             for name in loaded:
-                np.testing.assert_array_equal(installed[name], loaded[name], err_msg=f"tp{rank} {name} {mode}")
+                np.testing.assert_array_equal(
+                    installed[name], loaded[name], err_msg=f"tp{rank} {name} {mode}"
+                )
         assert worker["install"]["fallback_params"] == []
         assert worker["install"]["params_copied"] == len(catalog.tensors)
         assert worker["inplace"]["params_copied"] == len(catalog.tensors)
@@ -80,7 +105,7 @@ def test_registered_catalog_covers_every_parameter_exactly_once(tp: int, ep: boo
             param = loaded[t.name]
             real = param.reshape(-1)[: filled.size].reshape(t.shape)  # padded vocab rows follow the real ones
             np.testing.assert_array_equal(filled, real, err_msg=f"tp{rank} {t.name}")
-            assert not param.reshape(-1)[filled.size:].any(), f"tp{rank} {t.name}: padding must stay zero"
+            assert not param.reshape(-1)[filled.size :].any(), f"tp{rank} {t.name}: padding must stay zero"
     if ep:  # each rank holds half the experts whole: w13 [E/2, 2I, H], w2 [E/2, H, I]
         for rank, worker in enumerate(workers):
             shapes = {t[0]: t[1] for t in worker["catalog"]["tensors"]}

@@ -22,7 +22,7 @@ def load(service: Service, path: Path, version: str) -> dict:
     return {"status": r.status_code, **r.json()}
 
 
-def variant(src: Path, dst: Path, edit) -> Path:  # noqa: ANN001 (edit: dict -> None)
+def variant(src: Path, dst: Path, edit) -> Path:
     """A copy of checkpoint `src` with its tensors edited."""
     dst.mkdir()
     tensors = load_file(str(src / "model.safetensors"))
@@ -33,7 +33,8 @@ def variant(src: Path, dst: Path, edit) -> Path:  # noqa: ANN001 (edit: dict -> 
 
 
 def test_pushing_b_into_an_engine_on_a_matches_a_fresh_engine_on_b(
-        service_a: Service, outputs_a: dict, outputs_fresh_b: dict, checkpoints: dict) -> None:
+    service_a: Service, outputs_a: dict, outputs_fresh_b: dict, checkpoints: dict
+) -> None:
     assert outputs_a != outputs_fresh_b, "A and B must generate differently for this test to mean anything"
     assert load(service_a, checkpoints["B"], "1") == {"status": 200, "version": "1", "serving": True}
     try:
@@ -45,14 +46,24 @@ def test_pushing_b_into_an_engine_on_a_matches_a_fresh_engine_on_b(
     assert service_a.outputs() == outputs_a
 
 
-def test_requests_during_a_refit_are_held_not_failed(service_a: Service, outputs_a: dict, checkpoints: dict) -> None:
+def test_requests_during_a_refit_are_held_not_failed(
+    service_a: Service, outputs_a: dict, checkpoints: dict
+) -> None:
     statuses: list[int] = []
 
     def generate() -> None:
         for _ in range(6):
-            r = service_a.http.post("/v1/completions", json={
-                "model": "tiny", "prompt": PROMPTS["long"], "max_tokens": 16, "temperature": 0,
-                "detokenize": False, "return_tokens_as_token_ids": True})
+            r = service_a.http.post(
+                "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": PROMPTS["long"],
+                    "max_tokens": 16,
+                    "temperature": 0,
+                    "detokenize": False,
+                    "return_tokens_as_token_ids": True,
+                },
+            )
             statuses.append(r.status_code)
 
     clients = [threading.Thread(target=generate) for _ in range(2)]
@@ -70,23 +81,45 @@ def test_requests_during_a_refit_are_held_not_failed(service_a: Service, outputs
 
 
 def test_failed_refits_leave_a_serving_and_a_good_refit_still_works(
-        service_a: Service, outputs_a: dict, outputs_fresh_b: dict, checkpoints: dict, tmp_path: Path) -> None:
+    service_a: Service, outputs_a: dict, outputs_fresh_b: dict, checkpoints: dict, tmp_path: Path
+) -> None:
     version = service_a.http.get("/v1/weight_version").json()["version"]
     q = "model.layers.1.self_attn.q_proj.weight"
-    bad_shape = variant(checkpoints["B"], tmp_path / "bad_shape", lambda t: t.update({q: torch.zeros(64, 128)}))
-    missing = variant(checkpoints["B"], tmp_path / "missing", lambda t: t.pop("model.layers.2.self_attn.k_proj.weight"))
-    half = variant(checkpoints["B"], tmp_path / "half",  # a transfer cut off after layer 1
-                   lambda t: [t.pop(n) for n in list(t) if n.startswith(("model.layers.2.", "model.layers.3."))])
+    bad_shape = variant(
+        checkpoints["B"], tmp_path / "bad_shape", lambda t: t.update({q: torch.zeros(64, 128)})
+    )
+    missing = variant(
+        checkpoints["B"], tmp_path / "missing", lambda t: t.pop("model.layers.2.self_attn.k_proj.weight")
+    )
+    half = variant(
+        checkpoints["B"],
+        tmp_path / "half",  # a transfer cut off after layer 1
+        lambda t: [t.pop(n) for n in list(t) if n.startswith(("model.layers.2.", "model.layers.3."))],
+    )
 
     r = load(service_a, bad_shape, "bad")
-    assert r["status"] == 409 and f"{q}: checkpoint shape (64, 128) != catalog shape (128, 128)" in r["error"]["message"]
+    assert (
+        r["status"] == 409
+        and f"{q}: checkpoint shape (64, 128) != catalog shape (128, 128)" in r["error"]["message"]
+    )
     r = load(service_a, missing, "missing")
     assert r["status"] == 409
-    assert "not completely staged: generator-0-0: model.layers.2.self_attn.qkv_proj.weight (24576/32768" in r["error"]["message"]
+    assert (
+        "not completely staged: generator-0-0: model.layers.2.self_attn.qkv_proj.weight (24576/32768"
+        in r["error"]["message"]
+    )
     # Interrupted transfer: B fully staged, then a new refit starts and stops half way; the
     # half-received version is refused and B's earlier bytes do not count for it.
-    assert service_a.http.post("/v1/weights/stage", json={"path": str(checkpoints["B"]), "refit_id": "r1"}).status_code == 200
-    assert service_a.http.post("/v1/weights/stage", json={"path": str(half), "refit_id": "r2"}).status_code == 200
+    assert (
+        service_a.http.post(
+            "/v1/weights/stage", json={"path": str(checkpoints["B"]), "refit_id": "r1"}
+        ).status_code
+        == 200
+    )
+    assert (
+        service_a.http.post("/v1/weights/stage", json={"path": str(half), "refit_id": "r2"}).status_code
+        == 200
+    )
     r = service_a.http.post("/v1/weights/apply", json={"version": "half"})
     assert r.status_code == 409 and "model.layers.2." in r.json()["error"]["message"]
     # Aborted refit: nothing staged any more.
@@ -99,7 +132,11 @@ def test_failed_refits_leave_a_serving_and_a_good_refit_still_works(
     assert set(vllm_error["error"]) >= {"message", "type", "code"}, vllm_error
 
     assert service_a.http.get("/healthz").status_code == 200
-    assert service_a.http.get("/v1/weight_version").json() == {"version": version, "serving": True, "updating": False}
+    assert service_a.http.get("/v1/weight_version").json() == {
+        "version": version,
+        "serving": True,
+        "updating": False,
+    }
     assert service_a.outputs() == outputs_a, "failed refits must not change what the engine serves"
     metrics = service_a.http.get("/metrics").text
     assert 'weightsync_generator_refits_total{outcome="refused"}' in metrics

@@ -21,13 +21,26 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def syncd(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def syncd(tmp_path_factory: pytest.TempPathFactory):
     tmp_path = tmp_path_factory.mktemp("syncd")
     grpc_port, http_port = free_port(), free_port()
     log = open(tmp_path / "syncd.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "syncd", "--grpc-port", str(grpc_port), "--http-port",
-                             str(http_port), "--db", str(tmp_path / "syncd.db")],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "syncd",
+            "--grpc-port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+            "--db",
+            str(tmp_path / "syncd.db"),
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     http = httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=10)
     deadline = time.monotonic() + 30
     while True:
@@ -36,7 +49,9 @@ def syncd(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
                 break
         except httpx.TransportError:
             pass
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "syncd.log").read_text()[-3000:]
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "syncd.log").read_text()[
+            -3000:
+        ]
         time.sleep(0.2)
     yield f"127.0.0.1:{grpc_port}", http
     proc.terminate()
@@ -45,22 +60,31 @@ def syncd(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
 
 @pytest.fixture(scope="module")
-def generator(syncd, checkpoints, tmp_path_factory):  # noqa: ANN001, ANN201
+def generator(syncd, checkpoints, tmp_path_factory):
     """`python -m generator_svc --syncd ...` on checkpoint A, replica 3."""
-    service = Service(checkpoints["A"], tmp_path_factory.mktemp("gen") / "generator.log",
-                      "--syncd", syncd[0], "--replica", "3")
+    service = Service(
+        checkpoints["A"],
+        tmp_path_factory.mktemp("gen") / "generator.log",
+        "--syncd",
+        syncd[0],
+        "--replica",
+        "3",
+    )
     yield service.wait_ready()
     service.stop()
 
 
-def test_service_registers_every_worker_with_syncd_and_serves(syncd, generator) -> None:  # noqa: ANN001
+def test_service_registers_every_worker_with_syncd_and_serves(syncd, generator) -> None:
     _, syncd_http = syncd
     service = generator
     workers = service.http.get("/v1/workers").json()
     assert [w["member_id"] for w in workers] == ["generator-3-0"]
     deadline = time.monotonic() + 30
-    while not (members := [m for m in syncd_http.get("/v1/members").json()["members"]
-                           if m["member_id"] == "generator-3-0"]):
+    while not (
+        members := [
+            m for m in syncd_http.get("/v1/members").json()["members"] if m["member_id"] == "generator-3-0"
+        ]
+    ):
         assert time.monotonic() < deadline, syncd_http.get("/v1/members").text
         time.sleep(0.2)
     (member,) = members
@@ -83,21 +107,27 @@ class FakeTrainer:
         import torch
         from safetensors.torch import load_file
 
-        from syncd.member.client import MemberClient
         from syncd.layout import Canon, CanonicalTensor, Catalog, hf_names, local_tensor
+        from syncd.member.client import MemberClient
 
         self.tensors = hf_names.group_from_hf(load_file(str(path / "model.safetensors")).items(), torch.stack)
         catalog = Catalog(
             tuple(CanonicalTensor(n, tuple(t.shape), "float32") for n, t in self.tensors.items()),
-            tuple(local_tensor(n, "float32", Canon(n, tuple(t.shape))) for n, t in self.tensors.items()))
-        self.client = MemberClient(target, role="trainer", member_id="trainer-0",
-                                   coords={"pp": 0, "dp": 0, "ep": 0, "tp": 0}, catalog=catalog,
-                                   weight_version=1)  # it holds checkpoint B as version 1
+            tuple(local_tensor(n, "float32", Canon(n, tuple(t.shape))) for n, t in self.tensors.items()),
+        )
+        self.client = MemberClient(
+            target,
+            role="trainer",
+            member_id="trainer-0",
+            coords={"pp": 0, "dp": 0, "ep": 0, "tp": 0},
+            catalog=catalog,
+            weight_version=1,
+        )  # it holds checkpoint B as version 1
         self.transports: dict = {}
         self.hold = hold  # ExecutePlan waits for it: a refit stays in TRANSFERRING until it is set
         self.client.start(self.handle)
 
-    def handle(self, cmd) -> None:  # noqa: ANN001
+    def handle(self, cmd) -> None:
         from syncd.commands import Abort, Commit, ExecutePlan, JoinGroup, Phase, Verify
         from syncd.member.dataplane import GlooTransport, send_buckets
 
@@ -108,7 +138,9 @@ class FakeTrainer:
                 address, store = GlooTransport.create_address("127.0.0.1", cmd.world_size, 60)
                 report(cmd.refit_id, Phase.GROUP_ADDRESS, address=address)
             self.transports[cmd.group_id] = (
-                GlooTransport.connect(address, cmd.rank, cmd.world_size, cmd.group_id, 60, store=store), cmd.members)
+                GlooTransport.connect(address, cmd.rank, cmd.world_size, cmd.group_id, 60, store=store),
+                cmd.members,
+            )
             report(cmd.refit_id, Phase.JOINED)
         elif isinstance(cmd, ExecutePlan):
             if self.hold is not None:
@@ -117,8 +149,9 @@ class FakeTrainer:
             for group in cmd.groups:
                 transport, members = self.transports[group.group_id]
                 mine = [b for b in cmd.buckets if b.src == "trainer-0" and b.stage == group.stage]
-                stats = send_buckets(mine, self.tensors, transport, {m: i for i, m in enumerate(members)},
-                                     timeout_s=60)
+                stats = send_buckets(
+                    mine, self.tensors, transport, {m: i for i, m in enumerate(members)}, timeout_s=60
+                )
                 stats_bytes += stats.bytes
                 sums.update(stats.checksums)
             report(cmd.refit_id, Phase.TRANSFERRED, bytes=stats_bytes, checksums=sums)
@@ -131,13 +164,15 @@ class FakeTrainer:
         self.client.close()
 
 
-def test_refit_driven_by_syncd_moves_b_into_the_generator(syncd, generator, checkpoints, outputs_fresh_b) -> None:  # noqa: ANN001
+def test_refit_driven_by_syncd_moves_b_into_the_generator(
+    syncd, generator, checkpoints, outputs_fresh_b
+) -> None:
     target, syncd_http = syncd
     service = generator
     trainer = FakeTrainer(target, checkpoints["B"])
     try:
         deadline = time.monotonic() + 30
-        while not syncd_http.get("/readyz").status_code == 200:
+        while syncd_http.get("/readyz").status_code != 200:
             assert time.monotonic() < deadline, syncd_http.get("/readyz").text
             time.sleep(0.2)
         r = syncd_http.post("/v1/refits", json={"weight_version": 1})
@@ -151,7 +186,7 @@ def test_refit_driven_by_syncd_moves_b_into_the_generator(syncd, generator, chec
         trainer.close()
 
 
-def _wait(what: str, condition, timeout: float = 120):  # noqa: ANN001, ANN202
+def _wait(what: str, condition, timeout: float = 120):
     deadline = time.monotonic() + timeout
     while not (value := condition()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -159,7 +194,7 @@ def _wait(what: str, condition, timeout: float = 120):  # noqa: ANN001, ANN202
     return value
 
 
-def test_a_frozen_worker_makes_healthz_answer_503_at_once(generator) -> None:  # noqa: ANN001
+def test_a_frozen_worker_makes_healthz_answer_503_at_once(generator) -> None:
     """Issue 19 #13: SIGSTOP on the vLLM worker turns /healthz 503 (answered, not hung); SIGCONT heals."""
     (worker,) = generator.http.get("/v1/workers").json()
     probe = httpx.Client(base_url=generator.url, timeout=5)  # a hung /healthz fails the test
@@ -175,8 +210,7 @@ def test_a_frozen_worker_makes_healthz_answer_503_at_once(generator) -> None:  #
     probe.close()
 
 
-def test_a_restarted_generator_is_not_ready_until_caught_up(  # noqa: ANN201
-        syncd, generator, checkpoints, tmp_path):  # noqa: ANN001
+def test_a_restarted_generator_is_not_ready_until_caught_up(syncd, generator, checkpoints, tmp_path):
     """Issue 19 #11: restarted after version 1 committed, the generator serves its --model checkpoint
     (A) and says so in /readyz (503) until syncd's catch-up refit of version 1 (B) reaches it; then
     it generates exactly what it generated before the restart, and is ready."""
@@ -198,8 +232,10 @@ def test_a_restarted_generator_is_not_ready_until_caught_up(  # noqa: ANN201
         generator.stop()
         restarted = Service(checkpoints["A"], tmp_path / "restarted.log", "--syncd", target, "--replica", "3")
         restarted.wait_ready()  # /healthz: alive (liveness), serving checkpoint A
-        behind = _wait("/readyz naming the catch-up", lambda: "catch-up" in (
-            r := restarted.http.get("/readyz")).json().get("reason", "") and r)
+        behind = _wait(
+            "/readyz naming the catch-up",
+            lambda: "catch-up" in (r := restarted.http.get("/readyz")).json().get("reason", "") and r,
+        )
         assert behind.status_code == 503
         assert "serves its start-up checkpoint but syncd committed version 1" in behind.json()["reason"]
         assert syncd_http.get("/readyz").status_code == 503  # syncd holds the catch-up refit (held by `hold`)

@@ -27,8 +27,10 @@ def test_a_buffer_that_does_not_fit_names_both_shapes() -> None:
 
 def test_copy_parameters_installs_every_parameter_bit_exactly_and_counts_bytes() -> None:
     gen = torch.Generator().manual_seed(0)
-    buffers = {"a.qkv_proj.weight": torch.randn(12, 8, generator=gen).to(torch.bfloat16),
-               "a.experts.w13_weight": torch.randn(4, 6, 8, generator=gen).to(torch.bfloat16)}
+    buffers = {
+        "a.qkv_proj.weight": torch.randn(12, 8, generator=gen).to(torch.bfloat16),
+        "a.experts.w13_weight": torch.randn(4, 6, 8, generator=gen).to(torch.bfloat16),
+    }
     params = {n: torch.zeros_like(b) for n, b in buffers.items()}
     assert copy_parameters(params, buffers) == (12 * 8 + 4 * 6 * 8) * 2
     for name in buffers:
@@ -36,8 +38,12 @@ def test_copy_parameters_installs_every_parameter_bit_exactly_and_counts_bytes()
 
 
 def test_parameters_are_grouped_by_their_layer_in_order() -> None:
-    names = ["model.embed_tokens.weight", "model.layers.0.mlp.experts.routed_experts.w13_weight",
-             "model.layers.0.mlp.experts.routed_experts.w2_weight", "model.norm.weight"]
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.experts.routed_experts.w13_weight",
+        "model.layers.0.mlp.experts.routed_experts.w2_weight",
+        "model.norm.weight",
+    ]
     assert params_by_layer(names) == {
         "model.embed_tokens": ["model.embed_tokens.weight"],
         "model.layers.0.mlp.experts.routed_experts": names[1:3],

@@ -24,16 +24,40 @@ def test_float32_trainer_refits_bfloat16_generator_with_torchs_cpu_cast(graphs):
     from syncd.member.dataplane import catalog_views
     from syncd.plan import DestMember, SourceMember, make_plan
 
-    shape = MoeShape(layers=2, hidden=200, experts=6, moe_inter=72, heads=5, kv_heads=1, head_dim=40, vocab=999,
-                     dtype="float32")
-    src_cat, dst_cat = trainer_catalog(shape, 1, 0, 1, 0), vllm_catalog(replace(shape, dtype="bfloat16"), 2, 1)
-    plan = make_plan([SourceMember("trainer-0", 0, src_cat)], [DestMember("generator-0-1", dst_cat)],
-                     bucket_bytes=256 << 10)
+    shape = MoeShape(
+        layers=2,
+        hidden=200,
+        experts=6,
+        moe_inter=72,
+        heads=5,
+        kv_heads=1,
+        head_dim=40,
+        vocab=999,
+        dtype="float32",
+    )
+    src_cat, dst_cat = (
+        trainer_catalog(shape, 1, 0, 1, 0),
+        vllm_catalog(replace(shape, dtype="bfloat16"), 2, 1),
+    )
+    plan = make_plan(
+        [SourceMember("trainer-0", 0, src_cat)],
+        [DestMember("generator-0-1", dst_cat)],
+        bucket_bytes=256 << 10,
+    )
     src = {t.name: torch.randn(t.shape, device="cuda") for t in src_cat.tensors}
     for t in src.values():  # bfloat16 ties (to even: down, up) and overflow to infinity
         t.view(-1)[:3] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 3.4e38])
-    dst = {t.name: torch.full(t.shape, float("nan"), device="cuda", dtype=torch.bfloat16) for t in dst_cat.tensors}
-    sent, received = _refit(plan, catalog_views(src_cat, src), catalog_views(dst_cat, dst), LoopbackWire(torch.device("cuda")), graphs)
+    dst = {
+        t.name: torch.full(t.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        for t in dst_cat.tensors
+    }
+    sent, received = _refit(
+        plan,
+        catalog_views(src_cat, src),
+        catalog_views(dst_cat, dst),
+        LoopbackWire(torch.device("cuda")),
+        graphs,
+    )
     assert sent.checksums == received.checksums and len(sent.checksums) == plan.num_units
     assert received.bytes == plan.total_bytes == dst_cat.nbytes
     src_v, dst_v = catalog_views(src_cat, src), catalog_views(dst_cat, dst)
@@ -62,16 +86,19 @@ def test_bfloat16_trainer_refits_an_fp8_generator_with_the_cpu_quantizers_bytes(
     pack replays on the weights of the moment): what lands equals the CPU quantizer's bytes."""
     from bench.loopback_transport import LoopbackWire
     from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
+    from syncd.layout.dtypes import torch_dtype
     from syncd.member.dataplane import catalog_views
     from syncd.member.dataplane.fp8 import quantize_blockwise
-    from syncd.layout.dtypes import torch_dtype
     from syncd.plan import DestMember, SourceMember, make_plan
     from syncd.plan.fp8_blocks import blockwise_fp8_catalog, to_grid
 
-    shape = MoeShape(layers=2, hidden=200, experts=6, moe_inter=256, heads=4, kv_heads=2, head_dim=128, vocab=999)
+    shape = MoeShape(
+        layers=2, hidden=200, experts=6, moe_inter=256, heads=4, kv_heads=2, head_dim=128, vocab=999
+    )
     src_cat, dst_cat = trainer_catalog(shape, 1, 0, 1, 0), blockwise_fp8_catalog(vllm_catalog(shape, 2, 1))
-    plan = make_plan([SourceMember("trainer-0", 0, src_cat)], [DestMember("generator-0-1", dst_cat)],
-                     bucket_bytes=96 << 10)
+    plan = make_plan(
+        [SourceMember("trainer-0", 0, src_cat)], [DestMember("generator-0-1", dst_cat)], bucket_bytes=96 << 10
+    )
     assert {u.quantized for b in plan.buckets for u in b.units} >= {"values", "scales"}
     src = {t.name: torch.randn(t.shape, device="cuda").to(torch.bfloat16) for t in src_cat.tensors}
     dst = {t.name: torch.zeros(t.shape, device="cuda", dtype=torch_dtype(t.dtype)) for t in dst_cat.tensors}
@@ -97,9 +124,15 @@ def test_bfloat16_trainer_refits_an_fp8_generator_with_the_cpu_quantizers_bytes(
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), u.canonical
 
 
-@pytest.mark.parametrize("shape, cut", [((300, 200), None), ((3, 256, 200), (slice(None), slice(None), slice(0, 200))),
-                                        ((2, 384, 640), (slice(None), slice(128, 384), slice(128, 512)))],
-                         ids=["edge-blocks", "experts", "strided-region"])
+@pytest.mark.parametrize(
+    "shape, cut",
+    [
+        ((300, 200), None),
+        ((3, 256, 200), (slice(None), slice(None), slice(0, 200))),
+        ((2, 384, 640), (slice(None), slice(128, 384), slice(128, 512))),
+    ],
+    ids=["edge-blocks", "experts", "strided-region"],
+)
 def test_the_fused_fp8_kernel_writes_the_cpu_quantizers_bytes(shape, cut):
     from syncd.member.dataplane import fp8_kernel
     from syncd.member.dataplane.fp8 import quantize_blockwise

@@ -3,7 +3,6 @@ per-bucket work captured as CUDA graphs on the first refit and replayed on later
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -17,11 +16,23 @@ def _setup():
     from syncd.plan import DestMember, SourceMember, make_plan
 
     # Uneven sizes on purpose: regions that are not whole 4 KiB rows, several units per bucket.
-    shape = MoeShape(layers=2, hidden=200, experts=6, moe_inter=72, heads=5, kv_heads=1, head_dim=40, vocab=999,
-                     dtype="float32")
+    shape = MoeShape(
+        layers=2,
+        hidden=200,
+        experts=6,
+        moe_inter=72,
+        heads=5,
+        kv_heads=1,
+        head_dim=40,
+        vocab=999,
+        dtype="float32",
+    )
     src_cat, dst_cat = trainer_catalog(shape, 1, 0, 1, 0), vllm_catalog(shape, 2, 1)
-    plan = make_plan([SourceMember("trainer-0", 0, src_cat)], [DestMember("generator-0-1", dst_cat)],
-                     bucket_bytes=256 << 10)
+    plan = make_plan(
+        [SourceMember("trainer-0", 0, src_cat)],
+        [DestMember("generator-0-1", dst_cat)],
+        bucket_bytes=256 << 10,
+    )
     src = {t.name: torch.randn(t.shape, device="cuda") for t in src_cat.tensors}
     dst = {t.name: torch.full(t.shape, float("nan"), device="cuda") for t in dst_cat.tensors}
     return plan, catalog_views(src_cat, src), catalog_views(dst_cat, dst), LoopbackWire(torch.device("cuda"))
@@ -34,8 +45,14 @@ def _refit(plan, src, dst, wire, graphs: bool):
 
 def _expected(plan, src, dst):
     """Every destination region holds its source region's values."""
-    return all(torch.equal(src[u.src_tensor][u.src_box.slices()].reshape(-1), dst[u.dst_tensor][u.dst_box.slices()].reshape(-1))
-               for b in plan.buckets for u in b.units)
+    return all(
+        torch.equal(
+            src[u.src_tensor][u.src_box.slices()].reshape(-1),
+            dst[u.dst_tensor][u.dst_box.slices()].reshape(-1),
+        )
+        for b in plan.buckets
+        for u in b.units
+    )
 
 
 def test_replayed_graphs_move_new_weights_and_checksum_them_like_eager_loops():

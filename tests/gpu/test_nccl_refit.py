@@ -26,11 +26,28 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
 
     torch.cuda.set_device(rank)
     device = torch.device(f"cuda:{rank}")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
-    shape = MoeShape(layers=2, hidden=256, experts=8, moe_inter=96, heads=8, kv_heads=2, head_dim=32, vocab=1024, dtype="float32")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    shape = MoeShape(
+        layers=2,
+        hidden=256,
+        experts=8,
+        moe_inter=96,
+        heads=8,
+        kv_heads=2,
+        head_dim=32,
+        vocab=1024,
+        dtype="float32",
+    )
     src_cat, dst_cat = trainer_catalog(shape, 1, 0, 1, 0), vllm_catalog(shape, 2, 1)
-    plan = make_plan([SourceMember("trainer-0", 0, src_cat)], [DestMember("generator-0-1", dst_cat)], bucket_bytes=1 << 20)
+    plan = make_plan(
+        [SourceMember("trainer-0", 0, src_cat)], [DestMember("generator-0-1", dst_cat)], bucket_bytes=1 << 20
+    )
     rng = np.random.default_rng(7)
     canonical = {c.name: rng.standard_normal(c.shape).astype(np.float32) for c in shape.canonical()}
     catalog = src_cat if rank == 0 else dst_cat
@@ -44,7 +61,9 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
     ranks = {"trainer-0": 0, "generator-0-1": 1}
     views = catalog_views(catalog, owned)
     run = send_buckets if rank == 0 else recv_buckets
-    stats = run(plan.for_member("trainer-0" if rank == 0 else "generator-0-1"), views, transport, ranks, timeout_s=60)
+    stats = run(
+        plan.for_member("trainer-0" if rank == 0 else "generator-0-1"), views, transport, ranks, timeout_s=60
+    )
     sums = [None, None]
     dist.all_gather_object(sums, stats.checksums)
     if rank == 1:
@@ -72,15 +91,16 @@ def test_gpu_checksums_equal_the_same_algorithm_on_cpu():
     from syncd.member.dataplane.checksum import DeviceSums
 
     gen = torch.Generator().manual_seed(5)
-    regions = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-               for n in (5, 4096, 4096 * 300 + 17, 1 << 22, 0, 4096 * 1000)]
+    regions = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        for n in (5, 4096, 4096 * 300 + 17, 1 << 22, 0, 4096 * 1000)
+    ]
     regions[-1].fill_(255)
     on_cpu, on_gpu = DeviceSums(), DeviceSums()
     for r in regions:
         on_cpu.add(r)
         on_gpu.add(r.cuda())
     assert on_gpu.values() == on_cpu.values()
-
 
 
 @pytest.mark.gpu(count=4)
@@ -94,9 +114,26 @@ def test_per_stage_nccl_groups_pp2_into_tp2_are_bit_exact(tmp_path):
 
     out = tmp_path / "stage.json"
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "bench/stage_bench.py", "--backend", "nccl", "--gib", "0.05",
-                           "--bucket-mib", "8", "--reps", "1", "--json", str(out)],
-                          cwd=root, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/stage_bench.py",
+            "--backend",
+            "nccl",
+            "--gib",
+            "0.05",
+            "--bucket-mib",
+            "8",
+            "--reps",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["bit_exact"] and result["checksums_ok"], result

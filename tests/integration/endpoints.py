@@ -54,8 +54,10 @@ class GeneratorEndpoint(TrainerEndpoint):
         self.staging: dict[str, torch.Tensor] | None = None
 
     def begin(self, refit_id, version, buckets):
-        self.staging = {name: torch.empty_like(t).view(torch.uint8).fill_(UNWRITTEN).view(t.dtype)
-                        for name, t in self.params.items()}
+        self.staging = {
+            name: torch.empty_like(t).view(torch.uint8).fill_(UNWRITTEN).view(t.dtype)
+            for name, t in self.params.items()
+        }
         return self.staging
 
     def verify(self, refit_id):

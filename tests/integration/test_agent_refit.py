@@ -34,29 +34,46 @@ def trainer_catalog(stage: int) -> Catalog:
     if stage == 0:
         return Catalog((EMBED,), (local_tensor(EMBED.name, "float32", Canon(EMBED.name, EMBED.shape)),))
     fused = Stack(1, (Canon(GATE.name, GATE.shape), Canon(UP.name, UP.shape)))
-    return Catalog((GATE, UP, HEAD), (
-        local_tensor("experts.gate_up_proj", "float32", fused),
-        local_tensor(HEAD.name, "float32", Canon(HEAD.name, HEAD.shape)),
-    ))
+    return Catalog(
+        (GATE, UP, HEAD),
+        (
+            local_tensor("experts.gate_up_proj", "float32", fused),
+            local_tensor(HEAD.name, "float32", Canon(HEAD.name, HEAD.shape)),
+        ),
+    )
 
 
 def generator_catalog(tp: int) -> Catalog:
     def split(c, dim):
         return Sharded(Canon(c.name, c.shape), (Shard(dim),), (2,), (tp,))
 
-    return Catalog(ALL, (
-        local_tensor("embed", "float32", split(EMBED, 0)),
-        local_tensor("w13_weight", "float32", Concat(1, (split(GATE, 1), split(UP, 1)))),
-        local_tensor("lm_head", "float32", split(HEAD, 0)),
-    ))
+    return Catalog(
+        ALL,
+        (
+            local_tensor("embed", "float32", split(EMBED, 0)),
+            local_tensor("w13_weight", "float32", Concat(1, (split(GATE, 1), split(UP, 1)))),
+            local_tensor("lm_head", "float32", split(HEAD, 0)),
+        ),
+    )
 
 
 @pytest.fixture
 def cluster(tmp_path: Path):
-    settings = Settings(host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), db=str(tmp_path / "syncd.db"),
-                        lease_seconds=3, prepare_timeout=30, transfer_timeout=30, verify_timeout=30,
-                        commit_timeout=30, bucket_bytes=512, expected_trainers=2, expected_generators=2,
-                        backend="gloo")
+    settings = Settings(
+        host="127.0.0.1",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        db=str(tmp_path / "syncd.db"),
+        lease_seconds=3,
+        prepare_timeout=30,
+        transfer_timeout=30,
+        verify_timeout=30,
+        commit_timeout=30,
+        bucket_bytes=512,
+        expected_trainers=2,
+        expected_generators=2,
+        backend="gloo",
+    )
     daemon = Daemon(settings)
     daemon.start()
     target = f"127.0.0.1:{daemon.grpc_port}"
@@ -64,12 +81,22 @@ def cluster(tmp_path: Path):
     generators = {t: GeneratorEndpoint(generator_catalog(t)) for t in range(2)}
     clients = []
     for s, ep in trainers.items():
-        c = MemberClient(target, role="trainer", member_id=f"trainer-{s}", coords={"pp": s, "dp": 0, "ep": 0, "tp": 0},
-                         catalog=ep.catalog)
+        c = MemberClient(
+            target,
+            role="trainer",
+            member_id=f"trainer-{s}",
+            coords={"pp": s, "dp": 0, "ep": 0, "tp": 0},
+            catalog=ep.catalog,
+        )
         clients.append((c, ep))
     for t, ep in generators.items():
-        c = MemberClient(target, role="generator", member_id=f"generator-0-{t}", coords={"replica": 0, "tp": t},
-                         catalog=ep.catalog)
+        c = MemberClient(
+            target,
+            role="generator",
+            member_id=f"generator-0-{t}",
+            coords={"replica": 0, "tp": t},
+            catalog=ep.catalog,
+        )
         clients.append((c, ep))
     agents = []
     for c, ep in clients:
@@ -89,7 +116,7 @@ def cluster(tmp_path: Path):
     daemon.stop()
 
 
-def _refit(http: httpx.Client, announce, version: int) -> dict:  # noqa: ANN001
+def _refit(http: httpx.Client, announce, version: int) -> dict:
     announce(version)  # the trainers hold `version`: syncd moves only announced versions
     r = http.post("/v1/refits", json={"weight_version": version})
     assert r.status_code == 202, r.text
@@ -139,7 +166,9 @@ def test_a_failed_sender_aborts_the_refit_and_the_next_refit_succeeds(cluster):
     assert state["state"] == "ABORTED" and "trainer-1 lost its GPU" in str(state), state
     # syncd decides ABORTED first and tells the members after: a receiver may still be in its
     # transfer loop when the refit reads ABORTED, and drops its staging when the Abort arrives.
-    wait_until(lambda: all(ep.staging is None for ep in generators.values()), 30, "the abort to reach the generators")
+    wait_until(
+        lambda: all(ep.staging is None for ep in generators.values()), 30, "the abort to reach the generators"
+    )
     for ep in generators.values():  # still serving the committed version, untouched
         assert ep.version == 1
         expected = materialize(ep.catalog, good)

@@ -30,8 +30,17 @@ from trainer_svc.config import ModelArgs
 from trainer_svc.parallel_dims import ParallelDims
 from trainer_svc.state_dict_adapter import canonical_shapes
 
-ARGS = ModelArgs(vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
+ARGS = ModelArgs(
+    vocab_size=256,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+)
 DIMS = ParallelDims(pp=1, ep=2, tp=2)
 
 
@@ -39,22 +48,22 @@ class StagedGenerator(GeneratorEndpoint):
     """Staging that outlives a refit, as `generator_svc.staging` does: after a commit it holds the
     committed version, which a delta is applied onto; `changed` is what the delta touched."""
 
-    def __init__(self, catalog):  # noqa: ANN001
+    def __init__(self, catalog):
         super().__init__(catalog)
         self.staging = {name: t.clone() for name, t in self.params.items()}
         self.changed: frozenset[str] | None = None
 
-    def begin(self, refit_id, version, buckets):  # noqa: ANN001
+    def begin(self, refit_id, version, buckets):
         self.changed = None
         return self.staging
 
-    def verify(self, refit_id):  # noqa: ANN001
+    def verify(self, refit_id):
         pass  # the checksums of whole regions are the check
 
-    def received_delta(self, refit_id, changed):  # noqa: ANN001
+    def received_delta(self, refit_id, changed):
         self.changed = changed
 
-    def commit(self, refit_id, version, timeout_s):  # noqa: ANN001
+    def commit(self, refit_id, version, timeout_s):
         self.params, self.version = {n: t.clone() for n, t in self.staging.items()}, version
 
     def abort(self):
@@ -64,24 +73,41 @@ class StagedGenerator(GeneratorEndpoint):
 @pytest.fixture
 def cluster(tmp_path: Path):
     running: list = []
-    settings = Settings(host="127.0.0.1", http_port=free_port(), grpc_port=free_port(), db=str(tmp_path / "syncd.db"),
-                        lease_seconds=3, prepare_timeout=30, transfer_timeout=30, verify_timeout=30,
-                        commit_timeout=30, bucket_bytes=16 << 10, expected_trainers=DIMS.world_size,
-                        expected_generators=2, backend="gloo", delta_refits=True)
+    settings = Settings(
+        host="127.0.0.1",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        db=str(tmp_path / "syncd.db"),
+        lease_seconds=3,
+        prepare_timeout=30,
+        transfer_timeout=30,
+        verify_timeout=30,
+        commit_timeout=30,
+        bucket_bytes=16 << 10,
+        expected_trainers=DIMS.world_size,
+        expected_generators=2,
+        backend="gloo",
+        delta_refits=True,
+    )
     daemon = Daemon(settings)
     daemon.start()
     running.append(daemon)
     target = f"127.0.0.1:{daemon.grpc_port}"
-    trainers = [TrainerEndpoint(trainer_catalog.build_catalog(ARGS, DIMS, c, "bfloat16")) for c in DIMS.all_coords()]
+    trainers = [
+        TrainerEndpoint(trainer_catalog.build_catalog(ARGS, DIMS, c, "bfloat16")) for c in DIMS.all_coords()
+    ]
 
-    def join(member_id: str, coords: dict, role: str, holder) -> MemberClient:  # noqa: ANN001
+    def join(member_id: str, coords: dict, role: str, holder) -> MemberClient:
         client = MemberClient(target, role=role, member_id=member_id, coords=coords, catalog=holder.catalog)
         agent = MemberAgent(client, holder, AgentSettings())
         client.start(agent)
         running.extend((client, agent))
         return client
 
-    clients = [join(f"trainer-{DIMS.rank_of(c)}", c.as_dict(), "trainer", t) for c, t in zip(DIMS.all_coords(), trainers)]
+    clients = [
+        join(f"trainer-{DIMS.rank_of(c)}", c.as_dict(), "trainer", t)
+        for c, t in zip(DIMS.all_coords(), trainers)
+    ]
 
     def add_generator(replica: int, tp: int) -> list[StagedGenerator]:
         gens = [StagedGenerator(build_catalog(vllm_specs(ARGS, TP(tp, r)))) for r in range(tp)]
@@ -101,7 +127,10 @@ class Weights:
 
     def __init__(self) -> None:
         gen = torch.Generator().manual_seed(0)
-        self.values = {n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for n, s in canonical_shapes(ARGS).items()}
+        self.values = {
+            n: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
+            for n, s in canonical_shapes(ARGS).items()
+        }
         self._gen = gen
 
     def step(self, fraction: float) -> None:
@@ -113,7 +142,7 @@ class Weights:
         return {n: x.view(torch.int16).numpy() for n, x in self.values.items()}
 
 
-def _refit(http: httpx.Client, announce, trainers, weights: Weights, version: int, **body) -> dict:  # noqa: ANN001
+def _refit(http: httpx.Client, announce, trainers, weights: Weights, version: int, **body) -> dict:
     for t in trainers:
         t.load(weights.arrays())
     announce(version)
@@ -153,8 +182,17 @@ def test_delta_refits_move_what_changed_and_a_late_generator_gets_a_full_refit_i
     assert first[0].changed and first[0].changed < set(first[0].params)  # the install touches only these
 
     late = add_generator(1, 1)  # a replica that holds no version yet: syncd catches it up
-    catch_up = wait_until(lambda: next((r for r in http.get("/v1/refits").json()["refits"]
-                                        if r["id"] not in (r1["id"], r2["id"]) and r["state"] in TERMINAL), None), 60)
+    catch_up = wait_until(
+        lambda: next(
+            (
+                r
+                for r in http.get("/v1/refits").json()["refits"]
+                if r["id"] not in (r1["id"], r2["id"]) and r["state"] in TERMINAL
+            ),
+            None,
+        ),
+        60,
+    )
     assert catch_up["state"] == "COMMITTED" and catch_up["weight_version"] == 2, catch_up
     assert catch_up["delta_generators"] == ["generator-0-0", "generator-0-1"], catch_up  # the late one: full
     # The others changed nothing, but the new plan may have other trainer ranks send them some
@@ -181,10 +219,15 @@ def test_a_flipped_element_of_the_base_aborts_the_delta_and_the_next_refit_goes_
     w = Weights()
     assert _refit(http, announce, trainers, w, 1)["state"] == "COMMITTED"
     served = {n: t.clone() for n, t in gens[1].params.items()}
-    gens[1].staging["model.layers.1.mlp.experts.w2_weight"].view(-1)[7] += 1  # the base is not version 1 any more
+    gens[1].staging["model.layers.1.mlp.experts.w2_weight"].view(-1)[7] += (
+        1  # the base is not version 1 any more
+    )
     w.step(0.01)
     r2 = _refit(http, announce, trainers, w, 2)
-    assert r2["state"] == "ABORTED" and "checksum mismatch for tensor model.layers.1.mlp.experts.down_proj.weight" in r2["error"], r2
+    assert (
+        r2["state"] == "ABORTED"
+        and "checksum mismatch for tensor model.layers.1.mlp.experts.down_proj.weight" in r2["error"]
+    ), r2
     assert all(torch.equal(served[n], t) for n, t in gens[1].params.items())  # still serving version 1
     r3 = _refit(http, announce, trainers, w, 2)
     assert (r3["state"], r3["mode"]) == ("COMMITTED", "full"), r3

@@ -18,11 +18,19 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as tmp
 
-from trainer_svc.settings import LaunchEnv, TrainSettings
 from trainer_svc.job import run
+from trainer_svc.settings import LaunchEnv, TrainSettings
 
 # The training settings every trainer test shares (small, fast, and layout-independent).
-TRAIN = dict(steps=3, seed=7, lr=1e-4, weight_decay=0.01, global_batch_size=8, seq_len=16, microbatches=2)
+TRAIN = {
+    "steps": 3,
+    "seed": 7,
+    "lr": 1e-4,
+    "weight_decay": 0.01,
+    "global_batch_size": 8,
+    "seq_len": 16,
+    "microbatches": 2,
+}
 
 multiprocessing.forkserver.set_forkserver_preload(["torch", "trainer_svc.train", "_launch"])
 
@@ -41,8 +49,9 @@ def _worker(rank: int, world: int, init_file: str, settings: TrainSettings, out_
     trainer, result = run(settings, env, init_method=f"file://{init_file}")
     params = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
     paths = getattr(trainer.optimizer, "paths", {})
-    out = RankOutput(trainer.mesh.coords.as_dict(), result.losses, [s.grad_norm for s in result.steps],
-                     params, paths)
+    out = RankOutput(
+        trainer.mesh.coords.as_dict(), result.losses, [s.grad_norm for s in result.steps], params, paths
+    )
     torch.save(dataclasses.asdict(out), Path(out_dir) / f"rank{rank}.pt")
 
 
@@ -54,8 +63,11 @@ def run_job(settings: TrainSettings, out_dir: Path, timeout_s: float = 180.0) ->
     if init_file.exists():
         os.remove(init_file)
     ctx = tmp.start_processes(
-        _worker, args=(world, str(init_file), settings, str(out_dir)), nprocs=world,
-        join=False, start_method="forkserver",
+        _worker,
+        args=(world, str(init_file), settings, str(out_dir)),
+        nprocs=world,
+        join=False,
+        start_method="forkserver",
     )
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=5):  # returns False while some rank still runs

@@ -14,8 +14,8 @@ from trainer_svc.tiny import make_tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))  # _launch must be importable in forkserver workers
 
-import _launch  # noqa: E402
-from _launch import TRAIN  # noqa: E402
+import _launch
+from _launch import TRAIN
 
 torch.set_num_threads(1)
 
@@ -39,9 +39,19 @@ def run_layout(tiny_dir, tmp_path_factory):
         key = (pp, dp, ep, tp, *sorted(overrides.items()))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"pp{pp}dp{dp}ep{ep}tp{tp}")
-            settings = TrainSettings(**{"model_dir": tiny_dir, "pp": pp, "dp": dp, "ep": ep, "tp": tp,
-                                        "device": "cpu", "export_dir": str(out / "export"),
-                                        **TRAIN, **overrides})
+            settings = TrainSettings(
+                **{
+                    "model_dir": tiny_dir,
+                    "pp": pp,
+                    "dp": dp,
+                    "ep": ep,
+                    "tp": tp,
+                    "device": "cpu",
+                    "export_dir": str(out / "export"),
+                    **TRAIN,
+                    **overrides,
+                }
+            )
             cache[key] = (_launch.run_job(settings, out), out / "export")
         return cache[key]
 

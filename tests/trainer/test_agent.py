@@ -7,12 +7,12 @@ import sys
 import threading
 import time
 
+import _launch
 import httpx
 import pytest
 import torch
-
-import _launch
 from _launch import TRAIN
+
 from deploy.local.processes import free_port
 from syncd.layout import Canon, CanonicalTensor, Catalog, local_tensor
 from syncd.states import wait_final
@@ -58,15 +58,20 @@ def test_bf16_shards_are_the_weights_the_model_computes_with_and_the_optimizer_k
         for name, master in masters.items():
             assert master.dtype == torch.float32 and master.grad.dtype == torch.float32, name
             weights = shards[name].reshape(master.shape)
-            assert weights.dtype == torch.bfloat16 and torch.equal(weights, master.detach().to(torch.bfloat16)), name
+            assert weights.dtype == torch.bfloat16 and torch.equal(
+                weights, master.detach().to(torch.bfloat16)
+            ), name
     states = [t for state in trainer.optimizer.state.values() for t in state.values() if t.numel() > 1]
     assert states and all(t.dtype == torch.float32 for t in states)
 
 
 def test_optimizer_waits_while_shards_are_read(tiny_dir):
     trainer = _single_trainer(tiny_dir)
-    shards = LocalShards(build_catalog(trainer.args, trainer.mesh.dims, trainer.mesh.coords),
-                         dict(trainer.model.named_parameters()), trainer.lock)
+    shards = LocalShards(
+        build_catalog(trainer.args, trainer.mesh.dims, trainer.mesh.coords),
+        dict(trainer.model.named_parameters()),
+        trainer.lock,
+    )
     name = "lm_head.weight"
     done = threading.Event()
     with shards.reading() as tensors:
@@ -90,11 +95,30 @@ def start_syncd(tmp_path):
     def start(trainers: int, generators: int, token: str | None = None, ports: tuple[int, int] | None = None):
         grpc_port, http_port = ports or (free_port(), free_port())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "syncd", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
-             "--http-port", str(http_port), "--db", str(tmp_path / "syncd.db"), "--lease-seconds", "60",
-             "--expected-trainers", str(trainers), "--expected-generators", str(generators),
-             "--backend", "gloo", *(["--auth-token", token] if token else [])],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [
+                sys.executable,
+                "-m",
+                "syncd",
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                str(grpc_port),
+                "--http-port",
+                str(http_port),
+                "--db",
+                str(tmp_path / "syncd.db"),
+                "--lease-seconds",
+                "60",
+                "--expected-trainers",
+                str(trainers),
+                "--expected-generators",
+                str(generators),
+                "--backend",
+                "gloo",
+                *(["--auth-token", token] if token else []),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         procs.append(proc)
         http = httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=5)
@@ -154,8 +178,13 @@ class _Receiver:
         catalog = Catalog(canon, tuple(local_tensor(n, "float32", Canon(n, s)) for n, s in shapes.items()))
         self.tensors = {n: torch.zeros(s) for n, s in shapes.items()}
         self.committed: list[int] = []
-        self.client = MemberClient(target, role="generator", member_id="generator-0-0",
-                                   coords={"replica": 0, "tp": 0}, catalog=catalog)
+        self.client = MemberClient(
+            target,
+            role="generator",
+            member_id="generator-0-0",
+            coords={"replica": 0, "tp": 0},
+            catalog=catalog,
+        )
         self.agent = MemberAgent(self.client, self, AgentSettings())
         self.client.start(self.agent)
 
@@ -207,7 +236,9 @@ def test_refit_moves_the_trained_weights_bit_exactly(start_syncd, tiny_dir):
         agent.close()
 
 
-def test_a_rank_registers_with_a_token_protected_syncd_only_with_the_token(start_syncd, tiny_dir, monkeypatch):
+def test_a_rank_registers_with_a_token_protected_syncd_only_with_the_token(
+    start_syncd, tiny_dir, monkeypatch
+):
     target, http = start_syncd(trainers=1, generators=1, token="s3cret")
     monkeypatch.setenv("TRAINER_AUTH_TOKEN", "s3cret")
     settings = TrainSettings.from_argv(["--model-dir", tiny_dir, "--device", "cpu", "--syncd", target])
@@ -225,7 +256,9 @@ def test_a_rank_registers_with_a_token_protected_syncd_only_with_the_token(start
         agent.close()
 
 
-def test_a_synchronous_rank_waits_for_the_refit_of_a_step_it_could_not_announce(start_syncd, tiny_dir, caplog):
+def test_a_synchronous_rank_waits_for_the_refit_of_a_step_it_could_not_announce(
+    start_syncd, tiny_dir, caplog
+):
     """syncd restarts while a --sync-refit rank announces its step: the version reaches the new
     syncd through the rank's re-registration, and the rank waits for that refit instead of moving
     on (a job's last step used to finish unannounced and the job exit before anyone moved it)."""

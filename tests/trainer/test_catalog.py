@@ -16,8 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from syncd.layout import Box, Canon, Catalog, Concat, InterleavedShard, Shard, Sharded, local_tensor
-from syncd.layout import hf_names
+from syncd.layout import Box, Canon, Catalog, Concat, InterleavedShard, Shard, Sharded, hf_names, local_tensor
 from trainer_svc.catalog import build_catalog, layout_expr
 from trainer_svc.parallel_dims import ParallelDims
 from trainer_svc.state_dict_adapter import canonical_shapes, load_hf, shard_for_rank
@@ -74,8 +73,11 @@ def test_interleaved_2d_and_4d_view_describe_the_same_elements(ep, tp):
     E, I, H = TINY_ARGS.num_experts, TINY_ARGS.moe_intermediate_size, TINY_ARGS.hidden_size
     prefix = "model.layers.0.mlp"
     ids = {  # unique id per canonical element
-        hf_names.grouped_expert_name(prefix, "gate_proj"): np.arange(E * I * H, dtype=np.float32).reshape(E, I, H),
-        hf_names.grouped_expert_name(prefix, "up_proj"): -1 - np.arange(E * I * H, dtype=np.float32).reshape(E, I, H),
+        hf_names.grouped_expert_name(prefix, "gate_proj"): np.arange(E * I * H, dtype=np.float32).reshape(
+            E, I, H
+        ),
+        hf_names.grouped_expert_name(prefix, "up_proj"): -1
+        - np.arange(E * I * H, dtype=np.float32).reshape(E, I, H),
     }
     name, shapes = f"{prefix}.experts.gate_up_proj", canonical_shapes(TINY_ARGS)
     for c in dims.all_coords():
@@ -99,7 +101,9 @@ def test_catalog_matches_loaded_shards_and_reassembles(tiny_dir, layout):
     for c in dims.all_coords():
         catalog = build_catalog(args, dims, c)
         sim = simulate_local(catalog, canon_np)
-        actual = {t.name: shard_for_rank(t.name, canonical, dims, c).view(t.shape).numpy() for t in catalog.tensors}
+        actual = {
+            t.name: shard_for_rank(t.name, canonical, dims, c).view(t.shape).numpy() for t in catalog.tensors
+        }
         assert sim.keys() == actual.keys()
         for name in sim:
             np.testing.assert_array_equal(sim[name], actual[name], err_msg=f"rank {c}: {name}")

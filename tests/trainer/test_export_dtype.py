@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 
+import _launch
 import pytest
 import torch
+from _launch import TRAIN
 from safetensors.torch import load_file
 
-import _launch
-from _launch import TRAIN
 from tests.fp8_reference import block_by_block
 from trainer_svc.config import ModelArgs
 from trainer_svc.settings import TrainSettings
@@ -20,23 +20,48 @@ from trainer_svc.tiny import make_tiny_checkpoint
 
 # Dims that are not multiples of 128, so that weights have partial FP8 blocks at their ends (hidden
 # 200 = 128 + 72, vocab 300) next to whole ones (q_proj has 4 x 128 rows, the experts 256).
-FP8_ARGS = ModelArgs(vocab_size=300, hidden_size=200, moe_intermediate_size=256, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=128, num_experts=4,
-                     num_experts_per_tok=2)
+FP8_ARGS = ModelArgs(
+    vocab_size=300,
+    hidden_size=200,
+    moe_intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    num_experts=4,
+    num_experts_per_tok=2,
+)
 # What a blockwise-FP8 checkpoint quantizes: the attention and MLP projections (not the router,
 # `mlp.gate.weight`, nor embeddings, norms and the head).
-QUANTIZED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-             "gate_proj.weight", "up_proj.weight", "down_proj.weight")
-QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                       "weight_block_size": [128, 128]}
+QUANTIZED = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "o_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
+QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 
 
 @pytest.mark.parametrize("ep", [1, 2], ids=["gathered-by-rank-0", "parallel-writers"])
 def test_a_bfloat16_export_is_the_float32_export_rounded_to_nearest_even(tiny_dir, tmp_path, ep):
     exports = {}
     for dtype in ("float32", "bfloat16"):
-        settings = TrainSettings(model_dir=tiny_dir, ep=ep, device="cpu", export_dir=str(tmp_path / dtype),
-                                 export_dtype=dtype, **{**TRAIN, "steps": 1})
+        settings = TrainSettings(
+            model_dir=tiny_dir,
+            ep=ep,
+            device="cpu",
+            export_dir=str(tmp_path / dtype),
+            export_dtype=dtype,
+            **{**TRAIN, "steps": 1},
+        )
         _launch.run_job(settings, tmp_path / f"run-{dtype}")
         exports[dtype] = load_file(str(tmp_path / dtype / "model.safetensors"))
         assert json.loads((tmp_path / dtype / "config.json").read_text())["torch_dtype"] == dtype
@@ -59,8 +84,14 @@ def fp8_source_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("ep", [1, 2], ids=["gathered-by-rank-0", "parallel-writers"])
 def test_an_fp8_export_is_the_bfloat16_weights_quantized_per_128x128_block(fp8_source_dir, tmp_path, ep):
     # lr 0: the step leaves the weights as loaded, so the reference quantizes the source checkpoint.
-    settings = TrainSettings(model_dir=fp8_source_dir, ep=ep, device="cpu", export_dir=str(tmp_path / "fp8"),
-                             export_dtype="fp8", **{**TRAIN, "steps": 1, "lr": 0.0})
+    settings = TrainSettings(
+        model_dir=fp8_source_dir,
+        ep=ep,
+        device="cpu",
+        export_dir=str(tmp_path / "fp8"),
+        export_dtype="fp8",
+        **{**TRAIN, "steps": 1, "lr": 0.0},
+    )
     _launch.run_job(settings, tmp_path / "run")
     source = load_file(f"{fp8_source_dir}/model.safetensors")
     exported = load_file(str(tmp_path / "fp8" / "model.safetensors"))

@@ -8,8 +8,14 @@ import torch
 from safetensors.torch import load_file
 
 LAYOUTS = [  # (pp, dp, ep, tp); all pp, ep, tp in {1, 2}, plus data parallel with expert parallel
-    (1, 1, 1, 2), (1, 1, 2, 1), (1, 1, 2, 2), (2, 1, 1, 1),
-    (2, 1, 1, 2), (2, 1, 2, 1), (2, 1, 2, 2), (1, 2, 2, 1),
+    (1, 1, 1, 2),
+    (1, 1, 2, 1),
+    (1, 1, 2, 2),
+    (2, 1, 1, 1),
+    (2, 1, 1, 2),
+    (2, 1, 2, 1),
+    (2, 1, 2, 2),
+    (1, 2, 2, 1),
 ]
 RTOL = 1e-5
 # bfloat16 compute (8 significand bits): layouts sum in other orders, so the loss moves in its 4th
@@ -49,7 +55,7 @@ def test_layout_matches_single_process(run_layout, reference, tiny_dir, layout):
 
 def test_uneven_token_split_over_tp_matches(run_layout, tiny_dir):
     """15 tokens per microbatch: TP ranks dispatch 8 and 7 tokens (uneven gathers and scatters)."""
-    uneven = dict(global_batch_size=2, microbatches=1, seq_len=15)
+    uneven = {"global_batch_size": 2, "microbatches": 1, "seq_len": 15}
     _assert_same_training(*run_layout(1, 1, 2, 2, **uneven), *run_layout(1, 1, 1, 1, **uneven), tiny_dir)
 
 
@@ -70,8 +76,9 @@ def test_bf16_layout_matches_single_process(run_layout, bf16_reference, layout):
     ranks, export = run_layout(*layout, dtype="bfloat16")
     ref_ranks, ref_export = bf16_reference
     for r in ranks:
-        torch.testing.assert_close(torch.tensor(r.losses), torch.tensor(ref_ranks[0].losses),
-                                   rtol=BF16_LOSS_RTOL, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(r.losses), torch.tensor(ref_ranks[0].losses), rtol=BF16_LOSS_RTOL, atol=0
+        )
     got, want = load_file(str(export / "model.safetensors")), load_file(str(ref_export / "model.safetensors"))
     assert sorted(got) == sorted(want)
     for name in want:
@@ -79,18 +86,25 @@ def test_bf16_layout_matches_single_process(run_layout, bf16_reference, layout):
         assert _rel(got[name].float(), want[name].float()) <= BF16_WEIGHT_RTOL, name
 
 
-def test_bf16_keeps_float32_masters_and_exports_the_bf16_weights_it_computes_with(bf16_reference, reference, tiny_dir):
+def test_bf16_keeps_float32_masters_and_exports_the_bf16_weights_it_computes_with(
+    bf16_reference, reference, tiny_dir
+):
     ranks, export = bf16_reference
     masters = ranks[0].params
     got = load_file(str(export / "model.safetensors"))
     start = load_file(f"{tiny_dir}/model.safetensors")
     assert all(m.dtype == torch.float32 for m in masters.values())
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
-                 "model.layers.1.post_attention_layernorm.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.post_attention_layernorm.weight",
+    ):
         assert torch.equal(got[name], masters[name].to(torch.bfloat16)), name
     # Updates smaller than a bf16 ulp still accumulate in the masters (lr 1e-4 on weights ~0.02).
     name = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(masters[name], start[name].float())
     # bfloat16 compute trains the float32 model: the same losses to the bfloat16 tolerance.
-    torch.testing.assert_close(torch.tensor(ranks[0].losses), torch.tensor(reference[0][0].losses),
-                               rtol=BF16_LOSS_RTOL, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(ranks[0].losses), torch.tensor(reference[0][0].losses), rtol=BF16_LOSS_RTOL, atol=0
+    )

@@ -20,7 +20,7 @@ def test_newton_schulz_is_close_to_the_polar_factor(shape):
     x = orthogonalize(g, steps=5)
     s = torch.linalg.svdvals(x)
     assert x.shape == g.shape
-    assert 0.6 < float(s.min()) and float(s.max()) < 1.25  # every direction pushed towards 1
+    assert float(s.min()) > 0.6 and float(s.max()) < 1.25  # every direction pushed towards 1
     u, _, vh = torch.linalg.svd(g, full_matrices=False)
     polar = u @ vh
     cosine = float((x * polar).sum() / (x.norm() * polar.norm()))
@@ -33,7 +33,7 @@ def test_orthogonalize_refuses_non_matrices():
 
 
 def test_update_scale_uses_the_whole_shape():
-    assert update_scale((64, 128)) == pytest.approx(0.2 * 128 ** 0.5)
+    assert update_scale((64, 128)) == pytest.approx(0.2 * 128**0.5)
 
 
 def test_settings_refuse_an_unknown_optimizer(tiny_dir):
@@ -56,12 +56,22 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest(tiny_dir):
     opt = build_optimizer(settings, model, Mesh.single(), args)
     muon = set(opt.paths)
     names = {n for n, _ in model.named_parameters()}
-    expected_muon = {n for n in names if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
-                                                    "o_proj.weight", "gate_up_proj", "down_proj"))}
+    expected_muon = {
+        n
+        for n in names
+        if n.endswith(
+            ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_up_proj", "down_proj")
+        )
+    }
     assert muon == expected_muon
-    adamw = {n for n in names - muon}
-    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-            "model.layers.0.mlp.gate.weight", "model.layers.0.self_attn.q_norm.weight"} <= adamw
+    adamw = set(names - muon)
+    assert {
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+    } <= adamw
     assert set(opt.paths.values()) == {"local"}
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from test_layouts import _assert_same_training
+
 from trainer_svc.optim.muon_plan import ALL_GATHER, ALL_TO_ALL, BATCHED, LOCAL, PATHS
 from trainer_svc.tiny import TINY_ARGS, make_tiny_checkpoint
 
@@ -28,8 +28,12 @@ EXPECTED_PATHS = {
     (1, 2, 2, 1): (BATCHED, LOCAL, ALL_TO_ALL, ALL_TO_ALL),  # dp replicas split the experts' NS
     (1, 2, 1, 2): (BATCHED, ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL),  # owners over dp and tp at once
 }
-KINDS = (("q_proj.weight", "k_proj.weight", "v_proj.weight"), ("o_proj.weight",), ("gate_up_proj",),
-         ("down_proj",))
+KINDS = (
+    ("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+    ("o_proj.weight",),
+    ("gate_up_proj",),
+    ("down_proj",),
+)
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +43,7 @@ def muon_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def muon(muon_dir) -> dict:
-    return dict(optimizer="muon", model_dir=muon_dir)
+    return {"optimizer": "muon", "model_dir": muon_dir}
 
 
 @pytest.fixture(scope="session")

@@ -23,21 +23,24 @@ def _layout(matrices: int, tp: int, replicas: int, shard_dim: int = 0) -> BatchL
     return BatchLayout(tuple((8 * (1 + m % 3), 16) for m in range(matrices)), shard_dim, tp, replicas)
 
 
-@pytest.mark.parametrize("matrices,tp,replicas,path", [
-    (8, 1, 1, LOCAL),        # experts with ep only: whole matrices on every rank
-    (1, 1, 4, LOCAL),        # one o_proj replicated over dp x ep, no tp: nothing to share
-    (8, 1, 2, ALL_TO_ALL),   # experts replicated over dp=2: the replicas split the NS work
-    (8, 2, 1, ALL_TO_ALL),   # 4 local experts' gate+up over tp=2
-    (16, 4, 1, ALL_TO_ALL),
-    (4, 2, 2, ALL_TO_ALL),   # M == G: one matrix per rank
-    (1, 2, 1, ALL_GATHER),   # o_proj over tp=2
-    (2, 4, 1, ALL_GATHER),   # tp a multiple of the local experts
-    (1, 2, 4, ALL_GATHER),
-    (3, 2, 1, BATCHED),      # q, k, v over tp=2
-    (3, 1, 2, BATCHED),      # q, k, v replicated over ep=2 only
-    (3, 2, 4, BATCHED),
-    (6, 4, 1, BATCHED),
-])
+@pytest.mark.parametrize(
+    "matrices,tp,replicas,path",
+    [
+        (8, 1, 1, LOCAL),  # experts with ep only: whole matrices on every rank
+        (1, 1, 4, LOCAL),  # one o_proj replicated over dp x ep, no tp: nothing to share
+        (8, 1, 2, ALL_TO_ALL),  # experts replicated over dp=2: the replicas split the NS work
+        (8, 2, 1, ALL_TO_ALL),  # 4 local experts' gate+up over tp=2
+        (16, 4, 1, ALL_TO_ALL),
+        (4, 2, 2, ALL_TO_ALL),  # M == G: one matrix per rank
+        (1, 2, 1, ALL_GATHER),  # o_proj over tp=2
+        (2, 4, 1, ALL_GATHER),  # tp a multiple of the local experts
+        (1, 2, 4, ALL_GATHER),
+        (3, 2, 1, BATCHED),  # q, k, v over tp=2
+        (3, 1, 2, BATCHED),  # q, k, v replicated over ep=2 only
+        (3, 2, 4, BATCHED),
+        (6, 4, 1, BATCHED),
+    ],
+)
 def test_path_by_divisibility(matrices, tp, replicas, path):
     assert choose_path(_layout(matrices, tp, replicas)) == path
 
@@ -53,7 +56,7 @@ def _simulate(layout: BatchLayout, plan_for, have: list[dict]) -> list[dict]:
     """Run one exchange for all ranks of the work group; check both sides of every link agree."""
     G = layout.group_size
     plans = [plan_for(layout, g) for g in range(G)]
-    out = [dict() for _ in range(G)]
+    out = [{} for _ in range(G)]
     for src in range(G):
         for dst in range(G):
             sent, expected = plans[src].send[dst], plans[dst].recv[src]
@@ -80,8 +83,10 @@ def test_owners_get_whole_matrices_and_every_rank_its_pieces_back(matrices, tp, 
         assert sorted(at_owner[g]) == [(m, t) for m in mine for t in range(tp)]
     counts = [own.count(g) for g in range(G)]
     assert max(counts) - min(counts) <= 1  # work shared over tp and replicas alike
-    results = [{(m, t): f"update{m}p{t}" for m in range(matrices) if own[m] == g for t in range(tp)}
-               for g in range(G)]
+    results = [
+        {(m, t): f"update{m}p{t}" for m in range(matrices) if own[m] == g for t in range(tp)}
+        for g in range(G)
+    ]
     back = _simulate(layout, scatter_from_owners, results)
     for g in range(G):
         assert back[g] == {(m, g % tp): f"update{m}p{g % tp}" for m in range(matrices)}

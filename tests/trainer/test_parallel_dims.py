@@ -48,18 +48,45 @@ def test_rank_order_is_pp_major_tp_minor():
 
 
 def test_settings_parse_the_documented_flags(tmp_path):
-    s = TrainSettings.from_argv([
-        "--model-dir", str(tmp_path), "--pp", "2", "--ep", "2", "--tp", "2", "--dp", "1", "--steps", "5",
-        "--seed", "3", "--lr", "0.01", "--global-batch-size", "16", "--seq-len", "64", "--microbatches", "4",
-        "--export-dir", "out", "--syncd", "localhost:50051",
-    ])
+    s = TrainSettings.from_argv(
+        [
+            "--model-dir",
+            str(tmp_path),
+            "--pp",
+            "2",
+            "--ep",
+            "2",
+            "--tp",
+            "2",
+            "--dp",
+            "1",
+            "--steps",
+            "5",
+            "--seed",
+            "3",
+            "--lr",
+            "0.01",
+            "--global-batch-size",
+            "16",
+            "--seq-len",
+            "64",
+            "--microbatches",
+            "4",
+            "--export-dir",
+            "out",
+            "--syncd",
+            "localhost:50051",
+        ]
+    )
     assert (s.pp, s.dp, s.ep, s.tp, s.steps, s.seed, s.lr) == (2, 1, 2, 2, 5, 3, 0.01)
     assert (s.global_batch_size, s.seq_len, s.microbatches) == (16, 64, 4)
     assert s.export_dir == "out" and s.syncd == "localhost:50051" and s.dims.world_size == 8
 
 
 def test_settings_refuse_a_batch_that_does_not_split():
-    with pytest.raises(ValueError, match="global-batch-size 6 must be divisible by dp 1 x ep 2 x microbatches 2"):
+    with pytest.raises(
+        ValueError, match="global-batch-size 6 must be divisible by dp 1 x ep 2 x microbatches 2"
+    ):
         TrainSettings(init_config="c.json", ep=2, global_batch_size=6, microbatches=2)
     with pytest.raises(ValueError, match="exactly one of --model-dir"):
         TrainSettings()

@@ -21,8 +21,9 @@ from trainer_svc.state_dict_adapter import load_hf, shard_for_rank
 from trainer_svc.tiny import TINY_ARGS, make_tiny_checkpoint
 
 # Experts dominate (8 x 3 x 512 x 512 floats per layer, 4 layers: 96 MiB of 108 MiB).
-LARGE_ARGS = dataclasses.replace(TINY_ARGS, hidden_size=512, moe_intermediate_size=512, head_dim=64,
-                                 num_key_value_heads=4, vocab_size=1024)
+LARGE_ARGS = dataclasses.replace(
+    TINY_ARGS, hidden_size=512, moe_intermediate_size=512, head_dim=64, num_key_value_heads=4, vocab_size=1024
+)
 SLACK_MIB = 8  # one box in flight, allocator and safetensors bookkeeping
 
 
@@ -58,9 +59,15 @@ def large_dir(tmp_path_factory) -> str:
 def _peaks(model_dir: str, *specs: str) -> list[dict]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed blocks leave at once
     script = Path(__file__).with_name("_peak_load.py")
-    out = subprocess.run([sys.executable, str(script), model_dir, *specs],
-                         env=env, capture_output=True, text=True, timeout=300, check=True)
-    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(specs):]]
+    out = subprocess.run(
+        [sys.executable, str(script), model_dir, *specs],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return [json.loads(line) for line in out.stdout.strip().splitlines()[-len(specs) :]]
 
 
 def test_peak_memory_while_loading_follows_the_shard(large_dir):

@@ -19,7 +19,9 @@ def test_every_canonical_tensor_is_held_by_exactly_one_parameter():
     assert sorted(held) == sorted(canonical)
     assert "model.layers.0.mlp.experts.gate_up_proj" in params
     assert sources("model.layers.0.mlp.experts.gate_up_proj") == (
-        "model.layers.0.mlp.experts.gate_proj.weight", "model.layers.0.mlp.experts.up_proj.weight")
+        "model.layers.0.mlp.experts.gate_proj.weight",
+        "model.layers.0.mlp.experts.up_proj.weight",
+    )
 
 
 @pytest.mark.parametrize("ep,tp", [(1, 1), (2, 1), (1, 2), (4, 2)])

@@ -10,10 +10,27 @@ import numpy as np
 import pytest
 import torch
 
-from syncd.member.dataplane import (GlooTransport, TransferError, TransferTimeout, catalog_views, recv_buckets, send_buckets,
-                             unpack_from)
-from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Replicate, Shard, Sharded, Stack, local_tensor
+from syncd.layout import (
+    Canon,
+    CanonicalTensor,
+    Catalog,
+    Concat,
+    Replicate,
+    Shard,
+    Sharded,
+    Stack,
+    local_tensor,
+)
 from syncd.layout.dtypes import torch_dtype
+from syncd.member.dataplane import (
+    GlooTransport,
+    TransferError,
+    TransferTimeout,
+    catalog_views,
+    recv_buckets,
+    send_buckets,
+    unpack_from,
+)
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.simulate import materialize
 
@@ -26,28 +43,38 @@ ALL = (GATE, UP, NORM)
 
 def trainer_catalog(ep_rank: int, tp_rank: int, dtype: str = "float32") -> Catalog:
     fused = Stack(1, (Canon(GATE.name, GATE.shape), Canon(UP.name, UP.shape)))
-    return Catalog(tuple(replace(c, dtype=dtype) for c in ALL), (
-        local_tensor("w13", dtype, Sharded(fused, (Shard(0), Shard(2)), (2, 2), (ep_rank, tp_rank))),
-        local_tensor("norm", dtype, Canon(NORM.name, NORM.shape)),
-    ))
+    return Catalog(
+        tuple(replace(c, dtype=dtype) for c in ALL),
+        (
+            local_tensor("w13", dtype, Sharded(fused, (Shard(0), Shard(2)), (2, 2), (ep_rank, tp_rank))),
+            local_tensor("norm", dtype, Canon(NORM.name, NORM.shape)),
+        ),
+    )
 
 
 def vllm_catalog(tp_rank: int, tp: int, dtype: str = "float32") -> Catalog:
     parts = tuple(Sharded(Canon(c.name, c.shape), (Shard(1),), (tp,), (tp_rank,)) for c in (GATE, UP))
-    return Catalog(tuple(replace(c, dtype=dtype) for c in ALL), (
-        local_tensor("w13_weight", dtype, Concat(1, parts)),
-        local_tensor("norm", dtype, Sharded(Canon(NORM.name, NORM.shape), (Replicate(),), (tp,), (tp_rank,))),
-    ))
+    return Catalog(
+        tuple(replace(c, dtype=dtype) for c in ALL),
+        (
+            local_tensor("w13_weight", dtype, Concat(1, parts)),
+            local_tensor(
+                "norm", dtype, Sharded(Canon(NORM.name, NORM.shape), (Replicate(),), (tp,), (tp_rank,))
+            ),
+        ),
+    )
 
 
 def _run_threads(fns):
     errors, threads = [], []
     for fn in fns:
+
         def target(fn=fn):
             try:
                 fn()
-            except BaseException as e:  # noqa: BLE001 - reported to the test below
+            except BaseException as e:
                 errors.append(e)
+
         threads.append(threading.Thread(target=target))
     for t in threads:
         t.start()
@@ -60,14 +87,14 @@ def _run_threads(fns):
 class _Sink:
     """A receiver that takes whole buckets (as the generator's in-place install does)."""
 
-    def __init__(self, views) -> None:  # noqa: ANN001
+    def __init__(self, views) -> None:
         self.views, self.device, self.buckets = views, torch.device("cpu"), 0
 
-    def unpack(self, bucket, flat) -> None:  # noqa: ANN001
+    def unpack(self, bucket, flat) -> None:
         unpack_from(bucket, flat, self.views)
         self.buckets += 1
 
-    def position(self, bucket) -> tuple:  # noqa: ANN001
+    def position(self, bucket) -> tuple:
         return (-bucket.index,)  # asks for the links' last buckets first: each link's order is kept
 
 
@@ -80,19 +107,29 @@ def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype, s
     whole buckets itself (`ReceiveSink`) gets every bucket once and checksums the same bytes."""
     rng = np.random.default_rng(1)
     canonical = {c.name: rng.standard_normal(c.shape).astype(np.float32) for c in ALL}
-    sources = [SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(e, t)) for e in range(2) for t in range(2)]
+    sources = [
+        SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(e, t)) for e in range(2) for t in range(2)
+    ]
     dests = [DestMember(f"generator-0-{t}", vllm_catalog(t, 2, wire_dtype)) for t in range(2)]
     plan = make_plan(sources, dests, bucket_bytes=bucket_bytes)
     members = [m.member_id for m in sources + dests]
     ranks = {m: i for i, m in enumerate(members)}
     address, store = GlooTransport.create_address("127.0.0.1", len(members), 30)
-    local = {m.member_id: {k: torch.from_numpy(v) for k, v in materialize(m.catalog, canonical).items()} for m in sources}
+    local = {
+        m.member_id: {k: torch.from_numpy(v) for k, v in materialize(m.catalog, canonical).items()}
+        for m in sources
+    }
     wire = torch_dtype(wire_dtype)
-    received = {m.member_id: {t.name: torch.full(t.shape, float("nan"), dtype=wire) for t in m.catalog.tensors} for m in dests}
+    received = {
+        m.member_id: {t.name: torch.full(t.shape, float("nan"), dtype=wire) for t in m.catalog.tensors}
+        for m in dests
+    }
     stats, sinks = {}, {}
 
     def member(m, catalog, sending):
-        transport = GlooTransport.connect(address, ranks[m], len(members), "g0", 30, store if ranks[m] == 0 else None)
+        transport = GlooTransport.connect(
+            address, ranks[m], len(members), "g0", 30, store if ranks[m] == 0 else None
+        )
         views = catalog_views(catalog, local[m] if sending else received[m])
         if sink and not sending:
             views = sinks[m] = _Sink(views)
@@ -118,8 +155,13 @@ def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype, s
 
 @pytest.mark.parametrize("sender_dies", [False, True])
 def test_receiver_fails_cleanly_instead_of_hanging_when_the_sender_never_sends(sender_dies):
-    sources = [SourceMember("trainer-0", 0, Catalog(ALL, tuple(
-        local_tensor(c.name, "float32", Canon(c.name, c.shape)) for c in ALL)))]
+    sources = [
+        SourceMember(
+            "trainer-0",
+            0,
+            Catalog(ALL, tuple(local_tensor(c.name, "float32", Canon(c.name, c.shape)) for c in ALL)),
+        )
+    ]
     dests = [DestMember("generator-0-0", vllm_catalog(0, 1))]
     plan = make_plan(sources, dests)
     ranks = {"trainer-0": 0, "generator-0-0": 1}
@@ -137,7 +179,9 @@ def test_receiver_fails_cleanly_instead_of_hanging_when_the_sender_never_sends(s
     def receiver():
         transport = GlooTransport.connect(address, 1, 2, "g1", 30)
         views = {t.name: torch.zeros(t.shape) for t in dests[0].catalog.tensors}
-        expected = (TransferError, "failed") if sender_dies else (TransferTimeout, "did not complete within 2 s")
+        expected = (
+            (TransferError, "failed") if sender_dies else (TransferTimeout, "did not complete within 2 s")
+        )
         try:
             with pytest.raises(expected[0], match=expected[1]):
                 recv_buckets(plan.for_member("generator-0-0"), views, transport, ranks, timeout_s=2)
@@ -196,7 +240,9 @@ def test_gpu_checksum_batched_fold_equals_the_per_region_definition():
         col = sum((i + 1) * wrap32(int(v)) for i, v in enumerate(m.sum(0).tolist()))
         row = sum((i + 1) * wrap32(int(v)) for i, v in enumerate(m.sum(1).tolist()))
         tail = b[full:]
-        words = tail[: tail.numel() - tail.numel() % 4].view(torch.int32).tolist() if tail.numel() >= 4 else []
+        words = (
+            tail[: tail.numel() - tail.numel() % 4].view(torch.int32).tolist() if tail.numel() >= 4 else []
+        )
         rest = words + tail[len(words) * 4 :].tolist()
         return wrap64(col), wrap64(row), wrap64(sum((i + 1) * v for i, v in enumerate(rest)))
 
@@ -208,6 +254,7 @@ def test_gpu_checksum_batched_fold_equals_the_per_region_definition():
     for r in regions:
         sums.add(r)
     assert sums.values() == [reference(r) for r in regions]
+
 
 def test_gloo_refuses_a_tensor_off_the_host_by_name():
     """Inside vLLM's layerwise reload a model's parameters are on the meta device; gloo given one

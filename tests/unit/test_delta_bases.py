@@ -16,12 +16,19 @@ W = CanonicalTensor("w", (64, 8), "bfloat16")
 CATALOG = Catalog((W,), (local_tensor("w", "bfloat16", Canon(W.name, W.shape)),))
 
 
-def member(member_id: str, role: str, **kw) -> Member:  # noqa: ANN003
+def member(member_id: str, role: str, **kw) -> Member:
     return Member(member_id, role, {}, "cpu", "127.0.0.1", "hash", f"{member_id}-s1", 0.0, **kw)
 
 
-MEMBERS = {m.member_id: m for m in (member("t", "trainer"), member("g1", "generator"), member("g2", "generator"),
-                                     member("gi", "generator", receive_by_layer=True))}
+MEMBERS = {
+    m.member_id: m
+    for m in (
+        member("t", "trainer"),
+        member("g1", "generator"),
+        member("g2", "generator"),
+        member("gi", "generator", receive_by_layer=True),
+    )
+}
 PLAN = make_plan([SourceMember("t", 0, CATALOG)], [DestMember(g, CATALOG) for g in ("g1", "g2", "gi")])
 GLOO = {0: StageGroup(0, "refit-1/stage0", "gloo", ("t", "g1", "g2", "gi"))}
 

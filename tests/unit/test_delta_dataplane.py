@@ -11,12 +11,21 @@ import numpy as np
 import pytest
 import torch
 
-from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Replicate, Shard, Sharded, Stack, local_tensor
-from syncd.layout.dtypes import torch_dtype
-from syncd.member.dataplane import GlooTransport, catalog_views
 from syncd.commands import DeltaLinks
+from syncd.layout import (
+    Canon,
+    CanonicalTensor,
+    Catalog,
+    Concat,
+    Replicate,
+    Shard,
+    Sharded,
+    Stack,
+    local_tensor,
+)
+from syncd.layout.dtypes import torch_dtype
+from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets
 from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
-from syncd.member.dataplane import recv_buckets
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.simulate import materialize
 from tests.unit.test_dataplane_gloo import _run_threads
@@ -31,18 +40,26 @@ _GROUPS = itertools.count()
 
 def trainer_catalog(ep_rank: int, tp_rank: int) -> Catalog:
     fused = Stack(1, (Canon(GATE.name, GATE.shape), Canon(UP.name, UP.shape)))
-    return Catalog(ALL, (
-        local_tensor("w13", "float32", Sharded(fused, (Shard(0), Shard(2)), (2, 2), (ep_rank, tp_rank))),
-        local_tensor("norm", "float32", Canon(NORM.name, NORM.shape)),
-    ))
+    return Catalog(
+        ALL,
+        (
+            local_tensor("w13", "float32", Sharded(fused, (Shard(0), Shard(2)), (2, 2), (ep_rank, tp_rank))),
+            local_tensor("norm", "float32", Canon(NORM.name, NORM.shape)),
+        ),
+    )
 
 
 def vllm_catalog(tp_rank: int, tp: int, dtype: str) -> Catalog:
     parts = tuple(Sharded(Canon(c.name, c.shape), (Shard(1),), (tp,), (tp_rank,)) for c in (GATE, UP))
-    return Catalog(tuple(replace(c, dtype=dtype) for c in ALL), (
-        local_tensor("w13_weight", dtype, Concat(1, parts)),
-        local_tensor("norm", dtype, Sharded(Canon(NORM.name, NORM.shape), (Replicate(),), (tp,), (tp_rank,))),
-    ))
+    return Catalog(
+        tuple(replace(c, dtype=dtype) for c in ALL),
+        (
+            local_tensor("w13_weight", dtype, Concat(1, parts)),
+            local_tensor(
+                "norm", dtype, Sharded(Canon(NORM.name, NORM.shape), (Replicate(),), (tp,), (tp_rank,))
+            ),
+        ),
+    )
 
 
 class Refits:
@@ -51,65 +68,92 @@ class Refits:
 
     def __init__(self, dtype: str, bucket_bytes: int = 16 << 10) -> None:
         self.dtype = dtype
-        self.sources = [SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(e, t)) for e in range(2) for t in range(2)]
+        self.sources = [
+            SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(e, t)) for e in range(2) for t in range(2)
+        ]
         self.dests = [DestMember("gen-a", vllm_catalog(0, 1, dtype))] + [
-            DestMember(f"gen-b{t}", vllm_catalog(t, 2, dtype)) for t in range(2)]
+            DestMember(f"gen-b{t}", vllm_catalog(t, 2, dtype)) for t in range(2)
+        ]
         self.plan = make_plan(self.sources, self.dests, bucket_bytes=bucket_bytes)
         self.mirrors = {s.member_id: Mirror() for s in self.sources}
         rng = np.random.default_rng(0)
         self.canonical = {c.name: (rng.standard_normal(c.shape) * 0.02).astype(np.float32) for c in ALL}
         wire = torch_dtype(dtype)
-        self.received = {d.member_id: {t.name: torch.zeros(t.shape, dtype=wire) for t in d.catalog.tensors}
-                         for d in self.dests}
+        self.received = {
+            d.member_id: {t.name: torch.zeros(t.shape, dtype=wire) for t in d.catalog.tensors}
+            for d in self.dests
+        }
 
     def expected(self, member_id: str) -> dict[str, torch.Tensor]:
         d = next(d for d in self.dests if d.member_id == member_id)
-        return {k: torch.from_numpy(v).to(torch_dtype(self.dtype)) for k, v in materialize(d.catalog, self.canonical).items()}
+        return {
+            k: torch.from_numpy(v).to(torch_dtype(self.dtype))
+            for k, v in materialize(d.catalog, self.canonical).items()
+        }
 
     def refit(self, delta_dsts: set[str], base: int | None = None, max_fraction: float = 0.5):
         members = [m.member_id for m in self.sources + self.dests]
         ranks = {m: i for i, m in enumerate(members)}
         address, store = GlooTransport.create_address("127.0.0.1", len(members), 30)
         group, stats = f"delta{next(_GROUPS)}", {}
-        local = {s.member_id: {k: torch.from_numpy(v.copy()) for k, v in materialize(s.catalog, self.canonical).items()}
-                 for s in self.sources}
+        local = {
+            s.member_id: {
+                k: torch.from_numpy(v.copy()) for k, v in materialize(s.catalog, self.canonical).items()
+            }
+            for s in self.sources
+        }
 
-        def member(m, catalog, sending):  # noqa: ANN001
-            transport = GlooTransport.connect(address, ranks[m], len(members), group, 30, store if ranks[m] == 0 else None)
+        def member(m, catalog, sending):
+            transport = GlooTransport.connect(
+                address, ranks[m], len(members), group, 30, store if ranks[m] == 0 else None
+            )
             try:
                 views = catalog_views(catalog, local[m] if sending else self.received[m])
                 if sending:
-                    links, diffs = DeltaLinks(base, frozenset(delta_dsts), max_fraction), Diffs(self.mirrors[m])
-                    stats[m] = send_with_deltas(self.plan.for_member(m), views, transport, ranks, links, diffs,
-                                                timeout_s=30)
+                    links, diffs = (
+                        DeltaLinks(base, frozenset(delta_dsts), max_fraction),
+                        Diffs(self.mirrors[m]),
+                    )
+                    stats[m] = send_with_deltas(
+                        self.plan.for_member(m), views, transport, ranks, links, diffs, timeout_s=30
+                    )
                     diffs.commit(views)  # as the agent does once all its stages succeeded
                 elif m in delta_dsts:
                     links = DeltaLinks(base, frozenset(delta_dsts), max_fraction)
-                    stats[m] = recv_with_deltas(self.plan.for_member(m), views, transport, ranks, links, timeout_s=30)
+                    stats[m] = recv_with_deltas(
+                        self.plan.for_member(m), views, transport, ranks, links, timeout_s=30
+                    )
                 else:
                     stats[m] = recv_buckets(self.plan.for_member(m), views, transport, ranks, timeout_s=30)
             finally:
                 transport.close()
 
-        errors = _run_threads([lambda s=s: member(s.member_id, s.catalog, True) for s in self.sources]
-                              + [lambda d=d: member(d.member_id, d.catalog, False) for d in self.dests])
+        errors = _run_threads(
+            [lambda s=s: member(s.member_id, s.catalog, True) for s in self.sources]
+            + [lambda d=d: member(d.member_id, d.catalog, False) for d in self.dests]
+        )
         assert not errors, errors
         return stats
 
-    def checksums_agree(self, stats) -> bool:  # noqa: ANN001
+    def checksums_agree(self, stats) -> bool:
         sent = {k: v for s in self.sources for k, v in stats[s.member_id].checksums.items()}
         return all(sent[k] == v for d in self.dests for k, v in stats[d.member_id].checksums.items())
 
     def step(self, fraction: float, size: float = 1e-6) -> None:
         """An optimizer-like step: `fraction` of each tensor's elements move by about `size`."""
         rng = np.random.default_rng(len(self.canonical) + int(fraction * 1e6))
-        for name, v in self.canonical.items():
+        for v in self.canonical.values():
             hit = rng.random(v.shape) < fraction
-            v[hit] += np.float32(size) * np.sign(rng.standard_normal(hit.sum())).astype(np.float32) + v[hit] * np.float32(size)
+            v[hit] += np.float32(size) * np.sign(rng.standard_normal(hit.sum())).astype(np.float32) + v[
+                hit
+            ] * np.float32(size)
 
 
-@pytest.mark.parametrize("dtype, fraction", [("float32", 0.01), ("bfloat16", 0.01), ("bfloat16", 0.1)],
-                         ids=["float32", "bfloat16", "bfloat16-10pct"])
+@pytest.mark.parametrize(
+    "dtype, fraction",
+    [("float32", 0.01), ("bfloat16", 0.01), ("bfloat16", 0.1)],
+    ids=["float32", "bfloat16", "bfloat16-10pct"],
+)
 def test_delta_refit_equals_full_and_moves_few_bytes(dtype, fraction):
     """Version 1 goes full (the mirrors fill), version 2 goes as deltas to the TP-2 generator and
     full to the TP-1 one in the same transfer: both end bit-exact, checksums of whole regions agree,
@@ -129,7 +173,10 @@ def test_delta_refit_equals_full_and_moves_few_bytes(dtype, fraction):
     assert all(moved[m] < 6 * fraction * full[m] for m in moved), (moved, full)  # 4 + 2 bytes per change
     assert second["gen-a"].bytes == first["gen-a"].bytes  # the full link is unchanged
     b0 = second["gen-b0"]
-    assert 0.5 * fraction * b0.elements < b0.changed < 2 * fraction * b0.elements and b0.elements == r.dests[1].catalog.nbytes // torch_dtype(dtype).itemsize
+    assert (
+        0.5 * fraction * b0.elements < b0.changed < 2 * fraction * b0.elements
+        and b0.elements == r.dests[1].catalog.nbytes // torch_dtype(dtype).itemsize
+    )
 
 
 def test_a_step_that_changes_everything_goes_dense_and_stays_exact():
@@ -139,7 +186,9 @@ def test_a_step_that_changes_everything_goes_dense_and_stays_exact():
     second = r.refit({"gen-a", "gen-b0", "gen-b1"}, base=1)
     assert r.checksums_agree(second)
     for d in r.dests:
-        assert second[d.member_id].bytes == first[d.member_id].bytes  # every bucket dense: no header bytes counted
+        assert (
+            second[d.member_id].bytes == first[d.member_id].bytes
+        )  # every bucket dense: no header bytes counted
         for name, t in r.received[d.member_id].items():
             assert torch.equal(t, r.expected(d.member_id)[name])
 

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from syncd.member.dataplane import TransferAborted, send_buckets
 from syncd.layout import Canon, CanonicalTensor, Catalog, local_tensor
+from syncd.member.dataplane import TransferAborted, send_buckets
 from syncd.plan import DestMember, SourceMember, make_plan
 
 W = CanonicalTensor("w", (64, 8), "float32")
@@ -49,7 +49,9 @@ class _RecordingTransport:
 
 def _buckets():
     catalog = Catalog((W,), (local_tensor("w", "float32", Canon(W.name, W.shape)),))
-    plan = make_plan([SourceMember("trainer-0", 0, catalog)], [DestMember("generator-0-0", catalog)], bucket_bytes=512)
+    plan = make_plan(
+        [SourceMember("trainer-0", 0, catalog)], [DestMember("generator-0-0", catalog)], bucket_bytes=512
+    )
     return plan.for_member("trainer-0"), {"w": torch.randn(W.shape)}
 
 
@@ -73,6 +75,8 @@ def test_collector_is_restored_when_a_transfer_is_aborted():
     transport = _RecordingTransport(cancel_after=1, cancel=cancel)
     gc.enable()
     with pytest.raises(TransferAborted):
-        send_buckets(buckets, tensors, transport, {"trainer-0": 0, "generator-0-0": 1}, timeout_s=5, cancel=cancel)
+        send_buckets(
+            buckets, tensors, transport, {"trainer-0": 0, "generator-0-0": 1}, timeout_s=5, cancel=cancel
+        )
     assert transport.gc_enabled == [False]
     assert gc.isenabled()

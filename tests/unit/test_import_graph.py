@@ -108,17 +108,21 @@ def test_the_member_library_and_the_services_never_import_the_daemon_nor_the_dae
     modules = _modules()
     graph = {m: _imports(m, p, set(modules)) for m, p in modules.items()}
     members = [m for m in graph if m.startswith(("syncd.member", "trainer_svc", "generator_svc"))]
-    assert members and all(not any(r.startswith("syncd.daemon") for r in _reachable(graph, m)) for m in members), \
-        {m: sorted(r for r in _reachable(graph, m) if r.startswith("syncd.daemon")) for m in members}
+    assert members and all(
+        not any(r.startswith("syncd.daemon") for r in _reachable(graph, m)) for m in members
+    ), {m: sorted(r for r in _reachable(graph, m) if r.startswith("syncd.daemon")) for m in members}
     daemon = [m for m in graph if m.startswith("syncd.daemon")]
-    assert daemon and all(not any(r.startswith("syncd.member") for r in _reachable(graph, m)) for m in daemon), \
-        {m: sorted(r for r in _reachable(graph, m) if r.startswith("syncd.member")) for m in daemon}
+    assert daemon and all(
+        not any(r.startswith("syncd.member") for r in _reachable(graph, m)) for m in daemon
+    ), {m: sorted(r for r in _reachable(graph, m) if r.startswith("syncd.member")) for m in daemon}
 
 
 def test_the_member_library_needs_no_http_stack():
     """Trainer ranks and GPU workers import the member library where only torch, grpc and the
     data plane's own packages are installed (the GPU machine has no pydantic, fastapi or httpx)."""
-    code = ("import sys, syncd.member.agent, syncd.member.client, syncd.member.dataplane.delta; "
-            "print(sorted(m for m in ('pydantic', 'fastapi', 'httpx') if m in sys.modules))")
+    code = (
+        "import sys, syncd.member.agent, syncd.member.client, syncd.member.dataplane.delta; "
+        "print(sorted(m for m in ('pydantic', 'fastapi', 'httpx') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]", out.stdout

@@ -49,10 +49,14 @@ def test_expert_tp_interleaved_fused_weight_keeps_same_half_of_every_expert_proj
     for ep in range(2):
         for tp in range(2):
             experts = range(ep * 2, ep * 2 + 2)
-            fused = Concat(0, tuple(
-                Canon(c.name, c.shape, Box((e, 0, 0), (e + 1, I, H)), drop=(0,))
-                for e in experts for c in (GATE, UP)
-            ))
+            fused = Concat(
+                0,
+                tuple(
+                    Canon(c.name, c.shape, Box((e, 0, 0), (e + 1, I, H)), drop=(0,))
+                    for e in experts
+                    for c in (GATE, UP)
+                ),
+            )
             expr = Sharded(fused, (InterleavedShard(0, 4),), (2,), (tp,))
             t = local_tensor("w13", "float32", expr)
             local = materialize(Catalog((GATE, UP), (t,)), arrays)["w13"]
@@ -64,19 +68,28 @@ def test_expert_tp_interleaved_fused_weight_keeps_same_half_of_every_expert_proj
 def test_vllm_w13_is_per_expert_gate_slice_then_up_slice():
     arrays = _canonical_arrays()
     tp_rank = 1
-    expr = Concat(1, tuple(Sharded(Canon(c.name, c.shape), (Shard(1),), (2,), (tp_rank,)) for c in (GATE, UP)))
+    expr = Concat(
+        1, tuple(Sharded(Canon(c.name, c.shape), (Shard(1),), (2,), (tp_rank,)) for c in (GATE, UP))
+    )
     t = local_tensor("w13_weight", "float32", expr)
     assert t.shape == (E, I, H) and len(t.pieces) == 2
     local = materialize(Catalog((GATE, UP), (t,)), arrays)["w13_weight"]
     half = slice(I // 2, I)
-    np.testing.assert_array_equal(local, np.concatenate([arrays[GATE.name][:, half], arrays[UP.name][:, half]], axis=1))
+    np.testing.assert_array_equal(
+        local, np.concatenate([arrays[GATE.name][:, half], arrays[UP.name][:, half]], axis=1)
+    )
 
 
 def test_uneven_shard_covers_everything_once():
     c = CanonicalTensor("w", (7, 5), "float32")
-    pieces = [local_tensor("w", "float32", Sharded(Canon("w", (7, 5)), (Shard(0), Replicate()), (3, 2), (r, 0))) for r in range(3)]
+    pieces = [
+        local_tensor("w", "float32", Sharded(Canon("w", (7, 5)), (Shard(0), Replicate()), (3, 2), (r, 0)))
+        for r in range(3)
+    ]
     assert [t.shape for t in pieces] == [(3, 5), (2, 5), (2, 5)]
-    Catalog((c,), tuple(LocalTensor(f"w{i}", t.shape, t.dtype, t.pieces) for i, t in enumerate(pieces[:1]))).validate()
+    Catalog(
+        (c,), tuple(LocalTensor(f"w{i}", t.shape, t.dtype, t.pieces) for i, t in enumerate(pieces[:1]))
+    ).validate()
 
 
 def test_hf_expert_names_round_trip():
@@ -91,7 +104,9 @@ def test_hf_expert_names_round_trip():
 
 
 def _catalog(*pieces: Piece, shape=(4, 4), dtype="float32", canon_shape=(4, 4), canon_dtype="float32"):
-    return Catalog((CanonicalTensor("w", canon_shape, canon_dtype),), (LocalTensor("t", shape, dtype, pieces),))
+    return Catalog(
+        (CanonicalTensor("w", canon_shape, canon_dtype),), (LocalTensor("t", shape, dtype, pieces),)
+    )
 
 
 FULL = Box((0, 0), (4, 4))
@@ -102,10 +117,16 @@ TOP, BOTTOM = Box((0, 0), (2, 4)), Box((2, 0), (4, 4))
     "catalog, match",
     [
         (_catalog(Piece("w", FULL, FULL), dtype="float31", canon_dtype="float31"), "unknown dtype 'float31'"),
-        (_catalog(Piece("w", Box((0, 0), (4, 5)), Box((0, 0), (4, 5))), shape=(4, 5)), r"outside canonical tensor w"),
+        (
+            _catalog(Piece("w", Box((0, 0), (4, 5)), Box((0, 0), (4, 5))), shape=(4, 5)),
+            r"outside canonical tensor w",
+        ),
         (_catalog(Piece("w", TOP, TOP), Piece("w", BOTTOM, Box((1, 0), (3, 4)))), "overlap"),
         (_catalog(Piece("w", TOP, TOP)), "cover 8 of its 16 elements"),
-        (_catalog(Piece("w", FULL, FULL), canon_dtype="bfloat16"), "is float32 but its canonical w is bfloat16"),
+        (
+            _catalog(Piece("w", FULL, FULL), canon_dtype="bfloat16"),
+            "is float32 but its canonical w is bfloat16",
+        ),
         (_catalog(Piece("v", FULL, FULL)), "canonical tensor v is not declared"),
     ],
 )
@@ -132,10 +153,21 @@ def _member(catalog, i=0):
 @pytest.mark.parametrize(
     "src, dst, match",
     [
-        (_catalog(Piece("w", TOP, TOP), shape=(2, 4)), _catalog(Piece("w", FULL, FULL)), r"no source covers region \[2:4, 0:4\] of canonical tensor w"),
-        (_catalog(Piece("w", FULL, FULL)), _catalog(Piece("w", Box((0, 0), (4, 2)), Box((0, 0), (4, 2))), shape=(4, 2), canon_shape=(4, 2)), "canonical tensor w disagrees"),
-        (_catalog(Piece("w", FULL, FULL)), _catalog(Piece("w", FULL, FULL), dtype="float8_e4m3fn", canon_dtype="float8_e4m3fn"),
-         r"canonical tensor w: cannot convert float32 \(source\) to float8_e4m3fn"),
+        (
+            _catalog(Piece("w", TOP, TOP), shape=(2, 4)),
+            _catalog(Piece("w", FULL, FULL)),
+            r"no source covers region \[2:4, 0:4\] of canonical tensor w",
+        ),
+        (
+            _catalog(Piece("w", FULL, FULL)),
+            _catalog(Piece("w", Box((0, 0), (4, 2)), Box((0, 0), (4, 2))), shape=(4, 2), canon_shape=(4, 2)),
+            "canonical tensor w disagrees",
+        ),
+        (
+            _catalog(Piece("w", FULL, FULL)),
+            _catalog(Piece("w", FULL, FULL), dtype="float8_e4m3fn", canon_dtype="float8_e4m3fn"),
+            r"canonical tensor w: cannot convert float32 \(source\) to float8_e4m3fn",
+        ),
     ],
 )
 def test_planner_fails_loud_before_any_transfer(src, dst, match):
@@ -146,7 +178,10 @@ def test_planner_fails_loud_before_any_transfer(src, dst, match):
 def test_planner_rejects_overlapping_destination_boxes_on_one_member():
     two = Catalog(
         (CanonicalTensor("w", (4, 4), "float32"),),
-        (LocalTensor("a", (4, 4), "float32", (Piece("w", FULL, FULL),)), LocalTensor("b", (2, 4), "float32", (Piece("w", TOP, TOP),))),
+        (
+            LocalTensor("a", (4, 4), "float32", (Piece("w", FULL, FULL),)),
+            LocalTensor("b", (2, 4), "float32", (Piece("w", TOP, TOP),)),
+        ),
     )
     with pytest.raises(ValueError, match="of w overlap"):
         make_plan([_member(_catalog(Piece("w", FULL, FULL)))], [DestMember("dst0", two)])
@@ -160,15 +195,27 @@ def test_stacked_view_of_fused_expert_weight_equals_interleaved_2d_layout():
     arrays = _canonical_arrays()
     for ep_rank in range(2):
         for tp_rank in range(2):
-            view = Sharded(Stack(1, (Canon(GATE.name, GATE.shape), Canon(UP.name, UP.shape))),
-                           (Shard(0), Shard(2)), (2, 2), (ep_rank, tp_rank))
+            view = Sharded(
+                Stack(1, (Canon(GATE.name, GATE.shape), Canon(UP.name, UP.shape))),
+                (Shard(0), Shard(2)),
+                (2, 2),
+                (ep_rank, tp_rank),
+            )
             t4 = local_tensor("w13", "float32", view)
             assert t4.shape == (2, 2, I // 2, H) and len(t4.pieces) == 2
-            fused = Concat(0, tuple(
-                Canon(c.name, c.shape, Box((e, 0, 0), (e + 1, I, H)), drop=(0,))
-                for e in range(E) for c in (GATE, UP)
-            ))
-            t2 = local_tensor("w13", "float32", Sharded(fused, (Shard(0), InterleavedShard(0, 4)), (2, 2), (ep_rank, tp_rank)))
+            fused = Concat(
+                0,
+                tuple(
+                    Canon(c.name, c.shape, Box((e, 0, 0), (e + 1, I, H)), drop=(0,))
+                    for e in range(E)
+                    for c in (GATE, UP)
+                ),
+            )
+            t2 = local_tensor(
+                "w13",
+                "float32",
+                Sharded(fused, (Shard(0), InterleavedShard(0, 4)), (2, 2), (ep_rank, tp_rank)),
+            )
             a = materialize(Catalog((GATE, UP), (t4,)), arrays)["w13"]
             b = materialize(Catalog((GATE, UP), (t2,)), arrays)["w13"]
             np.testing.assert_array_equal(a.reshape(b.shape), b)

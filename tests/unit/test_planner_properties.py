@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from syncd.layout import (
-    CanonicalTensor,
     Canon,
+    CanonicalTensor,
     Catalog,
     Concat,
     InterleavedShard,
@@ -26,16 +26,18 @@ from syncd.layout import (
     local_tensor,
     owning_layer,
 )
-from syncd.member.dataplane.executor import interleaved
 from syncd.layout.dtypes import CASTS, torch_dtype
+from syncd.member.dataplane.executor import interleaved
 from syncd.plan import DestMember, SourceMember, landing_order, make_plan
 from syncd.plan.simulate import NUMPY_DTYPES, execute, materialize
 
 DTYPE_PAIRS = sorted(CASTS | {(d, d) for d in ("float32", "bfloat16", "float16")})
 # Values where casts go wrong: signed zeros, infinities, NaN, bfloat16 ties (to even: down, up),
 # overflow to infinity in bfloat16 and float16, float32 and float16 subnormals.
-SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1 + 2**-8, 1 + 3 * 2**-8, 3.4e38, 65520.0, 1e-40, 6e-8],
-                    dtype=np.float32)
+SPECIALS = np.array(
+    [0.0, -0.0, np.inf, -np.inf, np.nan, 1 + 2**-8, 1 + 3 * 2**-8, 3.4e38, 65520.0, 1e-40, 6e-8],
+    dtype=np.float32,
+)
 
 
 @st.composite
@@ -93,14 +95,20 @@ def side(draw, groups, prefix: str, dtype: str = "float32"):
                 parts = [p for p in parts if 0 not in p.shape]
                 expr = Concat(0, tuple(parts)) if parts else None
             else:
-                base = Canon(tensors[0].name, tensors[0].shape) if style == "plain" else Concat(0, tuple(Canon(t.name, t.shape) for t in tensors))
+                base = (
+                    Canon(tensors[0].name, tensors[0].shape)
+                    if style == "plain"
+                    else Concat(0, tuple(Canon(t.name, t.shape) for t in tensors))
+                )
                 expr = Sharded(base, pl, mesh, coords)
             if expr is None or 0 in expr.shape:
                 continue
             locals_.append(local_tensor(name, dtype, expr))
             for t in tensors:
                 canon[t.name] = replace(t, dtype=dtype)
-        members.append((f"{prefix}{'-'.join(map(str, coords))}", coords, Catalog(tuple(canon.values()), tuple(locals_))))
+        members.append(
+            (f"{prefix}{'-'.join(map(str, coords))}", coords, Catalog(tuple(canon.values()), tuple(locals_)))
+        )
     return members
 
 
@@ -136,7 +144,9 @@ def test_random_layouts_reproduce_every_destination_bit_exactly(data):
     for _, _, catalog in srcs + dsts:
         catalog.validate()
     sources = [SourceMember(m, coords[0] % 2, c) for m, coords, c in srcs]
-    plan = make_plan(sources, [DestMember(m, c, by_layer=by_layer) for m, _, c in dsts], bucket_bytes=bucket_bytes)
+    plan = make_plan(
+        sources, [DestMember(m, c, by_layer=by_layer) for m, _, c in dsts], bucket_bytes=bucket_bytes
+    )
     canonical = _canonical_arrays(groups, data.draw(st.integers(0, 2**16)), src_dtype)
     src_arrays = {m: materialize(c, canonical) for m, _, c in srcs}
     dst_arrays = {m: {t.name: _sentinel(t.shape, dst_dtype) for t in c.tensors} for m, _, c in dsts}
@@ -145,10 +155,13 @@ def test_random_layouts_reproduce_every_destination_bit_exactly(data):
     for m, _, catalog in dsts:
         expected = materialize(catalog, cast)
         for name, arr in dst_arrays[m].items():
-            np.testing.assert_array_equal(_bits(arr, dst_dtype), _bits(expected[name], dst_dtype), err_msg=f"{m}/{name}")
+            np.testing.assert_array_equal(
+                _bits(arr, dst_dtype), _bits(expected[name], dst_dtype), err_msg=f"{m}/{name}"
+            )
 
-    unconverted = make_plan(sources, [DestMember(m, _with_dtype(c, src_dtype)) for m, _, c in dsts],
-                            bucket_bytes=bucket_bytes)
+    unconverted = make_plan(
+        sources, [DestMember(m, _with_dtype(c, src_dtype)) for m, _, c in dsts], bucket_bytes=bucket_bytes
+    )
     assert plan.total_bytes * dtype_bytes(src_dtype) == unconverted.total_bytes * dtype_bytes(dst_dtype)
 
     writes = {m: {t.name: np.zeros(t.shape, np.int32) for t in c.tensors} for m, _, c in dsts}
@@ -158,7 +171,9 @@ def test_random_layouts_reproduce_every_destination_bit_exactly(data):
             writes[bucket.dst][u.dst_tensor][u.dst_box.slices()] += 1
     for m, per_tensor in writes.items():
         for name, count in per_tensor.items():
-            assert (count == 1).all(), f"{m}/{name}: an element was written {count.min()}..{count.max()} times"
+            assert (count == 1).all(), (
+                f"{m}/{name}: an element was written {count.min()}..{count.max()} times"
+            )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -174,7 +189,9 @@ def test_a_by_layer_destination_holds_at_most_one_bucket_of_layers_open(data):
     dsts = data.draw(side(groups, "dst"))
     bucket_bytes = data.draw(st.sampled_from([16, 64, 256, 1 << 20]))
     sources = [SourceMember(m, 0, c) for m, _, c in srcs]
-    plan = make_plan(sources, [DestMember(m, c, by_layer=True) for m, _, c in dsts], bucket_bytes=bucket_bytes)
+    plan = make_plan(
+        sources, [DestMember(m, c, by_layer=True) for m, _, c in dsts], bucket_bytes=bucket_bytes
+    )
     for m, _, catalog in dsts:
         layer_bytes: dict[str, int] = defaultdict(int)
         for t in catalog.tensors:
@@ -218,7 +235,11 @@ def test_replicated_sources_send_once_and_spread_the_load(groups, replicas, data
 def _sentinel(shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """Every byte 0x7B (a large finite number in every dtype, never drawn), so that an element
     no unit wrote fails the comparison."""
-    return np.full(int(np.prod(shape)) * dtype_bytes(dtype), 0x7B, np.uint8).view(NUMPY_DTYPES[dtype]).reshape(shape)
+    return (
+        np.full(int(np.prod(shape)) * dtype_bytes(dtype), 0x7B, np.uint8)
+        .view(NUMPY_DTYPES[dtype])
+        .reshape(shape)
+    )
 
 
 def _bits(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -231,5 +252,7 @@ def _bits(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _with_dtype(catalog: Catalog, dtype: str) -> Catalog:
-    return Catalog(tuple(replace(c, dtype=dtype) for c in catalog.canonical),
-                   tuple(replace(t, dtype=dtype) for t in catalog.tensors))
+    return Catalog(
+        tuple(replace(c, dtype=dtype) for c in catalog.canonical),
+        tuple(replace(t, dtype=dtype) for t in catalog.tensors),
+    )

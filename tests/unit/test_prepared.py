@@ -10,12 +10,12 @@ import torch
 
 from syncd import commands
 from syncd.api.convert import command_from_pb, command_to_pb
-from syncd.member.dataplane import catalog_views, pack_into, unpack_from
 from syncd.commands import checksum_key
-from syncd.member.dataplane.checksum import Checksums
-from syncd.member.dataplane.prepared import PreparedLoop
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Stack, local_tensor
 from syncd.layout.dtypes import torch_dtype
+from syncd.member.dataplane import catalog_views, pack_into, unpack_from
+from syncd.member.dataplane.checksum import Checksums
+from syncd.member.dataplane.prepared import PreparedLoop
 from syncd.plan import DestMember, SourceMember, make_plan
 
 E, I, H = 4, 8, 6
@@ -28,14 +28,24 @@ ALL = (GATE, UP, NORM)
 def _catalogs(wire_dtype: str) -> tuple[Catalog, Catalog]:
     """A trainer holding gate and up stacked ([E, 2, I, H]: each one's region is strided) and a
     receiver holding them fused ([E, 2I, H], vLLM's w13), plus a norm contiguous on both sides."""
-    trainer = Catalog(ALL, (
-        local_tensor("w13", "float32", Stack(1, (Canon(GATE.name, GATE.shape), Canon(UP.name, UP.shape)))),
-        local_tensor("norm", "float32", Canon(NORM.name, NORM.shape)),
-    ))
-    receiver = Catalog(tuple(replace(c, dtype=wire_dtype) for c in ALL), (
-        local_tensor("w13_weight", wire_dtype, Concat(1, (Canon(GATE.name, GATE.shape), Canon(UP.name, UP.shape)))),
-        local_tensor("norm", wire_dtype, Canon(NORM.name, NORM.shape)),
-    ))
+    trainer = Catalog(
+        ALL,
+        (
+            local_tensor(
+                "w13", "float32", Stack(1, (Canon(GATE.name, GATE.shape), Canon(UP.name, UP.shape)))
+            ),
+            local_tensor("norm", "float32", Canon(NORM.name, NORM.shape)),
+        ),
+    )
+    receiver = Catalog(
+        tuple(replace(c, dtype=wire_dtype) for c in ALL),
+        (
+            local_tensor(
+                "w13_weight", wire_dtype, Concat(1, (Canon(GATE.name, GATE.shape), Canon(UP.name, UP.shape)))
+            ),
+            local_tensor("norm", wire_dtype, Canon(NORM.name, NORM.shape)),
+        ),
+    )
     return trainer, receiver
 
 
@@ -55,7 +65,10 @@ def test_prepared_buckets_carry_the_same_bytes_and_checksums_as_packing(wire_dty
     plan = make_plan([SourceMember("t", 0, trainer)], [DestMember("g", receiver)], bucket_bytes=bucket_bytes)
     src, dst, expected = _tensors(trainer, True), _tensors(receiver, False), _tensors(receiver, False)
     sender, receiver_loop = PreparedLoop("send"), PreparedLoop("recv")
-    buf, staging = torch.empty(plan.bucket_bytes + 64, dtype=torch.uint8), torch.empty(plan.bucket_bytes + 64, dtype=torch.uint8)
+    buf, staging = (
+        torch.empty(plan.bucket_bytes + 64, dtype=torch.uint8),
+        torch.empty(plan.bucket_bytes + 64, dtype=torch.uint8),
+    )
     direct = 0
     for refit in range(2):  # the second refit reuses the prepared work on new values
         if refit:
@@ -94,7 +107,10 @@ def test_prepared_buckets_carry_the_same_bytes_and_checksums_as_packing(wire_dty
 
 def test_the_decoded_plan_is_reused_only_for_the_same_bytes():
     trainer, receiver = _catalogs("float32")
-    plans = [make_plan([SourceMember("t", 0, trainer)], [DestMember("g", receiver)], bucket_bytes=b) for b in (64, 128)]
+    plans = [
+        make_plan([SourceMember("t", 0, trainer)], [DestMember("g", receiver)], bucket_bytes=b)
+        for b in (64, 128)
+    ]
 
     def decoded(plan, refit_id):
         cmd = commands.ExecutePlan(refit_id, 1, plan.buckets, (), 30.0)

@@ -7,7 +7,11 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from syncd.weight_version import (
-    MAX_WEIGHT_VERSION, WeightVersionJson, parse_weight_version, version_label, version_of_label,
+    MAX_WEIGHT_VERSION,
+    WeightVersionJson,
+    parse_weight_version,
+    version_label,
+    version_of_label,
 )
 
 
@@ -15,26 +19,58 @@ class Body(BaseModel):
     version: WeightVersionJson
 
 
-@pytest.mark.parametrize("value, expected", [
-    (0, 0), (7, 7), (MAX_WEIGHT_VERSION, MAX_WEIGHT_VERSION), ("0", 0), ("42", 42), ("007", 7),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (0, 0),
+        (7, 7),
+        (MAX_WEIGHT_VERSION, MAX_WEIGHT_VERSION),
+        ("0", 0),
+        ("42", 42),
+        ("007", 7),
+    ],
+)
 def test_versions_are_parsed(value: object, expected: int) -> None:
     assert parse_weight_version(value) == expected  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("value", [
-    -1, MAX_WEIGHT_VERSION + 1, True, 7.0, None, "", "-1", "+3", " 3", "3.0", "latest", "٣",
-    str(MAX_WEIGHT_VERSION + 1),
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        -1,
+        MAX_WEIGHT_VERSION + 1,
+        True,
+        7.0,
+        None,
+        "",
+        "-1",
+        "+3",
+        " 3",
+        "3.0",
+        "latest",
+        "٣",
+        str(MAX_WEIGHT_VERSION + 1),
+    ],
+)
 def test_what_is_no_version_is_refused_naming_it(value: object) -> None:
-    with pytest.raises(ValueError, match=r"weight version .* is not an integer from 0 to 9223372036854775807"):
+    with pytest.raises(
+        ValueError, match=r"weight version .* is not an integer from 0 to 9223372036854775807"
+    ):
         parse_weight_version(value)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("value, ok", [
-    (0, True), (MAX_WEIGHT_VERSION, True), (-1, False), (MAX_WEIGHT_VERSION + 1, False),
-    (True, False), (7.0, False), ("7", False),  # JSON bodies are strict: a string is no version there
-])
+@pytest.mark.parametrize(
+    "value, ok",
+    [
+        (0, True),
+        (MAX_WEIGHT_VERSION, True),
+        (-1, False),
+        (MAX_WEIGHT_VERSION + 1, False),
+        (True, False),
+        (7.0, False),
+        ("7", False),  # JSON bodies are strict: a string is no version there
+    ],
+)
 def test_json_bodies_follow_the_same_range(value: object, ok: bool) -> None:
     if ok:
         assert Body(version=value).version == value  # type: ignore[arg-type]

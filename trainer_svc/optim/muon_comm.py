@@ -8,7 +8,7 @@ matrices and returns its pieces of their scaled Muon updates, whichever path the
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,11 @@ Ranks = tuple[int, ...]
 def group_ranks(dims: ParallelDims, rank: int, span: tuple[str, ...]) -> Ranks:
     """The sorted global ranks that share `rank`'s coordinates outside `span`."""
     mine = dims.coords(rank).as_dict()
-    return tuple(r for r, c in enumerate(dims.all_coords())
-                 if all(v == mine[d] for d, v in c.as_dict().items() if d not in span))
+    return tuple(
+        r
+        for r, c in enumerate(dims.all_coords())
+        if all(v == mine[d] for d, v in c.as_dict().items() if d not in span)
+    )
 
 
 class WorkGroups:
@@ -70,8 +73,13 @@ def _mine(update: torch.Tensor, layout: BatchLayout, t: int) -> torch.Tensor:
 
 
 def orthogonalized_pieces(
-    pieces: Sequence[torch.Tensor], layout: BatchLayout, path: str, me: int,
-    work_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None, ns_steps: int,
+    pieces: Sequence[torch.Tensor],
+    layout: BatchLayout,
+    path: str,
+    me: int,
+    work_group: dist.ProcessGroup | None,
+    tp_group: dist.ProcessGroup | None,
+    ns_steps: int,
 ) -> list[torch.Tensor]:
     """This rank's pieces of the scaled Muon update of every matrix of the batch. `pieces[m]` is
     this rank's piece of momentum matrix m; `me` its rank in the work group (r * tp + t)."""
@@ -102,8 +110,13 @@ def _via_all_gather(pieces, layout: BatchLayout, t: int, tp_group, update) -> li
 
 def _via_owners(pieces, layout: BatchLayout, me: int, group, update) -> list[torch.Tensor]:
     """All-to-all every piece to its matrix's owner, orthogonalize there, all-to-all back."""
-    received = run_exchange({(m, me % layout.tp): p for m, p in enumerate(pieces)},
-                            gather_to_owners(layout, me), layout, group, pieces[0])
+    received = run_exchange(
+        {(m, me % layout.tp): p for m, p in enumerate(pieces)},
+        gather_to_owners(layout, me),
+        layout,
+        group,
+        pieces[0],
+    )
     results: dict[Item, torch.Tensor] = {}
     for m, owner in enumerate(owners(layout)):
         if owner == me:
@@ -115,20 +128,29 @@ def _via_owners(pieces, layout: BatchLayout, me: int, group, update) -> list[tor
     return [back[(m, t)] for m in range(layout.matrices)]
 
 
-def run_exchange(have: dict[Item, torch.Tensor], plan: Exchange, layout: BatchLayout,
-                 group: dist.ProcessGroup | None, like: torch.Tensor) -> dict[Item, torch.Tensor]:
+def run_exchange(
+    have: dict[Item, torch.Tensor],
+    plan: Exchange,
+    layout: BatchLayout,
+    group: dist.ProcessGroup | None,
+    like: torch.Tensor,
+) -> dict[Item, torch.Tensor]:
     """One all_to_all_single with uneven splits: send the planned pieces, return those received.
     `like` gives dtype and device (a rank may have nothing to send)."""
     send_items = [item for items in plan.send for item in items]
-    numel = lambda items: sum(layout.piece_numel(m) for m, _ in items)  # noqa: E731
-    send = (torch.cat([have[i].reshape(-1) for i in send_items]) if send_items
-            else like.new_empty(0))
+    numel = lambda items: sum(layout.piece_numel(m) for m, _ in items)
+    send = torch.cat([have[i].reshape(-1) for i in send_items]) if send_items else like.new_empty(0)
     recv = like.new_empty(sum(numel(items) for items in plan.recv))
     if group is None:  # a group of one: everything is sent to oneself
         recv.copy_(send)
     else:
-        dist.all_to_all_single(recv, send, output_split_sizes=[numel(i) for i in plan.recv],
-                               input_split_sizes=[numel(i) for i in plan.send], group=group)
+        dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=[numel(i) for i in plan.recv],
+            input_split_sizes=[numel(i) for i in plan.send],
+            group=group,
+        )
     recv_items = [item for items in plan.recv for item in items]
     chunks = recv.split([layout.piece_numel(m) for m, _ in recv_items])
     return {item: chunk.view(layout.piece_shape(item[0])) for item, chunk in zip(recv_items, chunks)}

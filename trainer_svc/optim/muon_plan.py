@@ -49,7 +49,8 @@ class BatchLayout:
         for shape in self.shapes:
             if shape[self.shard_dim] % self.tp:
                 raise ValueError(
-                    f"matrix shape {shape} dim {self.shard_dim} is not divisible by tp {self.tp}")
+                    f"matrix shape {shape} dim {self.shard_dim} is not divisible by tp {self.tp}"
+                )
 
     @property
     def matrices(self) -> int:

@@ -123,8 +123,14 @@ class MuonWithAdamW:
             return  # one rank per pipeline stage tells
         for b in self.batches:
             names = ", ".join(n for n, _ in b.params)
-            log.info("muon path %s for %s (%d matrices over %d ranks, tp %d)", b.path, names,
-                     b.layout.matrices, b.layout.group_size, b.layout.tp)
+            log.info(
+                "muon path %s for %s (%d matrices over %d ranks, tp %d)",
+                b.path,
+                names,
+                b.layout.matrices,
+                b.layout.group_size,
+                b.layout.tp,
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.adamw.zero_grad(set_to_none=set_to_none)
@@ -145,8 +151,9 @@ class MuonWithAdamW:
             u = nesterov_momentum(p.grad, buf, self.momentum)
             updates.append(u)
             pieces += matrix_views(name, u, self.args, self.mesh.dims.tp)
-        results = orthogonalized_pieces(pieces, b.layout, b.path, b.me, self.groups.get(b.ranks),
-                                        self.tp_group, self.ns_steps)
+        results = orthogonalized_pieces(
+            pieces, b.layout, b.path, b.me, self.groups.get(b.ranks), self.tp_group, self.ns_steps
+        )
         for view, result in zip(pieces, results):
             view.copy_(result)  # pieces are views of `updates`
         for (_, p), u in zip(b.params, updates):

@@ -52,11 +52,16 @@ def region_outputs(numel: int, device: torch.device) -> tuple[torch.Tensor, torc
     """Empty (column sums [1024] int32, row sums [rows] int32, rest bytes) for a region of `numel`
     bytes: what `reduce_region` writes."""
     rows = numel // _ROW_BYTES
-    return (torch.empty(_COLS, dtype=torch.int32, device=device), torch.empty(rows, dtype=torch.int32, device=device),
-            torch.empty(numel - rows * _ROW_BYTES, dtype=torch.uint8, device=device))
+    return (
+        torch.empty(_COLS, dtype=torch.int32, device=device),
+        torch.empty(rows, dtype=torch.int32, device=device),
+        torch.empty(numel - rows * _ROW_BYTES, dtype=torch.uint8, device=device),
+    )
 
 
-def reduce_region(region_bytes: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor, rest: torch.Tensor) -> None:
+def reduce_region(
+    region_bytes: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor, rest: torch.Tensor
+) -> None:
     """The per-region work of the GPU algorithm, into outputs the caller owns (so that a CUDA graph
     can capture it): the region's full 4 KiB rows as an int32 [rows, 1024] matrix, its column
     and row sums, and a copy of the bytes after the last full row (the staging buffer is reused
@@ -122,7 +127,11 @@ class DeviceSums:
         cols = torch.stack(self._cols).to(torch.int64)
         col_sums = (cols * _positions(_COLS, device)).sum(dim=1)
         row_sums = self._weighted_row_sums(device)
-        rest_bytes = torch.cat(self._rests).cpu().numpy() if any(r.numel() for r in self._rests) else np.zeros(0, np.uint8)
+        rest_bytes = (
+            torch.cat(self._rests).cpu().numpy()
+            if any(r.numel() for r in self._rests)
+            else np.zeros(0, np.uint8)
+        )
         col_list, row_list = torch.stack([col_sums, row_sums]).tolist()  # one read-back
         out, offset = [], 0
         for col, row, rest in zip(col_list, row_list, self._rests):
@@ -132,7 +141,15 @@ class DeviceSums:
             tail = rest_bytes[offset : offset + rest.numel()]
             offset += rest.numel()
             words = tail[: tail.size - tail.size % 4].view("<i4")
-            out.append((col, row, _weighted(np.concatenate([words.astype(np.int64), tail[words.size * 4 :].astype(np.int64)]))))
+            out.append(
+                (
+                    col,
+                    row,
+                    _weighted(
+                        np.concatenate([words.astype(np.int64), tail[words.size * 4 :].astype(np.int64)])
+                    ),
+                )
+            )
         return out
 
 
@@ -163,7 +180,9 @@ class Checksums:
             self._keys.append(key)
             self._device.add(region_bytes)
 
-    def add_reduced(self, key: str, numel: int, cols: torch.Tensor, rows: torch.Tensor, rest: torch.Tensor) -> None:
+    def add_reduced(
+        self, key: str, numel: int, cols: torch.Tensor, rows: torch.Tensor, rest: torch.Tensor
+    ) -> None:
         """A GPU region whose `reduce_region` outputs are enqueued already (a replayed CUDA graph)."""
         self._keys.append(key)
         self._device.add_reduced(numel, cols, rows, rest)

@@ -27,17 +27,17 @@ import math
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch
 
 from syncd.commands import DeltaLinks, checksum_key
+from syncd.layout import Box
+from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
 from syncd.member.dataplane.transport import Transport
-from syncd.layout import Box
-from syncd.layout.dtypes import torch_dtype
 from syncd.plan.types import Bucket, TransferUnit
 from syncd.weight_version import WeightVersion
 
@@ -82,7 +82,9 @@ class Mirror:
         """The mirror of local tensor `name` (`source`, the sender's) in `dtype`."""
         t = self._tensors.get((name, dtype))
         if t is None or t.shape != source.shape or t.device != source.device:
-            t = self._tensors[(name, dtype)] = torch.zeros(source.shape, dtype=torch_dtype(dtype), device=source.device)
+            t = self._tensors[(name, dtype)] = torch.zeros(
+                source.shape, dtype=torch_dtype(dtype), device=source.device
+            )
         return t
 
     def region(self, unit: TransferUnit, source: torch.Tensor) -> torch.Tensor:
@@ -129,8 +131,11 @@ class Diffs:
             self.sent.setdefault((dst, u.src_tensor, u.dtype), set()).add(key)
             if key not in self.changes:
                 positions = self._positions(u, tensors) if self.mirror.holds(u) else None
-                change = (Change(u.canon.numel, u.canon.numel) if positions is None
-                          else _unit_change(u, tensors[u.src_tensor], positions))
+                change = (
+                    Change(u.canon.numel, u.canon.numel)
+                    if positions is None
+                    else _unit_change(u, tensors[u.src_tensor], positions)
+                )
                 self.changes[key] = (u, change)
             return self.changes[key][1]
 
@@ -142,8 +147,9 @@ class Diffs:
             source = tensors[u.src_tensor]
             # Where the mirror holds only some regions (another sender sent the rest last time), the
             # rest differs from it everywhere: "mostly changed" would say nothing of the held ones.
-            self.positions[key] = _changed_positions(source, self.mirror.tensor(u.src_tensor, u.dtype, source),
-                                                     give_up=key in self.mirror.whole)
+            self.positions[key] = _changed_positions(
+                source, self.mirror.tensor(u.src_tensor, u.dtype, source), give_up=key in self.mirror.whole
+            )
         return self.positions[key]
 
     def absorb(self, u: TransferUnit, dst: str) -> None:
@@ -168,8 +174,10 @@ class Diffs:
         self.mirror.held = frozenset(self.changes) | frozenset(self.absorbed)
         # A receiver's regions of one tensor are disjoint: if they add up to the tensor, it went whole.
         self.mirror.whole = frozenset(
-            (name, dtype) for (_, name, dtype), keys in self.sent.items()
-            if sum(k[1].numel for k in keys) == tensors[name].numel())
+            (name, dtype)
+            for (_, name, dtype), keys in self.sent.items()
+            if sum(k[1].numel for k in keys) == tensors[name].numel()
+        )
         self.changes.clear()
         self.absorbed.clear()
         self.sent.clear()
@@ -205,7 +213,9 @@ def _changed_positions(source: torch.Tensor, old: torch.Tensor, give_up: bool) -
         if give_up and changed > _MOSTLY_CHANGED * words.numel():
             return None
         per = 8 // new.element_size()
-        candidates = (words.nonzero().squeeze(1)[:, None] * per + torch.arange(per, device=new.device)).view(-1)
+        candidates = (words.nonzero().squeeze(1)[:, None] * per + torch.arange(per, device=new.device)).view(
+            -1
+        )
         flat_new, flat_old = _bits(new.view(-1)), _bits(old.view(-1))
         return candidates[flat_new[candidates] != flat_old[candidates]]
     differs = (_bits(new) != _bits(old)).view(-1)
@@ -289,9 +299,18 @@ def _add(total: DeltaStats, part: TransferStats) -> None:
     total.checksums.update(part.checksums)
 
 
-def send_with_deltas(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], transport: Transport,
-                     ranks: Mapping[str, int], links: DeltaLinks, diffs: Diffs, *, timeout_s: float,
-                     cancel: threading.Event | None = None, **options) -> DeltaStats:
+def send_with_deltas(
+    buckets: Sequence[Bucket],
+    tensors: Mapping[str, torch.Tensor],
+    transport: Transport,
+    ranks: Mapping[str, int],
+    links: DeltaLinks,
+    diffs: Diffs,
+    *,
+    timeout_s: float,
+    cancel: threading.Event | None = None,
+    **options,
+) -> DeltaStats:
     """`send_buckets` for a sender that keeps a mirror (`diffs`, this refit's comparisons with it):
     full links go through it (the mirror takes their values), the links to `links.dsts` as
     described in the module docstring. Links go one after another in destination order (what the
@@ -300,19 +319,44 @@ def send_with_deltas(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tens
     for dst, link in _links(buckets, "dst").items():
         _check(cancel)
         if dst not in links.dsts:
-            _add(stats, send_buckets(link, tensors, transport, ranks, timeout_s=timeout_s, cancel=cancel, **options))
+            _add(
+                stats,
+                send_buckets(link, tensors, transport, ranks, timeout_s=timeout_s, cancel=cancel, **options),
+            )
             for b in link:
                 for u in b.units:
                     diffs.absorb(u, dst)
             continue
-        _send_link(dst, link, tensors, transport, ranks[dst], links.max_fraction, diffs, stats, timeout_s, cancel,
-                   options)
+        _send_link(
+            dst,
+            link,
+            tensors,
+            transport,
+            ranks[dst],
+            links.max_fraction,
+            diffs,
+            stats,
+            timeout_s,
+            cancel,
+            options,
+        )
     stats.seconds = time.perf_counter() - start
     return stats
 
 
-def _send_link(dst: str, link: list[Bucket], tensors, transport: Transport, peer: int, max_fraction: float,  # noqa: ANN001
-               diffs: Diffs, stats: DeltaStats, timeout_s: float, cancel, options: dict) -> None:
+def _send_link(
+    dst: str,
+    link: list[Bucket],
+    tensors,
+    transport: Transport,
+    peer: int,
+    max_fraction: float,
+    diffs: Diffs,
+    stats: DeltaStats,
+    timeout_s: float,
+    cancel,
+    options: dict,
+) -> None:
     """Two messages, whatever the number of buckets (a round trip per bucket would cost more than
     the bytes on a fast link): the header, then every sparse bucket's encoding back to back."""
     changes = [[diffs.of(u, tensors, dst) for u in b.units] for b in link]
@@ -334,12 +378,19 @@ def _send_link(dst: str, link: list[Bucket], tensors, transport: Transport, peer
         stats.bytes += message.numel()
         stats.buckets += len(parts)
     if dense:
-        _add(stats, send_buckets(dense, tensors, transport, {dst: peer}, timeout_s=timeout_s, cancel=cancel, **options))
+        _add(
+            stats,
+            send_buckets(
+                dense, tensors, transport, {dst: peer}, timeout_s=timeout_s, cancel=cancel, **options
+            ),
+        )
     for handle in sent:
         handle.wait(timeout_s)
 
 
-def _encode(bucket: Bucket, changes: list[Change], codes: list[int], tensors, checksums: dict) -> torch.Tensor:  # noqa: ANN001
+def _encode(
+    bucket: Bucket, changes: list[Change], codes: list[int], tensors, checksums: dict
+) -> torch.Tensor:
     message = torch.zeros(sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units)), dtype=torch.uint8)
     sums, offset = Checksums(), 0
     for u, change, code in zip(bucket.units, changes, codes):
@@ -358,21 +409,41 @@ def _encode(bucket: Bucket, changes: list[Change], codes: list[int], tensors, ch
     return message
 
 
-def recv_with_deltas(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], transport: Transport,
-                     ranks: Mapping[str, int], links: DeltaLinks, *, timeout_s: float,
-                     cancel: threading.Event | None = None, **options) -> DeltaStats:
+def recv_with_deltas(
+    buckets: Sequence[Bucket],
+    tensors: Mapping[str, torch.Tensor],
+    transport: Transport,
+    ranks: Mapping[str, int],
+    links: DeltaLinks,
+    *,
+    timeout_s: float,
+    cancel: threading.Event | None = None,
+    **options,
+) -> DeltaStats:
     """The receiving side of `send_with_deltas`, for a member whose links all go as deltas: applies
     each delta to `tensors` (which must hold the base version) and checksums every whole region."""
     stats, start = DeltaStats(), time.perf_counter()
     for src, link in _links(buckets, "src").items():
         _check(cancel)
-        _recv_link(src, link, tensors, transport, ranks[src], links.max_fraction, stats, timeout_s, cancel, options)
+        _recv_link(
+            src, link, tensors, transport, ranks[src], links.max_fraction, stats, timeout_s, cancel, options
+        )
     stats.seconds = time.perf_counter() - start
     return stats
 
 
-def _recv_link(src: str, link: list[Bucket], tensors, transport: Transport, peer: int, max_fraction: float,  # noqa: ANN001
-               stats: DeltaStats, timeout_s: float, cancel, options: dict) -> None:
+def _recv_link(
+    src: str,
+    link: list[Bucket],
+    tensors,
+    transport: Transport,
+    peer: int,
+    max_fraction: float,
+    stats: DeltaStats,
+    timeout_s: float,
+    cancel,
+    options: dict,
+) -> None:
     header = torch.empty(sum(len(b.units) for b in link), dtype=torch.int64)
     transport.irecv(header, peer).wait(timeout_s)
     flat_codes = header.tolist()
@@ -399,10 +470,15 @@ def _recv_link(src: str, link: list[Bucket], tensors, transport: Transport, peer
         stats.bytes += message.numel()
         stats.buckets += len(sparse)
     if dense:
-        _add(stats, recv_buckets(dense, tensors, transport, {src: peer}, timeout_s=timeout_s, cancel=cancel, **options))
+        _add(
+            stats,
+            recv_buckets(
+                dense, tensors, transport, {src: peer}, timeout_s=timeout_s, cancel=cancel, **options
+            ),
+        )
 
 
-def _apply(bucket: Bucket, codes: list[int], message: torch.Tensor, tensors, checksums: dict) -> None:  # noqa: ANN001
+def _apply(bucket: Bucket, codes: list[int], message: torch.Tensor, tensors, checksums: dict) -> None:
     sums, offset = Checksums(), 0
     for u, code in zip(bucket.units, codes):
         dst = tensors[u.dst_tensor][u.dst_box.slices()]
@@ -441,4 +517,3 @@ def _unravel(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, 
 def _check(cancel: threading.Event | None) -> None:
     if cancel is not None and cancel.is_set():
         raise TransferAborted("transfer aborted")
-

@@ -23,10 +23,10 @@ import gc
 import heapq
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -36,7 +36,6 @@ from syncd.member.dataplane.graphs import ENQUEUE_LOCK, BucketProgram, LoopGraph
 from syncd.member.dataplane.prepared import PreparedBucket, PreparedLoop, ReceiveSink, SinkBucket
 from syncd.member.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
-
 
 # How many buckets the host may enqueue beyond the staging depth before it waits for the wire.
 _RUN_AHEAD = 4
@@ -77,7 +76,9 @@ class _SideStream:
     def __init__(self, device: torch.device, slots: int) -> None:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.done: list[torch.cuda.Event | None] = [None] * slots
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="weightsync-checksum") if self.stream is None else None
+        self._worker = (
+            ThreadPoolExecutor(1, thread_name_prefix="weightsync-checksum") if self.stream is None else None
+        )
         self._pending: list[Future | None] = [None] * slots
 
     def run(self, slot: int, fn) -> None:
@@ -149,12 +150,19 @@ class _Loop:
         reuse them instead of faulting in fresh memory every time."""
         size = max(b.nbytes for b in buckets)
         pool = _STAGING.get(self.transport)
-        if pool is None or len(pool) != self.in_flight or pool[0].numel() < size or pool[0].device != self.device:
+        if (
+            pool is None
+            or len(pool) != self.in_flight
+            or pool[0].numel() < size
+            or pool[0].device != self.device
+        ):
             pool = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.in_flight)]
             _STAGING[self.transport] = pool
         return pool
 
-    def programs(self, direction: str, ordered: Sequence[Bucket], bufs: Sequence[torch.Tensor]) -> list[BucketProgram | PreparedBucket]:
+    def programs(
+        self, direction: str, ordered: Sequence[Bucket], bufs: Sequence[torch.Tensor]
+    ) -> list[BucketProgram | PreparedBucket]:
         """Per bucket, its work in its slot: captured copies and checksums (on GPUs with graphs
         on; the first refit of a plan captures them all here, before anything is enqueued), or
         the prepared eager work (`syncd.member.dataplane.prepared`)."""
@@ -169,7 +177,9 @@ class _Loop:
         """Held while this loop enqueues device work (never across a wait), when graphs are on."""
         return ENQUEUE_LOCK if self.graphs is not None else contextlib.nullcontext()
 
-    def pack(self, bucket: Bucket, buf: torch.Tensor, program: BucketProgram | PreparedBucket) -> torch.Tensor:
+    def pack(
+        self, bucket: Bucket, buf: torch.Tensor, program: BucketProgram | PreparedBucket
+    ) -> torch.Tensor:
         """The bytes to send: packed into the staging slice, or the tensor's own bytes (`direct`)."""
         with _step("weightsync.pack"):
             program.copy()
@@ -179,7 +189,9 @@ class _Loop:
         with _step("weightsync.unpack"):
             program.copy()
 
-    def account(self, slot: int, bucket: Bucket, flat: torch.Tensor, program: BucketProgram | PreparedBucket) -> None:
+    def account(
+        self, slot: int, bucket: Bucket, flat: torch.Tensor, program: BucketProgram | PreparedBucket
+    ) -> None:
         """Both sides checksum the packed bytes of every unit: the same bytes in the same order."""
         if self.verify:
             with _step("weightsync.checksum"):
@@ -221,7 +233,9 @@ class _Loop:
                 flat = self.pack(bucket, bufs[slot], programs[i])
                 with _step("weightsync.isend"):
                     handles.append(self.transport.isend(flat, self.ranks[bucket.dst]))
-                self.account(slot, bucket, flat, programs[i])  # after isend: the checksum overlaps the transfer
+                self.account(
+                    slot, bucket, flat, programs[i]
+                )  # after isend: the checksum overlaps the transfer
         self.finish(handles)
 
     def recv(self, buckets: Sequence[Bucket]) -> None:
@@ -255,7 +269,7 @@ class _Loop:
         self.finish(handles)
 
 
-def interleaved(ordered: Sequence[Bucket], position) -> list[Bucket]:  # noqa: ANN001 (position: Bucket -> tuple)
+def interleaved(ordered: Sequence[Bucket], position) -> list[Bucket]:
     """The links' buckets merged by where they land (`ReceiveSink.position`), each link's still in
     index order: a transport matches the messages of one peer in the order they were sent, while
     different peers' may be taken in any order (every sender serves its destinations in the same
@@ -267,7 +281,9 @@ def interleaved(ordered: Sequence[Bucket], position) -> list[Bucket]:  # noqa: A
     return list(heapq.merge(*links.values(), key=position))
 
 
-def _received_into(program: BucketProgram | PreparedBucket, buf: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+def _received_into(
+    program: BucketProgram | PreparedBucket, buf: torch.Tensor, bucket: Bucket
+) -> torch.Tensor:
     """Where a bucket arrives: its staging slice, or straight into its tensor (`direct`)."""
     return buf[: bucket.nbytes] if program.direct is None else program.direct
 
@@ -324,9 +340,19 @@ def _loop_graphs(transport: Transport, direction: str, device: torch.device) -> 
     return per_direction[direction]
 
 
-def _run(direction: str, buckets: Sequence[Bucket], tensors, transport, ranks, *, timeout_s: float,
-         in_flight: int = 2, verify: bool = True, cancel: threading.Event | None = None,
-         graphs: bool = False) -> TransferStats:
+def _run(
+    direction: str,
+    buckets: Sequence[Bucket],
+    tensors,
+    transport,
+    ranks,
+    *,
+    timeout_s: float,
+    in_flight: int = 2,
+    verify: bool = True,
+    cancel: threading.Event | None = None,
+    graphs: bool = False,
+) -> TransferStats:
     loop = _Loop(tensors, transport, ranks, timeout_s, in_flight, verify, cancel)
     if not buckets:
         return loop.stats
@@ -348,8 +374,13 @@ def _run(direction: str, buckets: Sequence[Bucket], tensors, transport, ranks, *
     return loop.stats
 
 
-def send_buckets(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], transport: Transport,
-                 ranks: Mapping[str, int], **options) -> TransferStats:
+def send_buckets(
+    buckets: Sequence[Bucket],
+    tensors: Mapping[str, torch.Tensor],
+    transport: Transport,
+    ranks: Mapping[str, int],
+    **options,
+) -> TransferStats:
     """Send `buckets` (this member is their src), reading from `tensors` (catalog views).
     Options: timeout_s (required), in_flight=2, verify=True, cancel=None, graphs=False (on GPUs,
     capture each bucket's copies and checksums as CUDA graphs on the first refit and replay them
@@ -357,8 +388,13 @@ def send_buckets(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor],
     return _run("send", buckets, tensors, transport, ranks, **options)
 
 
-def recv_buckets(buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor] | ReceiveSink, transport: Transport,
-                 ranks: Mapping[str, int], **options) -> TransferStats:
+def recv_buckets(
+    buckets: Sequence[Bucket],
+    tensors: Mapping[str, torch.Tensor] | ReceiveSink,
+    transport: Transport,
+    ranks: Mapping[str, int],
+    **options,
+) -> TransferStats:
     """Receive `buckets` (this member is their dst) into `tensors` (catalog views), or hand each
     arrived bucket to a `ReceiveSink`. Same options."""
     return _run("recv", buckets, tensors, transport, ranks, **options)

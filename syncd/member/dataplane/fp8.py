@@ -23,7 +23,9 @@ E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-12
 
 
-def quantize_blockwise(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(
+    weight: torch.Tensor, block: tuple[int, int] = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weight_fp8, weight_scale_inv)` of `weight` (`[..., N, K]`): e4m3 values of the same shape
     and float32 scales of shape `scale_shape(weight.shape)`. Pure: `weight` is not modified."""
     values, scale_inv = quantized_view(weight, block)
@@ -39,7 +41,11 @@ def quantized_view(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tupl
     it), no |x| temporary, the clamp in place."""
     blocks, (n, k) = _blocks(weight, block)
     scale_inv = _scales(blocks)
-    q = torch.div(blocks, scale_inv[..., :, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = (
+        torch.div(blocks, scale_inv[..., :, None, :, None])
+        .clamp_(-E4M3_MAX, E4M3_MAX)
+        .to(torch.float8_e4m3fn)
+    )
     rows, cols = scale_inv.shape[-2:]
     return q.view(*blocks.shape[:-4], rows * block[0], cols * block[1])[..., :n, :k], scale_inv
 
@@ -65,13 +71,19 @@ def _blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor,
 
 def _scales(blocks: torch.Tensor) -> torch.Tensor:
     dims = (-3, -1)
-    amax = torch.maximum(blocks.amax(dim=dims), blocks.amin(dim=dims).neg()).to(torch.float32).clamp_min(AMAX_FLOOR)
+    amax = (
+        torch.maximum(blocks.amax(dim=dims), blocks.amin(dim=dims).neg())
+        .to(torch.float32)
+        .clamp_min(AMAX_FLOOR)
+    )
     # A true division on every device: CUDA turns a division by a Python scalar into a
     # multiplication by its rounded reciprocal, which differs from the CPU in the last bit.
     return amax / torch.full_like(amax, E4M3_MAX)
 
 
-def dequantize_blockwise(weight_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:
+def dequantize_blockwise(
+    weight_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK
+) -> torch.Tensor:
     """float32 `weight_fp8 * weight_scale_inv`, each scale spread over its block."""
     n, k = weight_fp8.shape[-2:]
     spread = scale_inv.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)

@@ -30,14 +30,34 @@ ENABLED = True  # benchmarks switch it off to measure the reference in the same 
 
 
 def available(t: torch.Tensor) -> bool:
-    return ENABLED and triton is not None and t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return (
+        ENABLED
+        and triton is not None
+        and t.is_cuda
+        and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
 
 
 if triton is not None:
+
     @triton.jit
-    def _quantize_blocks(x_ptr, sx_l, sx_n, sx_k, q_ptr, s_ptr, n, k, cols, blocks_per_matrix,
-                         WRITE_VALUES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         QMAX: tl.constexpr, FLOOR: tl.constexpr):
+    def _quantize_blocks(
+        x_ptr,
+        sx_l,
+        sx_n,
+        sx_k,
+        q_ptr,
+        s_ptr,
+        n,
+        k,
+        cols,
+        blocks_per_matrix,
+        WRITE_VALUES: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        QMAX: tl.constexpr,
+        FLOOR: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         matrix = pid // blocks_per_matrix
         block = pid % blocks_per_matrix
@@ -64,7 +84,20 @@ def quantize_into(x: torch.Tensor, values: torch.Tensor | None, scales: torch.Te
     x3 = x.reshape(-1, n, k)  # a view when the leading dims allow it, else a copy
     rows, cols = -(-n // BLOCK[0]), -(-k // BLOCK[1])
     grid = (x3.shape[0] * rows * cols,)
-    _quantize_blocks[grid](x3, x3.stride(0), x3.stride(1), x3.stride(2),
-                           values if values is not None else scales, scales, n, k, cols, rows * cols,
-                           WRITE_VALUES=values is not None, BN=BLOCK[0], BK=BLOCK[1],
-                           QMAX=E4M3_MAX, FLOOR=AMAX_FLOOR)
+    _quantize_blocks[grid](
+        x3,
+        x3.stride(0),
+        x3.stride(1),
+        x3.stride(2),
+        values if values is not None else scales,
+        scales,
+        n,
+        k,
+        cols,
+        rows * cols,
+        WRITE_VALUES=values is not None,
+        BN=BLOCK[0],
+        BK=BLOCK[1],
+        QMAX=E4M3_MAX,
+        FLOOR=AMAX_FLOOR,
+    )

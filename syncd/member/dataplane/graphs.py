@@ -29,7 +29,7 @@ worth.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -44,8 +44,13 @@ class BucketProgram:
 
     direct = None  # always through staging (see `prepared.PreparedBucket.direct`)
 
-    def __init__(self, bucket: Bucket, copy_graph: torch.cuda.CUDAGraph, sums_graph: torch.cuda.CUDAGraph,
-                 outputs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        bucket: Bucket,
+        copy_graph: torch.cuda.CUDAGraph,
+        sums_graph: torch.cuda.CUDAGraph,
+        outputs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> None:
         self.bucket = bucket  # held, so that the id in the cache key stays this bucket's
         self._copy_graph, self._sums_graph = copy_graph, sums_graph
         self._keys = [checksum_key(u.canonical, u.canon) for u in bucket.units]
@@ -83,8 +88,13 @@ class LoopGraphs:
         self._programs: dict[tuple, BucketProgram] = {}
         self._used: set[tuple] = set()
 
-    def programs(self, direction: str, buckets: Sequence[Bucket], tensors: Mapping[str, torch.Tensor],
-                 flats: Sequence[torch.Tensor]) -> list[BucketProgram]:
+    def programs(
+        self,
+        direction: str,
+        buckets: Sequence[Bucket],
+        tensors: Mapping[str, torch.Tensor],
+        flats: Sequence[torch.Tensor],
+    ) -> list[BucketProgram]:
         """The program of each bucket packed into (send) or unpacked from (recv) its staging
         slice in `flats`, capturing those not seen before. Capturing runs nothing: the caller
         replays them in order."""
@@ -100,7 +110,13 @@ class LoopGraphs:
     @staticmethod
     def _key(direction: str, bucket: Bucket, tensors, flat: torch.Tensor) -> tuple:
         names = [u.src_tensor if direction == "send" else u.dst_tensor for u in bucket.units]
-        return (direction, id(bucket), flat.data_ptr(), flat.numel(), tuple(tensors[n].data_ptr() for n in names))
+        return (
+            direction,
+            id(bucket),
+            flat.data_ptr(),
+            flat.numel(),
+            tuple(tensors[n].data_ptr() for n in names),
+        )
 
     def retain_used(self) -> None:
         """Forget the programs the refit that just ended did not use (an older plan's)."""
@@ -109,9 +125,9 @@ class LoopGraphs:
 
     def _capture(self, direction: str, bucket: Bucket, tensors, flat: torch.Tensor) -> BucketProgram:
         if direction == "send":
-            copy = lambda: pack_into(bucket, tensors, flat)  # noqa: E731
+            copy = lambda: pack_into(bucket, tensors, flat)
         else:
-            copy = lambda: unpack_from(bucket, flat, tensors)  # noqa: E731
+            copy = lambda: unpack_from(bucket, flat, tensors)
         outputs = [(u.nbytes, *region_outputs(u.nbytes, self.device)) for u in bucket.units]
 
         def reduce_all() -> None:

@@ -80,7 +80,9 @@ class NcclTransport:
         return base64.b64encode(nccl_core.get_unique_id().as_bytes).decode()
 
     @classmethod
-    def connect(cls, address: str, rank: int, world_size: int, device: torch.device, timeout_s: float) -> NcclTransport:
+    def connect(
+        cls, address: str, rank: int, world_size: int, device: torch.device, timeout_s: float
+    ) -> NcclTransport:
         """Create this rank's communicator; raises TransferTimeout if the group does not form."""
         nccl_core, bindings = _nccl()
         uid = nccl_core.UniqueId.from_bytes(base64.b64decode(address))

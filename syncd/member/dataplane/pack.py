@@ -17,15 +17,15 @@ belong to; the sender computes them while packing, every refit, from its current
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import torch
 
-from syncd.member.dataplane import fp8_kernel
-from syncd.member.dataplane.fp8 import block_scales, quantized_view
 from syncd.layout import Box, Catalog
 from syncd.layout.dtypes import torch_dtype
+from syncd.member.dataplane import fp8_kernel
+from syncd.member.dataplane.fp8 import block_scales, quantized_view
 from syncd.plan.fp8_blocks import scale_shape, to_grid
 from syncd.plan.types import Bucket, TransferUnit
 
@@ -41,7 +41,9 @@ def catalog_views(catalog: Catalog, tensors: Mapping[str, torch.Tensor]) -> dict
         if x.dtype != torch_dtype(t.dtype):
             raise ValueError(f"{t.name} is {x.dtype}, the catalog says {t.dtype}")
         if not x.is_contiguous() or x.numel() != torch.Size(t.shape).numel():
-            raise ValueError(f"{t.name}: a contiguous tensor of {t.shape} elements is needed, got {tuple(x.shape)}")
+            raise ValueError(
+                f"{t.name}: a contiguous tensor of {t.shape} elements is needed, got {tuple(x.shape)}"
+            )
         out[t.name] = x.view(t.shape)
     return out
 
@@ -64,7 +66,9 @@ class Copies:
             fill()
 
 
-def copy_pairs(direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor) -> Copies:
+def copy_pairs(
+    direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor
+) -> Copies:
     """The bucket's copies, unit by unit: for "send" from the source regions into the byte buffer
     `flat` (each unit's slice viewed in the unit's dtype, so the copy casts; FP8 units quantized),
     for "recv" from `flat` into the destination regions. Views only, no copies."""
@@ -74,7 +78,9 @@ def copy_pairs(direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tenso
         packed = flat[offset : offset + u.nbytes]
         offset += u.nbytes
         if direction == "send" and u.quantized:
-            copies.computed.append(_quantized(u, tensors, packed.view(torch_dtype(u.dtype)).view(u.canon.shape)))
+            copies.computed.append(
+                _quantized(u, tensors, packed.view(torch_dtype(u.dtype)).view(u.canon.shape))
+            )
         elif direction == "send":
             src = tensors[u.src_tensor][u.src_box.slices()]
             copies.dsts.append(packed.view(torch_dtype(u.dtype)).view(src.shape))
@@ -96,8 +102,10 @@ def _quantized(u: TransferUnit, tensors: Mapping[str, torch.Tensor], out: torch.
     shape = u.block_box.shape
     origin = u.block_box if u.quantized == "values" else to_grid(u.block_box)
     whole = u.canon == origin  # the unit is all of the blocks it reads
-    take = Box(tuple(a - o for a, o in zip(u.canon.start, origin.start)),
-               tuple(b - o for b, o in zip(u.canon.stop, origin.start))).slices()
+    take = Box(
+        tuple(a - o for a, o in zip(u.canon.start, origin.start)),
+        tuple(b - o for b, o in zip(u.canon.stop, origin.start)),
+    ).slices()
     # `reshape` at each call, not once: where it must copy, the copy is of the current weights.
     if whole and fp8_kernel.available(region):
         if u.quantized == "values":

@@ -19,7 +19,8 @@ addresses of the tensors it touches; `retain_used` keeps one plan's worth.
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -32,7 +33,9 @@ from syncd.plan.types import Bucket
 class PreparedBucket:
     """One bucket's copies and checksum inputs in one staging slice."""
 
-    def __init__(self, direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor) -> None:
+    def __init__(
+        self, direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor
+    ) -> None:
         self._copies = copy_pairs(direction, bucket, tensors, flat)
         self._regions_of(bucket, flat, _direct_bytes(direction, bucket, self._copies))
 
@@ -46,7 +49,9 @@ class PreparedBucket:
         for u in bucket.units:
             self._regions.append((checksum_key(u.canonical, u.canon), self.wire[offset : offset + u.nbytes]))
             offset += u.nbytes
-        self._outputs: list[tuple[torch.Tensor, ...]] | None = None  # GPU reduction outputs, made on first use
+        self._outputs: list[tuple[torch.Tensor, ...]] | None = (
+            None  # GPU reduction outputs, made on first use
+        )
 
     def copy(self) -> None:
         """Pack (send) or unpack (recv) the bucket on the current stream (nothing to do when the
@@ -118,8 +123,9 @@ class PreparedLoop:
         self._buckets: dict[tuple, PreparedBucket] = {}
         self._used: set[tuple] = set()
 
-    def buckets(self, ordered: Sequence[Bucket], tensors: Mapping[str, torch.Tensor],
-                flats: Sequence[torch.Tensor]) -> list[PreparedBucket]:
+    def buckets(
+        self, ordered: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], flats: Sequence[torch.Tensor]
+    ) -> list[PreparedBucket]:
         """The prepared work of each bucket in its staging slice, preparing those not seen before."""
         out = []
         for bucket, flat in zip(ordered, flats):

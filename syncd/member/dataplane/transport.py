@@ -78,27 +78,43 @@ class GlooTransport:
         self.rank, self.world_size = rank, world_size
         self._store = store  # rank 0 hosts the store: keep it alive as long as the group
         self._pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"weightsync/{group_id}", store), rank, world_size,
+            dist.PrefixStore(f"weightsync/{group_id}", store),
+            rank,
+            world_size,
             datetime.timedelta(seconds=timeout_s),
         )
 
     @staticmethod
     def create_address(host: str, world_size: int, timeout_s: float) -> tuple[str, dist.Store]:
         """Rank 0: host a rendezvous store on a free port; returns ("host:port", store)."""
-        store = dist.TCPStore(host, 0, world_size, is_master=True,
-                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        store = dist.TCPStore(
+            host,
+            0,
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
         return f"{host}:{store.port}", store
 
     @classmethod
-    def connect(cls, address: str, rank: int, world_size: int, group_id: str, timeout_s: float,
-                store: dist.Store | None = None) -> GlooTransport:
+    def connect(
+        cls,
+        address: str,
+        rank: int,
+        world_size: int,
+        group_id: str,
+        timeout_s: float,
+        store: dist.Store | None = None,
+    ) -> GlooTransport:
         """Join the group; blocks until every member joined or `timeout_s` passed."""
         if store is None:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"gloo group address must be host:port, got {address!r}")
-            store = dist.TCPStore(host, int(port), world_size, is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
+            store = dist.TCPStore(
+                host, int(port), world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+            )
         return cls(store, rank, world_size, group_id, timeout_s)
 
     def isend(self, buf: torch.Tensor, peer: int) -> Handle:
@@ -119,4 +135,3 @@ class GlooTransport:
         """Abort and drop the group so its sockets close: peers fail fast instead of timing out."""
         self.abort()
         self._pg = None
-
