@@ -115,16 +115,25 @@ def cmd_plan(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     p = api.call("GET", "/v1/plan")
     head = (
         f"{human_bytes(p['total_bytes'])} in {p['buckets']} buckets, {p['units']} units "
-        f"(bucket size {human_bytes(p['bucket_bytes'])})"
+        f"(bucket size {human_bytes(p['bucket_bytes'])}); trainers send {human_bytes(p['source_bytes'])}, "
+        f"generators relay {human_bytes(p['relay_bytes'])}"
     )
     stages = table(
         ("STAGE", "BYTES", "MEMBERS"),
         [(s["stage"], human_bytes(s["bytes"]), " ".join(s["members"])) for s in p["stages"]],
     )
     links = table(
-        ("STAGE", "SRC", "DST", "BYTES", "BUCKETS", "UNITS"),
+        ("STAGE", "SRC", "DST", "VIA", "BYTES", "BUCKETS", "UNITS"),
         [
-            (k["stage"], k["src"], k["dst"], human_bytes(k["bytes"]), k["buckets"], k["units"])
+            (
+                k["stage"],
+                k["src"],
+                k["dst"],
+                "relay" if k["relay"] else "trainer",
+                human_bytes(k["bytes"]),
+                k["buckets"],
+                k["units"],
+            )
             for k in p["links"]
         ],
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from syncd import commands
 from syncd.api import syncd_pb2 as pb
 from syncd.layout import Box, CanonicalTensor, Catalog, LocalTensor, Piece
-from syncd.plan.types import Bucket, TransferUnit
+from syncd.plan.types import Bucket, Relay, TransferUnit
 
 ROLES = {"trainer": pb.ROLE_TRAINER, "generator": pb.ROLE_GENERATOR}
 ROLE_NAMES = {v: k for k, v in ROLES.items()}
@@ -118,7 +118,13 @@ def bucket_to_pb(b: Bucket) -> pb.Bucket:
         index=b.index,
         units=[unit_to_pb(u) for u in b.units],
         nbytes=b.nbytes,
+        relay=None if b.relay is None else _relay_to_pb(b.relay),
     )
+
+
+def _relay_to_pb(r: Relay) -> pb.Relay:
+    src, dst, index = r.forwards
+    return pb.Relay(origin=r.origin, forwards_src=src, forwards_dst=dst, forwards_index=index)
 
 
 def bucket_from_pb(m: pb.Bucket) -> Bucket:
@@ -129,6 +135,11 @@ def bucket_from_pb(m: pb.Bucket) -> Bucket:
         index=m.index,
         units=tuple(unit_from_pb(u) for u in m.units),
         nbytes=m.nbytes,
+        relay=(
+            Relay(m.relay.origin, (m.relay.forwards_src, m.relay.forwards_dst, m.relay.forwards_index))
+            if m.HasField("relay")
+            else None
+        ),
     )
 
 

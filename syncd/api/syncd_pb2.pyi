@@ -109,21 +109,35 @@ class TransferUnit(_message.Message):
     src_dtype: str
     def __init__(self, canonical: _Optional[str] = ..., canon: _Optional[_Union[Box, _Mapping]] = ..., dtype: _Optional[str] = ..., src_tensor: _Optional[str] = ..., src_box: _Optional[_Union[Box, _Mapping]] = ..., dst_tensor: _Optional[str] = ..., dst_box: _Optional[_Union[Box, _Mapping]] = ..., nbytes: _Optional[int] = ..., quantized: _Optional[str] = ..., block_box: _Optional[_Union[Box, _Mapping]] = ..., src_dtype: _Optional[str] = ...) -> None: ...
 
+class Relay(_message.Message):
+    __slots__ = ("origin", "forwards_src", "forwards_dst", "forwards_index")
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_SRC_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_DST_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    origin: str
+    forwards_src: str
+    forwards_dst: str
+    forwards_index: int
+    def __init__(self, origin: _Optional[str] = ..., forwards_src: _Optional[str] = ..., forwards_dst: _Optional[str] = ..., forwards_index: _Optional[int] = ...) -> None: ...
+
 class Bucket(_message.Message):
-    __slots__ = ("stage", "src", "dst", "index", "units", "nbytes")
+    __slots__ = ("stage", "src", "dst", "index", "units", "nbytes", "relay")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UNITS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     stage: int
     src: str
     dst: str
     index: int
     units: _containers.RepeatedCompositeFieldContainer[TransferUnit]
     nbytes: int
-    def __init__(self, stage: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., index: _Optional[int] = ..., units: _Optional[_Iterable[_Union[TransferUnit, _Mapping]]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    relay: Relay
+    def __init__(self, stage: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., index: _Optional[int] = ..., units: _Optional[_Iterable[_Union[TransferUnit, _Mapping]]] = ..., nbytes: _Optional[int] = ..., relay: _Optional[_Union[Relay, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("role", "member_id", "coords", "device", "data_address", "catalog_hash", "catalog", "run_id", "weight_version", "receive_by_layer")

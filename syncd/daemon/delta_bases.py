@@ -6,8 +6,9 @@ takes part in a refit that does not commit, or registers anew (restart). Under a
 sender may be asked for regions it did not send last time; it sends those dense (its mirror knows
 which regions it holds). Anything else, a
 generator that missed a version, a new replica, an inplace generator (its live layers are not a
-staging copy it could apply a delta to) or a group that is not gloo, gets a full refit in the same
-plan. The whole-region checksums catch what this bookkeeping cannot see (a flipped bit).
+staging copy it could apply a delta to), a replica in a fan-out chain (it forwards what it receives,
+so its successors would need its base too) or a group that is not gloo, gets a full refit in the
+same plan. The whole-region checksums catch what this bookkeeping cannot see (a flipped bit).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class DeltaBases:
             senders.setdefault(b.dst, set()).add(b.src)
             if b.stage not in gloo_stages:
                 refused.add(b.dst)
+            if b.relay is not None:  # relays forward what they receive: deltas only with a shared base
+                refused.update((b.src, b.dst))
         if full or base is None:
             return DeltaLinks(None, frozenset(), max_fraction)
         dsts = frozenset(

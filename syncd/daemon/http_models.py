@@ -66,10 +66,15 @@ class LinkOut(BaseModel):
     bytes: int
     buckets: int
     units: int
+    relay: bool = Field(default=False, description="src is a generator forwarding what it received (fan-out)")
 
 
 class PlanOut(BaseModel):
     total_bytes: int
+    source_bytes: int = Field(
+        description="bytes the trainers send (one copy per generator layout with fan-out)"
+    )
+    relay_bytes: int = Field(description="bytes generators forward to other replicas of their layout")
     buckets: int
     units: int
     bucket_bytes: int
@@ -82,6 +87,8 @@ class PlanOut(BaseModel):
         stage_bytes = plan.stage_bytes()
         return cls(
             total_bytes=plan.total_bytes,
+            source_bytes=plan.source_bytes,
+            relay_bytes=plan.relay_bytes,
             buckets=len(plan.buckets),
             units=plan.num_units,
             bucket_bytes=plan.bucket_bytes,
@@ -91,7 +98,15 @@ class PlanOut(BaseModel):
                 for s, n in stage_bytes.items()
             ],
             links=[
-                LinkOut(stage=k.stage, src=k.src, dst=k.dst, bytes=k.bytes, buckets=k.buckets, units=k.units)
+                LinkOut(
+                    stage=k.stage,
+                    src=k.src,
+                    dst=k.dst,
+                    bytes=k.bytes,
+                    buckets=k.buckets,
+                    units=k.units,
+                    relay=k.relay,
+                )
                 for k in plan.links()
             ],
         )

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from syncd.commands import checksum_key
 from syncd.daemon.registry import Member
 from syncd.layout import Catalog, dtype_bytes, dtypes
-from syncd.plan import DestMember, Plan, SourceMember, fp8_blocks, make_plan
+from syncd.plan import DestMember, Plan, SourceMember, fp8_blocks, make_fanout_plan, make_plan
 
 PlanKey = tuple
 
@@ -25,9 +25,10 @@ def plan_key(members: Sequence[Member], bucket_bytes: int) -> PlanKey:
 
 
 class PlanCache:
-    def __init__(self, size: int = 4, max_buckets: int = 1_000_000) -> None:
+    def __init__(self, size: int = 4, max_buckets: int = 1_000_000, fanout: int = 0) -> None:
         self._size = size
         self._max_buckets = max_buckets
+        self._fanout = fanout  # 0: every destination from the sources; k: relays to k (fan-out)
         self._lock = threading.Lock()
         self._plans: OrderedDict[PlanKey, Plan] = OrderedDict()
 
@@ -59,7 +60,11 @@ class PlanCache:
                 f"more than the limit {self._max_buckets} (max_plan_buckets); raise bucket_bytes "
                 "or check the generators' catalogs"
             )
-        plan = make_plan(sources, dests, bucket_bytes=bucket_bytes)
+        if self._fanout:  # relays in member-id order (replica 0 heads), whatever order they registered in
+            dests.sort(key=lambda d: d.member_id)
+            plan = make_fanout_plan(sources, dests, bucket_bytes=bucket_bytes, fanout=self._fanout)
+        else:
+            plan = make_plan(sources, dests, bucket_bytes=bucket_bytes)
         with self._lock:
             self._plans[key] = plan
             while len(self._plans) > self._size:
@@ -97,30 +102,33 @@ def plan_members(plan: Plan) -> tuple[str, ...]:
 
 def stage_membership(plan: Plan) -> dict[int, tuple[str, ...]]:
     """Per PP stage, the group members in rank order: the stage's senders, then its receivers.
-    Senders first makes a trainer the group's rank 0 (it creates the rendezvous address)."""
+    Senders first makes a trainer the group's rank 0 (it creates the rendezvous address). Relays
+    (fan-out) send over the group of the stage they received from, as receivers of it."""
     senders: dict[int, set[str]] = {}
     receivers: dict[int, set[str]] = {}
     for b in plan.buckets:
-        senders.setdefault(b.stage, set()).add(b.src)
+        if b.relay is None:
+            senders.setdefault(b.stage, set()).add(b.src)
         receivers.setdefault(b.stage, set()).add(b.dst)
     return {s: tuple(sorted(senders[s])) + tuple(sorted(receivers[s])) for s in sorted(senders)}
 
 
 def checksum_mismatch(plan: Plan, checksums: Mapping[str, Mapping[str, str]]) -> str | None:
-    """Compare, unit by unit, what each receiver reported with what its sender reported.
-    `checksums[member][key]`. Returns an error naming the first bad tensor region, or None."""
+    """Compare, unit by unit, what each receiver reported with what its bucket's origin (the
+    sender that packed the bytes; a relay only forwards them) reported. `checksums[member][key]`.
+    Returns an error naming the first bad tensor region, or None."""
     problems = []
     for b in plan.buckets:
-        sent, got = checksums.get(b.src, {}), checksums.get(b.dst, {})
+        sent, got = checksums.get(b.origin, {}), checksums.get(b.dst, {})
         for u in b.units:
             key = checksum_key(u.canonical, u.canon)
             if key not in sent:
-                problems.append(f"sender {b.src} reported no checksum for {key} (tensor {u.canonical})")
+                problems.append(f"sender {b.origin} reported no checksum for {key} (tensor {u.canonical})")
             elif key not in got:
                 problems.append(f"receiver {b.dst} reported no checksum for {key} (tensor {u.canonical})")
             elif sent[key] != got[key]:
                 problems.append(
-                    f"checksum mismatch for tensor {u.canonical} region {u.canon}: sender {b.src} "
+                    f"checksum mismatch for tensor {u.canonical} region {u.canon}: sender {b.origin} "
                     f"{sent[key]}, receiver {b.dst} {got[key]}"
                 )
     if not problems:

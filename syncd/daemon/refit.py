@@ -70,7 +70,7 @@ class Coordinator:
         self.store = store
         self.journal = Journal(store)
         self.metrics = metrics
-        self.plans = PlanCache(max_buckets=settings.max_plan_buckets)
+        self.plans = PlanCache(max_buckets=settings.max_plan_buckets, fanout=settings.fanout)
         self._lock = threading.Lock()
         self._run: Run | None = None
         self._starting = False  # a trigger is creating its record (outside the lock)
@@ -356,7 +356,8 @@ class Coordinator:
         problem = transfer_report_problem(plan, reports, frozenset(run.delta_generators))
         if problem is not None:
             raise RefitAborted(f"transfer reports disagree with the plan: {problem}")
-        run.bytes = sum(reports[m].bytes for m in {b.dst for b in plan.buckets})
+        # A relay's report counts what it forwarded too (its part of the plan): not received bytes.
+        run.bytes = sum(reports[m].bytes for m in {b.dst for b in plan.buckets}) - plan.relay_bytes
         run.delta_elements = sum(reports[m].delta_elements for m in run.delta_generators)
         run.changed_elements = sum(reports[m].changed_elements for m in run.delta_generators)
         return reports

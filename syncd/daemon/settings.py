@@ -44,6 +44,12 @@ class Settings:
     verify_timeout: float = _setting(60.0, "SYNCD_VERIFY_TIMEOUT", "seconds for VERIFYING")
     commit_timeout: float = _setting(60.0, "SYNCD_COMMIT_TIMEOUT", "seconds for committing")
     bucket_bytes: int = _setting(256 << 20, "SYNCD_BUCKET_BYTES", "planner bucket size in bytes")
+    fanout: int = _setting(
+        1,
+        "SYNCD_FANOUT",
+        "replicas of one layout relay buckets to at most this many others (1: a chain; 0: each "
+        "replica from the trainers), so the trainers send one copy per layout",
+    )
     expected_trainers: int = _setting(1, "SYNCD_EXPECTED_TRAINERS", "trainer ranks needed to be ready")
     expected_generators: int = _setting(
         1, "SYNCD_EXPECTED_GENERATORS", "generator workers needed to be ready"
@@ -108,6 +114,8 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+        if self.fanout < 0:
+            raise ValueError(f"fanout must be 0 (off) or a positive fan-out, not {self.fanout}")
         if not 0 < self.delta_max_fraction <= 1:
             raise ValueError(f"delta_max_fraction must be in (0, 1], not {self.delta_max_fraction}")
         if self.expected_trainers < 1 or self.expected_generators < 1:

@@ -91,11 +91,29 @@ def execute(
     sources: Mapping[str, Mapping[str, np.ndarray]],
     destinations: Mapping[str, dict[str, np.ndarray]],
 ) -> None:
-    """Run every bucket of `plan` from `sources[member][tensor]` into `destinations[member][tensor]`."""
+    """Run every bucket of `plan` from `sources[member][tensor]` into `destinations[member][tensor]`.
+    A relay bucket carries the bytes its sender received as the bucket it forwards, as they arrived
+    (never repacked from the relay's tensors)."""
+    by_key = {b.key: b for b in plan.buckets}
+    wire: dict[tuple[str, str, int], np.ndarray] = {}
+
+    def bytes_of(bucket: Bucket) -> np.ndarray:
+        if bucket.key not in wire:
+            if bucket.relay is None:
+                flat = pack(bucket, sources[bucket.src])
+            else:
+                forwarded = by_key.get(bucket.relay.forwards)
+                if forwarded is None or forwarded.dst != bucket.src:
+                    raise AssertionError(
+                        f"relay {bucket.key} forwards {bucket.relay.forwards}, not received by {bucket.src}"
+                    )
+                flat = bytes_of(forwarded).copy()
+            if flat.nbytes != bucket.nbytes:
+                raise AssertionError(
+                    f"bucket {bucket.key} carries {flat.nbytes} bytes, planned {bucket.nbytes}"
+                )
+            wire[bucket.key] = flat
+        return wire[bucket.key]
+
     for bucket in plan.buckets:
-        flat = pack(bucket, sources[bucket.src])
-        if flat.nbytes != bucket.nbytes:
-            raise AssertionError(
-                f"bucket {bucket.src}->{bucket.dst}#{bucket.index} packed {flat.nbytes} bytes, planned {bucket.nbytes}"
-            )
-        unpack(bucket, flat, destinations[bucket.dst])
+        unpack(bucket, bytes_of(bucket), destinations[bucket.dst])

@@ -56,9 +56,21 @@ class TransferUnit:
     block_box: Box | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """What makes a bucket a relay (fan-out, `syncd.plan.fanout`): its `src`, a destination, sends
+    on, unchanged, the bytes it received as bucket (`src`, `dst`, `index`) = `forwards`; `origin` is
+    the source member that packed them, whose checksums every relayed copy is compared with."""
+
+    origin: str
+    forwards: tuple[str, str, int]
+
+
 @dataclass(frozen=True)
 class Bucket:
-    """Units sent from `src` to `dst` in one message. `index` orders a link's buckets."""
+    """Units sent from `src` to `dst` in one message. `index` orders a link's buckets. A relay
+    bucket (`relay` set) carries the units of the bucket it forwards: the same bytes, which land in
+    the same destination regions, since only replicas of one layout relay to each other."""
 
     stage: int
     src: str
@@ -66,6 +78,17 @@ class Bucket:
     index: int
     units: tuple[TransferUnit, ...]
     nbytes: int
+    relay: Relay | None = None
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """What a `Relay.forwards` names this bucket by."""
+        return (self.src, self.dst, self.index)
+
+    @property
+    def origin(self) -> str:
+        """The source member that packed this bucket's bytes."""
+        return self.src if self.relay is None else self.relay.origin
 
 
 @dataclass(frozen=True)
@@ -76,6 +99,7 @@ class LinkSummary:
     bytes: int
     buckets: int
     units: int
+    relay: bool = False  # a destination forwarding what it received (fan-out)
 
 
 @dataclass(frozen=True)
@@ -89,6 +113,16 @@ class Plan:
     @property
     def total_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def source_bytes(self) -> int:
+        """Bytes the sources (trainer ranks) send: with fan-out, one copy per layout."""
+        return sum(b.nbytes for b in self.buckets if b.relay is None)
+
+    @property
+    def relay_bytes(self) -> int:
+        """Bytes destinations forward to other destinations (fan-out)."""
+        return sum(b.nbytes for b in self.buckets if b.relay is not None)
 
     @property
     def num_units(self) -> int:
@@ -108,12 +142,18 @@ class Plan:
 
     def links(self) -> list[LinkSummary]:
         acc: dict[tuple[int, str, str], list[int]] = {}
+        relays = set()
         for b in self.buckets:
             row = acc.setdefault((b.stage, b.src, b.dst), [0, 0, 0])
             row[0] += b.nbytes
             row[1] += 1
             row[2] += len(b.units)
-        return [LinkSummary(s, src, dst, *row) for (s, src, dst), row in sorted(acc.items())]
+            if b.relay is not None:
+                relays.add((b.stage, b.src, b.dst))
+        return [
+            LinkSummary(s, src, dst, *row, relay=(s, src, dst) in relays)
+            for (s, src, dst), row in sorted(acc.items())
+        ]
 
     def stage_bytes(self) -> dict[int, int]:
         out: dict[int, int] = defaultdict(int)
