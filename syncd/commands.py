@@ -95,7 +95,8 @@ class DeltaLinks:
 class ExecutePlan:
     """Send or receive `buckets` (plan order) over the stage groups in `groups`, then report
     TRANSFERRED with bytes and per-unit checksums keyed by `checksum_key`. `delta`: set while delta
-    refits are on."""
+    refits are on. `stall_timeout_s`: how long one send or receive may wait before the member
+    gives up, naming the peer as slow or stuck (0: up to `timeout_s`)."""
 
     refit_id: str
     weight_version: WeightVersion
@@ -103,6 +104,7 @@ class ExecutePlan:
     groups: tuple[StageGroup, ...]
     timeout_s: float
     delta: DeltaLinks | None = None
+    stall_timeout_s: float = 0.0
 
 
 @dataclass(frozen=True)

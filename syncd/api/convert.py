@@ -193,6 +193,7 @@ def command_to_pb(cmd: commands.Command) -> pb.Command:
                     groups=[_group_to_pb(g) for g in cmd.groups],
                     timeout_s=cmd.timeout_s,
                     delta=_delta_to_pb(cmd.delta),
+                    stall_timeout_s=cmd.stall_timeout_s,
                 )
             )
         case commands.Verify():
@@ -256,6 +257,7 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
             tuple(commands.StageGroup(g.stage, g.group_id, g.backend, tuple(g.members)) for g in m.groups),
             m.timeout_s,
             _delta_from_pb(m),
+            m.stall_timeout_s,
         )
     if kind == "verify":
         return commands.Verify(msg.verify.refit_id, msg.verify.weight_version, msg.verify.timeout_s)

@@ -241,20 +241,22 @@ class JoinGroup(_message.Message):
     def __init__(self, refit_id: _Optional[str] = ..., group_id: _Optional[str] = ..., stage: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class ExecutePlan(_message.Message):
-    __slots__ = ("refit_id", "weight_version", "buckets", "groups", "timeout_s", "delta")
+    __slots__ = ("refit_id", "weight_version", "buckets", "groups", "timeout_s", "delta", "stall_timeout_s")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    STALL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     weight_version: int
     buckets: _containers.RepeatedCompositeFieldContainer[Bucket]
     groups: _containers.RepeatedCompositeFieldContainer[StageGroup]
     timeout_s: float
     delta: DeltaLinks
-    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[StageGroup, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., delta: _Optional[_Union[DeltaLinks, _Mapping]] = ...) -> None: ...
+    stall_timeout_s: float
+    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[StageGroup, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., delta: _Optional[_Union[DeltaLinks, _Mapping]] = ..., stall_timeout_s: _Optional[float] = ...) -> None: ...
 
 class DeltaLinks(_message.Message):
     __slots__ = ("base", "dsts", "max_fraction")

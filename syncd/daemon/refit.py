@@ -47,6 +47,7 @@ from syncd.daemon.refit_run import RefitAborted, Run, transfer_report_problem
 from syncd.daemon.registry import ROLES, Member, Registry, check_weight_version
 from syncd.daemon.settings import Settings
 from syncd.daemon.store import RefitRecord, Store, StoreUnavailable
+from syncd.daemon.survivors import wait_for_lost
 from syncd.daemon.versions import Versions, WeightSet
 from syncd.layout import Catalog
 from syncd.plan import Plan
@@ -98,14 +99,34 @@ class Coordinator:
     def _expected(self) -> dict[str, int]:
         return {"trainer": self.settings.expected_trainers, "generator": self.settings.expected_generators}
 
-    def _refit_problems(self, members: list[Member] | None = None) -> list[str]:
+    def _refit_problems(
+        self, members: list[Member] | None = None, excluded: frozenset[str] = frozenset()
+    ) -> list[str]:
+        """Why a refit could not start. A retry over survivors (`excluded` members left out) needs
+        the trainers and one generator, not every expected generator (`syncd.daemon.survivors`)."""
+        if not excluded:
+            return refit_problems(
+                self.registry.members() if members is None else members,
+                self._expected(),
+                self.versions.run_id,
+                self.registry.catalog,
+                self.current_plan,
+            )
+        live = [
+            m
+            for m in (self.registry.members() if members is None else members)
+            if m.member_id not in excluded
+        ]
+        expected = {"trainer": self.settings.expected_trainers, "generator": 1}
         return refit_problems(
-            self.registry.members() if members is None else members,
-            self._expected(),
-            self.versions.run_id,
-            self.registry.catalog,
-            self.current_plan,
+            live, expected, self.versions.run_id, self.registry.catalog, lambda: self._plan_for(live)
         )
+
+    def _plan_for(self, members: list[Member]) -> Plan:
+        try:
+            return self.plans.get(members, self.registry.catalog, self.settings.bucket_bytes)
+        except ValueError as e:
+            raise FailedPrecondition(f"cannot plan for the registered members: {e}") from None
 
     def current(self) -> RefitRecord | None:
         with self._lock:
@@ -142,15 +163,17 @@ class Coordinator:
             raise FailedPrecondition(problem)
 
     def current_plan(self) -> Plan:
-        try:
-            return self.plans.get(self.registry.members(), self.registry.catalog, self.settings.bucket_bytes)
-        except ValueError as e:
-            raise FailedPrecondition(f"cannot plan for the registered members: {e}") from None
+        return self._plan_for(self.registry.members())
 
     # ---- commands from operators and members ----
 
     def trigger(
-        self, weight_version: WeightVersion | None = None, allow_rollback: bool = False, full: bool = False
+        self,
+        weight_version: WeightVersion | None = None,
+        allow_rollback: bool = False,
+        full: bool = False,
+        *,
+        excluded: frozenset[str] = frozenset(),
     ) -> RefitRecord:
         """Start a refit of the trainers' newest announced version (`weight_version`, when given,
         must be that one; `full`: no delta links even where delta refits are on); raises
@@ -162,7 +185,7 @@ class Coordinator:
                 raise FailedPrecondition(
                     f"refit {busy} is still running; one refit at a time: wait for it or abort it"
                 )
-            problems = self._refit_problems()
+            problems = self._refit_problems(excluded=excluded)
             if problems:
                 raise FailedPrecondition(f"not ready to refit: {'; '.join(problems)}")
             weights = self.versions.to_move(weight_version, allow_rollback)
@@ -177,6 +200,7 @@ class Coordinator:
         with self._lock:
             run = self._run = Run(record, {m.member_id for m in self.registry.members()})
             run.full = full
+            run.excluded = excluded
         log.info("refit %s: moving weight version %s", run.id, weights.label)
         threading.Thread(target=self._execute, args=(run,), name=run.id, daemon=True).start()
         return record
@@ -269,6 +293,10 @@ class Coordinator:
             commit_deadline = self._decide(run, plan)
         except RefitAborted as e:
             self._abort_everywhere(run, str(e))
+            if self.settings.refit_retries and not run.excluded and run.planned:  # a retry is not retried
+                threading.Thread(
+                    target=self._retry_survivors, args=(run,), name=f"{run.id}-retry", daemon=True
+                ).start()
         except Exception as e:  # a bug must still end the refit and free the slot
             log.exception("refit %s crashed", run.id)
             run.fail(f"internal error in syncd: {e!r}")
@@ -279,12 +307,31 @@ class Coordinator:
             self._auto_pending = False
             self._maybe_auto_refit()
 
+    def _retry_survivors(self, run: Run) -> None:
+        """After an abort: once the lost members' leases ended, the same version once more over the
+        replicas still alive (`syncd.daemon.survivors`)."""
+        lost = wait_for_lost(run.planned, self.registry.members, self.settings.lease_seconds + 1)
+        if lost.reason_not_to_retry is not None:
+            log.info("refit %s is not retried: %s", run.id, lost.reason_not_to_retry)
+            return
+        log.warning(
+            "refit %s lost %s: retrying version %s without %s",
+            run.id,
+            ", ".join(sorted(lost.members)),
+            run.version,
+            ", ".join(sorted(lost.excluded)),
+        )
+        try:
+            self.trigger(run.version, excluded=lost.excluded)
+        except (FailedPrecondition, Unavailable) as e:
+            log.warning("refit %s: the retry over the survivors did not start: %s", run.id, e)
+
     def _prepare(self, run: Run) -> tuple[Plan, dict[int, StageGroup]]:
         deadline = run.enter(RefitState.PREPARING, self.settings.prepare_timeout)
-        problems = self._refit_problems()
+        problems = self._refit_problems(excluded=run.excluded)
         if problems:
             raise RefitAborted(f"not ready to refit: {'; '.join(problems)}")
-        members = {m.member_id: m for m in self.registry.members()}
+        members = {m.member_id: m for m in self.registry.members() if m.member_id not in run.excluded}
         try:
             plan = self.plans.get(list(members.values()), self.registry.catalog, self.settings.bucket_bytes)
         except ValueError as e:
@@ -292,6 +339,7 @@ class Coordinator:
         if not plan.buckets:
             raise RefitAborted("the plan moves no bytes: the registered catalogs hold no tensors to move")
         run.involved = set(plan_members(plan))
+        run.planned = {m: members[m] for m in run.involved}
         groups: dict[int, StageGroup] = {}
         for stage, ids in stage_membership(plan).items():
             key = tuple((i, members[i].session_id) for i in ids)
@@ -350,7 +398,17 @@ class Coordinator:
         for m in ids:
             mine = tuple(g for g in groups.values() if m in g.members)
             self._send(
-                run, m, ExecutePlan(run.id, run.version, plan.for_member(m), mine, _left(deadline), delta)
+                run,
+                m,
+                ExecutePlan(
+                    run.id,
+                    run.version,
+                    plan.for_member(m),
+                    mine,
+                    _left(deadline),
+                    delta,
+                    self.settings.stall_timeout,
+                ),
             )
         reports = run.wait_for(Phase.TRANSFERRED, ids, deadline)
         problem = transfer_report_problem(plan, reports, frozenset(run.delta_generators))

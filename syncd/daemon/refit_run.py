@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 
 from syncd.commands import MemberReport, Phase
+from syncd.daemon.registry import Member
 from syncd.daemon.store import RefitRecord
 from syncd.plan import Plan
 from syncd.states import RefitState
@@ -34,6 +35,8 @@ class Run:
         self.bytes = 0  # received by generators, as they reported it
         self.planned_bytes = 0  # what the plan moves to generators, known from TRANSFERRING on
         self.full = False  # an operator asked for a full refit (no delta links)
+        self.excluded: frozenset[str] = frozenset()  # a retry over survivors: members left out
+        self.planned: dict[str, Member] = {}  # the plan's members as PREPARING found them
         self.delta_generators: tuple[str, ...] = ()  # generators that received deltas
         self.delta_elements = 0  # their units' elements,
         self.changed_elements = 0  # and how many changed

@@ -50,6 +50,18 @@ class Settings:
         "replicas of one layout relay buckets to at most this many others (1: a chain; 0: each "
         "replica from the trainers), so the trainers send one copy per layout",
     )
+    stall_timeout: float = _setting(
+        60.0,
+        "SYNCD_STALL_TIMEOUT",
+        "seconds one data-plane send or receive may wait before its member aborts the refit naming "
+        "the peer as slow or stuck",
+    )
+    refit_retries: int = _setting(
+        1,
+        "SYNCD_REFIT_RETRIES",
+        "1: a refit that lost generator replicas (dead, cut off) is retried once over the survivors "
+        "after the lease ran out; 0: never",
+    )
     expected_trainers: int = _setting(1, "SYNCD_EXPECTED_TRAINERS", "trainer ranks needed to be ready")
     expected_generators: int = _setting(
         1, "SYNCD_EXPECTED_GENERATORS", "generator workers needed to be ready"
@@ -105,6 +117,7 @@ class Settings:
             "transfer_timeout",
             "verify_timeout",
             "commit_timeout",
+            "stall_timeout",
             "bucket_bytes",
             "max_message_bytes",
             "max_catalog_entries",
@@ -114,6 +127,8 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+        if self.refit_retries not in (0, 1):
+            raise ValueError(f"refit_retries must be 0 or 1, not {self.refit_retries}")
         if self.fanout < 0:
             raise ValueError(f"fanout must be 0 (off) or a positive fan-out, not {self.fanout}")
         if not 0 < self.delta_max_fraction <= 1:

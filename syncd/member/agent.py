@@ -30,8 +30,16 @@ from typing import Protocol
 import torch
 
 from syncd.commands import Abort, Command, Commit, DeltaLinks, ExecutePlan, JoinGroup, Phase, Verify
-from syncd.member.dataplane import GlooTransport, Transport, recv_buckets, send_buckets
+from syncd.member.dataplane import (
+    GlooTransport,
+    TransferError,
+    TransferTimeout,
+    Transport,
+    recv_buckets,
+    send_buckets,
+)
 from syncd.member.dataplane.delta import DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.member.dataplane.relay import relay_buckets
 from syncd.plan.types import Bucket
 from syncd.weight_version import WeightVersion
 
@@ -82,6 +90,16 @@ class _Group:
     group_id: str
     members: tuple[str, ...]
     transport: Transport
+
+
+def _naming_peer(error: BaseException, members: Sequence[str]) -> BaseException:
+    """A transport error with the member at the other end named, so that syncd's abort says which
+    member was slow, stuck or gone (the transport knows only its group rank)."""
+    peer = getattr(error, "peer", None)
+    if not isinstance(error, TransferError) or peer is None or not 0 <= peer < len(members):
+        return error
+    what = "is slow or stuck" if isinstance(error, TransferTimeout) else "failed or is gone"
+    return TransferError(f"{error}: {members[peer]} {what}", peer)
 
 
 class MemberAgent:
@@ -154,7 +172,7 @@ class MemberAgent:
         d = cmd.delta
         if d is None:
             return None, None
-        if not any(b.src == self.member_id for b in cmd.buckets):
+        if not any(b.src == self.member_id and b.relay is None for b in cmd.buckets):  # relays: receivers
             return (d if self.member_id in d.dsts else None), None
         if self.mirror is None:
             self.mirror = Mirror()
@@ -179,9 +197,11 @@ class MemberAgent:
             expected = groups.get(stage)
             if group is None or (expected is not None and expected.group_id != group.group_id):
                 raise RuntimeError(f"{self.member_id} has not joined the group of stage {stage}")
+            # Each wait of the loops ends within the stall timeout: a slow peer is named, not waited for.
+            timeout_s = min(cmd.timeout_s, cmd.stall_timeout_s) if cmd.stall_timeout_s > 0 else cmd.timeout_s
             t = threading.Thread(
                 target=self._run_stage,
-                args=(group, buckets, tensors, results, stage, cmd.timeout_s, delta, diffs),
+                args=(group, buckets, tensors, results, stage, timeout_s, delta, diffs),
                 name=f"{self.member_id}-stage{stage}",
             )
             t.start()
@@ -231,7 +251,11 @@ class MemberAgent:
         sending = buckets[0].src == self.member_id
         options = {"timeout_s": timeout_s, "in_flight": self._settings.in_flight, "cancel": self._cancel}
         try:
-            if delta is None:
+            if any(b.relay is not None and b.src == self.member_id for b in buckets):  # fan-out
+                results[stage] = relay_buckets(
+                    buckets, self.member_id, tensors, group.transport, ranks, **options
+                )
+            elif delta is None:
                 run = send_buckets if sending else recv_buckets
                 results[stage] = run(buckets, tensors, group.transport, ranks, **options)
             elif sending:
@@ -243,7 +267,7 @@ class MemberAgent:
         except BaseException as e:
             log.warning("%s: stage %d transfer failed: %s", self.member_id, stage, e)
             self._close_group(stage)  # unblock our peers: they fail fast instead of timing out
-            results[stage] = e
+            results[stage] = _naming_peer(e, group.members)
 
     def _abort(self, cmd: Abort) -> None:
         log.warning("%s: abort %s: %s", self.member_id, cmd.refit_id, cmd.reason)

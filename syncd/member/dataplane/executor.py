@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
@@ -36,6 +37,9 @@ from syncd.member.dataplane.graphs import ENQUEUE_LOCK, BucketProgram, LoopGraph
 from syncd.member.dataplane.prepared import PreparedBucket, PreparedLoop, ReceiveSink, SinkBucket
 from syncd.member.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
+
+if TYPE_CHECKING:
+    from syncd.member.dataplane.relay import Forwarder
 
 # How many buckets the host may enqueue beyond the staging depth before it waits for the wire.
 _RUN_AHEAD = 4
@@ -134,6 +138,7 @@ class _Loop:
     side: _SideStream | None = None
     graphs: LoopGraphs | None = None
     prepared: PreparedLoop | None = None
+    forwarder: Forwarder | None = None  # a relay's receive loop (`syncd.member.dataplane.relay`)
 
     @property
     def sink(self) -> ReceiveSink | None:
@@ -240,7 +245,7 @@ class _Loop:
 
     def recv(self, buckets: Sequence[Bucket]) -> None:
         ordered = sorted(buckets, key=lambda b: (b.src, b.index))
-        if self.sink is not None:
+        if self.sink is not None and self.forwarder is None:  # a relay keeps the planned order
             ordered = interleaved(ordered, self.sink.position)
         bufs = self.buffers(ordered)
         programs = self.programs("recv", ordered, bufs)
@@ -261,12 +266,18 @@ class _Loop:
             flat = _received_into(programs[i], bufs[slot], bucket)
             handles[i].fence(self.timeout_s)  # what follows reads the bucket once it arrived
             with self.enqueuing():
+                if self.forwarder is not None:
+                    self.forwarder.forward(slot, bucket, flat)
                 self.account(slot, bucket, flat, programs[i])
                 self.unpack(bucket, flat, programs[i])
                 if i + self.in_flight < len(ordered):
                     self.side.before_reuse(slot)  # the next receive into the slot waits for the checksum
+                    if self.forwarder is not None:
+                        self.forwarder.release(slot)  # ... and for the bucket's forwards
                     post(i + self.in_flight)
         self.finish(handles)
+        if self.forwarder is not None:
+            self.forwarder.finish()
 
 
 def interleaved(ordered: Sequence[Bucket], position) -> list[Bucket]:
@@ -352,8 +363,9 @@ def _run(
     verify: bool = True,
     cancel: threading.Event | None = None,
     graphs: bool = False,
+    forwarder: Forwarder | None = None,
 ) -> TransferStats:
-    loop = _Loop(tensors, transport, ranks, timeout_s, in_flight, verify, cancel)
+    loop = _Loop(tensors, transport, ranks, timeout_s, in_flight, verify, cancel, forwarder=forwarder)
     if not buckets:
         return loop.stats
     if graphs and loop.device.type == "cuda" and loop.sink is None:

@@ -17,7 +17,12 @@ import torch.distributed as dist
 
 
 class TransferError(RuntimeError):
-    """A send or receive failed: the peer died, closed the group, or the group was aborted."""
+    """A send or receive failed: the peer died, closed the group, or the group was aborted.
+    `peer`: the group rank at the other end, where the transport knows it."""
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 class TransferTimeout(TransferError, TimeoutError):
@@ -44,8 +49,8 @@ class Transport(Protocol):
 
 
 class _GlooHandle:
-    def __init__(self, work, what: str):
-        self._work, self._what = work, what
+    def __init__(self, work, what: str, peer: int):
+        self._work, self._what, self._peer = work, what, peer
         self._done = False
 
     def wait(self, timeout_s: float) -> None:
@@ -56,8 +61,10 @@ class _GlooHandle:
             self._done = True
         except RuntimeError as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise TransferTimeout(f"{self._what} did not complete within {timeout_s:.0f} s") from e
-            raise TransferError(f"{self._what} failed: {str(e).splitlines()[0][:200]}") from e
+                raise TransferTimeout(
+                    f"{self._what} did not complete within {timeout_s:.0f} s", self._peer
+                ) from e
+            raise TransferError(f"{self._what} failed: {str(e).splitlines()[0][:200]}", self._peer) from e
 
     fence = wait
 
@@ -119,11 +126,13 @@ class GlooTransport:
 
     def isend(self, buf: torch.Tensor, peer: int) -> Handle:
         _require_host(buf, "send from")
-        return _GlooHandle(self._pg.send([buf], peer, 0), f"send of {buf.numel()} bytes to rank {peer}")
+        return _GlooHandle(self._pg.send([buf], peer, 0), f"send of {buf.numel()} bytes to rank {peer}", peer)
 
     def irecv(self, buf: torch.Tensor, peer: int) -> Handle:
         _require_host(buf, "receive into")
-        return _GlooHandle(self._pg.recv([buf], peer, 0), f"receive of {buf.numel()} bytes from rank {peer}")
+        return _GlooHandle(
+            self._pg.recv([buf], peer, 0), f"receive of {buf.numel()} bytes from rank {peer}", peer
+        )
 
     def abort(self) -> None:
         try:

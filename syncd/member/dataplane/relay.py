@@ -1,0 +1,90 @@
+"""The relay loop (fan-out, `syncd.plan.fanout`): a replica receives its buckets and sends each one
+on, unchanged, to the replicas after it, while it receives the next.
+
+It is the receive loop of `executor` with a `Forwarder` hooked in: right after bucket i arrived
+(its slot fenced), the Forwarder posts one send per relay bucket that forwards it, from the very
+bytes that arrived (the staging slot, or the tensor a one-unit bucket arrived straight into); the
+bucket is then checksummed and unpacked as any received bucket, so a relay verifies and stages
+what it received like every other replica. A slot is received into again only after its sends
+left (`release`): memory stays `in_flight` buckets, and a slow successor slows its relay down to
+its pace instead of growing a queue.
+
+Order: the receive loop takes a link's buckets in (src, index) order, and the planner numbers
+relay buckets in exactly that order of their sender's received buckets, so a relay forwards in
+index order and its successors, which receive from it alone, take them in index order too. No
+cycle: a relay waits only for its successors, the last replica waits for nobody.
+
+Works through the `Transport` interface alone: gloo (tested) and NCCL, where `fence` orders the
+next receive into a slot after its sends on the device instead of blocking the host.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from syncd.member.dataplane.executor import TransferStats, _run
+from syncd.member.dataplane.transport import Handle, Transport
+from syncd.plan.types import Bucket
+
+
+class Forwarder:
+    """Sends received buckets on to the members that relay buckets name."""
+
+    def __init__(
+        self, outgoing: Sequence[Bucket], transport: Transport, ranks: Mapping[str, int], timeout_s: float
+    ) -> None:
+        self._out: dict[tuple[str, str, int], list[Bucket]] = defaultdict(list)
+        for b in outgoing:
+            assert b.relay is not None, f"bucket {b.key} is not a relay bucket"
+            self._out[b.relay.forwards].append(b)
+        self._transport, self._ranks, self._timeout_s = transport, ranks, timeout_s
+        self._in_slot: dict[int, list[Handle]] = defaultdict(list)
+        self.bytes = 0
+
+    def expects(self, received: Sequence[Bucket]) -> None:
+        """Every relay bucket must forward one of the buckets this member receives."""
+        keys = {b.key for b in received}
+        missing = sorted(k for k in self._out if k not in keys)
+        if missing:
+            raise ValueError(f"relay buckets forward buckets this member does not receive: {missing[:3]}")
+
+    def forward(self, slot: int, bucket: Bucket, flat: torch.Tensor) -> None:
+        """`bucket` arrived in `flat` (slot `slot`): send it to every successor that gets it."""
+        for out in self._out.get(bucket.key, ()):
+            if out.nbytes != flat.numel():
+                raise ValueError(f"relay {out.key} carries {out.nbytes} bytes, received {flat.numel()}")
+            self._in_slot[slot].append(self._transport.isend(flat, self._ranks[out.dst]))
+            self.bytes += out.nbytes
+
+    def release(self, slot: int) -> None:
+        """Before `slot` is received into again: its sends are ordered first (on CPU: done)."""
+        for handle in self._in_slot.pop(slot, ()):
+            handle.fence(self._timeout_s)
+
+    def finish(self) -> None:
+        for slot in list(self._in_slot):
+            for handle in self._in_slot.pop(slot):
+                handle.wait(self._timeout_s)
+
+
+def relay_buckets(
+    buckets: Sequence[Bucket],
+    member_id: str,
+    tensors: Mapping[str, torch.Tensor],
+    transport: Transport,
+    ranks: Mapping[str, int],
+    **options,
+) -> TransferStats:
+    """Receive this member's buckets of one stage into `tensors` and forward those that relay
+    buckets (its own, `src == member_id`) name. Options as `recv_buckets`. The stats count the
+    bytes received and forwarded (this member's part of the plan) and the received checksums."""
+    incoming = [b for b in buckets if b.dst == member_id]
+    outgoing = [b for b in buckets if b.src == member_id]
+    forwarder = Forwarder(outgoing, transport, ranks, options["timeout_s"])
+    forwarder.expects(incoming)
+    stats = _run("recv", incoming, tensors, transport, ranks, forwarder=forwarder, **options)
+    stats.bytes += forwarder.bytes
+    return stats
