@@ -12,6 +12,8 @@ announces N when `--announce-file` first holds N (the caller writes it). A gener
 what it receives and, after each commit, writes the SHA-256 of every local tensor to
 `--digest-file`, so a test can compare every byte with the expected values. `--hold-begin-s S`
 makes a member wait S seconds when a transfer starts (a stuck member, for failure tests).
+`--lean` generators receive into one set of tensors, without the test endpoint's staging checks
+(benchmarks: the per-replica CPU then is the data plane's).
 """
 
 from __future__ import annotations
@@ -102,6 +104,28 @@ class _Digesting(GeneratorEndpoint):
             os.replace(tmp, self.digest_file)
 
 
+class _LeanGenerator(GeneratorEndpoint):
+    """For benchmarks: one set of tensors received into refit after refit (no staging fill, no
+    scan for unwritten elements, no second copy; syncd's checksums still cover every byte), so
+    that eight replicas on two cores measure the refit, not the stand-in's bookkeeping."""
+
+    def __init__(self, catalog) -> None:
+        super().__init__(catalog)
+        self.staging = self.params
+
+    def begin(self, refit_id, version, buckets):
+        return self.params
+
+    def verify(self, refit_id):
+        pass
+
+    def commit(self, refit_id, version, timeout_s):
+        self.version = version
+
+    def abort(self):
+        pass
+
+
 def _announce_loop(
     client: MemberClient, endpoint: TrainerEndpoint, shape: MoeShape, path: Path, stop
 ) -> None:
@@ -133,6 +157,7 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1", help="address this member's data plane binds")
     p.add_argument("--announce-file", type=Path, help="trainers: announce the version this file holds")
     p.add_argument("--digest-file", type=Path, help="generators: write tensor digests here on commit")
+    p.add_argument("--lean", action="store_true", help="generators: no staging copy (benchmarks)")
     p.add_argument("--hold-begin-s", type=float, default=0.0, help="wait this long when a transfer starts")
     p.add_argument("--hold-from-version", type=int, default=0, help="... from this weight version on")
     args = p.parse_args()
@@ -146,7 +171,8 @@ def main() -> None:
     else:
         member_id = f"generator-{args.replica}-{args.tp_rank}"
         coords = {"replica": args.replica, "tp": args.tp_rank}
-        endpoint = _Digesting(vllm_catalog(shape, args.tp, args.tp_rank), args.digest_file)
+        catalog = vllm_catalog(shape, args.tp, args.tp_rank)
+        endpoint = _LeanGenerator(catalog) if args.lean else _Digesting(catalog, args.digest_file)
     client = MemberClient(
         args.syncd,
         role=args.role,

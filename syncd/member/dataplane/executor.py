@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch.profiler import record_function
@@ -37,9 +37,6 @@ from syncd.member.dataplane.graphs import ENQUEUE_LOCK, BucketProgram, LoopGraph
 from syncd.member.dataplane.prepared import PreparedBucket, PreparedLoop, ReceiveSink, SinkBucket
 from syncd.member.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
-
-if TYPE_CHECKING:
-    from syncd.member.dataplane.relay import Forwarder
 
 # How many buckets the host may enqueue beyond the staging depth before it waits for the wire.
 _RUN_AHEAD = 4
@@ -56,6 +53,22 @@ def _step(name: str):
     """A profiler label for an executor step, only while a profiler records: `record_function`
     dispatches an operator on enter and exit, microseconds the host cannot spare per bucket."""
     return record_function(name) if torch.autograd._profiler_enabled() else _NO_LABEL
+
+
+class Forwarder(Protocol):
+    """Hooked into a receive loop by a relay (`syncd.member.dataplane.relay.BucketForwarder`)."""
+
+    def forward(self, slot: int, bucket: Bucket, flat: torch.Tensor) -> None:
+        """`bucket` arrived in `flat`, staging slot `slot`: send it on."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """Before `slot` is received into again."""
+        ...
+
+    def finish(self) -> None:
+        """After the last bucket: every forward done."""
+        ...
 
 
 class TransferAborted(RuntimeError):

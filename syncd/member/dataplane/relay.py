@@ -1,7 +1,7 @@
 """The relay loop (fan-out, `syncd.plan.fanout`): a replica receives its buckets and sends each one
 on, unchanged, to the replicas after it, while it receives the next.
 
-It is the receive loop of `executor` with a `Forwarder` hooked in: right after bucket i arrived
+It is the receive loop of `executor` with a `BucketForwarder` hooked in: right after bucket i arrived
 (its slot fenced), the Forwarder posts one send per relay bucket that forwards it, from the very
 bytes that arrived (the staging slot, or the tensor a one-unit bucket arrived straight into); the
 bucket is then checksummed and unpacked as any received bucket, so a relay verifies and stages
@@ -30,7 +30,7 @@ from syncd.member.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
 
 
-class Forwarder:
+class BucketForwarder:
     """Sends received buckets on to the members that relay buckets name."""
 
     def __init__(
@@ -83,7 +83,7 @@ def relay_buckets(
     bytes received and forwarded (this member's part of the plan) and the received checksums."""
     incoming = [b for b in buckets if b.dst == member_id]
     outgoing = [b for b in buckets if b.src == member_id]
-    forwarder = Forwarder(outgoing, transport, ranks, options["timeout_s"])
+    forwarder = BucketForwarder(outgoing, transport, ranks, options["timeout_s"])
     forwarder.expects(incoming)
     stats = _run("recv", incoming, tensors, transport, ranks, forwarder=forwarder, **options)
     stats.bytes += forwarder.bytes
