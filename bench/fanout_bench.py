@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
-from bench.plain_member import model_shape
+from bench.plain_member import loaded_marker, model_shape
 from deploy.lab import Lab
 from deploy.local.processes import PYTHON, Proc
 from syncd.states import wait_final
@@ -92,6 +92,10 @@ def _wait(http: httpx.Client, procs: list[Proc], predicate, what: str, timeout_s
 
 def measure(lab: Lab, args, replicas: int, workdir: Path) -> dict:
     (workdir / "version").write_text("0")
+    for old in workdir.glob("version.trainer-*"):
+        old.unlink()
+    for old in workdir.glob(f"syncd-{replicas}.db*"):  # a fresh syncd: no history, no versions
+        old.unlink()
     procs = _members(lab, args, replicas, workdir)
     http = httpx.Client(base_url=f"http://{lab.address('syncd')}:{HTTP_PORT}", timeout=30)
     try:
@@ -100,11 +104,12 @@ def measure(lab: Lab, args, replicas: int, workdir: Path) -> dict:
         times, egress = [], []
         for version in range(1, args.reps + 2):
             (workdir / "version").write_text(str(version))
+            markers = [loaded_marker(workdir / "version", f"trainer-{r}") for r in range(args.ep * args.tp)]
             _wait(
                 http,
                 procs,
-                lambda v=version: http.get("/v1/status").json()["announced_version"] == v,
-                f"version {version} not announced",
+                lambda v=version: all(m.exists() and m.read_text() == str(v) for m in markers),
+                f"version {version} not loaded by every trainer rank",
                 120,
             )
             sent = lab.tx_bytes("trainer")

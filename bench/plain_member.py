@@ -8,7 +8,8 @@ machine this way (fan-out benchmark and tests); the data plane, agent and client
         --tp 1 --tp-rank 0 --model tiny --digest-file /tmp/gen-3-0.json
 
 A trainer rank holds, for weight version N, the canonical values `canonical_values(shape, N)` and
-announces N when `--announce-file` first holds N (the caller writes it). A generator worker stages
+announces N when `--announce-file` first holds N (the caller writes it, then waits for every
+rank's `loaded_marker` before it starts a refit). A generator worker stages
 what it receives and, after each commit, writes the SHA-256 of every local tensor to
 `--digest-file`, so a test can compare every byte with the expected values. `--hold-begin-s S`
 makes a member wait S seconds when a transfer starts (a stuck member, for failure tests).
@@ -126,6 +127,13 @@ class _LeanGenerator(GeneratorEndpoint):
         pass
 
 
+def loaded_marker(announce_file: Path, member_id: str) -> Path:
+    """Where trainer `member_id` writes the version it holds and announced. syncd takes one rank's
+    announcement as the version being held (real trainers announce after a step every rank took);
+    plain ranks load at their own pace, so callers wait for every rank's marker before a refit."""
+    return announce_file.with_name(f"{announce_file.name}.{member_id}")
+
+
 def _announce_loop(
     client: MemberClient, endpoint: TrainerEndpoint, shape: MoeShape, path: Path, stop
 ) -> None:
@@ -138,6 +146,7 @@ def _announce_loop(
         if wanted > announced:
             endpoint.load(canonical_values(shape, wanted))
             client.announce_version(wanted)
+            loaded_marker(path, client.member_id).write_text(str(wanted))
             announced = wanted
             log.info("announced version %d", wanted)
         stop.wait(0.1)

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.plain_member import TINY, canonical_values
+from bench.plain_member import TINY, canonical_values, loaded_marker
 from bench.synthetic_moe import vllm_catalog
 from deploy.local.processes import PYTHON, Cluster, Proc, free_port
 from syncd.daemon.service import Daemon
@@ -36,6 +36,7 @@ class Fleet:
     tmp: Path
     http: httpx.Client
     generators: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # id -> (replica, tp, rank)
+    trainers: list[str] = field(default_factory=list)
 
     @property
     def target(self) -> str:
@@ -46,6 +47,7 @@ class Fleet:
         return self.procs.start(name, cmd)
 
     def trainer(self, ep: int, ep_rank: int) -> Proc:
+        self.trainers.append(f"trainer-{ep_rank}")
         return self.member(
             "--role", "trainer", "--ep", str(ep), "--ep-rank", str(ep_rank),
             "--announce-file", str(self.tmp / "version"), name=f"trainer-{ep_rank}",
@@ -63,9 +65,11 @@ class Fleet:
         return self.tmp / f"{member_id}.json"
 
     def announce(self, version: int) -> None:
+        """Every trainer rank holds `version` and announced it."""
         (self.tmp / "version").write_text(str(version))
+        markers = [loaded_marker(self.tmp / "version", t) for t in self.trainers]
         wait_until(
-            lambda: self.http.get("/v1/status").json()["announced_version"] == version,
+            lambda: all(m.exists() and m.read_text() == str(version) for m in markers),
             30,
             f"the trainers to announce version {version}",
         )

@@ -85,6 +85,9 @@ def relay_buckets(
     outgoing = [b for b in buckets if b.src == member_id]
     forwarder = BucketForwarder(outgoing, transport, ranks, options["timeout_s"])
     forwarder.expects(incoming)
+    # A relay's slot is busy for a receive and then a forward: twice the slots keep its incoming
+    # link as busy as a plain receiver's.
+    options = {**options, "in_flight": 2 * options.get("in_flight", 2)}
     stats = _run("recv", incoming, tensors, transport, ranks, forwarder=forwarder, **options)
     stats.bytes += forwarder.bytes
     return stats
