@@ -47,7 +47,7 @@ from syncd.daemon.refit_run import RefitAborted, Run, transfer_report_problem
 from syncd.daemon.registry import ROLES, Member, Registry, check_weight_version
 from syncd.daemon.settings import Settings
 from syncd.daemon.store import RefitRecord, Store, StoreUnavailable
-from syncd.daemon.survivors import wait_for_lost
+from syncd.daemon.survivors import stall_timeouts, wait_for_lost
 from syncd.daemon.versions import Versions, WeightSet
 from syncd.layout import Catalog
 from syncd.plan import Plan
@@ -395,6 +395,7 @@ class Coordinator:
             run.delta_generators = tuple(sorted(delta.dsts))
         deadline = self._enter(run, RefitState.TRANSFERRING, self.settings.transfer_timeout)
         ids = plan_members(plan)
+        stalls = stall_timeouts(plan, self.settings.stall_timeout)
         for m in ids:
             mine = tuple(g for g in groups.values() if m in g.members)
             self._send(
@@ -407,7 +408,7 @@ class Coordinator:
                     mine,
                     _left(deadline),
                     delta,
-                    self.settings.stall_timeout,
+                    stalls[m],
                 ),
             )
         reports = run.wait_for(Phase.TRANSFERRED, ids, deadline)

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from syncd.daemon.registry import Member
+from syncd.plan import Plan
+from syncd.plan.fanout import relay_depths
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,19 @@ def replica_of(member: Member) -> tuple[str, int] | None:
     if member.role != "generator":
         return None
     return ("replica", int(member.coords.get("replica", 0)))
+
+
+def stall_timeouts(plan: Plan, base_s: float) -> dict[str, float]:
+    """Per member, how long one of its receives may wait (its sends wait twice as long: a member
+    blocked on a send is downstream's victim, not its witness).
+
+    When a member stalls, everybody waits: downstream members starve on receives, upstream ones
+    block on sends. The first to give up names its peer in the abort, so the first must be the
+    stuck member's successor: receives give up before sends, and deeper members a little later
+    (10% of `base_s` per hop from the trainers), so among the starved the shallowest, which
+    receives from the stuck member itself, names it. A stuck last replica has no successor: then
+    its predecessor, blocked first, gives up first."""
+    return {m: base_s * (1 + 0.1 * d) for m, d in relay_depths(plan).items()}
 
 
 def find_lost(planned: Mapping[str, Member], registered: Mapping[str, Member]) -> Lost:

@@ -249,9 +249,16 @@ class MemberAgent:
     ) -> None:
         ranks = {m: i for i, m in enumerate(group.members)}
         sending = buckets[0].src == self.member_id
-        options = {"timeout_s": timeout_s, "in_flight": self._settings.in_flight, "cancel": self._cancel}
+        # Sends wait twice the stall timeout: a blocked sender is its receiver's victim, and the
+        # member starving on a receive names the stuck one first (`syncd.daemon.survivors`).
+        options = {
+            "timeout_s": 2 * timeout_s if sending else timeout_s,
+            "in_flight": self._settings.in_flight,
+            "cancel": self._cancel,
+        }
         try:
             if any(b.relay is not None and b.src == self.member_id for b in buckets):  # fan-out
+                options["forward_timeout_s"] = 2 * timeout_s
                 results[stage] = relay_buckets(
                     buckets, self.member_id, tensors, group.transport, ranks, **options
                 )

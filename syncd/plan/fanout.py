@@ -97,6 +97,22 @@ def make_fanout_plan(
     )
 
 
+def relay_depths(plan: Plan) -> dict[str, int]:
+    """Hops from the sources to each member of `plan`: 0 for sources, 1 for destinations they feed,
+    1 + its relay's depth for a relayed destination."""
+    parent = {b.dst: b.src for b in plan.buckets if b.relay is not None}
+    depths = {b.src: 0 for b in plan.buckets if b.relay is None}
+
+    def depth(member: str) -> int:
+        if member not in depths:
+            depths[member] = 1 if member not in parent else 1 + depth(parent[member])
+        return depths[member]
+
+    for b in plan.buckets:
+        depth(b.dst)
+    return depths
+
+
 def _grandparent(members: Sequence[DestMember], position: int, fanout: int) -> str:
     """The member that relays to the parent of member `position` (whose parent is not the head)."""
     return members[relay_parent(relay_parent(position, fanout), fanout)].member_id

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from syncd.commands import checksum_key
 from syncd.daemon.planning import checksum_mismatch, stage_membership
+from syncd.daemon.survivors import stall_timeouts
 from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, local_tensor
 from syncd.plan import DestMember, SourceMember, make_fanout_plan, make_plan, replica_sets
-from syncd.plan.fanout import relay_parent
+from syncd.plan.fanout import relay_depths, relay_parent
 from syncd.plan.simulate import execute, materialize
 from tests.unit.test_planner_properties import (
     DTYPE_PAIRS,
@@ -183,3 +184,26 @@ def test_layouts_get_their_own_distribution_and_in_place_receivers_are_not_relay
 )
 def test_relay_parents(fanout, expected):
     assert [relay_parent(p, fanout) for p in range(1, 6)] == expected
+
+
+def test_the_member_starving_behind_a_stuck_relay_gives_up_first():
+    """Stall timeouts grow with the hops from the trainers, so that of every member starving
+    behind a stuck relay, its own successor (which receives from it) gives up first, naming it."""
+    w = CanonicalTensor("w", (8, 4), "float32")
+    catalog = Catalog((w,), (local_tensor("w", "float32", Canon(w.name, w.shape)),))
+    plan = make_fanout_plan(
+        [SourceMember("trainer-0", 0, catalog)],
+        [DestMember(f"generator-{r}-0", catalog) for r in range(4)],
+        bucket_bytes=32,
+    )
+    assert relay_depths(plan) == {
+        "trainer-0": 0,
+        "generator-0-0": 1,
+        "generator-1-0": 2,
+        "generator-2-0": 3,
+        "generator-3-0": 4,
+    }
+    stalls = stall_timeouts(plan, 10.0)
+    order = sorted(stalls, key=stalls.get)
+    assert order == ["trainer-0", "generator-0-0", "generator-1-0", "generator-2-0", "generator-3-0"]
+    assert max(stalls.values()) < 2 * min(stalls.values())  # sends (twice) wait longer than any receive

@@ -79,11 +79,14 @@ def relay_buckets(
     **options,
 ) -> TransferStats:
     """Receive this member's buckets of one stage into `tensors` and forward those that relay
-    buckets (its own, `src == member_id`) name. Options as `recv_buckets`. The stats count the
+    buckets (its own, `src == member_id`) name. Options as `recv_buckets`, plus `forward_timeout_s` (default
+    `timeout_s`) for each forward. The stats count the
     bytes received and forwarded (this member's part of the plan) and the received checksums."""
     incoming = [b for b in buckets if b.dst == member_id]
     outgoing = [b for b in buckets if b.src == member_id]
-    forwarder = BucketForwarder(outgoing, transport, ranks, options["timeout_s"])
+    options = dict(options)
+    forward_timeout_s = options.pop("forward_timeout_s", options["timeout_s"])
+    forwarder = BucketForwarder(outgoing, transport, ranks, forward_timeout_s)
     forwarder.expects(incoming)
     # A relay's slot is busy for a receive and then a forward: twice the slots keep its incoming
     # link as busy as a plain receiver's.
