@@ -96,6 +96,7 @@ def execute(
         flat = pack(bucket, sources[bucket.src])
         if flat.nbytes != bucket.nbytes:
             raise AssertionError(
-                f"bucket {bucket.src}->{bucket.dst}#{bucket.index} packed {flat.nbytes} bytes, planned {bucket.nbytes}"
+                f"bucket {bucket.src}->{bucket.dst}#{bucket.index} packed {flat.nbytes} bytes, "
+                f"planned {bucket.nbytes}"
             )
         unpack(bucket, flat, destinations[bucket.dst])

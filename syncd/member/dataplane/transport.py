@@ -9,6 +9,7 @@ through syncd before it blocks in `connect()`; the others `connect()` with the r
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from typing import Protocol
 
@@ -126,10 +127,8 @@ class GlooTransport:
         return _GlooHandle(self._pg.recv([buf], peer, 0), f"receive of {buf.numel()} bytes from rank {peer}")
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # already aborted or torn down: nothing to unblock
             self._pg.abort()
-        except RuntimeError:
-            pass  # already aborted or torn down: nothing left to unblock
 
     def close(self) -> None:
         """Abort and drop the group so its sockets close: peers fail fast instead of timing out."""
