@@ -208,9 +208,7 @@ def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None, 
         torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
         torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
     )
-    # The lambdas run in timed_rounds, before the `del a, b` below frees the buffers; ruff sees the
-    # del and calls `a` and `b` undefined inside them.
-    methods = {"copy": lambda: b.copy_(a)}  # noqa: F821
+    methods = {"copy": lambda a=a, b=b: b.copy_(a)}
     for mib, plan in plans.items():
         methods[f"refit@{mib}"] = lambda p=plan: setup.refit(p)
         methods[f"refit_noverify@{mib}"] = lambda p=plan: setup.refit(p, verify=False)
@@ -218,7 +216,7 @@ def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None, 
             methods[f"refit_graphs@{mib}"] = lambda p=plan: setup.refit(p, graphs=True)
     with GcPauses() as pauses:
         seconds = timed_rounds(methods, reps)
-    del a, b
+    del methods, a, b  # frees the copy buffers (the lambdas hold them too)
     med = {name: statistics.median(t) for name, t in seconds.items()}
     sizes = []
     for mib, plan in plans.items():

@@ -228,9 +228,9 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
         mib: _extra_memory_mib(lambda m=mib: refit(m), device, transport) for mib in plans
     }
     hf = hf_regions(shape, catalog, views)
-    # The lambdas run in timed_rounds, before the `del raw` below frees the buffer; ruff sees the
-    # del and calls `raw` undefined inside them.
-    methods = {"raw": lambda: (transport.isend(raw, 1) if rank == 0 else transport.irecv(raw, 0)).wait(300)}  # noqa: F821
+    methods = {
+        "raw": lambda raw=raw: (transport.isend(raw, 1) if rank == 0 else transport.irecv(raw, 0)).wait(300)
+    }
     for mib in plans:
         methods[f"refit_noverify@{mib}"] = lambda m=mib: refit(m, verify=False)
         methods[f"refit@{mib}"] = lambda m=mib: refit(m)
@@ -239,7 +239,7 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     methods["per_tensor"] = lambda: _per_tensor(hf, rank)
     methods["gather_bcast"] = lambda: _bucketed_bcast(hf, rank, args.bucket_mib[0] << 20, device)
     result["seconds"] = timed_rounds(methods, device, args.reps)
-    del raw
+    del methods, raw  # frees the raw buffer (its lambda holds it too)
     ok = {}
     for mib in plans:
         refit(mib)
