@@ -37,13 +37,20 @@ from syncd.commands import (
     StageGroup,
     Verify,
 )
+from syncd.daemon.checks import (
+    checksum_mismatch,
+    dtype_mismatch,
+    plan_problem,
+    refit_problems,
+    transfer_report_problem,
+)
 from syncd.daemon.delta_bases import DeltaBases
 from syncd.daemon.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from syncd.daemon.journal import Journal
 from syncd.daemon.metrics import Metrics
-from syncd.daemon.planning import PlanCache, checksum_mismatch, dtype_mismatch, plan_members, stage_membership
-from syncd.daemon.readiness import Readiness, behind, behind_reason, refit_problems
-from syncd.daemon.refit_run import RefitAborted, Run, transfer_report_problem
+from syncd.daemon.plan_cache import PlanCache, plan_members, stage_membership
+from syncd.daemon.readiness import Readiness, behind, behind_reason
+from syncd.daemon.refit_run import RefitAborted, Run
 from syncd.daemon.registry import ROLES, Member, Registry, check_weight_version
 from syncd.daemon.settings import Settings
 from syncd.daemon.store import RefitRecord, Store, StoreUnavailable
@@ -289,8 +296,9 @@ class Coordinator:
             plan = self.plans.get(list(members.values()), self.registry.catalog, self.settings.bucket_bytes)
         except ValueError as e:
             raise RefitAborted(f"cannot plan: {e}") from None
-        if not plan.buckets:
-            raise RefitAborted("the plan moves no bytes: the registered catalogs hold no tensors to move")
+        problem = plan_problem(plan)
+        if problem is not None:
+            raise RefitAborted(problem)
         run.involved = set(plan_members(plan))
         groups: dict[int, StageGroup] = {}
         for stage, ids in stage_membership(plan).items():

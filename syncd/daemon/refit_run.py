@@ -1,4 +1,4 @@
-"""One refit in progress (`Run`), the reports members send it, and their validation.
+"""One refit in progress (`Run`) and the reports members send it.
 
 Before the commit decision, any failure (an error report, a lost lease, an operator abort) ends
 the refit: `Run.fail` wakes the waiting phase. After the decision the refit is COMMITTED whatever
@@ -8,14 +8,11 @@ as if the refit had failed.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Mapping
 
 from syncd.commands import MemberReport, Phase
 from syncd.daemon.store import RefitRecord
-from syncd.plan import Plan
 from syncd.states import RefitState
 from syncd.weight_version import WeightVersion
 
@@ -135,27 +132,3 @@ class Run:
                         self._commit_notes[m] = f"{m} did not confirm Commit within the commit timeout"
                     return {m: self._commit_notes[m] for m in members if m in self._commit_notes}
                 self._cond.wait(remaining)
-
-
-def transfer_report_problem(
-    plan: Plan, reports: Mapping[str, MemberReport], delta_dsts: frozenset[str] = frozenset()
-) -> str | None:
-    """What is wrong with the members' TRANSFERRED reports, judged against the plan, or None.
-    Every member must report exactly the bytes its part of the plan moves (at most those, on delta
-    links: their size depends on what changed), and sane timings."""
-    problems = []
-    for member_id, report in sorted(reports.items()):
-        buckets = plan.for_member(member_id)
-        expected = sum(b.nbytes for b in buckets)
-        delta = any(b.dst in delta_dsts for b in buckets)
-        if report.bytes > expected if delta else report.bytes != expected:
-            problems.append(
-                f"member {member_id} reported {report.bytes} bytes, its part of the plan moves {expected}"
-            )
-        bad = {k: v for k, v in report.timings.items() if not (math.isfinite(v) and v >= 0)}
-        if bad:
-            problems.append(f"member {member_id} reported timings out of range: {bad}")
-    if not problems:
-        return None
-    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return problems[0] + more
