@@ -17,6 +17,12 @@ from syncd.states import RefitState
 from syncd.weight_version import WeightVersion
 
 
+def seconds_left(deadline: float) -> float:
+    """Seconds until a phase's monotonic deadline (`Run.enter`): what a command gives its member
+    to finish."""
+    return max(deadline - time.monotonic(), 0.0)
+
+
 class RefitAborted(Exception):
     """Ends the refit thread's phase sequence; the message is the recorded cause."""
 

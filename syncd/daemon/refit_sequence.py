@@ -36,10 +36,10 @@ from syncd.daemon.delta_bases import DeltaBases
 from syncd.daemon.journal import Journal
 from syncd.daemon.metrics import Metrics
 from syncd.daemon.plan_cache import PlanCache, plan_members
-from syncd.daemon.refit_run import RefitAborted, Run
+from syncd.daemon.refit_run import RefitAborted, Run, seconds_left
 from syncd.daemon.registry import Registry
 from syncd.daemon.settings import Settings
-from syncd.daemon.stage_groups import StageGroups, left
+from syncd.daemon.stage_groups import StageGroups
 from syncd.daemon.store import Store, StoreUnavailable
 from syncd.daemon.versions import Versions, WeightSet
 from syncd.plan import Plan
@@ -120,7 +120,9 @@ class RefitSequence:
         for m in ids:
             mine = tuple(g for g in groups.values() if m in g.members)
             self._send(
-                run, m, ExecutePlan(run.id, run.version, plan.for_member(m), mine, left(deadline), delta)
+                run,
+                m,
+                ExecutePlan(run.id, run.version, plan.for_member(m), mine, seconds_left(deadline), delta),
             )
         reports = run.wait_for(Phase.TRANSFERRED, ids, deadline)
         problem = transfer_report_problem(plan, reports, frozenset(run.delta_generators))
@@ -151,7 +153,7 @@ class RefitSequence:
         deadline = self._enter(run, RefitState.VERIFYING, self._settings.verify_timeout)
         ids = plan_members(plan)
         for m in ids:
-            self._send(run, m, Verify(run.id, run.version, left(deadline)))
+            self._send(run, m, Verify(run.id, run.version, seconds_left(deadline)))
         verified = run.wait_for(Phase.VERIFIED, ids, deadline)
         checksums = {m: {**transferred[m].checksums, **verified[m].checksums} for m in ids}
         problem = checksum_mismatch(plan, checksums)
@@ -175,7 +177,7 @@ class RefitSequence:
     def _commit(self, run: Run, plan: Plan, deadline: float) -> None:
         ids = plan_members(plan)
         for m in ids:
-            if not self._registry.send(m, Commit(run.id, run.version, left(deadline), run.run_id)):
+            if not self._registry.send(m, Commit(run.id, run.version, seconds_left(deadline), run.run_id)):
                 run.note_unconfirmed(m, f"member {m} is gone")
         unconfirmed = run.wait_confirmations(ids, deadline)
         for m in ids:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 
 from syncd.commands import Command, JoinGroup, Phase, StageGroup
 from syncd.daemon.plan_cache import stage_membership
-from syncd.daemon.refit_run import RefitAborted, Run
+from syncd.daemon.refit_run import RefitAborted, Run, seconds_left
 from syncd.daemon.registry import Member
 from syncd.plan import Plan
 
@@ -25,11 +24,6 @@ log = logging.getLogger(__name__)
 Send = Callable[[Run, str, Command], None]
 # What a group's communicator depends on: its members and their sessions, in rank order.
 GroupKey = tuple[tuple[str, str], ...]
-
-
-def left(deadline: float) -> float:
-    """Seconds until a phase's monotonic deadline: what a command gives its member to finish."""
-    return max(deadline - time.monotonic(), 0.0)
 
 
 class StageGroups:
@@ -85,7 +79,7 @@ class StageGroups:
                 backend=group.backend,
                 address=address,
                 members=group.members,
-                timeout_s=left(deadline),
+                timeout_s=seconds_left(deadline),
             )
 
         root = group.members[0]
