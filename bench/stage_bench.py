@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from bench.refit_bench import shape_for, spawn_workers, timed_rounds
 from bench.synthetic_moe import trainer_catalog, vllm_catalog
-from syncd.daemon.planning import checksum_mismatch
+from syncd.daemon.checks import checksum_mismatch
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets
 from syncd.plan import DestMember, SourceMember, make_plan

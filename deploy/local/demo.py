@@ -38,7 +38,7 @@ import httpx
 
 from deploy.local import openai_client
 from deploy.local.processes import PYTHON, Cluster, free_port
-from syncd.states import wait_final
+from syncd.refit_wait import wait_final
 from syncd.weight_version import WeightVersion, version_label
 
 LAYOUTS = {"ep2tp2": {"pp": 1, "ep": 2, "tp": 2}, "pp2": {"pp": 2, "ep": 2, "tp": 1}}

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from syncd.states import wait_final
+from syncd.refit_wait import wait_final
 from tests.generator.conftest import PROMPTS, REPO, Service, free_port
 
 pytestmark = pytest.mark.vllm
