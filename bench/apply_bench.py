@@ -176,7 +176,9 @@ def run(args: argparse.Namespace) -> dict:
     inplace_s = med(i["total_s"] for i in inplace)
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()}, {os.cpu_count()} cores, {_cpu_model()}, load {os.getloadavg()[0]:.1f}",
+        "machine": (
+            f"{platform.node()}, {os.cpu_count()} cores, {_cpu_model()}, load {os.getloadavg()[0]:.1f}"
+        ),
         "model": {
             "layers": args.layers,
             "experts": args.experts,
@@ -251,8 +253,9 @@ def main() -> None:
     print(f"  inplace / (copy + post-process)  {r['inplace_over_copy_plus_post']:.2f}")
     ip = result["inplace"]
     print(
-        f"  inplace extra memory: one {ip['bucket_bytes'] / 1e6:.1f} MB bucket + {ip['peak_open_bytes'] / 1e6:.1f} MB of "
-        f"layers open at the peak = {ip['extra_bytes'] / 1e6:.1f} MB ({ip['extra_bytes'] / ip['bucket_bytes']:.2f} buckets); "
+        f"  inplace extra memory: one {ip['bucket_bytes'] / 1e6:.1f} MB bucket + "
+        f"{ip['peak_open_bytes'] / 1e6:.1f} MB of layers open at the peak = {ip['extra_bytes'] / 1e6:.1f} MB "
+        f"({ip['extra_bytes'] / ip['bucket_bytes']:.2f} buckets); "
         f"staged keeps {result['model']['bytes'] / 1e6:.1f} MB"
     )
     if args.out:

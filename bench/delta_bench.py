@@ -153,7 +153,7 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
             return stats
         return recv_buckets(mine, views, transport, ranks, timeout_s=120)
 
-    for round_ in range(args.rounds + 1):
+    for _ in range(args.rounds + 1):
         timed("raw gloo", raw_gloo)
         timed("full refit", full)
         timed("full refit, delta refits on (mirror kept)", keep_mirror)
@@ -204,7 +204,8 @@ def main() -> None:
         "methods": {},
     }
     print(
-        f"{plan.total_bytes / 1e6:.1f} MB, {len(plan.buckets)} buckets, {SENDERS} senders -> 1 receiver (gloo, CPU)"
+        f"{plan.total_bytes / 1e6:.1f} MB, {len(plan.buckets)} buckets, "
+        f"{SENDERS} senders -> 1 receiver (gloo, CPU)"
     )
     print(f"{'method':<58} {'seconds':>8} {'vs full':>8} {'MB':>8} {'senders s (max)':>16}")
     for m in methods:

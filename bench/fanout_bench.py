@@ -31,7 +31,7 @@ import httpx
 from bench.plain_member import loaded_marker, model_shape
 from deploy.lab import Lab
 from deploy.local.processes import PYTHON, Proc
-from syncd.states import wait_final
+from syncd.refit_wait import wait_final
 
 HTTP_PORT, GRPC_PORT = 8470, 8471
 

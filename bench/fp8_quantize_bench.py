@@ -2,11 +2,11 @@
 
     python bench/fp8_quantize_bench.py [--gib 4] [--reps 7] [--bucket-mib 512] [--json OUT]
 
-A bfloat16 trainer rank (Qwen3-30B-A3B-shaped layers: hidden 2048, 128 experts of intermediate
-768; all multiples of 128, as real models are: edge blocks are the tests' business) packs the buckets of its refit
-plan into a blockwise-FP8 vLLM rank (`syncd.plan.fp8_blocks.blockwise_fp8_catalog`), i.e. the real
-sender's quantize-and-pack (`syncd.member.dataplane.pack.pack_into`: the fused Triton kernel of
-`fp8_kernel`), against, in the same run:
+A bfloat16 trainer rank (Qwen3-30B-A3B-shaped layers: hidden 2048, 128 experts of intermediate 768;
+all multiples of 128, as real models are: edge blocks are the tests' business) packs the buckets of
+its refit plan into a blockwise-FP8 vLLM rank (`syncd.plan.fp8_blocks.blockwise_fp8_catalog`), i.e.
+the real sender's quantize-and-pack (`syncd.member.dataplane.pack.pack_into`: the fused Triton
+kernel of `fp8_kernel`), against, in the same run:
 - the same packing with the reference quantizer (`fp8_kernel.ENABLED = False`);
 - the same rank packing for a bfloat16 generator (plain copies into the buckets);
 - a device-to-device copy of the same bf16 bytes (the memory-bandwidth anchor);
@@ -144,8 +144,9 @@ def main() -> None:
     }
     print(
         f"{nbytes / 1e9:.2f} GB bf16 ({shape.layers} layers) on {result['device']}: pack into FP8 "
-        f"{result['gbps']['pack_fp8']} GB/s ({result['pack_fp8_vs_d2d']} of d2d copy {result['gbps']['d2d']} GB/s, "
-        f"{result['pack_fp8_vs_pack_bf16']} of packing bf16 {result['gbps']['pack_bf16']} GB/s; the reference "
+        f"{result['gbps']['pack_fp8']} GB/s ({result['pack_fp8_vs_d2d']} of d2d copy "
+        f"{result['gbps']['d2d']} GB/s, {result['pack_fp8_vs_pack_bf16']} of packing bf16 "
+        f"{result['gbps']['pack_bf16']} GB/s; the reference "
         f"quantizer packs {result['gbps']['pack_fp8_reference']} GB/s); wire "
         f"{plans['fp8'].total_bytes / 1e9:.2f} GB FP8 vs {plans['bf16'].total_bytes / 1e9:.2f} GB bf16"
     )

@@ -167,7 +167,7 @@ def launches(setup: Setup, plan, verify: bool = True, trace: Path | None = None,
         ("recv", recv_buckets, _DST, setup.dst),
     ):
 
-        def run():
+        def run(fn=fn, member=member, views=views, side=side):  # this iteration's, bound now
             fn(
                 plan.for_member(member),
                 views,
@@ -208,7 +208,7 @@ def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None, 
         torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
         torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
     )
-    methods = {"copy": lambda: b.copy_(a)}
+    methods = {"copy": lambda a=a, b=b: b.copy_(a)}
     for mib, plan in plans.items():
         methods[f"refit@{mib}"] = lambda p=plan: setup.refit(p)
         methods[f"refit_noverify@{mib}"] = lambda p=plan: setup.refit(p, verify=False)
@@ -216,7 +216,7 @@ def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None, 
             methods[f"refit_graphs@{mib}"] = lambda p=plan: setup.refit(p, graphs=True)
     with GcPauses() as pauses:
         seconds = timed_rounds(methods, reps)
-    del a, b
+    del methods, a, b  # frees the copy buffers (the lambdas hold them too)
     med = {name: statistics.median(t) for name, t in seconds.items()}
     sizes = []
     for mib, plan in plans.items():
@@ -276,20 +276,23 @@ def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None, 
 def report(r: dict) -> str:
     lines = [
         (
-            f"loop-back refit [{r['label']}], {r['bytes'] / 1e9:.2f} GB on {r['device']}, {r['date']}, median of "
-            f"{r['reps']} rounds; device-to-device copy of the same bytes: {r['copy_gbps']:.1f} GB/s"
+            f"loop-back refit [{r['label']}], {r['bytes'] / 1e9:.2f} GB on {r['device']}, {r['date']}, "
+            f"median of {r['reps']} rounds; device-to-device copy of the same bytes: "
+            f"{r['copy_gbps']:.1f} GB/s"
         ),
         (
-            f"{'bucket':>8} {'buckets':>7} {'GB/s':>7} {'no-ck':>7} {'vs copy':>7} {'launches/bucket send+recv':>25} "
-            f"{'no-ck':>11} {'wire idle ms':>12} {'largest gap':>11} {'bits ok':>7}"
+            f"{'bucket':>8} {'buckets':>7} {'GB/s':>7} {'no-ck':>7} {'vs copy':>7} "
+            f"{'launches/bucket send+recv':>25} {'no-ck':>11} {'wire idle ms':>12} {'largest gap':>11} "
+            f"{'bits ok':>7}"
         ),
     ]
-    for s in r["sizes"]:
-        lines.append(
-            f"{s['bucket_mib']:>5} MiB {s['buckets']:>7} {s['refit_gbps']:>7.1f} {s['refit_noverify_gbps']:>7.1f} "
-            f"{s['refit_vs_copy']:>7.2f} {_pair(s['launches_per_bucket']):>25} {_pair(s['launches_per_bucket_noverify']):>11} "
-            f"{s['wire']['idle_ms']:>12.2f} {s['wire']['largest_gap_ms']:>11.2f} {s['bits_ok']!s:>7}"
-        )
+    lines.extend(
+        f"{s['bucket_mib']:>5} MiB {s['buckets']:>7} {s['refit_gbps']:>7.1f} "
+        f"{s['refit_noverify_gbps']:>7.1f} {s['refit_vs_copy']:>7.2f} "
+        f"{_pair(s['launches_per_bucket']):>25} {_pair(s['launches_per_bucket_noverify']):>11} "
+        f"{s['wire']['idle_ms']:>12.2f} {s['wire']['largest_gap_ms']:>11.2f} {s['bits_ok']!s:>7}"
+        for s in r["sizes"]
+    )
     lines.append(f"  GC pauses during the timed rounds: {r['gc_pauses_during_rounds']}")
     for s in r["sizes"]:
         if "refit_graphs_gbps" in s:

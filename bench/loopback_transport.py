@@ -117,7 +117,7 @@ class LoopbackWire:
         def run(name, fn, member, views, endpoint):
             try:
                 out[name] = fn(plan.for_member(member), views, endpoint, ranks, timeout_s=120, **options)
-            except BaseException as e:  # re-raised in the caller: a failed side must fail the run
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller after join: a failed side fails the run
                 out[name] = e
 
         threads = [

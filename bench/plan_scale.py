@@ -214,9 +214,10 @@ def main() -> None:
 
     model_bytes = sum(c.nbytes for c in canonical)
     links = plan.links()
+    per_expert_names = len(canonical) + 3 * (model.layers - model.dense_layers) * (model.experts - 1)
     print(
         f"model: {len(canonical)} canonical tensors (experts grouped; "
-        f"{len(canonical) + 3 * (model.layers - model.dense_layers) * (model.experts - 1)} in HF per-expert names), "
+        f"{per_expert_names} in HF per-expert names), "
         f"{model_bytes / 2**30:.1f} GiB"
     )
     print(
@@ -224,17 +225,20 @@ def main() -> None:
         f"generator: {args.replicas} replicas x tp {args.gen_tp} = {len(dests)} workers"
     )
     print(
-        f"catalogs: {len({s.catalog.content_hash for s in sources}) + args.gen_tp} distinct, built in {t1 - t0:.2f} s"
+        f"catalogs: {len({s.catalog.content_hash for s in sources}) + args.gen_tp} distinct, "
+        f"built in {t1 - t0:.2f} s"
     )
     print(
-        f"plan: {t2 - t1:.2f} s, {plan.num_units} units, {len(plan.buckets)} buckets of <= {args.bucket_mib} MiB, "
-        f"{plan.total_bytes / 2**30:.1f} GiB moved ({plan.total_bytes / model_bytes:.2f} x model, one copy per replica)"
+        f"plan: {t2 - t1:.2f} s, {plan.num_units} units, {len(plan.buckets)} buckets of "
+        f"<= {args.bucket_mib} MiB, {plan.total_bytes / 2**30:.1f} GiB moved "
+        f"({plan.total_bytes / model_bytes:.2f} x model, one copy per replica)"
     )
     print(f"{'stage':>5} {'links':>6} {'GiB':>8} {'MiB/link min':>13} {'median':>8} {'max':>8}")
     for stage, total in plan.stage_bytes().items():
         sizes = [l.bytes / 2**20 for l in links if l.stage == stage]
         print(
-            f"{stage:>5} {len(sizes):>6} {total / 2**30:>8.2f} {min(sizes):>13.1f} {statistics.median(sizes):>8.1f} {max(sizes):>8.1f}"
+            f"{stage:>5} {len(sizes):>6} {total / 2**30:>8.2f} {min(sizes):>13.1f} "
+            f"{statistics.median(sizes):>8.1f} {max(sizes):>8.1f}"
         )
     if args.links:
         for l in links:

@@ -228,7 +228,9 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
         mib: _extra_memory_mib(lambda m=mib: refit(m), device, transport) for mib in plans
     }
     hf = hf_regions(shape, catalog, views)
-    methods = {"raw": lambda: (transport.isend(raw, 1) if rank == 0 else transport.irecv(raw, 0)).wait(300)}
+    methods = {
+        "raw": lambda raw=raw: (transport.isend(raw, 1) if rank == 0 else transport.irecv(raw, 0)).wait(300)
+    }
     for mib in plans:
         methods[f"refit_noverify@{mib}"] = lambda m=mib: refit(m, verify=False)
         methods[f"refit@{mib}"] = lambda m=mib: refit(m)
@@ -237,7 +239,7 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     methods["per_tensor"] = lambda: _per_tensor(hf, rank)
     methods["gather_bcast"] = lambda: _bucketed_bcast(hf, rank, args.bucket_mib[0] << 20, device)
     result["seconds"] = timed_rounds(methods, device, args.reps)
-    del raw
+    del methods, raw  # frees the raw buffer (its lambda holds it too)
     ok = {}
     for mib in plans:
         refit(mib)
@@ -449,8 +451,9 @@ def report(s: dict) -> str:
         for side, link in sides.items():
             lines.append(
                 f"{side} link, {mib} MiB buckets: {link['busy_ms']:.2f} ms transferring in a "
-                f"{link['span_ms']:.2f} ms span ({link['transfers']} transfers), {link['gaps_ms']:.2f} ms idle "
-                f"between them (largest {link['largest_gap_ms']:.2f}), longest transfer {link['longest_transfer_ms']:.2f} ms"
+                f"{link['span_ms']:.2f} ms span ({link['transfers']} transfers), "
+                f"{link['gaps_ms']:.2f} ms idle between them (largest {link['largest_gap_ms']:.2f}), "
+                f"longest transfer {link['longest_transfer_ms']:.2f} ms"
             )
     lines.append(
         f"headline ({s['bucket_mib']} MiB): refit = {s['refit_vs_raw']:.2f} x raw, "

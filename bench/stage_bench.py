@@ -4,13 +4,13 @@ one communicator per stage, the stages transferring concurrently or one after th
     python bench/stage_bench.py --backend gloo --gib 0.02                 # CPU: 4 processes
     python bench/stage_bench.py --backend nccl --gib 8 --json OUT.json     # 4 GPUs
 
-Ranks 0..pp-1 are the trainer stages (GPUs 0..pp-1), ranks pp..pp+tp-1 the receiver's TP ranks
-(the next GPUs; `--devices` maps them otherwise). Each stage's group is {trainer stage s, every receiver rank}, as syncd negotiates
-it; a receiver runs one thread per stage, as `MemberAgent` does. Measured in one run, rounds
-interleaved: (a) raw, one buffer on one link and on every link at once, (b) the refit with stages
-concurrent, (c) the same refit with stages serialized. Every receiver tensor is compared bit for bit
-with what the canonical weights say it must hold, and the checksums go through syncd's own
-comparison. The last line is one JSON object.
+Ranks 0..pp-1 are the trainer stages (GPUs 0..pp-1), ranks pp..pp+tp-1 the receiver's TP ranks (the
+next GPUs; `--devices` maps them otherwise). Each stage's group is {trainer stage s, every receiver
+rank}, as syncd negotiates it; a receiver runs one thread per stage, as `MemberAgent` does. Measured
+in one run, rounds interleaved: (a) raw, one buffer on one link and on every link at once, (b) the
+refit with stages concurrent, (c) the same refit with stages serialized. Every receiver tensor is
+compared bit for bit with what the canonical weights say it must hold, and the checksums go through
+syncd's own comparison. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from bench.refit_bench import shape_for, spawn_workers, timed_rounds
 from bench.synthetic_moe import trainer_catalog, vllm_catalog
-from syncd.daemon.planning import checksum_mismatch
+from syncd.daemon.checks import checksum_mismatch
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets
 from syncd.plan import DestMember, SourceMember, make_plan
@@ -85,7 +85,7 @@ def _in_threads(fns) -> None:
     def guard(fn):
         try:
             fn()
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller after the joins
             errors.append(e)
 
     threads = [threading.Thread(target=guard, args=(fn,)) for fn in fns]
@@ -133,8 +133,7 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     transports = {s: t for s, t in transports.items() if t is not None}
     group_ranks = {
         s: {
-            ("trainer-%d" % m if m < pp else "generator-0-%d" % (m - pp)): i
-            for i, m in enumerate(stage_members[s])
+            (f"trainer-{m}" if m < pp else f"generator-0-{m - pp}"): i for i, m in enumerate(stage_members[s])
         }
         for s in range(pp)
     }
@@ -270,7 +269,8 @@ def main() -> None:
         "gpus": args.devices if args.backend == "nccl" else [],
     }
     print(
-        f"{args.backend}: pp={args.pp} trainer stages -> tp={args.tp} receiver, {gb:.2f} GB in {r['buckets']} buckets, "
+        f"{args.backend}: pp={args.pp} trainer stages -> tp={args.tp} receiver, "
+        f"{gb:.2f} GB in {r['buckets']} buckets, "
         f"bit-exact: {r['bit_exact']}, checksums ok: {r['checksums_ok']}"
         + (f" ({r['checksum_problem']})" if r["checksum_problem"] else "")
     )
@@ -283,7 +283,8 @@ def main() -> None:
         f"{summary['refit_gbps'] / summary['raw_all_links_gbps']:.2f} x all-links raw)"
     )
     print(
-        f"refit, stages serialized: {med['serialized']:.4f} s ({summary['serialized_over_concurrent']:.2f} x concurrent)"
+        f"refit, stages serialized: {med['serialized']:.4f} s "
+        f"({summary['serialized_over_concurrent']:.2f} x concurrent)"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

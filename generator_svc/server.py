@@ -201,7 +201,7 @@ async def worker_catalog(tp_rank: int, refitter: RefitterDep) -> JSONResponse:
 async def stage(body: StageRequest, refitter: RefitterDep) -> JSONResponse:
     try:
         return JSONResponse({"workers": await refitter.stage_file(body.path, body.refit_id)})
-    except Exception as e:  # staging errors never touch the engine: the caller's input was bad
+    except Exception as e:  # noqa: BLE001 - staging errors never touch the engine: the input was bad
         return error_response(_message(e), 409)
 
 
@@ -215,7 +215,7 @@ async def load(body: LoadRequest, refitter: RefitterDep) -> JSONResponse:
     refit_id = f"load-{body.version}"
     try:
         await refitter.stage_file(body.path, refit_id)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - as in `stage`: a staging error is the caller's input
         return error_response(_message(e), 409)
     return await _apply(refitter, body.version, "")
 
@@ -250,7 +250,7 @@ async def hold(body: HoldRequest, refitter: RefitterDep, request: Request) -> JS
         await refitter.hold(body.refit_id)
     except RefitRefused as e:
         return error_response(str(e), 409)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any other failure is a 500 with its message, not a dropped request
         return error_response(_message(e), 500)
     return JSONResponse({"held": body.refit_id})
 
@@ -272,7 +272,7 @@ async def _apply(
         return error_response(str(e), 409)
     except DeadlineExceeded as e:
         return error_response(str(e), 504)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any other failure is a 500 with its message, not a dropped request
         return error_response(_message(e), 500)
     return JSONResponse({"version": state.version, "serving": state.serving})
 

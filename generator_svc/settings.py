@@ -4,7 +4,8 @@ Our flags sit on top of vLLM's own server flags (every `vllm serve` flag works, 
 `--tensor-parallel-size`); ours are:
 
     --syncd ADDR          syncd gRPC address; empty: serve without registering (env GENERATOR_SYNCD)
-    --replica N           this generator's replica index, the `replica` mesh coordinate (env GENERATOR_REPLICA)
+    --replica N           this generator's replica index, the `replica` mesh coordinate
+                          (env GENERATOR_REPLICA)
     --refit-mode MODE     `staged` (default): receive into staging beside the live weights while
                           serving goes on, install only complete verified versions (holds
                           generation for the install); `inplace`: no staging memory, generation

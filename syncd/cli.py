@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 
 from syncd.error_body import error_message
-from syncd.states import TERMINAL, wait_final
+from syncd.refit_wait import wait_final
+from syncd.states import TERMINAL
 from syncd.weight_version import WeightVersion, parse_weight_version
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 3

@@ -1,13 +1,11 @@
 """The states of a refit, as syncd records them (SQLite), reports them (HTTP, `syncctl`) and
-labels its metrics with them (lower case), and how a client waits for a final one. A StrEnum:
-each state is also its plain string, which is what travels in JSON and sits in the database."""
+labels its metrics with them (lower case). A StrEnum: each state is also its plain string, which
+is what travels in JSON and sits in the database. A client waits for a final one with
+`syncd.refit_wait.wait_final`."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping
 from enum import StrEnum
-from typing import Any
 
 
 class RefitState(StrEnum):
@@ -20,29 +18,3 @@ class RefitState(StrEnum):
 
 
 TERMINAL = frozenset({RefitState.COMMITTED, RefitState.ABORTED})
-
-
-def wait_final(
-    get: Callable[[str], Mapping[str, Any]],
-    refit_id: str,
-    timeout_s: float,
-    *,
-    on_state: Callable[[Mapping[str, Any]], None] | None = None,
-    poll_s: float = 0.2,
-) -> Mapping[str, Any]:
-    """Poll syncd's `GET /v1/refits/{refit_id}` (`get(path)` returns the JSON body) until the refit
-    is COMMITTED or ABORTED, and return that body; `on_state` sees the body at each new state.
-    Raises TimeoutError naming the state it is still in. The one refit-waiting loop: `syncctl`,
-    the demo and the tests use it."""
-    deadline, last = time.monotonic() + timeout_s, None
-    while True:
-        body = get(f"/v1/refits/{refit_id}")
-        if body["state"] != last:
-            last = body["state"]
-            if on_state is not None:
-                on_state(body)
-        if body["state"] in TERMINAL:
-            return body
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{refit_id} still {body['state']} after {timeout_s:g} s")
-        time.sleep(poll_s)

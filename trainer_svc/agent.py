@@ -170,7 +170,7 @@ class RankAgent:
         version = WeightVersion(stats.step)  # a trainer's weights are versioned by its optimizer steps
         try:
             self.client.announce_version(version)
-        except Exception as e:  # syncd down must not stop training
+        except Exception as e:  # noqa: BLE001 - syncd down (in whatever way) must not stop training
             # Not lost: the client holds the version and re-registers with it once syncd is back,
             # which announces it (`syncd.daemon.versions`). So a synchronous trainer still waits for its
             # refit; returning here let a job's last step finish, unannounced, while syncd

@@ -32,7 +32,8 @@ def local_microbatches(
     batch = tokens.shape[0]
     if batch % (data_ranks * microbatches):
         raise ValueError(
-            f"global batch size {batch} must be divisible by dp x ep {data_ranks} x microbatches {microbatches}"
+            f"global batch size {batch} must be divisible by dp x ep {data_ranks} "
+            f"x microbatches {microbatches}"
         )
     mine = tokens.chunk(data_ranks)[data_rank].to(device)
     return [Microbatch(mb[:, :-1], mb[:, 1:]) for mb in mine.chunk(microbatches)]

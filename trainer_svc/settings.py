@@ -89,7 +89,7 @@ class TrainSettings:
             raise ValueError(f"--muon-momentum must be in [0, 1), got {self.muon_momentum}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
-        self.dims  # validates the mesh sizes
+        _ = self.dims  # validates the mesh sizes
 
     @property
     def dims(self) -> ParallelDims:

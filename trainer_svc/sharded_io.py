@@ -65,7 +65,7 @@ def read_shards(model_dir: str | Path, catalog: Catalog, views: Mapping[str, tor
         with ExitStack() as files:  # closed after each canonical tensor: its mapped pages go with it
             opened: dict[Path, object] = {}
 
-            def handle(hf_name: str):
+            def handle(hf_name: str, opened: dict[Path, object] = opened, files: ExitStack = files):
                 path = index[hf_name][0]
                 if path not in opened:
                     opened[path] = files.enter_context(safe_open(str(path), framework="pt"))

@@ -1,8 +1,9 @@
 """The training loop: build this rank's stage, train `steps` steps (AdamW or Muon), export.
 
-Lifecycle of a rank (`trainer_svc.job.run`): `process_group(...)` joins the world (gloo on CPU, NCCL on GPU, same code),
-`Trainer.create` builds the mesh, the stage and the optimizer, `fit` runs the steps (and lets the
-syncd agent announce each new version), `export` writes the HF checkpoint from rank 0.
+Lifecycle of a rank (`trainer_svc.job.run`): `process_group(...)` joins the world (gloo on CPU, NCCL
+on GPU, same code), `Trainer.create` builds the mesh, the stage and the optimizer, `fit` runs the
+steps (and lets the syncd agent announce each new version), `export` writes the HF checkpoint from
+rank 0.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ By default the trainer trains in bfloat16 (`--train-dtype`; float32 master weigh
 state) and the generator serves bfloat16 (`--dtype`): the refit carries the bfloat16 weights the
 trainer computes with. The trainer exports each step in the served dtype; a float32 trainer's
 refit into a bfloat16 generator rounds on the way (half the bytes of float32 to float32).
-`--model-dir` starts both from any Qwen3-MoE HF directory instead of the tiny random model. Per refit the summary gives the seconds of `transfer` and `verify` (syncd's phases),
+`--model-dir` starts both from any Qwen3-MoE HF directory instead of the tiny random model. Per
+refit the summary gives the seconds of `transfer` and `verify` (syncd's phases),
 `install` (how long the generator held generation to install) and `total`, and the bytes moved.
 `--delta` turns syncd's delta refits on: after the first refit each moves only the elements that
 changed (`--lr 1e-6` is an RL-like step), and the summary also gives each refit's mode and changed
@@ -37,7 +38,7 @@ import httpx
 
 from deploy.local import openai_client
 from deploy.local.processes import PYTHON, Cluster, free_port
-from syncd.states import wait_final
+from syncd.refit_wait import wait_final
 from syncd.weight_version import WeightVersion, version_label
 
 LAYOUTS = {"ep2tp2": {"pp": 1, "ep": 2, "tp": 2}, "pp2": {"pp": 2, "ep": 2, "tp": 1}}
@@ -276,9 +277,11 @@ def run(args) -> dict:
             )
             rows.append(row)
             changed = "-" if row.changed_fraction is None else f"{100 * row.changed_fraction:.2f}%"
+            checksums = "ok" if row.checksums_ok else "FAILED"
             print(
-                f"{row.step:>4} {row.loss:>9.4f} {row.refit_state:>9} {row.mode:>5} {changed:>8} {row.refit_seconds:>8.2f} "
-                f"{row.install_seconds:>8.3f} {row.bytes / 1e6:>7.2f} {row.mb_per_s:>8.2f} {'ok' if row.checksums_ok else 'FAILED':>9} "
+                f"{row.step:>4} {row.loss:>9.4f} {row.refit_state:>9} {row.mode:>5} {changed:>8} "
+                f"{row.refit_seconds:>8.2f} {row.install_seconds:>8.3f} {row.bytes / 1e6:>7.2f} "
+                f"{row.mb_per_s:>8.2f} {checksums:>9} "
                 f"{row.kl_before:>10.2e} {row.kl_after:>10.2e}",
                 flush=True,
             )

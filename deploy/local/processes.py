@@ -92,17 +92,17 @@ class Cluster:
         log = self.logs / f"{name}.log"
         # Appended, with a header per start: a service restarted under the same name (syncd in the
         # restart tests) keeps the log of its previous life, which is where a failure's cause is.
-        out = open(log, "a")
-        out.write(f"==== {time.strftime('%H:%M:%S')} start: {' '.join(cmd)}\n")
-        out.flush()
-        popen = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env={**self.env, **(env or {})},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(log, "a") as out:  # the child keeps its own copy of the descriptor
+            out.write(f"==== {time.strftime('%H:%M:%S')} start: {' '.join(cmd)}\n")
+            out.flush()
+            popen = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env={**self.env, **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         proc = Proc(name, popen, log)
         self.procs.append(proc)
         return proc

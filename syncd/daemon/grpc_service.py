@@ -21,8 +21,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from syncd.api import convert
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
+from syncd.daemon.coordinator import Coordinator
 from syncd.daemon.errors import InvalidArgument, SyncdError, Unauthenticated, check_token, grpc_code
-from syncd.daemon.refit import Coordinator
 from syncd.daemon.registry import Registry
 from syncd.weight_version import WeightVersion
 

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
+from syncd.daemon.coordinator import Coordinator
 from syncd.daemon.errors import SyncdError, check_token, http_headers, http_status
 from syncd.daemon.http_models import (
     HealthOut,
@@ -30,7 +31,6 @@ from syncd.daemon.http_models import (
     StatusOut,
 )
 from syncd.daemon.metrics import Metrics
-from syncd.daemon.refit import Coordinator
 from syncd.daemon.registry import ROLES, Registry
 from syncd.error_body import ErrorBody, error_response
 

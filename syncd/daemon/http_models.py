@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from syncd.daemon.planning import plan_members
+from syncd.daemon.plan_cache import plan_members
 from syncd.daemon.readiness import Readiness
 from syncd.daemon.registry import Member
 from syncd.daemon.store import RefitRecord

@@ -1,4 +1,4 @@
-"""One refit in progress (`Run`), the reports members send it, and their validation.
+"""One refit in progress (`Run`) and the reports members send it.
 
 Before the commit decision, any failure (an error report, a lost lease, an operator abort) ends
 the refit: `Run.fail` wakes the waiting phase. After the decision the refit is COMMITTED whatever
@@ -8,7 +8,6 @@ as if the refit had failed.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Mapping
@@ -16,9 +15,14 @@ from collections.abc import Mapping
 from syncd.commands import MemberReport, Phase
 from syncd.daemon.registry import Member
 from syncd.daemon.store import RefitRecord
-from syncd.plan import Plan
 from syncd.states import RefitState
 from syncd.weight_version import WeightVersion
+
+
+def seconds_left(deadline: float) -> float:
+    """Seconds until a phase's monotonic deadline (`Run.enter`): what a command gives its member
+    to finish."""
+    return max(deadline - time.monotonic(), 0.0)
 
 
 class RefitAborted(Exception):
@@ -26,37 +30,110 @@ class RefitAborted(Exception):
 
 
 class Run:
-    """The refit in progress. Other threads touch it only through `add`, `fail` and `decide`."""
+    """The refit in progress. Its fields change only through its methods: the refit thread moves
+    it through its phases (`enter`, `narrow_to`, `start_transfer`, `send_deltas_to`,
+    `transferred`, `decide`), other threads touch it through `add`, `fail` and
+    `note_unconfirmed`, and whoever ends the refit calls `conclude` once, then `mark_recorded`
+    once its outcome is recorded. `snapshot` shows it as a `RefitRecord`."""
 
-    def __init__(self, record: RefitRecord, involved: set[str]) -> None:
-        self.record = record
-        self.involved = involved
-        self.phases: dict[str, float] = {}
-        self.bytes = 0  # received by generators, as they reported it
-        self.planned_bytes = 0  # what the plan moves to generators, known from TRANSFERRING on
-        self.full = False  # an operator asked for a full refit (no delta links)
-        self.excluded: frozenset[str] = frozenset()  # a retry over survivors: members left out
-        self.planned: dict[str, Member] = {}  # the plan's members as PREPARING found them
-        self.delta_generators: tuple[str, ...] = ()  # generators that received deltas
-        self.delta_elements = 0  # their units' elements,
-        self.changed_elements = 0  # and how many changed
-        self.state = record.state
-        self.done = threading.Event()
-        self.concluded = False  # set once, under the coordinator's lock, by whoever ends the refit
+    def __init__(
+        self,
+        record: RefitRecord,
+        involved: set[str],
+        full: bool = False,
+        excluded: frozenset[str] = frozenset(),
+    ) -> None:
+        self._created = record
+        self._involved = frozenset(involved)
+        self._full = full  # an operator asked for a full refit (no delta links)
+        self._excluded = excluded  # a retry over survivors: members left out (`survivors`)
+        self._planned: dict[str, Member] = {}  # the plan's members as PREPARING found them
+        self._phases: dict[str, float] = {}
+        self._bytes = 0  # received by generators, as they reported it
+        self._planned_bytes = 0  # what the plan moves to generators, known from TRANSFERRING on
+        self._delta_generators: tuple[str, ...] = ()  # generators that received deltas
+        self._delta_elements = 0  # their units' elements,
+        self._changed_elements = 0  # and how many changed
+        self._state = record.state
+        self._recorded = threading.Event()
+        self._concluded = False
         self._cond = threading.Condition()
         self._reports: dict[tuple[str, str], MemberReport] = {}
         self._abort_reason: str | None = None
         self._decided = False
         self._commit_notes: dict[str, str] = {}  # member -> why it did not confirm Commit
-        self._phase, self._phase_start = RefitState.PREPARING, time.monotonic()
+        self._phase: str = RefitState.PREPARING
+        self._phase_start = time.monotonic()
+
+    @property
+    def created(self) -> RefitRecord:
+        """The record the store made when the refit was triggered."""
+        return self._created
 
     @property
     def id(self) -> str:
-        return self.record.id
+        return self._created.id
 
     @property
     def version(self) -> WeightVersion:
-        return self.record.weight_version
+        return self._created.weight_version
+
+    @property
+    def run_id(self) -> str:
+        """The training run of the weights it moves."""
+        return self._created.run_id
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def involved(self) -> frozenset[str]:
+        """The members an abort or a lost lease concerns: every registered member until the plan
+        is made, then the plan's members."""
+        return self._involved
+
+    @property
+    def full(self) -> bool:
+        return self._full
+
+    @property
+    def excluded(self) -> frozenset[str]:
+        return self._excluded
+
+    @property
+    def planned(self) -> Mapping[str, Member]:
+        """The plan's members (sessions included) when it was made: what a retry compares with."""
+        return self._planned
+
+    @property
+    def delta_generators(self) -> tuple[str, ...]:
+        return self._delta_generators
+
+    @property
+    def concluded(self) -> bool:
+        with self._cond:
+            return self._concluded
+
+    def narrow_to(self, members: tuple[str, ...], registered: Mapping[str, Member] | None = None) -> None:
+        """The plan is made: only its members take part from now on (`registered`: as they are)."""
+        self._involved = frozenset(members)
+        if registered is not None:
+            self._planned = {m: registered[m] for m in members}
+
+    def start_transfer(self, planned_bytes: int) -> None:
+        """What the plan moves to generators (recorded with TRANSFERRING, so a refit cut short,
+        syncd killed, still says what it was moving)."""
+        self._planned_bytes = planned_bytes
+
+    def send_deltas_to(self, generators: tuple[str, ...]) -> None:
+        """These generators receive only what changed since the version they hold."""
+        self._delta_generators = generators
+
+    def transferred(self, received_bytes: int, delta_elements: int, changed_elements: int) -> None:
+        """What the generators reported receiving, once the reports agree with the plan."""
+        self._bytes = received_bytes
+        self._delta_elements, self._changed_elements = delta_elements, changed_elements
 
     def add(self, report: MemberReport) -> None:
         if not report.ok:
@@ -81,30 +158,89 @@ class Run:
                 self._cond.notify_all()
             return True
 
-    def decide(self) -> None:
-        """The point of no return; raises RefitAborted if the refit failed before it."""
+    def decide(self, commit_timeout: float) -> float:
+        """The point of no return: starts the COMMITTING phase's clock (the state stays VERIFYING
+        until the members confirmed) and returns its deadline; raises RefitAborted if the refit
+        failed before it."""
+        deadline = self._start_phase(RefitState.COMMITTING, commit_timeout)
         with self._cond:
             if self._abort_reason is not None:
                 raise RefitAborted(self._abort_reason)
             self._decided = True
+        return deadline
 
     def note_unconfirmed(self, member_id: str, cause: str) -> None:
         with self._cond:
             self._commit_notes.setdefault(member_id, cause)
             self._cond.notify_all()
 
-    def enter(self, phase: str, timeout: float) -> float:
-        """Close the current phase's timing, start `phase`; returns its deadline."""
-        self.close_phase()
+    def enter(self, state: str, timeout: float) -> float:
+        """Move to `state`, closing the current phase's timing; returns the new phase's deadline.
+        Raises RefitAborted once the refit ended (an operator's abort concludes it from another
+        thread), so a concluded refit never shows a running state again."""
+        with self._cond:
+            if self._concluded:
+                raise RefitAborted("the refit already ended")
+            deadline = self._start_phase(state, timeout)
+            self._state = state
+        return deadline
+
+    def conclude(self, state: str) -> bool:
+        """End the refit in its final `state`: True for the first caller, False (nothing changes)
+        for any later one."""
+        with self._cond:
+            if self._concluded:
+                return False
+            self._concluded = True
+            self._close_phase()
+            self._state = state
+        return True
+
+    def mark_recorded(self) -> None:
+        """The concluded refit's outcome is recorded (in memory at least): `wait_recorded` returns."""
+        self._recorded.set()
+
+    def wait_recorded(self, timeout: float) -> bool:
+        return self._recorded.wait(timeout)
+
+    def snapshot(
+        self,
+        state: str | None = None,
+        *,
+        error: str = "",
+        unconfirmed: tuple[str, ...] = (),
+        finished_at: float | None = None,
+    ) -> RefitRecord:
+        """The refit as a record, in its current state unless `state` says otherwise; an unfinished
+        one counts the time spent so far in its current phase."""
+        return RefitRecord(
+            id=self.id,
+            state=self._state if state is None else state,
+            weight_version=self.version,
+            created_at=self._created.created_at,
+            finished_at=finished_at,
+            error=error,
+            phases=self._timings() if finished_at is None else dict(self._phases),
+            bytes=self._bytes,
+            unconfirmed=unconfirmed,
+            run_id=self.run_id,
+            planned_bytes=self._planned_bytes,
+            delta_generators=self._delta_generators,
+            delta_elements=self._delta_elements,
+            changed_elements=self._changed_elements,
+        )
+
+    def _start_phase(self, phase: str, timeout: float) -> float:
+        self._close_phase()
         self._phase, self._phase_start = phase, time.monotonic()
         return self._phase_start + timeout
 
-    def close_phase(self) -> None:
-        self.phases[self._phase] = round(time.monotonic() - self._phase_start, 6)
+    def _close_phase(self) -> None:
+        self._phases[self._phase] = round(time.monotonic() - self._phase_start, 6)
 
-    def timings(self) -> dict[str, float]:
+    def _timings(self) -> dict[str, float]:
         """Closed phases plus the time spent so far in the current one."""
-        return {**self.phases, self._phase: round(time.monotonic() - self._phase_start, 6)}
+        return {**self._phases, self._phase: round(time.monotonic() - self._phase_start, 6)}
 
     def wait_for(self, phase: str, members: tuple[str, ...], deadline: float) -> dict[str, MemberReport]:
         """Block until every member reported `phase`; consume and return those reports."""
@@ -138,27 +274,3 @@ class Run:
                         self._commit_notes[m] = f"{m} did not confirm Commit within the commit timeout"
                     return {m: self._commit_notes[m] for m in members if m in self._commit_notes}
                 self._cond.wait(remaining)
-
-
-def transfer_report_problem(
-    plan: Plan, reports: Mapping[str, MemberReport], delta_dsts: frozenset[str] = frozenset()
-) -> str | None:
-    """What is wrong with the members' TRANSFERRED reports, judged against the plan, or None.
-    Every member must report exactly the bytes its part of the plan moves (at most those, on delta
-    links: their size depends on what changed), and sane timings."""
-    problems = []
-    for member_id, report in sorted(reports.items()):
-        buckets = plan.for_member(member_id)
-        expected = sum(b.nbytes for b in buckets)
-        delta = any(b.dst in delta_dsts for b in buckets)
-        if report.bytes > expected if delta else report.bytes != expected:
-            problems.append(
-                f"member {member_id} reported {report.bytes} bytes, its part of the plan moves {expected}"
-            )
-        bad = {k: v for k, v in report.timings.items() if not (math.isfinite(v) and v >= 0)}
-        if bad:
-            problems.append(f"member {member_id} reported timings out of range: {bad}")
-    if not problems:
-        return None
-    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return problems[0] + more

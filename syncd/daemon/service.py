@@ -13,10 +13,10 @@ import time
 
 import uvicorn
 
+from syncd.daemon.coordinator import Coordinator
 from syncd.daemon.grpc_service import SyncdServicer, build_grpc_server
 from syncd.daemon.http_app import build_app
 from syncd.daemon.metrics import Metrics
-from syncd.daemon.refit import Coordinator
 from syncd.daemon.registry import Limits, Registry
 from syncd.daemon.settings import Settings
 from syncd.daemon.store import Store

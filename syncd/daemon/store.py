@@ -63,8 +63,10 @@ class StoreUnavailable(Exception):
     """A write did not reach the database (locked for too long, disk full, I/O error)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RefitRecord:
+    """One refit as syncd records and reports it; built by name (`Run.snapshot`, the store's rows)."""
+
     id: str
     state: str
     weight_version: WeightVersion
@@ -159,7 +161,13 @@ class Store:
                 )
             return f"refit-{n}"
 
-        return RefitRecord(self._retry(insert), state, weight_version, created_at, run_id=run_id)
+        return RefitRecord(
+            id=self._retry(insert),
+            state=state,
+            weight_version=weight_version,
+            created_at=created_at,
+            run_id=run_id,
+        )
 
     def update(self, r: RefitRecord) -> None:
         self._retry(lambda: self._update(self._db(), r))
@@ -247,20 +255,20 @@ class Store:
         rows = self._db().execute(f"SELECT {_COLUMNS} FROM refits {where}", args).fetchall()
         return [
             RefitRecord(
-                r[0],
-                r[1],
-                r[2],
-                r[3],
-                r[4],
-                r[5],
-                json.loads(r[6]),
-                r[7],
-                tuple(json.loads(r[8])),
-                r[9],
-                r[10],
-                tuple(json.loads(r[11])),
-                r[12],
-                r[13],
+                id=r[0],
+                state=r[1],
+                weight_version=r[2],
+                created_at=r[3],
+                finished_at=r[4],
+                error=r[5],
+                phases=json.loads(r[6]),
+                bytes=r[7],
+                unconfirmed=tuple(json.loads(r[8])),
+                run_id=r[9],
+                planned_bytes=r[10],
+                delta_generators=tuple(json.loads(r[11])),
+                delta_elements=r[12],
+                changed_elements=r[13],
             )
             for r in rows
         ]

@@ -13,7 +13,7 @@ operator, since a refit needs every expected member. So the refit thread, after 
    readiness check asking for the trainers and at least one generator instead of all expected.
    Stage groups are negotiated anew over the new membership (the abort dropped them), never reused.
 3. The lost replica catches up when it registers again: it reports an older version, so syncd's
-   catch-up refit (`Coordinator._wants_catch_up`) brings it to the committed one.
+   catch-up refit (`AutoRefit._wants_catch_up`) brings it to the committed one.
 
 A member that is alive but slow is not lost: the refit aborts naming it (`stall_timeout`), and is
 not retried (the same member would stall the retry). Only one retry per refit, so the whole

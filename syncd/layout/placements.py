@@ -95,8 +95,7 @@ class Concat(Expr):
     def pieces(self) -> list[Piece]:
         out, offset = [], 0
         for part in self.parts:
-            for p in part.pieces():
-                out.append(Piece(p.canonical, p.canon, p.local.shifted(self.dim, offset)))
+            out.extend(Piece(p.canonical, p.canon, p.local.shifted(self.dim, offset)) for p in part.pieces())
             offset += part.shape[self.dim]
         return out
 

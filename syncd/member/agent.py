@@ -271,7 +271,7 @@ class MemberAgent:
                 )
             else:
                 results[stage] = recv_with_deltas(buckets, tensors, group.transport, ranks, delta, **options)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - a stage thread's failure goes to `results`, read after join
             log.warning("%s: stage %d transfer failed: %s", self.member_id, stage, e)
             self._close_group(stage)  # unblock our peers: they fail fast instead of timing out
             results[stage] = _naming_peer(e, group.members)

@@ -145,7 +145,8 @@ def _declarations(members: Sequence[SourceMember] | Sequence[DestMember]) -> dic
             elif seen.tensor != c:
                 raise ValueError(
                     f"canonical tensor {c.name} disagrees: {seen.member_id} has "
-                    f"{seen.tensor.dtype}{list(seen.tensor.shape)}, {m.member_id} has {c.dtype}{list(c.shape)}"
+                    f"{seen.tensor.dtype}{list(seen.tensor.shape)}, "
+                    f"{m.member_id} has {c.dtype}{list(c.shape)}"
                 )
     return out
 

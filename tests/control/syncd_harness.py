@@ -22,7 +22,7 @@ from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
 from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, local_tensor
 from syncd.member.client import MemberClient
-from syncd.states import wait_final
+from syncd.refit_wait import wait_final
 from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[2]

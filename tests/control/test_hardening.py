@@ -126,7 +126,10 @@ def test_a_dtype_mismatch_is_refused_at_registration_with_the_hint(cluster: Clus
                 catalog_hash=catalog.content_hash,
                 catalog=convert.catalog_to_pb(catalog),
             )
-            register = lambda r=request: pb_grpc.SyncdStub(channel).Register(r, timeout=10)
+
+            def register(r: pb.RegisterRequest = request) -> pb.RegisterResponse:
+                return pb_grpc.SyncdStub(channel).Register(r, timeout=10)
+
             if accepted:
                 register()
                 continue

@@ -12,7 +12,7 @@ import httpx
 
 from deploy.local import openai_client
 from deploy.local.processes import PYTHON, Cluster, Proc, free_port
-from syncd.states import wait_final
+from syncd.refit_wait import wait_final
 from syncd.weight_version import WeightVersion, version_label
 from tests.polling import wait_until
 

@@ -60,7 +60,8 @@ def run_schemathesis(url: str, work: Path, config: str, *options: str) -> dict[t
     (work / "schemathesis.log").write_text(result.stdout + result.stderr)  # the cases, to replay
     if not report.exists():
         raise AssertionError(
-            f"schemathesis wrote no report (exit {result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            f"schemathesis wrote no report (exit {result.returncode}):\n"
+            f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         )
     body = json.loads(report.read_text())
     assert not body["errors"], f"schemathesis errors: {body['errors']}\n{result.stdout[-3000:]}"

@@ -56,14 +56,15 @@ class Service:
             "--skip-tokenizer-init",
             *args,
         ]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=env or engine_env(),
-            stdout=open(log, "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env or engine_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.http = httpx.Client(base_url=self.url, timeout=120)
 
     def wait_ready(self, timeout: float = 300) -> Service:

@@ -3,10 +3,11 @@
     python tests/generator/engine_probe.py --model DIR --tp N --out DIR
 
 With `--ep`, vLLM's expert parallelism (on CPU it loads, registers and installs, but its forward
-crashes the worker, so use it without --refit-to/--fail-to). With `--refit-to B` it also refits the engine to checkpoint B through the staging receive path
-and back, and writes the greedy outputs (`outputs.json`). Writes `catalogs.json` (per tp rank: the registered catalog and vLLM's parameter names) and
-`tp{rank}.safetensors` (every parameter as vLLM's own loaders wrote it, checkpoint format) and
-`installed-tp{rank}.safetensors` (the same, as the install by parameter wrote it). A
+crashes the worker, so use it without --refit-to/--fail-to). With `--refit-to B` it also refits the
+engine to checkpoint B through the staging receive path and back, and writes the greedy outputs
+(`outputs.json`). Writes `catalogs.json` (per tp rank: the registered catalog and vLLM's parameter
+names) and `tp{rank}.safetensors` (every parameter as vLLM's own loaders wrote it, checkpoint
+format) and `installed-tp{rank}.safetensors` (the same, as the install by parameter wrote it). A
 separate process because an `LLM` spawns engine processes that need a `__main__` guard.
 """
 
@@ -94,7 +95,7 @@ def main() -> None:
             try:
                 llm.collective_rpc("update_weights", kwargs={"update_info": {"version": "doomed"}})
                 record["failed"] = False
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - recorded: the test checks it is the expected failure
                 record["failed"] = "feed broke after" in str(e)
             llm.collective_rpc("ws_recover")
             # The engine must survive; it must not generate: weights may be torn, and the service

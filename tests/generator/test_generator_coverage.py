@@ -107,7 +107,7 @@ def test_registered_catalog_covers_every_parameter_exactly_once(
             np.testing.assert_array_equal(filled, real, err_msg=f"tp{rank} {t.name}")
             assert not param.reshape(-1)[filled.size :].any(), f"tp{rank} {t.name}: padding must stay zero"
     if ep:  # each rank holds half the experts whole: w13 [E/2, 2I, H], w2 [E/2, H, I]
-        for rank, worker in enumerate(workers):
+        for worker in workers:
             shapes = {t[0]: t[1] for t in worker["catalog"]["tensors"]}
             assert shapes["model.layers.0.mlp.experts.routed_experts.w13_weight"] == [4, 128, 128]
             assert shapes["model.layers.0.mlp.experts.routed_experts.w2_weight"] == [4, 128, 64]

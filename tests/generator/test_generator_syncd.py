@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from syncd.states import wait_final
+from syncd.refit_wait import wait_final
 from tests.generator.conftest import PROMPTS, REPO, Service, free_port
 
 pytestmark = pytest.mark.vllm
@@ -24,23 +24,23 @@ pytestmark = pytest.mark.vllm
 def syncd(tmp_path_factory: pytest.TempPathFactory):
     tmp_path = tmp_path_factory.mktemp("syncd")
     grpc_port, http_port = free_port(), free_port()
-    log = open(tmp_path / "syncd.log", "w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "syncd",
-            "--grpc-port",
-            str(grpc_port),
-            "--http-port",
-            str(http_port),
-            "--db",
-            str(tmp_path / "syncd.db"),
-        ],
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    with open(tmp_path / "syncd.log", "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "syncd",
+                "--grpc-port",
+                str(grpc_port),
+                "--http-port",
+                str(http_port),
+                "--db",
+                str(tmp_path / "syncd.db"),
+            ],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     http = httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=10)
     deadline = time.monotonic() + 30
     while True:

@@ -18,7 +18,7 @@ from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Shard, Sharded
 from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.client import MemberClient
 from syncd.plan.simulate import materialize
-from syncd.states import wait_final
+from syncd.refit_wait import wait_final
 from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.polling import wait_until
 

@@ -21,7 +21,8 @@ from syncd.daemon.settings import Settings
 from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.client import MemberClient
 from syncd.plan.simulate import materialize
-from syncd.states import TERMINAL, wait_final
+from syncd.refit_wait import wait_final
+from syncd.states import TERMINAL
 from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.integration.test_fp8_refit import vllm_specs
 from tests.polling import wait_until

@@ -23,7 +23,7 @@ from deploy.local.processes import PYTHON, Cluster, Proc, free_port
 from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
 from syncd.plan.simulate import materialize
-from syncd.states import wait_final
+from syncd.refit_wait import wait_final
 from tests.polling import wait_until
 
 

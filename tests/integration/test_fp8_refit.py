@@ -33,7 +33,7 @@ from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.client import MemberClient
 from syncd.plan.fp8_blocks import blockwise_fp8_catalog
 from syncd.plan.simulate import materialize
-from syncd.states import wait_final
+from syncd.refit_wait import wait_final
 from tests.fp8_reference import checkpoint_arrays
 from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from trainer_svc import catalog as trainer_catalog

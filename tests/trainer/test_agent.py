@@ -15,7 +15,7 @@ from _launch import TRAIN
 
 from deploy.local.processes import free_port
 from syncd.layout import Canon, CanonicalTensor, Catalog, local_tensor
-from syncd.states import wait_final
+from syncd.refit_wait import wait_final
 from tests.polling import wait_until
 from trainer_svc.agent import LocalShards, RankAgent
 from trainer_svc.catalog import build_catalog

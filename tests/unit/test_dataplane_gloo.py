@@ -72,7 +72,7 @@ def _run_threads(fns):
         def target(fn=fn):
             try:
                 fn()
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller after the joins
                 errors.append(e)
 
         threads.append(threading.Thread(target=target))

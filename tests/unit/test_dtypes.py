@@ -85,7 +85,10 @@ def test_planner_refuses_sources_that_disagree_on_a_dtype():
     ]
     with pytest.raises(
         ValueError,
-        match=rf"canonical tensor {W.name} disagrees: trainer-0 has float32\[4, 6, 8\], trainer-1 has bfloat16",
+        match=(
+            rf"canonical tensor {W.name} disagrees: "
+            r"trainer-0 has float32\[4, 6, 8\], trainer-1 has bfloat16"
+        ),
     ):
         make_plan(mixed, _generator("float32"))
 

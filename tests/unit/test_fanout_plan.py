@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from syncd.commands import checksum_key
-from syncd.daemon.planning import checksum_mismatch, stage_membership
+from syncd.daemon.checks import checksum_mismatch
+from syncd.daemon.plan_cache import stage_membership
 from syncd.daemon.survivors import stall_timeouts
 from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, local_tensor
 from syncd.plan import DestMember, SourceMember, make_fanout_plan, make_plan, replica_sets

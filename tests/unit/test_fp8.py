@@ -252,7 +252,10 @@ def test_an_fp8_weight_without_its_scales_is_refused():
     )
     with pytest.raises(
         ValueError,
-        match=rf"canonical tensor {GATE}: generator-0 holds it as float8_e4m3fn but does not declare its block scales",
+        match=(
+            rf"canonical tensor {GATE}: generator-0 holds it as float8_e4m3fn "
+            "but does not declare its block scales"
+        ),
     ):
         make_plan([SourceMember("trainer-0", 0, _trainer(0, 1))], [DestMember("generator-0", no_scales)])
 

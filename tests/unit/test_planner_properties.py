@@ -80,8 +80,7 @@ def side(draw, groups, prefix: str, dtype: str = "float32"):
         rank = len(tensors[0].shape)
         style = draw(st.sampled_from(["plain", "concat_of_shards", "shard_of_concat"]))
         if style == "plain" or len(tensors) == 1:
-            for t in tensors:
-                exprs.append((t.name, [t], draw(placements(rank, mesh, t.shape)), "plain"))
+            exprs.extend((t.name, [t], draw(placements(rank, mesh, t.shape)), "plain") for t in tensors)
         else:
             fused = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
             exprs.append((f"g{g}.fused", tensors, draw(placements(rank, mesh, fused)), style))

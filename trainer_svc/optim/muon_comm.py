@@ -8,7 +8,7 @@ matrices and returns its pieces of their scaled Muon updates, whichever path the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,7 +83,10 @@ def orthogonalized_pieces(
 ) -> list[torch.Tensor]:
     """This rank's pieces of the scaled Muon update of every matrix of the batch. `pieces[m]` is
     this rank's piece of momentum matrix m; `me` its rank in the work group (r * tp + t)."""
-    update: Callable[[torch.Tensor], torch.Tensor] = lambda whole: muon_update(whole, ns_steps)
+
+    def update(whole: torch.Tensor) -> torch.Tensor:
+        return muon_update(whole, ns_steps)
+
     if path == LOCAL:
         return [update(p) for p in pieces]  # tp == 1: a piece is the whole matrix
     if path == ALL_GATHER:
@@ -138,7 +141,10 @@ def run_exchange(
     """One all_to_all_single with uneven splits: send the planned pieces, return those received.
     `like` gives dtype and device (a rank may have nothing to send)."""
     send_items = [item for items in plan.send for item in items]
-    numel = lambda items: sum(layout.piece_numel(m) for m, _ in items)
+
+    def numel(items: Sequence[Item]) -> int:
+        return sum(layout.piece_numel(m) for m, _ in items)
+
     send = torch.cat([have[i].reshape(-1) for i in send_items]) if send_items else like.new_empty(0)
     recv = like.new_empty(sum(numel(items) for items in plan.recv))
     if group is None:  # a group of one: everything is sent to oneself

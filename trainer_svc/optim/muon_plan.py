@@ -116,8 +116,7 @@ def gather_to_owners(layout: BatchLayout, me: int) -> Exchange:
     transfers = []
     for m, owner in enumerate(owners(layout)):
         replica = owner // layout.tp
-        for t in range(layout.tp):
-            transfers.append((replica * layout.tp + t, owner, m, t))
+        transfers.extend((replica * layout.tp + t, owner, m, t) for t in range(layout.tp))
     return _exchange(transfers, layout.group_size, me)
 
 
@@ -125,6 +124,5 @@ def scatter_from_owners(layout: BatchLayout, me: int) -> Exchange:
     """Every rank of the work group gets its piece (its tp index) of every orthogonalized matrix."""
     transfers = []
     for m, owner in enumerate(owners(layout)):
-        for dst in range(layout.group_size):
-            transfers.append((owner, dst, m, dst % layout.tp))
+        transfers.extend((owner, dst, m, dst % layout.tp) for dst in range(layout.group_size))
     return _exchange(transfers, layout.group_size, me)

@@ -80,7 +80,7 @@ def quantize_into(x: torch.Tensor, values: torch.Tensor | None, scales: torch.Te
     """Quantize `x` (`[..., N, K]`, any strides) blockwise: its e4m3 values into `values` (a
     contiguous float8_e4m3fn tensor of x's shape, or None for the scales only) and its scales
     into `scales` (contiguous float32 of `scale_shape(x.shape)`)."""
-    *lead, n, k = x.shape
+    *_, n, k = x.shape
     x3 = x.reshape(-1, n, k)  # a view when the leading dims allow it, else a copy
     rows, cols = -(-n // BLOCK[0]), -(-k // BLOCK[1])
     grid = (x3.shape[0] * rows * cols,)

@@ -68,11 +68,11 @@ class BucketProgram:
             sums.add_reduced(key, numel, cols, rows, rest)
 
 
-# Torch refuses to replay a graph while any thread of the process captures one ("Cannot prepare
-# for replay during capturing stage"), and an eager stream wait from another thread during a
-# capture failed too (cudaErrorInvalidValue; H100, torch 2.11, bench/loopback_bench.py: both
-# sides of a loop-back in one process, as a generator receives from several stages at once). So while graphs are on,
-# every loop enqueues under this lock and a capture holds it; nobody holds it across a wait.
+# Torch refuses to replay a graph while any thread of the process captures one ("Cannot prepare for
+# replay during capturing stage"), and an eager stream wait from another thread during a capture
+# failed too (cudaErrorInvalidValue; H100, torch 2.11, bench/loopback_bench.py: both sides of a
+# loop-back in one process, as a generator receives from several stages at once). So while graphs
+# are on, every loop enqueues under this lock and a capture holds it; nobody holds it across a wait.
 ENQUEUE_LOCK = threading.RLock()
 
 
@@ -124,10 +124,12 @@ class LoopGraphs:
         self._used = set()
 
     def _capture(self, direction: str, bucket: Bucket, tensors, flat: torch.Tensor) -> BucketProgram:
-        if direction == "send":
-            copy = lambda: pack_into(bucket, tensors, flat)
-        else:
-            copy = lambda: unpack_from(bucket, flat, tensors)
+        def copy() -> None:
+            if direction == "send":
+                pack_into(bucket, tensors, flat)
+            else:
+                unpack_from(bucket, flat, tensors)
+
         outputs = [(u.nbytes, *region_outputs(u.nbytes, self.device)) for u in bucket.units]
 
         def reduce_all() -> None:

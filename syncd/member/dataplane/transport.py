@@ -9,6 +9,7 @@ through syncd before it blocks in `connect()`; the others `connect()` with the r
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from typing import Protocol
 
@@ -135,10 +136,8 @@ class GlooTransport:
         )
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # already aborted or torn down: nothing to unblock
             self._pg.abort()
-        except RuntimeError:
-            pass  # already aborted or torn down: nothing left to unblock
 
     def close(self) -> None:
         """Abort and drop the group so its sockets close: peers fail fast instead of timing out."""

@@ -1,17 +1,17 @@
-"""Plans for the current membership, cached by topology and catalog hashes, and the checksum
-comparison that VERIFYING runs on a plan. Pure functions plus a small cache: no I/O."""
+"""Plans for the current membership, cached by topology and catalog hashes, and the queries a
+refit asks of a plan (who takes part, who sits in which stage group). A small cache plus pure
+functions: no I/O. What a plan must satisfy, and what reports must agree with, is in `checks`."""
 
 from __future__ import annotations
 
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
-from syncd.commands import checksum_key
 from syncd.daemon.registry import Member
-from syncd.layout import Catalog, dtype_bytes, dtypes
-from syncd.plan import DestMember, Plan, SourceMember, fp8_blocks, make_fanout_plan, make_plan
+from syncd.layout import Catalog, dtype_bytes
+from syncd.plan import DestMember, Plan, SourceMember, make_fanout_plan, make_plan
 
 PlanKey = tuple
 
@@ -72,26 +72,6 @@ class PlanCache:
         return plan
 
 
-def dtype_mismatch(generator_id: str, generator: Catalog, trainers: Sequence[Catalog]) -> str | None:
-    """Why `generator` cannot receive what the trainers send, dtype-wise, or None. Senders convert
-    while packing where `dtypes.conversion` allows it (float32 -> bfloat16, say); any other pair is
-    refused here, at registration, rather than when a refit runs. Blockwise-FP8 weights come from
-    the sender's quantizer (`syncd.plan.fp8_blocks`); the planner checks their blocks."""
-    sent = {c.name: c.dtype for catalog in trainers for c in catalog.canonical}
-    for c in generator.canonical:
-        want = sent.get(c.name)
-        if want is None or fp8_blocks.quantizes(c.name, want, c.dtype):
-            continue
-        try:
-            dtypes.conversion(want, c.dtype, tensor=c.name)
-        except ValueError as e:
-            return (
-                f"{generator_id} holds {c.name} as {c.dtype} but the trainers send {want} ({e}): "
-                f"start the generator with --dtype {want}"
-            )
-    return None
-
-
 def _held_bytes(catalog: Catalog) -> int:
     return sum(math.prod(t.shape) * dtype_bytes(t.dtype) for t in catalog.tensors)
 
@@ -111,27 +91,3 @@ def stage_membership(plan: Plan) -> dict[int, tuple[str, ...]]:
             senders.setdefault(b.stage, set()).add(b.src)
         receivers.setdefault(b.stage, set()).add(b.dst)
     return {s: tuple(sorted(senders[s])) + tuple(sorted(receivers[s])) for s in sorted(senders)}
-
-
-def checksum_mismatch(plan: Plan, checksums: Mapping[str, Mapping[str, str]]) -> str | None:
-    """Compare, unit by unit, what each receiver reported with what its bucket's origin (the
-    sender that packed the bytes; a relay only forwards them) reported. `checksums[member][key]`.
-    Returns an error naming the first bad tensor region, or None."""
-    problems = []
-    for b in plan.buckets:
-        sent, got = checksums.get(b.origin, {}), checksums.get(b.dst, {})
-        for u in b.units:
-            key = checksum_key(u.canonical, u.canon)
-            if key not in sent:
-                problems.append(f"sender {b.origin} reported no checksum for {key} (tensor {u.canonical})")
-            elif key not in got:
-                problems.append(f"receiver {b.dst} reported no checksum for {key} (tensor {u.canonical})")
-            elif sent[key] != got[key]:
-                problems.append(
-                    f"checksum mismatch for tensor {u.canonical} region {u.canon}: sender {b.origin} "
-                    f"{sent[key]}, receiver {b.dst} {got[key]}"
-                )
-    if not problems:
-        return None
-    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return problems[0] + more

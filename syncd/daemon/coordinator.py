@@ -1,0 +1,182 @@
+"""The refit coordinator: the one object syncd's servers call about refits. A thin facade over
+the parts it wires together:
+
+- `admission` (`Admission`, `RefitSlot`): one refit at a time, what may register or start, and
+  the answers to queries (current, get, history, readiness, the current plan);
+- `refit_sequence` (`RefitSequence`): the phases of one refit on its own thread, and the abort;
+- `auto_refit` (`AutoRefit`): refits syncd starts by itself (announcements, catch-up).
+
+The refit state machine: IDLE -> PREPARING -> TRANSFERRING -> VERIFYING -> COMMITTED, and
+ABORTED from any state before the commit decision (`refit_sequence` says how). Here only the
+events that reach a running refit from outside: members' reports (`MemberClient.report`), lost
+leases, an operator's abort, shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from syncd.commands import MemberReport
+from syncd.daemon.admission import Admission, RefitSlot
+from syncd.daemon.auto_refit import AutoRefit
+from syncd.daemon.errors import FailedPrecondition, Unavailable
+from syncd.daemon.journal import Journal
+from syncd.daemon.metrics import Metrics
+from syncd.daemon.plan_cache import PlanCache
+from syncd.daemon.readiness import Readiness
+from syncd.daemon.refit_run import Run
+from syncd.daemon.refit_sequence import RefitSequence
+from syncd.daemon.registry import Member, Registry
+from syncd.daemon.settings import Settings
+from syncd.daemon.store import RefitRecord, Store
+from syncd.daemon.survivors import wait_for_lost
+from syncd.daemon.versions import Versions
+from syncd.layout import Catalog
+from syncd.plan import Plan
+from syncd.states import RefitState
+from syncd.weight_version import WeightVersion
+
+__all__ = ["Coordinator", "Readiness"]
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    def __init__(self, settings: Settings, registry: Registry, store: Store, metrics: Metrics) -> None:
+        self.versions = Versions(store)
+        self._journal = Journal(store)
+        self._slot = RefitSlot()
+        plans = PlanCache(max_buckets=settings.max_plan_buckets, fanout=settings.fanout)
+        self._settings, self._registry = settings, registry
+        self._admission = Admission(
+            settings, registry, store, self._journal, plans, self.versions, self._slot
+        )
+        self._sequence = RefitSequence(
+            settings,
+            registry,
+            store,
+            self._journal,
+            metrics,
+            plans,
+            self.versions,
+            refit_problems=self._admission.refit_problems,
+            release=self._slot.release,
+        )
+        self._auto = AutoRefit(settings, registry, self.versions, self.trigger)
+        if self.versions.committed is not None:
+            metrics.committed_version.set(self.versions.committed.version)
+        registry.on_lost(self._on_member_lost)
+        registry.on_registered(self._auto.on_registered)
+
+    # ---- queries (`admission`) ----
+
+    def readiness(self) -> Readiness:
+        return self._admission.readiness()
+
+    def current_plan(self) -> Plan:
+        return self._admission.current_plan()
+
+    def current(self) -> RefitRecord | None:
+        return self._admission.current()
+
+    def get(self, refit_id: str) -> RefitRecord:
+        return self._admission.get(refit_id)
+
+    def history(self, limit: int) -> list[RefitRecord]:
+        return self._admission.history(limit)
+
+    # ---- commands from operators and members ----
+
+    def admit(self, role: str, member_id: str, catalog: Catalog) -> None:
+        self._admission.admit(role, member_id, catalog)
+
+    def announce(self, member: Member, version: int) -> None:
+        self._auto.announce(member, version)
+
+    def trigger(
+        self, weight_version: WeightVersion | None = None, allow_rollback: bool = False, full: bool = False
+    ) -> RefitRecord:
+        """Start a refit of the trainers' newest announced version (`weight_version`, when given,
+        must be that one; `full`: no delta links even where delta refits are on); raises
+        FailedPrecondition (changing nothing) if one runs, the version is not held or not ready,
+        Unavailable if the store refuses to record it."""
+        run = self._admission.start(weight_version, allow_rollback, full)
+        threading.Thread(target=self._run_refit, args=(run,), name=run.id, daemon=True).start()
+        return run.created
+
+    def abort(self, refit_id: str, reason: str = "aborted by operator") -> RefitRecord:
+        """Ends the refit here and now (members get Abort) and answers with what it recorded."""
+        run = self._slot.running()
+        if run is None or run.id != refit_id:
+            record = self.get(refit_id)
+            raise FailedPrecondition(f"refit {refit_id} already finished as {record.state}")
+        if not run.fail(reason):
+            raise FailedPrecondition(
+                f"refit {refit_id} is committing (its commit decision is recorded); it cannot be aborted"
+            )
+        self._sequence.abort_everywhere(run, reason)
+        return self.get(refit_id)
+
+    def report(self, report: MemberReport) -> None:
+        run = self._slot.running()
+        if run is None or run.id != report.refit_id:
+            log.info(
+                "ignoring %s report from %s for refit %s (not running)",
+                report.phase,
+                report.member_id,
+                report.refit_id,
+            )
+            return
+        run.add(report)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort the running refit (members get Abort while their sessions still exist), let a
+        committing one finish, and write every record the store has not taken yet."""
+        run = self._slot.running()
+        if run is not None:
+            if run.fail("syncd is shutting down"):
+                self._sequence.abort_everywhere(run, "syncd is shutting down")
+            run.wait_recorded(timeout)
+        self._journal.close(timeout)
+
+    def _run_refit(self, run: Run) -> None:
+        self._sequence.execute(run)
+        if (
+            run.state == RefitState.ABORTED
+            and self._settings.refit_retries
+            and not run.excluded
+            and run.planned
+        ):
+            threading.Thread(
+                target=self._retry_survivors, args=(run,), name=f"{run.id}-retry", daemon=True
+            ).start()
+        self._auto.after_refit()
+
+    def _retry_survivors(self, run: Run) -> None:
+        """After an abort: once the lost members' leases ended, the same version once more over the
+        replicas still alive (a retry is not retried; `syncd.daemon.survivors`)."""
+        lost = wait_for_lost(run.planned, self._registry.members, self._settings.lease_seconds + 1)
+        if lost.reason_not_to_retry is not None:
+            log.info("refit %s is not retried: %s", run.id, lost.reason_not_to_retry)
+            return
+        log.warning(
+            "refit %s lost %s: retrying version %s without %s",
+            run.id,
+            ", ".join(sorted(lost.members)),
+            run.version,
+            ", ".join(sorted(lost.excluded)),
+        )
+        try:
+            retry = self._admission.start(run.version, False, run.full, lost.excluded)
+        except (FailedPrecondition, Unavailable) as e:
+            log.warning("refit %s: the retry over the survivors did not start: %s", run.id, e)
+            return
+        self._run_refit(retry)
+
+    def _on_member_lost(self, member: Member, reason: str) -> None:
+        run = self._slot.running()
+        if run is not None and member.member_id in run.involved:
+            cause = f"member {member.member_id} lost mid-refit: {reason}"
+            if not run.fail(cause):
+                run.note_unconfirmed(member.member_id, cause)
