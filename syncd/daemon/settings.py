@@ -51,7 +51,7 @@ class Settings:
         "replica from the trainers), so the trainers send one copy per layout",
     )
     stall_timeout: float = _setting(
-        60.0,
+        30.0,
         "SYNCD_STALL_TIMEOUT",
         "seconds one data-plane send or receive may wait before its member aborts the refit naming "
         "the peer as slow or stuck",

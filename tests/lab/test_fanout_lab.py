@@ -56,6 +56,10 @@ def lab_fleet(tmp_path: Path) -> Iterator[LabFleet]:
             verify_timeout=30,
             commit_timeout=30,
             bucket_bytes=32 << 10,
+            # A member blocked on the cut-off relay (no RST: its waits cannot be interrupted) is
+            # free for the retry's groups once its sends give up: 2 x 5 s x 1.x, well within
+            # the retry's PREPARING.
+            stall_timeout=5,
             backend="gloo",
             expected_trainers=1,
             expected_generators=3,
