@@ -48,12 +48,13 @@ def _signal_name(code: int) -> str:
 
 def engine_death_cause(engine: object) -> str:
     """What is known in the API process about why the engine died: the exit codes of the engine
-    core processes that ended (vLLM's process manager reports them), else that it failed alive.
+    core processes that ended (vLLM's process manager reports them), else that it failed.
     The engine core logs its own traceback to the same output before it dies."""
-    manager = getattr(
-        getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None
-    )
-    finished = manager.finished_procs() if hasattr(manager, "finished_procs") else {}
+    # AsyncLLM -> its core client -> the client's resources -> vLLM's process manager; an engine
+    # in-process or over Ray has none of them, and then only the generic cause is known.
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    finished_procs = getattr(getattr(resources, "engine_manager", None), "finished_procs", None)
+    finished = finished_procs() if callable(finished_procs) else {}
     if finished:
         return "; ".join(f"{name} exited with {code}{_signal_name(code)}" for name, code in finished.items())
     return "the engine core reported a fatal error (its traceback is logged above)"

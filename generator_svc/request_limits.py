@@ -136,29 +136,48 @@ def _prompt_lengths(prompt: Any, limits: RequestLimits) -> list[int]:
         prompts, names = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
     else:
         prompts, names = [prompt], ["prompt"]
-    lengths = []
-    for tokens, name in zip(prompts, names):
-        if not tokens:
-            raise BadRequestError(f"{name}: a prompt needs at least one token")
-        if len(tokens) >= limits.max_model_len:
-            raise BadRequestError(
-                f"{name}: {len(tokens)} tokens leave no room to generate within the model length "
-                f"{limits.max_model_len}"
-            )
-        for i, token in enumerate(tokens):
-            _check_token_id(token, f"{name}[{i}]", limits)
-        lengths.append(len(tokens))
-    return lengths
+    return [_check_prompt(tokens, name, limits) for tokens, name in zip(prompts, names)]
+
+
+def _check_prompt(tokens: list, name: str, limits: RequestLimits) -> int:
+    """One token-id prompt: not empty, room to generate, every id in the vocabulary; its length."""
+    if not tokens:
+        raise BadRequestError(f"{name}: a prompt needs at least one token")
+    if len(tokens) >= limits.max_model_len:
+        raise BadRequestError(
+            f"{name}: {len(tokens)} tokens leave no room to generate within the model length "
+            f"{limits.max_model_len}"
+        )
+    for i, token in enumerate(tokens):
+        _check_token_id(token, f"{name}[{i}]", limits)
+    return len(tokens)
+
+
+def _check_generation(body: dict, prompt_tokens: int, limits: RequestLimits) -> None:
+    """The sampling fields of a request whose longest prompt has `prompt_tokens` tokens."""
+    room, why = limits.max_model_len - prompt_tokens, _room(prompt_tokens, limits.max_model_len)
+    _check_int(body, "logprobs", 0, limits.logprobs_bound, " (vLLM's --max-logprobs)")
+    _check_int(body, "max_tokens", 1, room, why)
+    _check_int(body, "min_tokens", 0, room, why)
+    _check_sampling(body, limits)
 
 
 def check_completion(body: dict, limits: RequestLimits) -> None:
     """`POST /v1/completions`."""
-    lengths = _prompt_lengths(body.get("prompt"), limits)
-    longest = max(lengths, default=0)
-    _check_int(body, "logprobs", 0, limits.logprobs_bound, " (vLLM's --max-logprobs)")
-    _check_int(body, "max_tokens", 1, limits.max_model_len - longest, _room(longest, limits.max_model_len))
-    _check_int(body, "min_tokens", 0, limits.max_model_len - longest, _room(longest, limits.max_model_len))
-    _check_sampling(body, limits)
+    _check_generation(body, max(_prompt_lengths(body.get("prompt"), limits), default=0), limits)
+
+
+def check_generate(body: dict, limits: RequestLimits) -> None:
+    """`POST /inference/v1/generate` (vLLM's token-in, token-out route): `token_ids` and the
+    `sampling_params` object (whose field names the message prefixes)."""
+    tokens = body.get("token_ids")
+    prompt_tokens = _check_prompt(tokens, "token_ids", limits) if isinstance(tokens, list) else 0
+    params = body.get("sampling_params")
+    if isinstance(params, dict):
+        try:
+            _check_generation(params, prompt_tokens, limits)
+        except BadRequestError as e:
+            raise BadRequestError(f"sampling_params.{e}") from None
 
 
 def check_chat(body: dict, limits: RequestLimits) -> None:
@@ -185,6 +204,7 @@ CHECKS: dict[str, Callable[[dict, RequestLimits], None]] = {
     "/v1/completions": check_completion,
     "/v1/chat/completions": check_chat,
     "/invocations": check_invocation,
+    "/inference/v1/generate": check_generate,
 }
 
 

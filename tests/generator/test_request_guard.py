@@ -41,9 +41,8 @@ BAD = [
     ({"prompt": [1], "allowed_token_ids": [1, 10**9]}, ["allowed_token_ids[1]", str(10**9)]),
     ({"prompt": [1], "stop_token_ids": [-3]}, ["stop_token_ids[0]", "-3"]),
     ({"prompt": [1], "logprob_token_ids": [VOCAB], "logprobs": 1}, ["logprob_token_ids[0]"]),
-    ({"prompt": [1] * 65}, []),  # placeholder replaced below: 65 prompts of one token
+    ({"prompt": [[1]] * 65}, ["prompt", "65 prompts", "--max-prompts 64"]),
 ]
-BAD[-1] = ({"prompt": [[1]] * 65}, ["prompt", "65 prompts", "--max-prompts 64"])
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +108,25 @@ def test_refusals_are_counted(service_a: Service):
     )
     assert float(line.split()[-1]) >= 1
     assert "weightsync_generator_engine_alive 1.0" in metrics
+
+
+def test_sagemakers_invocations_route_is_guarded_too(service_a: Service, greedy_before):
+    r = service_a.http.post("/invocations", json={**COMPLETION, "prompt": [1, 100000]})
+    assert r.status_code == 400 and "prompt[1]" in r.json()["error"]["message"], r.text
+    _assert_alive_and_unchanged(service_a, greedy_before)
+
+
+def test_chat_without_a_tokenizer_is_a_400_that_says_where_to_go(service_a: Service):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    r = service_a.http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"], r.text
+
+
+def test_the_token_in_token_out_route_is_guarded_too(service_a: Service, greedy_before):
+    body = {"model": "tiny", "token_ids": [1, VOCAB], "sampling_params": {"max_tokens": 4}}
+    r = service_a.http.post("/inference/v1/generate", json=body)
+    assert r.status_code == 400 and "token_ids[1]" in r.json()["error"]["message"], r.text
+    body = {"model": "tiny", "token_ids": [1, 2], "sampling_params": {"max_tokens": 10**12}}
+    r = service_a.http.post("/inference/v1/generate", json=body)
+    assert r.status_code == 400 and "sampling_params.max_tokens" in r.json()["error"]["message"], r.text
+    _assert_alive_and_unchanged(service_a, greedy_before)

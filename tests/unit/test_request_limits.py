@@ -13,7 +13,7 @@ from generator_svc.admission import Admission, OverloadedError
 from generator_svc.request_limits import BadRequestError, RequestLimits, check_request
 
 LIMITS = RequestLimits(vocab_size=256, max_model_len=64, max_logprobs=20, max_n=4, max_prompts=3)
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/inference/v1/generate"
 
 REFUSED = [
     # (path, body, words the message must hold: the field and the value)
@@ -52,6 +52,20 @@ REFUSED = [
     (CHAT, {"messages": [], "top_logprobs": 50}, ["top_logprobs", "50"]),
     (CHAT, {"messages": [], "logit_bias": {"-1": 0}}, ["logit_bias['-1']", "-1"]),
     (CHAT, {"messages": [], "n": 10}, ["n", "10"]),
+    ("/invocations", {"prompt": [1, 300]}, ["prompt[1]", "300"]),
+    ("/invocations", {"messages": [], "max_tokens": 64}, ["max_tokens", "64"]),
+    (GENERATE, {"token_ids": [1, 256], "sampling_params": {}}, ["token_ids[1]", "256"]),
+    (GENERATE, {"token_ids": ["7"], "sampling_params": {}}, ["token_ids[0]", "'7'"]),
+    (
+        GENERATE,
+        {"token_ids": [1] * 60, "sampling_params": {"max_tokens": 5}},
+        ["sampling_params.max_tokens", "5"],
+    ),
+    (
+        GENERATE,
+        {"token_ids": [1], "sampling_params": {"logit_bias": {"999": 1}}},
+        ["sampling_params.logit_bias"],
+    ),
 ]
 
 
@@ -70,6 +84,7 @@ ACCEPTED = [
     (COMPLETIONS, {"prompt": [1], "logit_bias": {"0": -100, "255": 100}, "stop_token_ids": [255]}),
     (COMPLETIONS, {"prompt": [1], "max_tokens": None, "logprobs": None, "top_k": -1}),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 63, "top_logprobs": 20}),
+    (GENERATE, {"token_ids": [1, 255], "sampling_params": {"max_tokens": 62, "n": 4}}),
     ("/v1/models", {"prompt": [10**6]}),  # not a generation route
     (COMPLETIONS, ["not", "an", "object"]),  # vLLM's request model refuses it
 ]
