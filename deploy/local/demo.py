@@ -13,8 +13,9 @@ By default the trainer trains in bfloat16 (`--train-dtype`; float32 master weigh
 state) and the generator serves bfloat16 (`--dtype`): the refit carries the bfloat16 weights the
 trainer computes with. The trainer exports each step in the served dtype; a float32 trainer's
 refit into a bfloat16 generator rounds on the way (half the bytes of float32 to float32).
-`--model-dir` starts both from any Qwen3-MoE HF directory instead of the tiny random model. Per
-refit the summary gives the seconds of `transfer` and `verify` (syncd's phases),
+`--model-dir` starts both from any Qwen3-MoE HF directory instead of the tiny random model; the
+prompts are token ids drawn from the model's vocabulary (`--seed`). Per refit the summary gives
+the seconds of `transfer` and `verify` (syncd's phases),
 `install` (how long the generator held generation to install) and `total`, and the bytes moved.
 `--delta` turns syncd's delta refits on: after the first refit each moves only the elements that
 changed (`--lr 1e-6` is an RL-like step), and the summary also gives each refit's mode and changed
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import re
 import shutil
 import signal
@@ -42,7 +44,7 @@ from syncd.refit_wait import wait_final
 from syncd.weight_version import WeightVersion, version_label
 
 LAYOUTS = {"ep2tp2": {"pp": 1, "ep": 2, "tp": 2}, "pp2": {"pp": 2, "ep": 2, "tp": 1}}
-PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 3, 250, 7, 81], [400, 12, 12, 9], [33, 44, 55, 66, 77, 88, 99]]
+PROMPT_LENGTHS = (5, 6, 4, 7)
 log = logging.getLogger("demo")
 
 
@@ -71,13 +73,14 @@ class Generator:
     """The generator's OpenAI-compatible API, through the openai client: sampled tokens and their
     logprobs."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, prompts: list[list[int]]) -> None:
+        self.prompts = prompts
         self.api = openai_client.client(url)
         self.http = httpx.Client(base_url=url, timeout=30)  # the generator's own routes (/v1/install)
 
     def sample(self, seed: int, max_tokens: int = 24) -> list[tuple[list[int], list[int], list[float]]]:
         out = []
-        for i, prompt in enumerate(PROMPTS):
+        for i, prompt in enumerate(self.prompts):
             tokens, logprobs = openai_client.complete(
                 self.api, "tiny", prompt, max_tokens=max_tokens, temperature=1.0, seed=seed * 100 + i
             )
@@ -123,6 +126,14 @@ class Syncd:
         return dict(
             wait_final(lambda path: self.http.get(path).json(), r.json()["id"], timeout_s, poll_s=0.1)
         )
+
+
+def vocabulary_prompts(model_dir: Path, seed: int) -> list[list[int]]:
+    """The demo's prompts: token ids drawn from the model's vocabulary (its config.json), so any
+    Qwen3-MoE directory works, whatever its vocabulary size."""
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
 def trainer_loss(log_text: str, step: int) -> float:
@@ -233,7 +244,8 @@ def start_services(cluster: Cluster, work: Path, layout: dict, args) -> tuple[Sy
         ],
         env={"OMP_NUM_THREADS": "1"},
     )
-    return Syncd(f"http://127.0.0.1:{http_port}"), Generator(f"http://127.0.0.1:{gen_port}"), trainer
+    api = Generator(f"http://127.0.0.1:{gen_port}", vocabulary_prompts(model, args.seed))
+    return Syncd(f"http://127.0.0.1:{http_port}"), api, trainer
 
 
 def run(args) -> dict:
