@@ -28,6 +28,7 @@ from collections import Counter
 
 from syncd.commands import (
     Abort,
+    Command,
     Commit,
     DeltaLinks,
     ExecutePlan,
@@ -89,9 +90,11 @@ class Coordinator:
         """For /readyz: a refit could start and every generator serves the committed version."""
         members = self.registry.members()
         problems = self._refit_problems(members)
-        lagging = behind(members, self.versions.committed)
+        committed = self.versions.committed
+        lagging = behind(members, committed)
         if lagging:
-            problems.append(behind_reason(lagging, self.versions.committed))  # type: ignore[arg-type]
+            assert committed is not None  # nobody is behind no version
+            problems.append(behind_reason(lagging, committed))
         counts = Counter(m.role for m in members)
         return Readiness(not problems, self._expected(), {r: counts[r] for r in ROLES}, "; ".join(problems))
 
@@ -416,17 +419,17 @@ class Coordinator:
             )
         self._conclude(run, RefitState.COMMITTED, "; ".join(unconfirmed.values()), tuple(unconfirmed))
 
-    def _enter(self, run: Run, state: str, timeout: float) -> float:
+    def _enter(self, run: Run, state: RefitState, timeout: float) -> float:
         deadline = run.enter(state, timeout)
         run.state = state
         self.journal.record(self._record(run, state, ""))
         log.info("refit %s: %s", run.id, state)
         return deadline
 
-    def _send(self, run: Run, member_id: str, command: object) -> None:
+    def _send(self, run: Run, member_id: str, command: Command) -> None:
         if run.concluded:
             raise RefitAborted("the refit already ended")
-        if not self.registry.send(member_id, command):  # type: ignore[arg-type]
+        if not self.registry.send(member_id, command):
             raise RefitAborted(f"member {member_id} is gone")
 
     def _abort_everywhere(self, run: Run, reason: str) -> None:
@@ -475,7 +478,8 @@ class Coordinator:
             run.concluded = True
             run.close_phase()
             run.state = state
-            record = self._record(run, state, error, unconfirmed, time.time())
+            finished_at = time.time()
+            record = self._record(run, state, error, unconfirmed, finished_at)
             self.journal.record(record)
             if self._run is run:
                 self._run = None
@@ -486,7 +490,7 @@ class Coordinator:
             if record.changed_fraction is not None:
                 self.metrics.changed_fraction.set(record.changed_fraction)
         self.metrics.refits.labels(outcome=state.lower()).inc()
-        self.metrics.refit_duration.observe(record.finished_at - record.created_at)  # type: ignore[operator]
+        self.metrics.refit_duration.observe(finished_at - record.created_at)
         for phase, seconds in run.phases.items():
             self.metrics.phase_duration.labels(phase=phase).observe(seconds)
         run.done.set()

@@ -90,7 +90,7 @@ class Run:
             self._commit_notes.setdefault(member_id, cause)
             self._cond.notify_all()
 
-    def enter(self, phase: str, timeout: float) -> float:
+    def enter(self, phase: RefitState, timeout: float) -> float:
         """Close the current phase's timing, start `phase`; returns its deadline."""
         self.close_phase()
         self._phase, self._phase_start = phase, time.monotonic()

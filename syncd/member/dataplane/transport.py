@@ -78,7 +78,7 @@ class GlooTransport:
     def __init__(self, store: dist.Store, rank: int, world_size: int, group_id: str, timeout_s: float):
         self.rank, self.world_size = rank, world_size
         self._store = store  # rank 0 hosts the store: keep it alive as long as the group
-        self._pg = dist.ProcessGroupGloo(
+        self._pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
             dist.PrefixStore(f"weightsync/{group_id}", store),
             rank,
             world_size,
@@ -118,15 +118,24 @@ class GlooTransport:
             )
         return cls(store, rank, world_size, group_id, timeout_s)
 
+    def _group(self) -> dist.ProcessGroupGloo:
+        if self._pg is None:
+            raise RuntimeError(f"gloo transport of rank {self.rank} is closed")
+        return self._pg
+
     def isend(self, buf: torch.Tensor, peer: int) -> Handle:
         _require_host(buf, "send from")
-        return _GlooHandle(self._pg.send([buf], peer, 0), f"send of {buf.numel()} bytes to rank {peer}")
+        work = self._group().send([buf], peer, 0)  # type: ignore[attr-defined]  # torch's stub lacks Backend.send
+        return _GlooHandle(work, f"send of {buf.numel()} bytes to rank {peer}")
 
     def irecv(self, buf: torch.Tensor, peer: int) -> Handle:
         _require_host(buf, "receive into")
-        return _GlooHandle(self._pg.recv([buf], peer, 0), f"receive of {buf.numel()} bytes from rank {peer}")
+        work = self._group().recv([buf], peer, 0)  # type: ignore[attr-defined]  # torch's stub lacks Backend.recv
+        return _GlooHandle(work, f"receive of {buf.numel()} bytes from rank {peer}")
 
     def abort(self) -> None:
+        if self._pg is None:  # closed: nothing left to unblock
+            return
         with contextlib.suppress(RuntimeError):  # already aborted or torn down: nothing to unblock
             self._pg.abort()
 
