@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -61,6 +62,16 @@ class _GlooHandle:
             raise TransferError(f"{self._what} failed: {str(e).splitlines()[0][:200]}") from e
 
     fence = wait
+
+
+@contextlib.contextmanager
+def _posting(what: str) -> Iterator[None]:
+    """gloo raises at once when the peer closed the group before the transfer was posted; that is
+    the same failure as one that `wait` reports later, so it raises the same TransferError."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise TransferError(f"{what} failed: {str(e).splitlines()[0][:200]}") from e
 
 
 def _require_host(buf: torch.Tensor, what: str) -> None:
@@ -125,13 +136,17 @@ class GlooTransport:
 
     def isend(self, buf: torch.Tensor, peer: int) -> Handle:
         _require_host(buf, "send from")
-        work = self._group().send([buf], peer, 0)  # type: ignore[attr-defined]  # torch's stub lacks Backend.send
-        return _GlooHandle(work, f"send of {buf.numel()} bytes to rank {peer}")
+        what = f"send of {buf.numel()} bytes to rank {peer}"
+        with _posting(what):
+            work = self._group().send([buf], peer, 0)  # type: ignore[attr-defined]  # torch's stub lacks Backend.send
+        return _GlooHandle(work, what)
 
     def irecv(self, buf: torch.Tensor, peer: int) -> Handle:
         _require_host(buf, "receive into")
-        work = self._group().recv([buf], peer, 0)  # type: ignore[attr-defined]  # torch's stub lacks Backend.recv
-        return _GlooHandle(work, f"receive of {buf.numel()} bytes from rank {peer}")
+        what = f"receive of {buf.numel()} bytes from rank {peer}"
+        with _posting(what):
+            work = self._group().recv([buf], peer, 0)  # type: ignore[attr-defined]  # torch's stub lacks Backend.recv
+        return _GlooHandle(work, what)
 
     def abort(self) -> None:
         if self._pg is None:  # closed: nothing left to unblock
