@@ -6,13 +6,19 @@ STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup tools proto bench-plan clean
+.PHONY: demo test lint setup tools proto bench-plan clean
 
 demo: $(STAMP)  ## the main job: train a tiny MoE and refit a live vLLM generator after every step (CPU)
 	$(PY) -m deploy.local.demo $(DEMO_ARGS)
 
 test: $(STAMP) tools  ## the whole test suite (GPU tests skip without GPUs)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Config in pyproject.toml ([tool.ruff], [tool.mypy]: mypy checks syncd, trainer_svc, generator_svc).
+lint: $(STAMP)  ## ruff lint, ruff format check, mypy
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # System tools the deploy tests run as users do: promtool and the Prometheus server (Debian's
 # `prometheus` package). Installed with apt when missing and running as root (CI); a no-op when
@@ -46,4 +52,4 @@ bench-plan: $(STAMP)  ## planner scale benchmark (DeepSeek-V3-sized)
 	$(PY) bench/plan_scale.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

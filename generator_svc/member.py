@@ -166,6 +166,7 @@ class InplaceEndpoint(_CommitRelay):
                 )
             if self._aborted:
                 raise RuntimeError(f"refit {refit_id} was aborted before its transfer began")
+            assert self._receiver is not None  # the wait ended on our receiver (or raised)
             receiver = self._receiver[1]
         receiver.receive_buffers(
             max((b.nbytes for b in buckets if b.dst == self.member_id), default=0), self.in_flight

@@ -125,7 +125,7 @@ def export_parallel(
 
 
 def _pwrite_all(fd: int, t: torch.Tensor, offset: int) -> None:
-    view = memoryview(t.view(torch.uint8).numpy()).cast("B")  # bytes: numpy has no bfloat16
+    view = t.view(torch.uint8).numpy().data.cast("B")  # bytes: numpy has no bfloat16
     while view:  # pwrite may write less than asked (e.g. above 2 GiB on Linux)
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written

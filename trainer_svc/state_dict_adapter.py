@@ -85,7 +85,7 @@ def load_hf(model_dir: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             items += [(k, f.get_tensor(k).to(torch.float32)) for k in f.keys()]  # noqa: SIM118 - safe_open is not iterable
-    canonical = hf_names.group_from_hf(items, torch.stack)
+    canonical = hf_names.group_from_hf(items, lambda parts: torch.stack(list(parts)))
     expected = canonical_shapes(args)
     for name, shape in expected.items():
         if name not in canonical:
@@ -126,7 +126,7 @@ def save_hf(
     or FP8_EXPORT)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {}
+    tensors: dict[str, torch.Tensor] = {}
     for name, t in canonical.items():
         for hf_name, part in hf_names.split_to_hf(name, t, args.num_experts):
             tensors.update(stored_tensors(hf_name, part, dtype))
@@ -195,10 +195,11 @@ def gather_canonical(
         return stage
     c = mesh.coords
     mine = {k: v.cpu() for k, v in stage.items()} if (c.dp, c.ep, c.tp) == (0, 0, 0) else {}
-    received: list[dict] | None = [None] * mesh.dims.world_size if mesh.rank == 0 else None
+    received: list[dict] | None = [{} for _ in range(mesh.dims.world_size)] if mesh.rank == 0 else None
     dist.gather_object(mine, received, dst=0)
     if mesh.rank != 0:
         return {}
+    assert received is not None  # rank 0 made it
     merged = {k: v for part in received for k, v in part.items()}
     return {k: merged[k] for k in shapes}
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from syncd.commands import Command
 from syncd.daemon.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from syncd.layout import Catalog
+from syncd.layout import CanonicalTensor, Catalog, LocalTensor
 from syncd.weight_version import WeightVersion, parse_weight_version
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,8 @@ def _check_catalog(member_id: str, catalog: Catalog, claimed_hash: str, limits: 
             f"catalog of {member_id}: {entries} tensors and pieces, more than the limit "
             f"{limits.catalog_entries} (max_catalog_entries)"
         )
-    for t in (*catalog.canonical, *catalog.tensors):
+    every: tuple[CanonicalTensor | LocalTensor, ...] = (*catalog.canonical, *catalog.tensors)
+    for t in every:
         elements = math.prod(t.shape)
         if elements > limits.tensor_elements:
             raise InvalidArgument(

@@ -140,7 +140,7 @@ class Settings:
         for f in dataclasses.fields(cls):
             raw = args[f.name] if args[f.name] is not None else environ.get(f.metadata["env"])
             if raw is not None:
-                values[f.name] = _parse(f.name, f.type, raw)
+                values[f.name] = _parse(f.name, str(f.type), raw)  # a name: annotations are strings here
         return cls(**values)
 
     @staticmethod

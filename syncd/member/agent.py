@@ -25,13 +25,14 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from syncd.commands import Abort, Command, Commit, DeltaLinks, ExecutePlan, JoinGroup, Phase, Verify
-from syncd.member.dataplane import GlooTransport, Transport, recv_buckets, send_buckets
+from syncd.member.dataplane import GlooTransport, TransferStats, Transport, recv_buckets, send_buckets
 from syncd.member.dataplane.delta import DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.member.dataplane.prepared import ReceiveSink
 from syncd.plan.types import Bucket
 from syncd.weight_version import WeightVersion
 
@@ -43,8 +44,9 @@ class Endpoint(Protocol):
 
     def begin(
         self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
-    ) -> Mapping[str, torch.Tensor]:
-        """Tensors (views in the catalog's shapes) to send `buckets` from or receive them into."""
+    ) -> Mapping[str, torch.Tensor] | ReceiveSink:
+        """Tensors (views in the catalog's shapes) to send `buckets` from or receive them into, or
+        a receiver that takes each arrived bucket itself (`ReceiveSink`)."""
         ...
 
     def end(self, refit_id: str, ok: bool) -> None:
@@ -67,7 +69,20 @@ class Endpoint(Protocol):
 class Reporter(Protocol):
     member_id: str
 
-    def report(self, refit_id: str, phase: str, **fields) -> None: ...
+    def report(
+        self,
+        refit_id: str,
+        phase: str,
+        *,
+        ok: bool = True,
+        error: str = "",
+        bytes: int = 0,
+        checksums: dict[str, str] | None = None,
+        timings: dict[str, float] | None = None,
+        address: str = "",
+        delta_elements: int = 0,
+        changed_elements: int = 0,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -114,6 +129,7 @@ class MemberAgent:
         self._close_group(cmd.stage)
         timeout = cmd.timeout_s
         t0 = time.perf_counter()
+        transport: Transport
         if cmd.backend == "nccl":
             from syncd.member.dataplane.nccl import NcclTransport
 
@@ -166,13 +182,13 @@ class MemberAgent:
         self.mirror.version = None  # until this transfer completes, the mirror is between versions
         return d, Diffs(self.mirror)
 
-    def _transfer(self, cmd: ExecutePlan, tensors: Mapping[str, torch.Tensor]) -> None:
+    def _transfer(self, cmd: ExecutePlan, tensors: Mapping[str, torch.Tensor] | ReceiveSink) -> None:
         delta, diffs = self._delta_part(cmd)
         per_stage: dict[int, list[Bucket]] = defaultdict(list)
         for b in cmd.buckets:
             per_stage[b.stage].append(b)
         groups = {g.stage: g for g in cmd.groups}
-        results: dict[int, object] = {}
+        results: dict[int, TransferStats | BaseException] = {}
         threads = []
         for stage, buckets in per_stage.items():
             group = self._groups.get(stage)
@@ -194,6 +210,7 @@ class MemberAgent:
         checksums, total, timings, elements, changed = {}, 0, {}, 0, 0
         touched: set[str] = set()
         for stage, stats in results.items():
+            assert isinstance(stats, TransferStats)  # the failures were raised above
             checksums.update(stats.checksums)
             total += stats.bytes
             timings[f"stage{stage}_s"] = stats.seconds
@@ -202,8 +219,9 @@ class MemberAgent:
                 touched |= stats.touched
         timings["transfer_s"] = max(timings.values(), default=0.0)
         if diffs is not None:
+            assert isinstance(tensors, Mapping)  # diffs are a sender's, and a sender names its tensors
             diffs.commit(tensors)
-            self.mirror.version = cmd.weight_version
+            diffs.mirror.version = cmd.weight_version
         elif delta is not None and hasattr(self._endpoint, "received_delta"):
             self._endpoint.received_delta(cmd.refit_id, frozenset(touched))
         self._client.report(
@@ -221,7 +239,7 @@ class MemberAgent:
         group: _Group,
         buckets: list[Bucket],
         tensors,
-        results: dict,
+        results: dict[int, TransferStats | BaseException],
         stage: int,
         timeout_s: float,
         delta: DeltaLinks | None,
@@ -229,12 +247,17 @@ class MemberAgent:
     ) -> None:
         ranks = {m: i for i, m in enumerate(group.members)}
         sending = buckets[0].src == self.member_id
-        options = {"timeout_s": timeout_s, "in_flight": self._settings.in_flight, "cancel": self._cancel}
+        options: dict[str, Any] = {
+            "timeout_s": timeout_s,
+            "in_flight": self._settings.in_flight,
+            "cancel": self._cancel,
+        }
         try:
             if delta is None:
                 run = send_buckets if sending else recv_buckets
                 results[stage] = run(buckets, tensors, group.transport, ranks, **options)
             elif sending:
+                assert diffs is not None  # _delta_part gives a sender its comparisons
                 results[stage] = send_with_deltas(
                     buckets, tensors, group.transport, ranks, delta, diffs, **options
                 )

@@ -27,7 +27,7 @@ _ROW_BYTES = 4 * _COLS
 
 
 def _xxh3(region_bytes: torch.Tensor) -> str:
-    return f"xxh3:{region_bytes.numel():x}:{xxhash.xxh3_64_intdigest(region_bytes.numpy()):016x}"
+    return f"xxh3:{region_bytes.numel():x}:{xxhash.xxh3_64_intdigest(region_bytes.numpy().data):016x}"
 
 
 _POSITIONS: dict[torch.device, torch.Tensor] = {}

@@ -168,6 +168,7 @@ class Diffs:
             if not change.sparse:
                 dense[key] = u
             elif change.changed and key not in dense:
+                assert change.index is not None and change.values is not None  # sparse
                 _scatter(self.mirror.region(u, tensors[u.src_tensor]), change.index, change.values)
         for u in dense.values():  # one copy, converting as the packing copy does
             self.mirror.region(u, tensors[u.src_tensor]).copy_(tensors[u.src_tensor][u.src_box.slices()])
@@ -402,6 +403,7 @@ def _encode(
         if code < 0:
             part[: u.nbytes].copy_(new.view(torch.uint8))
             continue
+        assert change.index is not None and change.values is not None  # code >= 0: a delta unit
         index_bytes = _aligned(code * _INDEX.itemsize)
         part[: code * _INDEX.itemsize].copy_(change.index.view(torch.uint8))
         part[index_bytes : index_bytes + code * new.element_size()].copy_(change.values.view(torch.uint8))

@@ -85,20 +85,24 @@ class _SideStream:
         if self._worker is not None:
             self._pending[slot] = self._worker.submit(fn)
             return
+        assert self.stream is not None  # no CPU worker: a GPU stream
         self.stream.wait_stream(torch.cuda.current_stream())  # the bytes are packed / arrived
         with torch.cuda.stream(self.stream):
             fn()
-        if self.done[slot] is None:  # one event per slot, re-recorded: a wait binds the last record
-            self.done[slot] = torch.cuda.Event()
-        self.done[slot].record(self.stream)
+        done = self.done[slot]
+        if done is None:  # one event per slot, re-recorded: a wait binds the last record
+            done = self.done[slot] = torch.cuda.Event()
+        done.record(self.stream)
 
     def before_reuse(self, slot: int) -> None:
         if self._worker is not None:
-            if self._pending[slot] is not None:
-                self._pending[slot].result()  # re-raises a failed checksum here
+            pending = self._pending[slot]
+            if pending is not None:
+                pending.result()  # re-raises a failed checksum here
             return
-        if self.done[slot] is not None:
-            torch.cuda.current_stream().wait_event(self.done[slot])
+        done = self.done[slot]
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
 
     def collect(self, sums: Checksums) -> dict[str, str]:
         """The checksums' fold runs on this stream, queued behind the last region's reductions
@@ -136,6 +140,12 @@ class _Loop:
     prepared: PreparedLoop | None = None
 
     @property
+    def checksums(self) -> _SideStream:
+        """The side stream, which `_run` opens before the loop sends or receives."""
+        assert self.side is not None, "the side stream is opened by _run before send/recv"
+        return self.side
+
+    @property
     def sink(self) -> ReceiveSink | None:
         return self.tensors if isinstance(self.tensors, ReceiveSink) else None
 
@@ -162,7 +172,7 @@ class _Loop:
 
     def programs(
         self, direction: str, ordered: Sequence[Bucket], bufs: Sequence[torch.Tensor]
-    ) -> list[BucketProgram | PreparedBucket]:
+    ) -> Sequence[BucketProgram | PreparedBucket]:
         """Per bucket, its work in its slot: captured copies and checksums (on GPUs with graphs
         on; the first refit of a plan captures them all here, before anything is enqueued), or
         the prepared eager work (`syncd.member.dataplane.prepared`)."""
@@ -170,6 +180,7 @@ class _Loop:
         if self.sink is not None:
             return [SinkBucket(b, flat, self.sink) for b, flat in zip(ordered, flats)]
         if self.graphs is None:
+            assert self.prepared is not None  # _run sets one of the two
             return self.prepared.buckets(ordered, self.tensors, flats)
         return self.graphs.programs(direction, ordered, self.tensors, flats)
 
@@ -195,7 +206,7 @@ class _Loop:
         """Both sides checksum the packed bytes of every unit: the same bytes in the same order."""
         if self.verify:
             with _step("weightsync.checksum"):
-                self.side.run(slot, lambda: program.checksum(self.sums))
+                self.checksums.run(slot, lambda: program.checksum(self.sums))
         self.stats.bytes += bucket.nbytes
         self.stats.buckets += 1
 
@@ -229,7 +240,7 @@ class _Loop:
                 handles[i - self.in_flight].fence(self.timeout_s)
             with self.enqueuing():
                 if i >= self.in_flight:
-                    self.side.before_reuse(slot)
+                    self.checksums.before_reuse(slot)
                 flat = self.pack(bucket, bufs[slot], programs[i])
                 with _step("weightsync.isend"):
                     handles.append(self.transport.isend(flat, self.ranks[bucket.dst]))
@@ -264,7 +275,7 @@ class _Loop:
                 self.account(slot, bucket, flat, programs[i])
                 self.unpack(bucket, flat, programs[i])
                 if i + self.in_flight < len(ordered):
-                    self.side.before_reuse(slot)  # the next receive into the slot waits for the checksum
+                    self.checksums.before_reuse(slot)  # the next receive into the slot waits for the checksum
                     post(i + self.in_flight)
         self.finish(handles)
 
@@ -356,20 +367,23 @@ def _run(
     loop = _Loop(tensors, transport, ranks, timeout_s, in_flight, verify, cancel)
     if not buckets:
         return loop.stats
+    program_cache: LoopGraphs | PreparedLoop
     if graphs and loop.device.type == "cuda" and loop.sink is None:
-        loop.graphs = _loop_graphs(transport, direction, loop.device)
+        loop.graphs = program_cache = _loop_graphs(transport, direction, loop.device)
     else:
-        loop.prepared = _PREPARED.setdefault(transport, {}).setdefault(direction, PreparedLoop(direction))
+        loop.prepared = program_cache = _PREPARED.setdefault(transport, {}).setdefault(
+            direction, PreparedLoop(direction)
+        )
     start = time.perf_counter()
     with _GC_PAUSE.held(), _work_stream(loop.device):
-        loop.side = _SideStream(loop.device, in_flight)
+        loop.side = side = _SideStream(loop.device, in_flight)
         try:
             loop.send(buckets) if direction == "send" else loop.recv(buckets)
-            loop.stats.checksums = loop.side.collect(loop.sums)
-            loop.side.join()
+            loop.stats.checksums = side.collect(loop.sums)
+            side.join()
         finally:
-            loop.side.close()
-    (loop.graphs or loop.prepared).retain_used()
+            side.close()
+    program_cache.retain_used()
     loop.stats.seconds = time.perf_counter() - start
     return loop.stats
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -63,6 +64,16 @@ class _GlooHandle:
     fence = wait
 
 
+@contextlib.contextmanager
+def _posting(what: str) -> Iterator[None]:
+    """gloo raises at once when the peer closed the group before the transfer was posted; that is
+    the same failure as one that `wait` reports later, so it raises the same TransferError."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise TransferError(f"{what} failed: {str(e).splitlines()[0][:200]}") from e
+
+
 def _require_host(buf: torch.Tensor, what: str) -> None:
     """gloo moves host memory only. Given a tensor elsewhere (the meta device, say, as a model's
     parameters are inside vLLM's layerwise reload) it resets the connection, and the peers see a
@@ -78,7 +89,7 @@ class GlooTransport:
     def __init__(self, store: dist.Store, rank: int, world_size: int, group_id: str, timeout_s: float):
         self.rank, self.world_size = rank, world_size
         self._store = store  # rank 0 hosts the store: keep it alive as long as the group
-        self._pg = dist.ProcessGroupGloo(
+        self._pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
             dist.PrefixStore(f"weightsync/{group_id}", store),
             rank,
             world_size,
@@ -118,15 +129,28 @@ class GlooTransport:
             )
         return cls(store, rank, world_size, group_id, timeout_s)
 
+    def _group(self) -> dist.ProcessGroupGloo:
+        if self._pg is None:
+            raise RuntimeError(f"gloo transport of rank {self.rank} is closed")
+        return self._pg
+
     def isend(self, buf: torch.Tensor, peer: int) -> Handle:
         _require_host(buf, "send from")
-        return _GlooHandle(self._pg.send([buf], peer, 0), f"send of {buf.numel()} bytes to rank {peer}")
+        what = f"send of {buf.numel()} bytes to rank {peer}"
+        with _posting(what):
+            work = self._group().send([buf], peer, 0)  # type: ignore[attr-defined]  # torch's stub lacks Backend.send
+        return _GlooHandle(work, what)
 
     def irecv(self, buf: torch.Tensor, peer: int) -> Handle:
         _require_host(buf, "receive into")
-        return _GlooHandle(self._pg.recv([buf], peer, 0), f"receive of {buf.numel()} bytes from rank {peer}")
+        what = f"receive of {buf.numel()} bytes from rank {peer}"
+        with _posting(what):
+            work = self._group().recv([buf], peer, 0)  # type: ignore[attr-defined]  # torch's stub lacks Backend.recv
+        return _GlooHandle(work, what)
 
     def abort(self) -> None:
+        if self._pg is None:  # closed: nothing left to unblock
+            return
         with contextlib.suppress(RuntimeError):  # already aborted or torn down: nothing to unblock
             self._pg.abort()
 
