@@ -35,6 +35,7 @@ from syncd.layout import Catalog
 from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.client import MemberClient
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion, version_label
 
 log = logging.getLogger("generator_svc.member")
@@ -239,7 +240,7 @@ def start_member(
 ) -> GeneratorMember:
     client = MemberClient(
         target,
-        role="generator",
+        role=Role.GENERATOR,
         member_id=member_id,
         coords=coords,
         catalog=catalog,

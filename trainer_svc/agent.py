@@ -26,6 +26,7 @@ from syncd.layout import Catalog
 from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.dataplane import catalog_views
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion
 from trainer_svc.catalog import build_catalog
 from trainer_svc.settings import LaunchEnv
@@ -148,7 +149,7 @@ class RankAgent:
             torch.distributed.broadcast_object_list(run_id, src=0)
         client = MemberClient(
             target,
-            role="trainer",
+            role=Role.TRAINER,
             member_id=member_id,
             coords=mesh.coords.as_dict(),
             catalog=catalog,

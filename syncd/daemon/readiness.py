@@ -13,6 +13,7 @@ from syncd.daemon.planning import dtype_mismatch
 from syncd.daemon.registry import ROLES, Member
 from syncd.daemon.versions import WeightSet
 from syncd.layout import Catalog
+from syncd.vocabulary import Role
 
 
 @dataclass(frozen=True)
@@ -33,16 +34,16 @@ def refit_problems(
     """Why a refit could not start now (empty: it could)."""
     counts = Counter(m.role for m in members)
     problems = [f"{counts[r]} of {expected[r]} {r}s registered" for r in ROLES if counts[r] < expected[r]]
-    stale = sorted(m.member_id for m in members if m.role == "trainer" and m.run_id != run_id)
+    stale = sorted(m.member_id for m in members if m.role == Role.TRAINER and m.run_id != run_id)
     if stale:
         problems.append(
             f"trainers {', '.join(stale)} belong to a superseded training run (the current run is {run_id!r})"
         )
-    trainers = [catalog(m.catalog_hash) for m in members if m.role == "trainer"]
+    trainers = [catalog(m.catalog_hash) for m in members if m.role == Role.TRAINER]
     problems += [
         p
         for m in members
-        if m.role == "generator"
+        if m.role == Role.GENERATOR
         if (p := dtype_mismatch(m.member_id, catalog(m.catalog_hash), trainers))
     ]
     if not problems:  # ready means a refit could start now: GET /v1/plan must agree
@@ -58,7 +59,7 @@ def behind(members: Sequence[Member], committed: WeightSet | None) -> list[Membe
     its start-up checkpoint until a refit reaches it)."""
     if committed is None:
         return []
-    return [m for m in members if m.role == "generator" and m.weight_version != committed.version]
+    return [m for m in members if m.role == Role.GENERATOR and m.weight_version != committed.version]
 
 
 def behind_reason(generators: Sequence[Member], committed: WeightSet) -> str:

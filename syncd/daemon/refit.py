@@ -51,6 +51,7 @@ from syncd.daemon.versions import Versions, WeightSet
 from syncd.layout import Catalog
 from syncd.plan import Plan
 from syncd.states import RefitState
+from syncd.vocabulary import Backend, Role
 from syncd.weight_version import WeightVersion
 
 __all__ = ["Coordinator", "Readiness"]
@@ -96,7 +97,10 @@ class Coordinator:
         return Readiness(not problems, self._expected(), {r: counts[r] for r in ROLES}, "; ".join(problems))
 
     def _expected(self) -> dict[str, int]:
-        return {"trainer": self.settings.expected_trainers, "generator": self.settings.expected_generators}
+        return {
+            Role.TRAINER: self.settings.expected_trainers,
+            Role.GENERATOR: self.settings.expected_generators,
+        }
 
     def _refit_problems(self, members: list[Member] | None = None) -> list[str]:
         return refit_problems(
@@ -132,10 +136,10 @@ class Coordinator:
 
     def admit(self, role: str, member_id: str, catalog: Catalog) -> None:
         """Refuse, at registration, a generator that could never receive the trainers' weights."""
-        if role != "generator":
+        if role != Role.GENERATOR:
             return
         trainers = [
-            self.registry.catalog(m.catalog_hash) for m in self.registry.members() if m.role == "trainer"
+            self.registry.catalog(m.catalog_hash) for m in self.registry.members() if m.role == Role.TRAINER
         ]
         problem = dtype_mismatch(member_id, catalog, trainers)
         if problem is not None:
@@ -220,7 +224,7 @@ class Coordinator:
         run.add(report)
 
     def announce(self, member: Member, version: int) -> None:
-        if member.role != "trainer":
+        if member.role != Role.TRAINER:
             raise InvalidArgument(
                 f"only trainers announce weight versions; {member.member_id} is a {member.role}"
             )
@@ -228,7 +232,7 @@ class Coordinator:
         self._maybe_auto_refit()
 
     def _on_registered(self, member: Member) -> None:
-        if member.role == "trainer":
+        if member.role == Role.TRAINER:
             self.versions.trainer_registered(member)
         self._maybe_auto_refit()  # a deferred auto-refit may be possible now
 
@@ -309,7 +313,7 @@ class Coordinator:
     def _backend(self, members: list[Member]) -> str:
         if self.settings.backend != "auto":
             return self.settings.backend
-        return "nccl" if all(m.device.startswith("cuda") for m in members) else "gloo"
+        return Backend.NCCL if all(m.device.startswith("cuda") for m in members) else Backend.GLOO
 
     def _negotiate(self, run: Run, group: StageGroup, deadline: float) -> None:
         """Rank 0 creates the address and reports it before blocking in init; syncd relays it.

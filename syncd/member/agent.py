@@ -33,6 +33,7 @@ from syncd.commands import Abort, Command, Commit, DeltaLinks, ExecutePlan, Join
 from syncd.member.dataplane import GlooTransport, Transport, recv_buckets, send_buckets
 from syncd.member.dataplane.delta import DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Backend
 from syncd.weight_version import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class MemberAgent:
         self._close_group(cmd.stage)
         timeout = cmd.timeout_s
         t0 = time.perf_counter()
-        if cmd.backend == "nccl":
+        if cmd.backend == Backend.NCCL:
             from syncd.member.dataplane.nccl import NcclTransport
 
             address = NcclTransport.create_address() if cmd.rank == 0 else cmd.address
@@ -123,7 +124,7 @@ class MemberAgent:
             transport = NcclTransport.connect(
                 address, cmd.rank, cmd.world_size, torch.device(self._settings.device), timeout
             )
-        elif cmd.backend == "gloo":
+        elif cmd.backend == Backend.GLOO:
             store = None
             address = cmd.address
             if cmd.rank == 0:
@@ -131,7 +132,8 @@ class MemberAgent:
                 self._client.report(cmd.refit_id, Phase.GROUP_ADDRESS, address=address)
             transport = GlooTransport.connect(address, cmd.rank, cmd.world_size, cmd.group_id, timeout, store)
         else:
-            raise ValueError(f"unknown data-plane backend {cmd.backend!r}; expected 'gloo' or 'nccl'")
+            known = " or ".join(repr(str(b)) for b in Backend)
+            raise ValueError(f"unknown data-plane backend {cmd.backend!r}; expected {known}")
         with self._lock:
             self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport)
         self._client.report(cmd.refit_id, Phase.JOINED, timings={"join_s": time.perf_counter() - t0})

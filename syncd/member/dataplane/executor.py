@@ -36,6 +36,7 @@ from syncd.member.dataplane.graphs import ENQUEUE_LOCK, BucketProgram, LoopGraph
 from syncd.member.dataplane.prepared import PreparedBucket, PreparedLoop, ReceiveSink, SinkBucket
 from syncd.member.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Direction
 
 # How many buckets the host may enqueue beyond the staging depth before it waits for the wire.
 _RUN_AHEAD = 4
@@ -161,7 +162,7 @@ class _Loop:
         return pool
 
     def programs(
-        self, direction: str, ordered: Sequence[Bucket], bufs: Sequence[torch.Tensor]
+        self, direction: Direction, ordered: Sequence[Bucket], bufs: Sequence[torch.Tensor]
     ) -> list[BucketProgram | PreparedBucket]:
         """Per bucket, its work in its slot: captured copies and checksums (on GPUs with graphs
         on; the first refit of a plan captures them all here, before anything is enqueued), or
@@ -219,7 +220,7 @@ class _Loop:
     def send(self, buckets: Sequence[Bucket]) -> None:
         ordered = sorted(buckets, key=lambda b: (b.dst, b.index))
         bufs = self.buffers(ordered)
-        programs = self.programs("send", ordered, bufs)
+        programs = self.programs(Direction.SEND, ordered, bufs)
         handles: list[Handle] = []
         for i, bucket in enumerate(ordered):
             self.check_cancel()
@@ -243,7 +244,7 @@ class _Loop:
         if self.sink is not None:
             ordered = interleaved(ordered, self.sink.position)
         bufs = self.buffers(ordered)
-        programs = self.programs("recv", ordered, bufs)
+        programs = self.programs(Direction.RECV, ordered, bufs)
         handles: list[Handle] = []
 
         def post(i: int) -> None:
@@ -333,7 +334,7 @@ class _GcPause:
 _GC_PAUSE = _GcPause()
 
 
-def _loop_graphs(transport: Transport, direction: str, device: torch.device) -> LoopGraphs:
+def _loop_graphs(transport: Transport, direction: Direction, device: torch.device) -> LoopGraphs:
     per_direction = _GRAPHS.setdefault(transport, {})
     if direction not in per_direction or per_direction[direction].device != device:
         per_direction[direction] = LoopGraphs(device)
@@ -341,7 +342,7 @@ def _loop_graphs(transport: Transport, direction: str, device: torch.device) -> 
 
 
 def _run(
-    direction: str,
+    direction: Direction,
     buckets: Sequence[Bucket],
     tensors,
     transport,
@@ -364,7 +365,7 @@ def _run(
     with _GC_PAUSE.held(), _work_stream(loop.device):
         loop.side = _SideStream(loop.device, in_flight)
         try:
-            loop.send(buckets) if direction == "send" else loop.recv(buckets)
+            loop.send(buckets) if direction == Direction.SEND else loop.recv(buckets)
             loop.stats.checksums = loop.side.collect(loop.sums)
             loop.side.join()
         finally:
@@ -385,7 +386,7 @@ def send_buckets(
     Options: timeout_s (required), in_flight=2, verify=True, cancel=None, graphs=False (on GPUs,
     capture each bucket's copies and checksums as CUDA graphs on the first refit and replay them
     on later ones; see `syncd.member.dataplane.graphs`; every loop of the process must agree)."""
-    return _run("send", buckets, tensors, transport, ranks, **options)
+    return _run(Direction.SEND, buckets, tensors, transport, ranks, **options)
 
 
 def recv_buckets(
@@ -397,4 +398,4 @@ def recv_buckets(
 ) -> TransferStats:
     """Receive `buckets` (this member is their dst) into `tensors` (catalog views), or hand each
     arrived bucket to a `ReceiveSink`. Same options."""
-    return _run("recv", buckets, tensors, transport, ranks, **options)
+    return _run(Direction.RECV, buckets, tensors, transport, ranks, **options)
