@@ -30,7 +30,15 @@ from typing import Protocol
 import torch
 
 from syncd.commands import Abort, Command, Commit, DeltaLinks, ExecutePlan, JoinGroup, Phase, Verify
-from syncd.member.dataplane import GlooTransport, Transport, recv_buckets, send_buckets
+from syncd.member.dataplane import (
+    GcPause,
+    GlooTransport,
+    LoopCache,
+    LoopOptions,
+    Transport,
+    recv_buckets,
+    send_buckets,
+)
 from syncd.member.dataplane.delta import DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.plan.types import Bucket
 from syncd.vocabulary import Backend
@@ -76,6 +84,10 @@ class AgentSettings:
     host: str = "127.0.0.1"  # where this member's peers reach a gloo store it hosts
     device: str = "cpu"
     in_flight: int = 2  # staging buffers per stage and direction
+    # Keep Python's collector off while this member's transfers run: a full collection stalls
+    # the host for tens of ms mid-transfer (`syncd.member.dataplane.gc_pause`). A member process
+    # has one agent, so its pause covers all of the process's transfers.
+    pause_gc: bool = True
 
 
 @dataclass
@@ -83,6 +95,7 @@ class _Group:
     group_id: str
     members: tuple[str, ...]
     transport: Transport
+    cache: LoopCache  # what the loops over `transport` keep between refits; dropped with it
 
 
 class MemberAgent:
@@ -91,6 +104,7 @@ class MemberAgent:
         self._groups: dict[int, _Group] = {}
         self._cancel = threading.Event()
         self._lock = threading.Lock()
+        self._gc_pause = GcPause() if settings.pause_gc else None
         self.mirror: Mirror | None = None  # senders, while delta refits are on: what they last sent
 
     @property
@@ -135,7 +149,7 @@ class MemberAgent:
             known = " or ".join(repr(str(b)) for b in Backend)
             raise ValueError(f"unknown data-plane backend {cmd.backend!r}; expected {known}")
         with self._lock:
-            self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport)
+            self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport, LoopCache())
         self._client.report(cmd.refit_id, Phase.JOINED, timings={"join_s": time.perf_counter() - t0})
         log.info("%s joined %s as rank %d/%d", self.member_id, cmd.group_id, cmd.rank, cmd.world_size)
 
@@ -231,17 +245,21 @@ class MemberAgent:
     ) -> None:
         ranks = {m: i for i, m in enumerate(group.members)}
         sending = buckets[0].src == self.member_id
-        options = {"timeout_s": timeout_s, "in_flight": self._settings.in_flight, "cancel": self._cancel}
+        options = LoopOptions(timeout_s, self._settings.in_flight, gc_pause=self._gc_pause)
+        cancel, cache, transport = self._cancel, group.cache, group.transport
         try:
             if delta is None:
-                run = send_buckets if sending else recv_buckets
-                results[stage] = run(buckets, tensors, group.transport, ranks, **options)
+                loop = send_buckets if sending else recv_buckets
+                results[stage] = loop(buckets, tensors, transport, ranks, options, cancel=cancel, cache=cache)
             elif sending:
+                assert diffs is not None  # `_delta_part` gives every sender its comparisons
                 results[stage] = send_with_deltas(
-                    buckets, tensors, group.transport, ranks, delta, diffs, **options
+                    buckets, tensors, transport, ranks, delta, diffs, options, cancel=cancel, cache=cache
                 )
             else:
-                results[stage] = recv_with_deltas(buckets, tensors, group.transport, ranks, delta, **options)
+                results[stage] = recv_with_deltas(
+                    buckets, tensors, transport, ranks, delta, options, cancel=cancel, cache=cache
+                )
         except BaseException as e:
             log.warning("%s: stage %d transfer failed: %s", self.member_id, stage, e)
             self._close_group(stage)  # unblock our peers: they fail fast instead of timing out
