@@ -27,9 +27,9 @@ from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.integration.test_fp8_refit import vllm_specs
 from tests.polling import wait_until
 from trainer_svc import catalog as trainer_catalog
+from trainer_svc.canonical import canonical_shapes
 from trainer_svc.config import ModelArgs
 from trainer_svc.parallel_dims import ParallelDims
-from trainer_svc.state_dict_adapter import canonical_shapes
 
 ARGS = ModelArgs(
     vocab_size=256,

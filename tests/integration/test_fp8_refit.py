@@ -37,9 +37,9 @@ from syncd.states import wait_final
 from tests.fp8_reference import checkpoint_arrays
 from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from trainer_svc import catalog as trainer_catalog
+from trainer_svc.canonical import canonical_shapes
 from trainer_svc.config import ModelArgs
 from trainer_svc.parallel_dims import ParallelDims
-from trainer_svc.state_dict_adapter import canonical_shapes
 
 ARGS = ModelArgs(
     vocab_size=300,

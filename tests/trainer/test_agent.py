@@ -19,10 +19,11 @@ from syncd.states import wait_final
 from syncd.vocabulary import Role
 from tests.polling import wait_until
 from trainer_svc.agent import LocalShards, RankAgent
+from trainer_svc.canonical import canonical_shapes
 from trainer_svc.catalog import build_catalog
 from trainer_svc.parallel_dims import ParallelDims
 from trainer_svc.settings import LaunchEnv, TrainSettings
-from trainer_svc.state_dict_adapter import canonical_shapes, gather_canonical
+from trainer_svc.shard_gather import gather_canonical
 from trainer_svc.tiny import TINY_ARGS
 from trainer_svc.train import Trainer
 
