@@ -34,7 +34,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
-from deploy.local.processes import free_port
 from syncd.layout.dtypes import torch_dtype
 from syncd.layout.hf_names import is_grouped_expert, split_to_hf
 from syncd.member.dataplane import (
@@ -46,6 +45,7 @@ from syncd.member.dataplane import (
     recv_buckets,
     send_buckets,
 )
+from syncd.net import free_port
 from syncd.plan import DestMember, SourceMember, make_plan
 
 

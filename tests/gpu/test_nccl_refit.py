@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deploy.local.processes import free_port
+from syncd.net import free_port
 
 pytestmark = pytest.mark.gpu(count=2)
 

@@ -11,11 +11,11 @@ import httpx
 import numpy as np
 import pytest
 
-from deploy.local.processes import free_port
 from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Shard, Sharded, Stack, local_tensor
 from syncd.member import join
+from syncd.net import free_port
 from syncd.plan.simulate import materialize
 from syncd.states import wait_final
 from syncd.vocabulary import Role

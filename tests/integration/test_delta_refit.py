@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.local.processes import free_port
 from generator_svc.catalog import TP, build_catalog
 from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
 from syncd.member import join
 from syncd.member.client import MemberClient
+from syncd.net import free_port
 from syncd.plan.simulate import materialize
 from syncd.states import TERMINAL, wait_final
 from syncd.vocabulary import Role

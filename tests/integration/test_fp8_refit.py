@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.local.processes import free_port
 from generator_svc.catalog import (
     TP,
     ExpertsParam,
@@ -31,6 +30,7 @@ from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
 from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.client import MemberClient
+from syncd.net import free_port
 from syncd.plan.fp8_blocks import blockwise_fp8_catalog
 from syncd.plan.simulate import materialize
 from syncd.states import wait_final

@@ -13,8 +13,8 @@ import pytest
 import torch
 from _launch import TRAIN
 
-from deploy.local.processes import free_port
 from syncd.layout import Canon, CanonicalTensor, Catalog, local_tensor
+from syncd.net import free_port
 from syncd.states import wait_final
 from syncd.vocabulary import Role
 from tests.polling import wait_until
