@@ -74,9 +74,25 @@ class Endpoint(Protocol):
 
 
 class Reporter(Protocol):
-    member_id: str
+    """What the agent needs of its client (`MemberClient`): its id, and answering a command."""
 
-    def report(self, refit_id: str, phase: str, **fields) -> None: ...
+    @property
+    def member_id(self) -> str: ...
+
+    def report(
+        self,
+        refit_id: str,
+        phase: str,
+        *,
+        ok: bool = True,
+        error: str = "",
+        bytes: int = 0,
+        checksums: dict[str, str] | None = None,
+        timings: dict[str, float] | None = None,
+        address: str = "",
+        delta_elements: int = 0,
+        changed_elements: int = 0,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
