@@ -5,7 +5,7 @@ G_l local kv heads, V vocab.
 
 One `Qwen3MoeStage` is one pipeline stage: the embedding on the first stage, its slice of the
 decoder layers (keyed by their global index, so parameter names are the HF names), and the final
-norm and lm_head on the last. Parameters are created empty; `state_dict_adapter` fills them.
+norm and lm_head on the last. Parameters are created empty; `shard_cut.load_into` fills them.
 The numerics follow transformers' Qwen3MoeForCausalLM (float32 RMSNorm, rotate-half RoPE).
 """
 

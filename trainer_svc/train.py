@@ -24,8 +24,10 @@ import torch.distributed as dist
 from syncd.member.dataplane import catalog_views
 from syncd.weight_version import WeightVersion
 from trainer_svc import data
+from trainer_svc.canonical import random_canonical
 from trainer_svc.catalog import build_catalog
 from trainer_svc.config import ModelArgs
+from trainer_svc.hf_checkpoint import CONFIG_FILE, save_hf
 from trainer_svc.optim.optimizer import build_optimizer
 from trainer_svc.parallel_dims import Mesh
 from trainer_svc.parallel_export import export_parallel
@@ -33,8 +35,9 @@ from trainer_svc.parallelize import build_stage, global_grad_norm, grad_sync_pla
 from trainer_svc.pipeline import train_microbatches
 from trainer_svc.precision import Precision
 from trainer_svc.settings import LaunchEnv, TrainSettings
+from trainer_svc.shard_cut import load_into
+from trainer_svc.shard_gather import gather_canonical
 from trainer_svc.sharded_io import read_shards
-from trainer_svc.state_dict_adapter import CONFIG_FILE, gather_canonical, load_into, random_canonical, save_hf
 
 log = logging.getLogger("trainer_svc")
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)

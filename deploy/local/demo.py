@@ -39,7 +39,8 @@ from pathlib import Path
 import httpx
 
 from deploy.local import openai_client
-from deploy.local.processes import PYTHON, Cluster, free_port
+from deploy.local.processes import PYTHON, Cluster
+from syncd.net import free_port
 from syncd.refit_wait import wait_final
 from syncd.weight_version import WeightVersion, version_label
 

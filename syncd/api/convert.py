@@ -10,9 +10,10 @@ from syncd import commands
 from syncd.api import syncd_pb2 as pb
 from syncd.layout import Box, CanonicalTensor, Catalog, LocalTensor, Piece
 from syncd.plan.types import Bucket, TransferUnit
+from syncd.vocabulary import Fp8Part, Role
 from syncd.weight_version import WeightVersion
 
-ROLES = {"trainer": pb.ROLE_TRAINER, "generator": pb.ROLE_GENERATOR}
+ROLES = {Role.TRAINER: pb.ROLE_TRAINER, Role.GENERATOR: pb.ROLE_GENERATOR}
 ROLE_NAMES = {v: k for k, v in ROLES.items()}
 PHASES = {name: pb.Phase.Value(f"PHASE_{name}") for name in (*commands.Phase, "ANNOUNCE")}
 PHASE_NAMES = {v: k for k, v in PHASES.items()}
@@ -20,9 +21,9 @@ PHASE_NAMES = {v: k for k, v in PHASES.items()}
 
 def role_to_pb(role: str) -> pb.Role:
     try:
-        return ROLES[role]
-    except KeyError:
-        raise ValueError(f"unknown role {role!r}; expected one of {sorted(ROLES)}") from None
+        return ROLES[Role(role)]
+    except ValueError:
+        raise ValueError(f"unknown role {role!r}; expected one of {sorted(map(str, ROLES))}") from None
 
 
 def phase_to_pb(phase: str) -> pb.Phase:
@@ -105,7 +106,7 @@ def unit_from_pb(m: pb.TransferUnit) -> TransferUnit:
         dst_tensor=m.dst_tensor,
         dst_box=box_from_pb(m.dst_box),
         nbytes=m.nbytes,
-        quantized=m.quantized or None,
+        quantized=Fp8Part(m.quantized) if m.quantized else None,
         src_dtype=m.src_dtype or None,
         block_box=box_from_pb(m.block_box) if m.HasField("block_box") else None,
     )

@@ -25,15 +25,25 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from syncd.commands import Abort, Command, Commit, DeltaLinks, ExecutePlan, JoinGroup, Phase, Verify
-from syncd.member.dataplane import GlooTransport, TransferStats, Transport, recv_buckets, send_buckets
+from syncd.member.dataplane import (
+    GcPause,
+    GlooTransport,
+    LoopCache,
+    LoopOptions,
+    TransferStats,
+    Transport,
+    recv_buckets,
+    send_buckets,
+)
 from syncd.member.dataplane.delta import DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.member.dataplane.prepared import ReceiveSink
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Backend
 from syncd.weight_version import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -67,7 +77,10 @@ class Endpoint(Protocol):
 
 
 class Reporter(Protocol):
-    member_id: str
+    """What the agent needs of its client (`MemberClient`): its id, and answering a command."""
+
+    @property
+    def member_id(self) -> str: ...
 
     def report(
         self,
@@ -90,6 +103,10 @@ class AgentSettings:
     host: str = "127.0.0.1"  # where this member's peers reach a gloo store it hosts
     device: str = "cpu"
     in_flight: int = 2  # staging buffers per stage and direction
+    # Keep Python's collector off while this member's transfers run: a full collection stalls
+    # the host for tens of ms mid-transfer (`syncd.member.dataplane.gc_pause`). A member process
+    # has one agent, so its pause covers all of the process's transfers.
+    pause_gc: bool = True
 
 
 @dataclass
@@ -97,6 +114,7 @@ class _Group:
     group_id: str
     members: tuple[str, ...]
     transport: Transport
+    cache: LoopCache  # what the loops over `transport` keep between refits; dropped with it
 
 
 class MemberAgent:
@@ -105,6 +123,7 @@ class MemberAgent:
         self._groups: dict[int, _Group] = {}
         self._cancel = threading.Event()
         self._lock = threading.Lock()
+        self._gc_pause = GcPause() if settings.pause_gc else None
         self.mirror: Mirror | None = None  # senders, while delta refits are on: what they last sent
 
     @property
@@ -130,7 +149,7 @@ class MemberAgent:
         timeout = cmd.timeout_s
         t0 = time.perf_counter()
         transport: Transport
-        if cmd.backend == "nccl":
+        if cmd.backend == Backend.NCCL:
             from syncd.member.dataplane.nccl import NcclTransport
 
             address = NcclTransport.create_address() if cmd.rank == 0 else cmd.address
@@ -139,7 +158,7 @@ class MemberAgent:
             transport = NcclTransport.connect(
                 address, cmd.rank, cmd.world_size, torch.device(self._settings.device), timeout
             )
-        elif cmd.backend == "gloo":
+        elif cmd.backend == Backend.GLOO:
             store = None
             address = cmd.address
             if cmd.rank == 0:
@@ -147,9 +166,10 @@ class MemberAgent:
                 self._client.report(cmd.refit_id, Phase.GROUP_ADDRESS, address=address)
             transport = GlooTransport.connect(address, cmd.rank, cmd.world_size, cmd.group_id, timeout, store)
         else:
-            raise ValueError(f"unknown data-plane backend {cmd.backend!r}; expected 'gloo' or 'nccl'")
+            known = " or ".join(repr(str(b)) for b in Backend)
+            raise ValueError(f"unknown data-plane backend {cmd.backend!r}; expected {known}")
         with self._lock:
-            self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport)
+            self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport, LoopCache())
         self._client.report(cmd.refit_id, Phase.JOINED, timings={"join_s": time.perf_counter() - t0})
         log.info("%s joined %s as rank %d/%d", self.member_id, cmd.group_id, cmd.rank, cmd.world_size)
 
@@ -247,22 +267,21 @@ class MemberAgent:
     ) -> None:
         ranks = {m: i for i, m in enumerate(group.members)}
         sending = buckets[0].src == self.member_id
-        options: dict[str, Any] = {
-            "timeout_s": timeout_s,
-            "in_flight": self._settings.in_flight,
-            "cancel": self._cancel,
-        }
+        options = LoopOptions(timeout_s, self._settings.in_flight, gc_pause=self._gc_pause)
+        cancel, cache, transport = self._cancel, group.cache, group.transport
         try:
             if delta is None:
-                run = send_buckets if sending else recv_buckets
-                results[stage] = run(buckets, tensors, group.transport, ranks, **options)
+                loop = send_buckets if sending else recv_buckets
+                results[stage] = loop(buckets, tensors, transport, ranks, options, cancel=cancel, cache=cache)
             elif sending:
-                assert diffs is not None  # _delta_part gives a sender its comparisons
+                assert diffs is not None  # `_delta_part` gives every sender its comparisons
                 results[stage] = send_with_deltas(
-                    buckets, tensors, group.transport, ranks, delta, diffs, **options
+                    buckets, tensors, transport, ranks, delta, diffs, options, cancel=cancel, cache=cache
                 )
             else:
-                results[stage] = recv_with_deltas(buckets, tensors, group.transport, ranks, delta, **options)
+                results[stage] = recv_with_deltas(
+                    buckets, tensors, transport, ranks, delta, options, cancel=cancel, cache=cache
+                )
         except BaseException as e:  # noqa: BLE001 - a stage thread's failure goes to `results`, read after join
             log.warning("%s: stage %d transfer failed: %s", self.member_id, stage, e)
             self._close_group(stage)  # unblock our peers: they fail fast instead of timing out

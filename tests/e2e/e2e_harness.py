@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 
 from deploy.local import openai_client
-from deploy.local.processes import PYTHON, Cluster, Proc, free_port
+from deploy.local.processes import PYTHON, Cluster, Proc
+from syncd.net import free_port
 from syncd.refit_wait import wait_final
 from syncd.weight_version import WeightVersion, version_label
 from tests.polling import wait_until
