@@ -100,7 +100,8 @@ class Reporter(Protocol):
 
 @dataclass(frozen=True)
 class AgentSettings:
-    host: str = "127.0.0.1"  # where this member's peers reach a gloo store it hosts
+    # The address this member reported: a gloo store it hosts and its gloo sockets listen there.
+    host: str = "127.0.0.1"
     device: str = "cpu"
     in_flight: int = 2  # staging buffers per stage and direction
     # Keep Python's collector off while this member's transfers run: a full collection stalls
@@ -164,7 +165,9 @@ class MemberAgent:
             if cmd.rank == 0:
                 address, store = GlooTransport.create_address(self._settings.host, cmd.world_size, timeout)
                 self._client.report(cmd.refit_id, Phase.GROUP_ADDRESS, address=address)
-            transport = GlooTransport.connect(address, cmd.rank, cmd.world_size, cmd.group_id, timeout, store)
+            transport = GlooTransport.connect(
+                address, cmd.rank, cmd.world_size, cmd.group_id, timeout, store, bind_host=self._settings.host
+            )
         else:
             known = " or ".join(repr(str(b)) for b in Backend)
             raise ValueError(f"unknown data-plane backend {cmd.backend!r}; expected {known}")
