@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup tools proto bench-plan clean
+.PHONY: demo test lint setup tools proto bench-plan clean
 
 demo: $(STAMP)  ## the main job: train a tiny MoE and refit a live vLLM generator after every step (CPU)
 	$(PY) -m deploy.local.demo $(DEMO_ARGS)
@@ -14,18 +14,27 @@ demo: $(STAMP)  ## the main job: train a tiny MoE and refit a live vLLM generato
 test: $(STAMP) tools  ## the whole test suite (GPU tests skip without GPUs)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# System tools the deploy tests run as users do: promtool and the Prometheus server (Debian's
-# `prometheus` package). Installed with apt when missing and running as root (CI); a no-op when
-# present. Elsewhere their tests skip and say why; CI sets WEIGHTSYNC_REQUIRE_TOOLS=1 so they fail.
-SYSTEM_TOOLS := promtool prometheus
+# Config in pyproject.toml ([tool.ruff], [tool.mypy]: mypy checks syncd, trainer_svc, generator_svc).
+lint: $(STAMP)  ## ruff lint, ruff format check, mypy
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# System tools the tests run as users do: promtool and the Prometheus server (Debian's
+# `prometheus` package) for the deploy tests; `ip`, `tc` (iproute2) and `nsenter` (util-linux) for
+# the lab of hosts (tests/lab, tests/e2e/test_lab_e2e.py, which also need root). Installed with apt
+# when missing and running as root (CI), saying so; a no-op when present. Elsewhere their tests
+# skip and say why; CI sets WEIGHTSYNC_REQUIRE_TOOLS=1 so they fail.
+SYSTEM_TOOLS := promtool:prometheus prometheus:prometheus ip:iproute2 tc:iproute2 nsenter:util-linux
 tools:
-	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
-	if [ -z "$$missing" ]; then exit 0; fi; \
+	@packages=""; for pair in $(SYSTEM_TOOLS); do t=$${pair%%:*}; p=$${pair#*:}; \
+	  command -v $$t >/dev/null || case " $$packages " in *" $$p "*) ;; *) packages="$$packages $$p";; esac; done; \
+	if [ -z "$$packages" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  echo "installing Debian's prometheus package (for$$missing)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	  echo "installing Debian packages:$$packages (tools the tests run)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$packages; \
 	else \
-	  echo "note:$$missing not installed and not root with apt-get; their tests skip (apt-get install prometheus)"; \
+	  echo "note: not installed:$$packages (not root with apt-get); their tests skip (apt-get install$$packages)"; \
 	fi
 
 setup: $(STAMP)
@@ -46,4 +55,4 @@ bench-plan: $(STAMP)  ## planner scale benchmark (DeepSeek-V3-sized)
 	$(PY) bench/plan_scale.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

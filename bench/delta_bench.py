@@ -25,7 +25,15 @@ import torch.multiprocessing as mp
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 from syncd.commands import DeltaLinks
-from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets
+from syncd.member.dataplane import (
+    GcPause,
+    GlooTransport,
+    LoopCache,
+    LoopOptions,
+    catalog_views,
+    recv_buckets,
+    send_buckets,
+)
 from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.plan import DestMember, SourceMember, make_plan
 
@@ -109,9 +117,12 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
             }
         )
 
+    # What a member's agent keeps with its transport and holds while it transfers.
+    options, cache = LoopOptions(120, gc_pause=GcPause()), LoopCache()
+
     def full():
         run = send_buckets if sending else recv_buckets
-        return run(mine, views, transport, ranks, timeout_s=120)
+        return run(mine, views, transport, ranks, options, cache=cache)
 
     def delta():
         if sending:
@@ -123,12 +134,13 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
                 ranks,
                 DeltaLinks(mirror.version, frozenset({RECEIVER}), 0.5),
                 diffs,
-                timeout_s=120,
+                options,
+                cache=cache,
             )
             diffs.commit(views)
             return stats
         return recv_with_deltas(
-            mine, views, transport, ranks, DeltaLinks(1, frozenset({RECEIVER}), 0.5), timeout_s=120
+            mine, views, transport, ranks, DeltaLinks(1, frozenset({RECEIVER}), 0.5), options, cache=cache
         )
 
     def raw_gloo():
@@ -146,12 +158,12 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
         if sending:
             diffs = Diffs(mirror)
             stats = send_with_deltas(
-                mine, views, transport, ranks, DeltaLinks(None, frozenset(), 0.5), diffs, timeout_s=120
+                mine, views, transport, ranks, DeltaLinks(None, frozenset(), 0.5), diffs, options, cache=cache
             )
             diffs.commit(views)
             mirror.version = 1
             return stats
-        return recv_buckets(mine, views, transport, ranks, timeout_s=120)
+        return recv_buckets(mine, views, transport, ranks, options, cache=cache)
 
     for _ in range(args.rounds + 1):
         timed("raw gloo", raw_gloo)

@@ -108,7 +108,7 @@ def measure(lab: Lab, args, replicas: int, workdir: Path) -> dict:
             _wait(
                 http,
                 procs,
-                lambda v=version: all(m.exists() and m.read_text() == str(v) for m in markers),
+                lambda v=version, ms=markers: all(m.exists() and m.read_text() == str(v) for m in ms),
                 f"version {version} not loaded by every trainer rank",
                 120,
             )

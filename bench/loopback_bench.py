@@ -37,7 +37,7 @@ from bench.loopback_transport import LoopbackWire, NullTransport
 from bench.refit_bench import shape_for
 from bench.synthetic_moe import trainer_catalog, vllm_catalog
 from syncd.layout.dtypes import torch_dtype
-from syncd.member.dataplane import catalog_views, recv_buckets, send_buckets
+from syncd.member.dataplane import LoopCache, LoopOptions, catalog_views, recv_buckets, send_buckets
 from syncd.plan import DestMember, SourceMember, make_plan
 
 _SRC, _DST = "trainer-0", "generator-0-0"
@@ -72,18 +72,19 @@ class Setup:
         dst = owned(self.dst_cat, lambda t: t.fill_(float("nan")))
         self.src, self.dst = catalog_views(self.src_cat, src), catalog_views(self.dst_cat, dst)
         self.wire = LoopbackWire(device)
-        # One per side and kept: executors keep per-transport state (staging, captured graphs).
+        # One per side and kept, with the loops' cache of each (staging, captured graphs), as a
+        # member keeps them with its transport.
         self.null = {"send": NullTransport(), "recv": NullTransport()}
-        self.options: dict = {}
+        self.null_caches = {"send": LoopCache(), "recv": LoopCache()}
 
     def plan(self, mib: int):
         return make_plan(
             [SourceMember(_SRC, 0, self.src_cat)], [DestMember(_DST, self.dst_cat)], bucket_bytes=mib << 20
         )
 
-    def refit(self, plan, verify: bool = True, **options):
+    def refit(self, plan, verify: bool = True, graphs: bool = False):
         """Both loops at once, each in its own thread; returns (sender stats, receiver stats)."""
-        return self.wire.refit(plan, (_SRC, self.src), (_DST, self.dst), verify=verify, **options)
+        return self.wire.refit(plan, (_SRC, self.src), (_DST, self.dst), verify=verify, graphs=graphs)
 
     def check(self, plan) -> bool:
         """Every unit's destination region holds the source region's bits, and both sides'
@@ -156,12 +157,15 @@ def _step_of(event) -> str:
     return "other"
 
 
-def launches(setup: Setup, plan, verify: bool = True, trace: Path | None = None, **options) -> dict:
+def launches(
+    setup: Setup, plan, verify: bool = True, trace: Path | None = None, graphs: bool = False
+) -> dict:
     """Host launches of each side's loop in a refit after the first (steady state), run alone in
     this thread over a `NullTransport` (the profiler sees only the thread that started it), by
     executor step, with the host milliseconds of each step under the profiler; optionally the
     chrome trace."""
     out = {}
+    options = LoopOptions(120, verify=verify, graphs=graphs, gc_pause=setup.wire.gc_pause)
     for side, fn, member, views in (
         ("send", send_buckets, _SRC, setup.src),
         ("recv", recv_buckets, _DST, setup.dst),
@@ -173,9 +177,8 @@ def launches(setup: Setup, plan, verify: bool = True, trace: Path | None = None,
                 views,
                 setup.null[side],
                 _RANKS,
-                timeout_s=120,
-                verify=verify,
-                **options,
+                options,
+                cache=setup.null_caches[side],
             )
             torch.cuda.synchronize()
 

@@ -20,7 +20,9 @@ import threading
 
 import torch
 
+from syncd.member.dataplane import GcPause, LoopCache
 from syncd.member.dataplane.transport import TransferTimeout
+from syncd.vocabulary import Direction
 
 
 class _WireHandle:
@@ -70,6 +72,10 @@ class LoopbackWire:
         self.device = device
         self.stream = torch.cuda.Stream(device, priority=-100)
         self.sender, self.receiver = _Endpoint(self, 0), _Endpoint(self, 1)
+        # What a member keeps: per side the loops' cache (staging, prepared work or graphs), and
+        # one collector pause for both loops of the process, as `MemberAgent` holds.
+        self.caches = {Direction.SEND: LoopCache(), Direction.RECV: LoopCache()}
+        self.gc_pause = GcPause()
         self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._lock = threading.Lock()
         self._waiting = {"send": collections.deque(), "recv": collections.deque()}
@@ -105,18 +111,27 @@ class LoopbackWire:
         self.marks.append((start, done))
         return done
 
-    def refit(self, plan, sender: tuple[str, dict], receiver: tuple[str, dict], **options):
+    def refit(
+        self,
+        plan,
+        sender: tuple[str, dict],
+        receiver: tuple[str, dict],
+        verify: bool = True,
+        graphs: bool = False,
+    ):
         """The executor's send and receive loops of `plan` at once, each in its own thread, over
-        this wire; `sender`/`receiver` are (member id, catalog views). Options go to both loops
-        (`verify`, `graphs`, ...). Returns (sender stats, receiver stats); a failed side raises."""
-        from syncd.member.dataplane import recv_buckets, send_buckets
+        this wire; `sender`/`receiver` are (member id, catalog views); `verify` and `graphs` go to
+        both loops' `LoopOptions`. Returns (sender stats, receiver stats); a failed side raises."""
+        from syncd.member.dataplane import LoopOptions, recv_buckets, send_buckets
 
         ranks = {sender[0]: 0, receiver[0]: 1}
+        options = LoopOptions(120, verify=verify, graphs=graphs, gc_pause=self.gc_pause)
         out: dict = {}
 
         def run(name, fn, member, views, endpoint):
             try:
-                out[name] = fn(plan.for_member(member), views, endpoint, ranks, timeout_s=120, **options)
+                cache = self.caches[Direction(name)]
+                out[name] = fn(plan.for_member(member), views, endpoint, ranks, options, cache=cache)
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller after join: a failed side fails the run
                 out[name] = e
 

@@ -34,11 +34,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
-from deploy.local.processes import free_port
 from syncd.layout.dtypes import torch_dtype
 from syncd.layout.hf_names import is_grouped_expert, split_to_hf
-from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets
-from syncd.member.dataplane.executor import _STAGING
+from syncd.member.dataplane import (
+    GcPause,
+    GlooTransport,
+    LoopCache,
+    LoopOptions,
+    catalog_views,
+    recv_buckets,
+    send_buckets,
+)
+from syncd.net import free_port
 from syncd.plan import DestMember, SourceMember, make_plan
 
 
@@ -92,11 +99,11 @@ def timed_rounds(methods: dict, device, reps: int) -> dict[str, list[float]]:
     return times
 
 
-def _extra_memory_mib(fn, device, transport) -> float:
+def _extra_memory_mib(fn, device, cache: LoopCache) -> float:
     """Peak GPU memory `fn` (a refit) adds, staging buffers included: measured from a cold pool."""
     if device.type != "cuda":
         return 0.0
-    _STAGING.pop(transport, None)
+    cache.clear()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -210,23 +217,15 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     }
     raw = torch.empty(total, dtype=torch.uint8, device=device)
     last = {}
+    # What a member keeps with its transport, and the collector pause its agent holds.
+    cache, gc_pause = LoopCache(), GcPause()
 
     def refit(mib: int, verify: bool = True, graphs: bool = False):
         run = send_buckets if rank == 0 else recv_buckets
-        last[mib] = run(
-            plans[mib].for_member(me),
-            views,
-            transport,
-            ranks,
-            timeout_s=300,
-            verify=verify,
-            in_flight=args.in_flight,
-            graphs=graphs,
-        )
+        options = LoopOptions(300, args.in_flight, verify=verify, graphs=graphs, gc_pause=gc_pause)
+        last[mib] = run(plans[mib].for_member(me), views, transport, ranks, options, cache=cache)
 
-    result["extra_gpu_mib"] = {
-        mib: _extra_memory_mib(lambda m=mib: refit(m), device, transport) for mib in plans
-    }
+    result["extra_gpu_mib"] = {mib: _extra_memory_mib(lambda m=mib: refit(m), device, cache) for mib in plans}
     hf = hf_regions(shape, catalog, views)
     methods = {
         "raw": lambda raw=raw: (transport.isend(raw, 1) if rank == 0 else transport.irecv(raw, 0)).wait(300)
@@ -249,10 +248,11 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     result["checksums_ok"] = all(ok.values())
     if device.type == "cuda":  # where the link waits, from one more refit per size with timed transfers
         timed, result["link"] = _LinkTimer(transport), {}
+        timed_cache, options = LoopCache(), LoopOptions(300, args.in_flight, gc_pause=gc_pause)
         for mib in plans:
             timed.marks.clear()
             run = send_buckets if rank == 0 else recv_buckets
-            run(plans[mib].for_member(me), views, timed, ranks, timeout_s=300, in_flight=args.in_flight)
+            run(plans[mib].for_member(me), views, timed, ranks, options, cache=timed_cache)
             _sync(device)
             both = [None, None]
             dist.all_gather_object(both, timed.summary())

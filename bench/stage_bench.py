@@ -33,7 +33,15 @@ from bench.refit_bench import shape_for, spawn_workers, timed_rounds
 from bench.synthetic_moe import trainer_catalog, vllm_catalog
 from syncd.daemon.checks import checksum_mismatch
 from syncd.layout.dtypes import torch_dtype
-from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets, send_buckets
+from syncd.member.dataplane import (
+    GcPause,
+    GlooTransport,
+    LoopCache,
+    LoopOptions,
+    catalog_views,
+    recv_buckets,
+    send_buckets,
+)
 from syncd.plan import DestMember, SourceMember, make_plan
 
 
@@ -141,12 +149,14 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     by_stage = {s: [b for b in mine if b.stage == s] for s in transports}
     checksums: dict[str, str] = {}
 
+    # What a member's agent keeps with each stage's transport and holds while it transfers.
+    caches = {s: LoopCache() for s in transports}
+    options = LoopOptions(300, args.in_flight, gc_pause=GcPause())
+
     def refit(concurrent: bool) -> None:
         def stage(s: int):
             run = send_buckets if is_trainer else recv_buckets
-            stats = run(
-                by_stage[s], views, transports[s], group_ranks[s], timeout_s=300, in_flight=args.in_flight
-            )
+            stats = run(by_stage[s], views, transports[s], group_ranks[s], options, cache=caches[s])
             checksums.update(stats.checksums)
 
         if concurrent or is_trainer:

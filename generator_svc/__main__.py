@@ -16,9 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s generator %(name)s: %(message)s"
     )
+    # vLLM's app setup may lower the root logger's level (an import it makes reconfigures logging);
+    # ours stays at INFO so the generator's own lines (guard, engine death) are never lost.
+    logging.getLogger("generator_svc").setLevel(logging.INFO)
     settings, args = parse(argv)
     with contextlib.suppress(KeyboardInterrupt):
-        uvloop.run(serve(settings, args))
+        return uvloop.run(serve(settings, args))
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from argparse import Namespace
 
@@ -11,15 +12,17 @@ from generator_svc.settings import Settings
 log = logging.getLogger("generator_svc")
 
 
-async def serve(settings: Settings, args: Namespace) -> None:
-    """Start the engine, set up weight sync on every worker, then serve HTTP until shutdown."""
+async def serve(settings: Settings, args: Namespace) -> int:
+    """Start the engine, set up weight sync on every worker, then serve HTTP until shutdown.
+    Returns the exit status: 1 when the engine died (generator_svc.engine_health), else 0."""
     import vllm.envs as envs
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
 
-    from generator_svc import server
+    from generator_svc import edge, server
+    from generator_svc.engine_health import keep_http_up_after_engine_death
 
     listen_address, sock = setup_server(args, reuse_port=False)
     try:
@@ -30,6 +33,9 @@ async def serve(settings: Settings, args: Namespace) -> None:
             tasks = await engine.get_supported_tasks()
             app = build_app(args, tasks, engine.model_config)
             server.install(app, refitter)  # before init_app_state: the middleware stack freezes there
+            watch = edge.install(app, engine, engine.model_config, settings)
+            keep_http_up_after_engine_death()
+            watch_task = asyncio.create_task(watch.run())
             await init_app_state(engine, app.state, args, tasks)
             log.info("generator_svc serving on %s", listen_address)
             shutdown = await serve_http(
@@ -42,5 +48,7 @@ async def serve(settings: Settings, args: Namespace) -> None:
                 timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
             )
         await shutdown
+        watch_task.cancel()
+        return 1 if watch.cause else 0
     finally:
         sock.close()

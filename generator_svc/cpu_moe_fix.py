@@ -33,5 +33,5 @@ def apply_cpu_moe_fix() -> bool:
             self.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
     setattr(_setup_kernel, _MARK, True)
-    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel  # type: ignore[method-assign]  # the patch itself
     return True

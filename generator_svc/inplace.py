@@ -226,7 +226,9 @@ def checkpoint_buckets(
     dtype = {c.name: c.dtype for c in catalog.canonical}
     canonical = {}
     for file in sorted(Path(checkpoint).glob("*.safetensors")):
-        for name, t in hf_names.group_from_hf(load_file(str(file)).items(), torch.stack).items():
+        for name, t in hf_names.group_from_hf(
+            load_file(str(file)).items(), lambda parts: torch.stack(list(parts))
+        ).items():
             if name in dtype:
                 canonical[name] = t.to(torch_dtype(dtype[name]))
     source = Catalog(

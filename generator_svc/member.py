@@ -32,9 +32,11 @@ import torch
 from generator_svc.inplace import InplaceReceiver
 from generator_svc.staging import Staging
 from syncd.layout import Catalog
-from syncd.member.agent import AgentSettings, MemberAgent
+from syncd.member import join
+from syncd.member.agent import MemberAgent
 from syncd.member.client import MemberClient
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion, version_label
 
 log = logging.getLogger("generator_svc.member")
@@ -166,6 +168,7 @@ class InplaceEndpoint(_CommitRelay):
                 )
             if self._aborted:
                 raise RuntimeError(f"refit {refit_id} was aborted before its transfer began")
+            assert self._receiver is not None  # the wait ended on our receiver (or raised)
             receiver = self._receiver[1]
         receiver.receive_buffers(
             max((b.nbytes for b in buckets if b.dst == self.member_id), default=0), self.in_flight
@@ -237,23 +240,21 @@ def start_member(
     data_host: str = "127.0.0.1",
     in_flight: int = 2,
 ) -> GeneratorMember:
-    client = MemberClient(
+    member = join(
         target,
-        role="generator",
+        endpoint,
+        role=Role.GENERATOR,
         member_id=member_id,
         coords=coords,
         catalog=catalog,
         device=str(device),
-        data_address=data_host,
+        data_host=data_host,
         auth_token=auth_token,
         # The engine starts on its --model checkpoint, which is no trainer version:
         # it registers serving none, so syncd holds it not ready and catches it up.
         weight_version=None,
         # An in-place install post-processes whole layers: ask for layer-cut buckets.
         receive_by_layer=isinstance(endpoint, InplaceEndpoint),
+        in_flight=in_flight,
     )
-    agent = MemberAgent(
-        client, endpoint, AgentSettings(host=data_host, device=str(device), in_flight=in_flight)
-    )
-    client.start(agent)
-    return GeneratorMember(client, endpoint, agent)
+    return GeneratorMember(member.client, endpoint, member.agent)

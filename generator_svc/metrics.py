@@ -24,3 +24,16 @@ INSTALL_FALLBACK_PARAMS = Counter(
     "Parameters installed through vLLM's loaders because the install by "
     "parameter could not cover their layer (named in the log)",
 )
+ENGINE_ALIVE = Gauge(
+    "weightsync_generator_engine_alive",
+    "1 while the vLLM engine runs; 0 once it died (the generator answers 503 and exits soon after)",
+)
+ENGINE_DEATHS = Counter(
+    "weightsync_generator_engine_deaths", "Deaths of the vLLM engine seen by this generator"
+)
+REJECTED_REQUESTS = Counter(
+    "weightsync_generator_rejected_requests",
+    "Generation requests refused before the engine, by reason: invalid (400), too_large (413), "
+    "overloaded (429), engine_dead (503)",
+    ["reason"],
+)

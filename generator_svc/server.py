@@ -33,7 +33,7 @@ import dataclasses
 import json
 import logging
 import secrets
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -108,11 +108,15 @@ router = APIRouter()
 
 # The statuses these routes answer, declared so the OpenAPI document tells clients (and
 # schemathesis) the truth: vLLM's app turns request validation errors into 400, not 422.
-_INVALID = {400: {"description": "invalid request (vLLM's error format)"}}
-_REFUSED = {409: {"model": ErrorBody, "description": "refused; the served weights are unchanged"}}
-_FAILED = {500: {"model": ErrorBody, "description": "the apply failed inside vLLM"}}
-_UNAUTHORIZED = {401: {"model": ErrorBody, "description": "not the worker token of this generator"}}
-_LATE = {
+# FastAPI's type for `responses=`: status code -> OpenAPI response object.
+_Responses = dict[int | str, dict[str, Any]]
+_INVALID: _Responses = {400: {"description": "invalid request (vLLM's error format)"}}
+_REFUSED: _Responses = {409: {"model": ErrorBody, "description": "refused; the served weights are unchanged"}}
+_FAILED: _Responses = {500: {"model": ErrorBody, "description": "the apply failed inside vLLM"}}
+_UNAUTHORIZED: _Responses = {
+    401: {"model": ErrorBody, "description": "not the worker token of this generator"}
+}
+_LATE: _Responses = {
     504: {
         "model": ErrorBody,
         "description": "the install did not finish within the commit deadline; "

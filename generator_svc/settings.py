@@ -19,6 +19,19 @@ Our flags sit on top of vLLM's own server flags (every `vllm serve` flag works, 
     --data-host           address peers reach this host's data plane on (env GENERATOR_DATA_HOST)
     --in-flight-buckets   receive buffers per stage of the data plane (default: 2 staged, 1 inplace,
                           whose extra memory is these buffers plus the layers being received)
+
+Guards of the generation routes (`generator_svc/request_limits.py`, `admission.py`,
+`engine_health.py`; token ids, prompt lengths and logprobs are bounded by the engine's own
+vocabulary, `--max-model-len` and `--max-logprobs`):
+    --max-request-bytes N       bodies larger than N bytes are refused with 413 (default 4 MiB)
+    --max-n N                   largest `n` / `best_of` of one request (default 16)
+    --max-prompts N             most prompts in one completions request (default 64)
+    --max-concurrent-requests N generation requests served at once (default 256) ...
+    --max-queued-requests N     ... and waiting for a slot (default 1024); beyond both: 429
+    --retry-after-s S           the `Retry-After` of a 429 (default 1)
+    --engine-death-exit-s S     after the engine dies, answer 503 (health and generation) for S
+                                seconds, then exit with status 1 so the supervisor restarts the
+                                generator (default 30)
 """
 
 from __future__ import annotations
@@ -49,6 +62,13 @@ class Settings:
     data_host: str
     in_flight_buckets: int = 2
     hold_limit_s: float = 300.0
+    max_request_bytes: int = 4 << 20
+    max_n: int = 16
+    max_prompts: int = 64
+    max_concurrent_requests: int = 256
+    max_queued_requests: int = 1024
+    retry_after_s: int = 1
+    engine_death_exit_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.refit_mode not in REFIT_MODES:
@@ -59,6 +79,12 @@ class Settings:
             raise ValueError(f"in_flight_buckets must be >= 1, got {self.in_flight_buckets}")
         if self.replica < 0:
             raise ValueError(f"replica must be >= 0, got {self.replica}")
+        for name in ("max_request_bytes", "max_n", "max_prompts", "max_concurrent_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_queued_requests", "retry_after_s", "engine_death_exit_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-host", default=os.environ.get(ENV_DATA_HOST, "127.0.0.1"))
     group.add_argument("--in-flight-buckets", type=int, default=None)
     group.add_argument("--hold-limit-s", type=float, default=300.0)
+    group.add_argument("--max-request-bytes", type=int, default=Settings.max_request_bytes)
+    group.add_argument("--max-n", type=int, default=Settings.max_n)
+    group.add_argument("--max-prompts", type=int, default=Settings.max_prompts)
+    group.add_argument("--max-concurrent-requests", type=int, default=Settings.max_concurrent_requests)
+    group.add_argument("--max-queued-requests", type=int, default=Settings.max_queued_requests)
+    group.add_argument("--retry-after-s", type=int, default=Settings.retry_after_s)
+    group.add_argument("--engine-death-exit-s", type=float, default=Settings.engine_death_exit_s)
 
 
 def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
@@ -100,5 +133,12 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
             _IN_FLIGHT_DEFAULT[args.refit_mode] if args.in_flight_buckets is None else args.in_flight_buckets
         ),
         hold_limit_s=args.hold_limit_s,
+        max_request_bytes=args.max_request_bytes,
+        max_n=args.max_n,
+        max_prompts=args.max_prompts,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_queued_requests=args.max_queued_requests,
+        retry_after_s=args.retry_after_s,
+        engine_death_exit_s=args.engine_death_exit_s,
     )
     return settings, args

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from syncd.layout import Box, Catalog, LocalTensor, Piece, hf_names
-from syncd.layout.dtypes import torch_dtype
+from syncd.layout.dtypes import conversion, torch_dtype
 from syncd.plan.types import Bucket
 
 
@@ -96,8 +96,10 @@ class Staging:
 
     def fill_from_safetensors(self, path: str | Path) -> dict[str, int]:
         """Stage the canonical tensors a safetensors file (or every `*.safetensors` of a directory)
-        holds, reading only this worker's boxes. Tensors the catalog does not know are skipped; a
-        tensor whose shape or dtype disagrees with the catalog raises ValueError naming it.
+        holds, reading only this worker's boxes, converted to the catalog's dtype as vLLM's startup
+        converts (`syncd.layout.dtypes.conversion`: float32 -> bfloat16/float16 round to nearest
+        even). Tensors the catalog does not know are skipped; a tensor whose shape disagrees with
+        the catalog, or whose dtype cannot be converted, raises ValueError naming it.
         Returns {"tensors": staged canonical tensors, "skipped": unknown ones}."""
         from safetensors import safe_open
 
@@ -131,8 +133,12 @@ class Staging:
                 data = torch.stack(rows)
             else:
                 data = f.get_slice(name)[box.slices()]
-            if str(data.dtype).removeprefix("torch.") != dtype:
-                raise ValueError(f"{name}: checkpoint dtype {data.dtype} != catalog dtype {dtype}")
+            source = str(data.dtype).removeprefix("torch.")
+            if source != dtype:
+                # As vLLM's startup loader does (its copy into the parameter rounds to nearest
+                # even); pairs the project cannot convert raise ValueError naming them.
+                conversion(source, dtype, tensor=name)
+                data = data.to(torch_dtype(dtype))
             self.fill_canonical(name, box, data)
 
     def missing(self) -> list[str]:

@@ -9,6 +9,8 @@ naming it, before anything registers.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from generator_svc.catalog import (
@@ -21,6 +23,9 @@ from generator_svc.catalog import (
     ShardedParam,
     VocabParam,
 )
+
+if TYPE_CHECKING:  # for annotations only: this module imports vLLM inside its functions
+    from vllm.model_executor.layers.linear import LinearBase
 
 # Layers whose parameters are whole on every rank and loaded as-is from one canonical tensor.
 _REPLICATED_LAYER_NAMES = ("RMSNorm", "LayerNorm", "GemmaRMSNorm")
@@ -41,7 +46,7 @@ def _packed_names(model: torch.nn.Module, module_path: str) -> list[str]:
     return [f"{parent}.{sub}.weight" for sub in mapping[leaf]]
 
 
-def _linear_spec(model: torch.nn.Module, path: str, module: torch.nn.Module, dtype: str) -> ParamSpec:
+def _linear_spec(model: torch.nn.Module, path: str, module: LinearBase, dtype: str) -> ParamSpec:
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,8 +41,22 @@ apply_cpu_moe_fix()
 class WeightSyncExtension:
     """Weight-sync methods of a vLLM worker. State lives on the worker as `_ws_*` attributes."""
 
+    if TYPE_CHECKING:  # what the vLLM worker this class extends (`worker_extension_cls`) provides
+        from vllm.config import ModelConfig, VllmConfig
+
+        model_runner: Any
+        device: torch.device
+        vllm_config: VllmConfig
+        model_config: ModelConfig
+        # vLLM's is `WeightTransferEngine | None`; `ws_setup` refuses any other than ours.
+        weight_transfer_engine: transfer_engine.StagingTransferEngine
+
+        def start_weight_update(self) -> None: ...
+        def update_weights(self, update_info: dict | list[dict]) -> None: ...
+        def finish_weight_update(self) -> None: ...
+
     def _ws_model(self) -> torch.nn.Module:
-        return self.model_runner.get_model()  # type: ignore[attr-defined]
+        return self.model_runner.get_model()
 
     def _ws_tp(self) -> tuple[int, int]:
         from vllm.distributed import parallel_state
@@ -83,14 +97,14 @@ class WeightSyncExtension:
         if refit_mode == "inplace":
             self._ws_staging = None  # the point of the mode: no second copy of the weights
             engine.inplace_catalog = catalog
-            self._ws_endpoint = InplaceEndpoint(
+            self._ws_endpoint: InplaceEndpoint | StagedEndpoint = InplaceEndpoint(
                 self._ws_member_id, relay, commit_token, hold_limit_s, in_flight
             )
         else:
             # Staging lives where the weights live, so the data plane writes into it with the
             # transport of that device (gloo on CPU, NCCL on GPU) and the install copies
             # device-to-device.
-            self._ws_staging = Staging(catalog, device=self.device)  # type: ignore[attr-defined]
+            self._ws_staging = Staging(catalog, device=self.device)
             engine.staging = self._ws_staging
             self._ws_endpoint = StagedEndpoint(self._ws_staging, self._ws_member_id, relay, commit_token)
         self._ws_member = None
@@ -103,7 +117,7 @@ class WeightSyncExtension:
                 coords={"replica": replica, "tp": tp_rank},
                 catalog=catalog,
                 device=self.device,
-                endpoint=self._ws_endpoint,  # type: ignore[attr-defined]
+                endpoint=self._ws_endpoint,
                 auth_token=auth_token or None,
                 data_host=data_host,
                 in_flight=in_flight,
@@ -162,7 +176,7 @@ class WeightSyncExtension:
     def ws_status(self) -> dict[str, Any]:
         """What is ready to commit: staging (staged) or the open in-place install (inplace)."""
         if self._ws_staging is None:
-            receiver = self.weight_transfer_engine.receiver  # type: ignore[attr-defined]
+            receiver = self.weight_transfer_engine.receiver
             return {
                 "member_id": self._ws_member_id,
                 "refit_id": "inplace" if receiver else None,
@@ -178,15 +192,22 @@ class WeightSyncExtension:
     def ws_hold(self, refit_id: str) -> None:
         """inplace: generation is held and this worker's install is open (start_weight_update made
         the receiver); the member may receive."""
-        self._ws_endpoint.held(refit_id, self.weight_transfer_engine.receiver)  # type: ignore[attr-defined]
+        from generator_svc.member import InplaceEndpoint
+
+        endpoint, receiver = self._ws_endpoint, self.weight_transfer_engine.receiver
+        assert isinstance(endpoint, InplaceEndpoint) and receiver is not None  # inplace, install open
+        endpoint.held(refit_id, receiver)
 
     def ws_release(self) -> int:
         """inplace: close the open install (it takes no more bytes); returns how many layers it had
         installed (0: the engine still holds the committed version whole). `ws_recover` follows."""
-        receiver = self.weight_transfer_engine.receiver  # type: ignore[attr-defined]
+        receiver = self.weight_transfer_engine.receiver
         if receiver is None:
             return 0
         receiver.close()
+        from generator_svc.member import InplaceEndpoint
+
+        assert isinstance(self._ws_endpoint, InplaceEndpoint)  # only an in-place refit has a receiver
         self._ws_endpoint.released()
         return receiver.installed_layers
 
@@ -202,27 +223,29 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        engine = self.weight_transfer_engine  # type: ignore[attr-defined]
+        engine = self.weight_transfer_engine
         if engine.receiver is not None:
             engine.receiver.close()
             engine.receiver = None
         engine.reset_weight_update_target()
         self._weight_update_active = False
-        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-            finalize_layerwise_reload(self._ws_model(), self.model_config)  # type: ignore[attr-defined]
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self._ws_model(), self.model_config)
 
     def ws_committed(self, refit_id: str, version: str, ok: bool, error: str = "") -> None:
         """Tell syncd this worker's outcome of a Commit (the API server applied it)."""
         if self._ws_member is not None and refit_id:
             self._ws_endpoint.applied(version, ok, error)
-        if self._ws_staging is None:
+        from generator_svc.member import InplaceEndpoint
+
+        if isinstance(self._ws_endpoint, InplaceEndpoint):  # no staging: the in-place refit
             self._ws_endpoint.released()
-        elif ok:
+        elif ok and self._ws_staging is not None:
             self._ws_staging.discard()
 
     def ws_last_install(self) -> dict[str, Any]:
         """What the last install did on this worker (`InstallReport`), {} before the first."""
-        report = self.weight_transfer_engine.last_install  # type: ignore[attr-defined]
+        report = self.weight_transfer_engine.last_install
         return report.as_dict() if report is not None else {}
 
     def ws_dump_loaded(self, checkpoint: str, out_dir: str) -> str:
@@ -238,12 +261,12 @@ class WeightSyncExtension:
         model = self._ws_model()
 
         def load() -> None:
-            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            with set_current_vllm_config(self.vllm_config):
                 initialize_layerwise_reload(model)
                 try:
-                    model.load_weights(_read_checkpoint(checkpoint))
+                    model.load_weights(_read_checkpoint(checkpoint))  # type: ignore[operator]  # vLLM model's method
                 finally:
-                    finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
+                    finalize_layerwise_reload(model, self.model_config)
 
         return self._ws_dump(load, f"{out_dir}/tp{self._ws_tp()[0]}.safetensors")
 
@@ -253,11 +276,12 @@ class WeightSyncExtension:
         `{out_dir}/installed-tp{rank}.safetensors`."""
 
         def install() -> None:
+            assert self._ws_staging is not None, "ws_dump_installed needs --refit-mode staged"
             self._ws_staging.begin("dump")
             self._ws_staging.fill_from_safetensors(checkpoint)
-            self.start_weight_update()  # type: ignore[attr-defined]
-            self.update_weights({"version": "dump"})  # type: ignore[attr-defined]
-            self.finish_weight_update()  # type: ignore[attr-defined]
+            self.start_weight_update()
+            self.update_weights({"version": "dump"})
+            self.finish_weight_update()
             self._ws_staging.discard()
 
         return self._ws_dump(install, f"{out_dir}/installed-tp{self._ws_tp()[0]}.safetensors")
@@ -276,10 +300,10 @@ class WeightSyncExtension:
             receiver = install_buckets(
                 self._ws_model(),
                 self._ws_catalog,
-                self.device,  # type: ignore[attr-defined]
+                self.device,
                 self.vllm_config,
                 packed,
-            )  # type: ignore[attr-defined]
+            )
             out.update(receiver.report.as_dict())
 
         self._ws_dump(install, f"{out_dir}/inplace-tp{self._ws_tp()[0]}.safetensors")
@@ -305,7 +329,7 @@ class WeightSyncExtension:
                         captured[f"{_path}.{n}"] = p.detach().clone()
                     return _orig(layer)
 
-                method.process_weights_after_loading = capture
+                method.process_weights_after_loading = capture  # type: ignore[method-assign]  # test aid, undone below
                 restore.append(method)
         try:
             run()

@@ -5,7 +5,10 @@ Layout of the package (torchtitan-like):
 - `model.py`, `moe.py`, `dispatch.py` the model with local (sharded) parameter shapes.
 - `parallel_dims.py` the mesh; `comm.py` collectives with autograd; `parallelize.py` the recipe
   that builds one rank's pipeline stage; `pipeline.py` the microbatch schedule.
-- `state_dict_adapter.py` HF safetensors <-> local shards; `catalog.py` the syncd layout of a rank.
+- `canonical.py` the canonical tensors (names, shapes, random init); `hf_checkpoint.py` HF
+  directories <-> canonical tensors, in the dtypes of `export_dtype.py`; `shard_cut.py` /
+  `shard_gather.py` canonical tensors <-> a rank's parameters; `sharded_io.py` and
+  `parallel_export.py` the per-rank load and export; `catalog.py` the syncd layout of a rank.
 - `train.py` the training loop; `agent.py` the syncd rank agent; `tiny.py` a tiny test checkpoint.
 
 Nothing here imports vllm.

@@ -1,9 +1,9 @@
 """The rank agent: registers this trainer rank with syncd and serves its shards to refits.
 
-Lifecycle: `RankAgent.start` builds the rank's catalog, registers through `syncd.member.client.MemberClient`
-(role "trainer", member id `trainer-{rank}`, mesh coords) with `syncd.member.agent.MemberAgent` as the
-command handler, and hooks into the trainer so every optimizer step is announced as a new weight
-version; `close` leaves syncd and tears down the data-plane groups.
+Lifecycle: `RankAgent.start` builds the rank's catalog, joins syncd through the member library's
+front door (`syncd.member.join`: role trainer, member id `trainer-{rank}`, mesh coords, this
+rank's `TrainerEndpoint`), and hooks into the trainer so every optimizer step is announced as a
+new weight version; `close` leaves syncd and tears down the data-plane groups.
 
 The data plane reads the parameters in place (`LocalShards`, no copy) through `TrainerEndpoint`,
 which holds the trainer's lock from the start to the end of this rank's transfer, so no optimizer
@@ -23,9 +23,11 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from syncd.layout import Catalog
-from syncd.member.agent import AgentSettings, MemberAgent
+from syncd.member import Membership, join
+from syncd.member.client import MemberClient
 from syncd.member.dataplane import catalog_views
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion
 from trainer_svc.catalog import build_catalog
 from trainer_svc.settings import LaunchEnv
@@ -119,11 +121,13 @@ class TrainerEndpoint:
 
 
 class RankAgent:
-    def __init__(
-        self, client, endpoint: TrainerEndpoint, agent: MemberAgent, sync_refit_s: float | None
-    ) -> None:
-        self.client, self.endpoint, self.agent = client, endpoint, agent
+    def __init__(self, member: Membership, endpoint: TrainerEndpoint, sync_refit_s: float | None) -> None:
+        self.member, self.endpoint = member, endpoint
         self.sync_refit_s = sync_refit_s
+
+    @property
+    def client(self) -> MemberClient:
+        return self.member.client
 
     @staticmethod
     def start(
@@ -135,8 +139,6 @@ class RankAgent:
         in_flight: int = 2,
         auth_token: str | None = None,
     ) -> RankAgent:
-        from syncd.member.client import MemberClient
-
         mesh = trainer.mesh
         # The weights the model computes with (bfloat16 copies of the float32 masters, when it
         # trains in bfloat16): what a generator serves.
@@ -146,23 +148,21 @@ class RankAgent:
         run_id = [uuid.uuid4().hex]  # this training run, as syncd knows it: rank 0's id on every rank
         if torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(run_id, src=0)
-        client = MemberClient(
+        endpoint = TrainerEndpoint(shards, trainer, member_id)
+        member = join(
             target,
-            role="trainer",
+            endpoint,
+            role=Role.TRAINER,
             member_id=member_id,
             coords=mesh.coords.as_dict(),
             catalog=catalog,
             device=str(trainer.device),
-            data_address=data_host,
+            data_host=data_host,
             auth_token=auth_token,
             run_id=run_id[0],
+            in_flight=in_flight,
         )
-        endpoint = TrainerEndpoint(shards, trainer, member_id)
-        agent = MemberAgent(
-            client, endpoint, AgentSettings(host=data_host, device=str(trainer.device), in_flight=in_flight)
-        )
-        rank_agent = RankAgent(client, endpoint, agent, sync_refit_s)
-        client.start(agent)
+        rank_agent = RankAgent(member, endpoint, sync_refit_s)
         trainer.after_step.append(rank_agent.on_step)
         return rank_agent
 
@@ -187,5 +187,4 @@ class RankAgent:
                 log.warning("refit of version %d: %s; training goes on", version, outcome)
 
     def close(self) -> None:
-        self.agent.close()
-        self.client.close()
+        self.member.close()

@@ -1,7 +1,7 @@
 """This rank's syncd catalog: every local parameter as boxes of canonical (HF, grouped-expert) tensors.
 
 Each local tensor is `sharding.PLAN`'s placement of its canonical sources written as a syncd layout
-expression; state_dict_adapter.py executes the same table with torch slicing, and tests check the
+expression; shard_cut.py executes the same table with torch slicing, and tests check the
 two agree bit-exactly. Local tensor names are the trainer's parameter names. The fused expert-TP
 gate/up weight `[E_l*2*I_l, H]` is registered under the view `[E_l, 2, I_l, H]` (same numel,
 contiguous): two pieces, the local expert range of gate_proj and of up_proj, instead of 2*E_l
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from syncd.layout import Canon, CanonicalTensor, Catalog, Sharded, Stack, local_tensor
 from syncd.layout.placements import Expr
+from trainer_svc.canonical import canonical_shapes
 from trainer_svc.config import ModelArgs
 from trainer_svc.parallel_dims import Coords, ParallelDims
 from trainer_svc.parallelize import stage_layers
 from trainer_svc.sharding import on_mesh, param_names, sharding_of, sources
-from trainer_svc.state_dict_adapter import canonical_shapes
 
 MASTER_DTYPE = "float32"  # what the stage's parameters hold (`trainer_svc.precision`)
 

@@ -87,6 +87,7 @@ class ModelArgs:
         """Parse an HF config dict; raise ValueError for values this trainer does not implement."""
         _check_supported(cfg)
         num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        assert num_experts is not None  # _check_supported refused a config without it
         heads = cfg["num_attention_heads"]
         return ModelArgs(
             vocab_size=cfg["vocab_size"],

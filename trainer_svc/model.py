@@ -5,7 +5,7 @@ G_l local kv heads, V vocab.
 
 One `Qwen3MoeStage` is one pipeline stage: the embedding on the first stage, its slice of the
 decoder layers (keyed by their global index, so parameter names are the HF names), and the final
-norm and lm_head on the last. Parameters are created empty; `state_dict_adapter` fills them.
+norm and lm_head on the last. Parameters are created empty; `shard_cut.load_into` fills them.
 The numerics follow transformers' Qwen3MoeForCausalLM (float32 RMSNorm, rotate-half RoPE).
 """
 
@@ -96,6 +96,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class _Body(nn.Module):
+    """The `model.` prefix of HF's parameter names; a stage holds the parts it runs."""
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleDict
+    norm: RMSNorm
+
+
 class Qwen3MoeStage(nn.Module):
     """One pipeline stage. First stage takes token ids [B, S]; others take hidden [B, S, H].
     The last stage returns logits [B, S, V]; others return hidden [B, S, H]."""
@@ -114,7 +122,7 @@ class Qwen3MoeStage(nn.Module):
         self.args = args
         self.layer_ids = layer_ids
         self.first, self.last = first, last
-        self.model = nn.Module()
+        self.model = _Body()
         if first:
             self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.model.layers = nn.ModuleDict({str(i): DecoderLayer(args, ep_group, tp_group) for i in layer_ids})

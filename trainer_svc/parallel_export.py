@@ -26,17 +26,13 @@ import torch.distributed as dist
 
 from syncd.layout import hf_names
 from syncd.layout.dtypes import lookup
+from trainer_svc.canonical import canonical_shapes
 from trainer_svc.config import ModelArgs
+from trainer_svc.export_dtype import stored_entries, stored_tensors
+from trainer_svc.hf_checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from trainer_svc.parallel_dims import Mesh
+from trainer_svc.shard_gather import tp_whole
 from trainer_svc.sharding import sharding_of
-from trainer_svc.state_dict_adapter import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    canonical_shapes,
-    stored_entries,
-    stored_tensors,
-    tp_whole,
-)
 
 
 def file_layout(args: ModelArgs, dtype: str = "float32") -> tuple[bytes, dict[str, int], int]:
@@ -125,7 +121,7 @@ def export_parallel(
 
 
 def _pwrite_all(fd: int, t: torch.Tensor, offset: int) -> None:
-    view = memoryview(t.view(torch.uint8).numpy()).cast("B")  # bytes: numpy has no bfloat16
+    view = t.view(torch.uint8).numpy().data.cast("B")  # bytes: numpy has no bfloat16
     while view:  # pwrite may write less than asked (e.g. above 2 GiB on Linux)
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written

@@ -81,7 +81,9 @@ def global_grad_norm(plan: list[GradSync], world: bool) -> float:
     dev = plan[0].param.device
     total = torch.zeros((), dtype=torch.float64, device=dev)
     for item in plan:
-        total += item.param.grad.double().pow(2).sum() / item.replicas
+        grad = item.param.grad
+        assert grad is not None  # sync_grads gave every parameter one
+        total += grad.double().pow(2).sum() / item.replicas
     if world:
         dist.all_reduce(total)
     return float(total.sqrt())

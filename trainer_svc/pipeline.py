@@ -26,7 +26,8 @@ def train_microbatches(
     token losses / global_tokens, in float32; 0 off the last stage)."""
     inputs, outputs = [], []
     loss_sum = torch.zeros((), device=microbatches[0].inputs.device)
-    stage: Qwen3MoeStage = precision.model
+    stage = precision.model
+    assert isinstance(stage, Qwen3MoeStage)  # the pipeline runs stages only
     H = stage.args.hidden_size
     for mb in microbatches:
         if mesh.is_first_stage:
@@ -52,5 +53,6 @@ def train_microbatches(
             dist.recv(grad, src=mesh.stage_peer(1))
             y.backward(grad)
         if not mesh.is_first_stage:
+            assert x.grad is not None  # x requires grad (set where it was received)
             dist.send(x.grad.contiguous(), dst=mesh.stage_peer(-1))
     return loss_sum

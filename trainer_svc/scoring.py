@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
+from trainer_svc.hf_checkpoint import load_hf
 from trainer_svc.model import Qwen3MoeStage
 from trainer_svc.parallel_dims import Coords, ParallelDims
-from trainer_svc.state_dict_adapter import load_hf, load_into
+from trainer_svc.shard_cut import load_into
 
 
 class Scorer:

@@ -6,8 +6,8 @@ dp replicates, so neither appears here.
 Everything that cuts, describes or reassembles a shard reads this table, and nothing else states
 a placement:
 - `catalog.py`: each local tensor's syncd layout expression (`Sharded` over (ep, tp)),
-- `state_dict_adapter.py`: cutting canonical tensors into a rank's parameters and gathering them
-  back (also for `parallel_export.py`),
+- `shard_cut.py` / `shard_gather.py`: cutting canonical tensors into a rank's parameters and
+  gathering them back (also for `parallel_export.py`),
 - `parallelize.py`: which groups a gradient is summed over, and how many ranks then hold it,
 - `optim/optimizer.py`: which parameters are Muon's matrices and which of their dims is cut.
 `model.py` builds its parameters in these local shapes. Tests check the table's two executions

@@ -28,6 +28,7 @@ TINY_ARGS = ModelArgs(
 def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, args: ModelArgs = TINY_ARGS) -> Path:
     """Write a random float32 checkpoint (config.json + model.safetensors) to `out_dir`; return it.
     Same seed, same bytes. Loads unchanged in transformers' Qwen3MoeForCausalLM and in vLLM."""
-    from trainer_svc.state_dict_adapter import random_canonical, save_hf
+    from trainer_svc.canonical import random_canonical
+    from trainer_svc.hf_checkpoint import save_hf
 
     return save_hf(out_dir, args, random_canonical(args, seed))

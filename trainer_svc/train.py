@@ -24,8 +24,10 @@ import torch.distributed as dist
 from syncd.member.dataplane import catalog_views
 from syncd.weight_version import WeightVersion
 from trainer_svc import data
+from trainer_svc.canonical import random_canonical
 from trainer_svc.catalog import build_catalog
 from trainer_svc.config import ModelArgs
+from trainer_svc.hf_checkpoint import CONFIG_FILE, save_hf
 from trainer_svc.optim.optimizer import build_optimizer
 from trainer_svc.parallel_dims import Mesh
 from trainer_svc.parallel_export import export_parallel
@@ -33,8 +35,9 @@ from trainer_svc.parallelize import build_stage, global_grad_norm, grad_sync_pla
 from trainer_svc.pipeline import train_microbatches
 from trainer_svc.precision import Precision
 from trainer_svc.settings import LaunchEnv, TrainSettings
+from trainer_svc.shard_cut import load_into
+from trainer_svc.shard_gather import gather_canonical
 from trainer_svc.sharded_io import read_shards
-from trainer_svc.state_dict_adapter import CONFIG_FILE, gather_canonical, load_into, random_canonical, save_hf
 
 log = logging.getLogger("trainer_svc")
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
@@ -103,6 +106,7 @@ class Trainer:
         if canonical is None:
             catalog = build_catalog(args, mesh.dims, mesh.coords)
             params = {n: p.detach() for n, p in self.model.named_parameters()}
+            assert settings.model_dir is not None  # no canonical weights given: read them
             read_shards(settings.model_dir, catalog, catalog_views(catalog, params))
         else:
             load_into(self.model, canonical, mesh.dims, mesh.coords)
@@ -120,6 +124,7 @@ class Trainer:
         if settings.model_dir is not None:
             args, canonical = ModelArgs.from_file(Path(settings.model_dir) / CONFIG_FILE), None
         else:
+            assert settings.init_config is not None  # TrainSettings requires one of the two
             args = ModelArgs.from_file(settings.init_config)
             canonical = random_canonical(args, settings.seed)
         dims = settings.dims
@@ -147,9 +152,9 @@ class Trainer:
             self.optimizer.step()
             self.precision.refresh()
             self.version = WeightVersion(step)
-        loss = self._global_loss(loss)
+        global_loss = self._global_loss(loss)
         elapsed = time.perf_counter() - start
-        stats = StepStats(step, loss, norm, s.global_batch_size * s.seq_len / elapsed)
+        stats = StepStats(step, global_loss, norm, s.global_batch_size * s.seq_len / elapsed)
         if s.export_each_step:
             self.export(f"{s.export_dir}/step-{step}")  # before the hooks announce the version
         for hook in self.after_step:
@@ -185,14 +190,16 @@ class Trainer:
         one file system), writer ranks write their own tensors into the file in parallel
         (`parallel_export`); otherwise every shard is gathered and rank 0 writes. Returns on every
         rank only once the files exist (anyone told about the step may read them)."""
+        dtype = self.settings.export_dtype
+        assert dtype is not None  # TrainSettings defaults it to --dtype
         if self.distributed and self._one_host():
-            export_parallel(self.precision.weights, self.mesh, self.args, out_dir, self.settings.export_dtype)
+            export_parallel(self.precision.weights, self.mesh, self.args, out_dir, dtype)
             if self.mesh.rank == 0:
                 log.info("exported HF checkpoint to %s (parallel writers)", out_dir)
             return
         canonical = gather_canonical(self.precision.weights, self.mesh, self.args)
         if self.mesh.rank == 0:
-            save_hf(out_dir, self.args, canonical, self.settings.export_dtype)
+            save_hf(out_dir, self.args, canonical, dtype)
             log.info("exported HF checkpoint to %s", out_dir)
         if self.distributed:
             dist.barrier()
@@ -200,6 +207,6 @@ class Trainer:
     def _one_host(self) -> bool:
         """Collective (first call only): whether every rank runs on this rank's host."""
         if self._hosts is None:
-            self._hosts = [None] * self.mesh.dims.world_size
+            self._hosts = [""] * self.mesh.dims.world_size  # all_gather_object fills every entry
             dist.all_gather_object(self._hosts, socket.gethostname())
         return len(set(self._hosts)) == 1

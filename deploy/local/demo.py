@@ -3,7 +3,7 @@
     python -m deploy.local.demo [--steps 3] [--layout ep2tp2|pp2] [--dtype bfloat16|float32]
                                 [--train-dtype bfloat16|float32] [--model-dir DIR]
                                 [--refit-mode staged|inplace] [--delta [--full-every K]]
-                                [--summary-json PATH]
+                                [--replicas N] [--lab [--link-gbit G]] [--summary-json PATH]
 
 Starts syncd, the vLLM generator (CPU) and a 4-rank gloo trainer (`--layout ep2tp2`: ep 2 x tp 2,
 experts split over TP; `--layout pp2`: pp 2 x ep 2), all on this machine. The trainer waits after
@@ -13,36 +13,50 @@ By default the trainer trains in bfloat16 (`--train-dtype`; float32 master weigh
 state) and the generator serves bfloat16 (`--dtype`): the refit carries the bfloat16 weights the
 trainer computes with. The trainer exports each step in the served dtype; a float32 trainer's
 refit into a bfloat16 generator rounds on the way (half the bytes of float32 to float32).
-`--model-dir` starts both from any Qwen3-MoE HF directory instead of the tiny random model. Per
-refit the summary gives the seconds of `transfer` and `verify` (syncd's phases),
+`--model-dir` starts both from any Qwen3-MoE HF directory instead of the tiny random model; the
+prompts are token ids drawn from the model's vocabulary (`--seed`). Per refit the summary gives
+the seconds of `transfer` and `verify` (syncd's phases),
 `install` (how long the generator held generation to install) and `total`, and the bytes moved.
 `--delta` turns syncd's delta refits on: after the first refit each moves only the elements that
 changed (`--lr 1e-6` is an RL-like step), and the summary also gives each refit's mode and changed
 fraction; `--full-every K` makes every K-th refit a full one, to compare both in one run.
-Every process it starts, it stops.
+`--replicas N` serves from N vLLM replicas (TP 1, each bound to its own core when there are
+several), all refitted together; the KL is measured on replica 0 and every replica must serve
+each step's version. `--lab` runs each service on its own host of a lab (`deploy/lab`: network
+namespaces on a bridge, links shaped at `--link-gbit`, root needed): syncd, the trainer's ranks,
+and each replica; the summary then also gives the bytes that left the trainer's host per refit.
+Every process it starts, it stops (and the lab, its namespaces).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
+import random
 import re
 import shutil
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
+from deploy.lab import Lab, LabError
+from deploy.lab import placement as hosts
+from deploy.lab.placement import Placement
 from deploy.local import openai_client
-from deploy.local.processes import PYTHON, Cluster, free_port
+from deploy.local.processes import PYTHON, Cluster, Proc
+from syncd.net import free_port
 from syncd.refit_wait import wait_final
 from syncd.weight_version import WeightVersion, version_label
 
 LAYOUTS = {"ep2tp2": {"pp": 1, "ep": 2, "tp": 2}, "pp2": {"pp": 2, "ep": 2, "tp": 1}}
-PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 3, 250, 7, 81], [400, 12, 12, 9], [33, 44, 55, 66, 77, 88, 99]]
+PROMPT_LENGTHS = (5, 6, 4, 7)
 log = logging.getLogger("demo")
 
 
@@ -61,6 +75,8 @@ class StepRow:
     kl_after: float
     mode: str = "full"  # or "delta": the generator received only what changed
     changed_fraction: float | None = None
+    replicas_on_version: int = 1  # replicas serving this step's version after its refit
+    trainer_egress_bytes: int | None = None  # --lab: what left the trainer's host during the refit
 
     @property
     def mb_per_s(self) -> float:
@@ -71,18 +87,22 @@ class Generator:
     """The generator's OpenAI-compatible API, through the openai client: sampled tokens and their
     logprobs."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, prompts: list[list[int]]) -> None:
+        self.prompts = prompts
         self.api = openai_client.client(url)
         self.http = httpx.Client(base_url=url, timeout=30)  # the generator's own routes (/v1/install)
 
     def sample(self, seed: int, max_tokens: int = 24) -> list[tuple[list[int], list[int], list[float]]]:
         out = []
-        for i, prompt in enumerate(PROMPTS):
+        for i, prompt in enumerate(self.prompts):
             tokens, logprobs = openai_client.complete(
                 self.api, "tiny", prompt, max_tokens=max_tokens, temperature=1.0, seed=seed * 100 + i
             )
             out.append((prompt, tokens, logprobs))
         return out
+
+    def serves(self, version: WeightVersion) -> bool:
+        return self.http.get("/v1/weight_version").json()["version"] == version_label(version)
 
     def install_seconds(self, version: WeightVersion) -> float:
         """How long the generator held generation to install `version` (nan if it did not)."""
@@ -125,12 +145,22 @@ class Syncd:
         )
 
 
+def vocabulary_prompts(model_dir: Path, seed: int) -> list[list[int]]:
+    """The demo's prompts: token ids drawn from the model's vocabulary (its config.json), so any
+    Qwen3-MoE directory works, whatever its vocabulary size."""
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
 def trainer_loss(log_text: str, step: int) -> float:
     m = re.search(rf"step {step} loss ([0-9.eE+-]+)", log_text)
     return float(m.group(1)) if m else float("nan")
 
 
-def start_services(cluster: Cluster, work: Path, layout: dict, args) -> tuple[Syncd, Generator, object]:
+def start_services(
+    cluster: Cluster, work: Path, layout: dict, args, where: Placement
+) -> tuple[Syncd, list[Generator], Proc]:
     from trainer_svc.tiny import make_tiny_checkpoint
 
     model = (
@@ -138,102 +168,145 @@ def start_services(cluster: Cluster, work: Path, layout: dict, args) -> tuple[Sy
         if args.model_dir
         else make_tiny_checkpoint(work / "model", seed=args.seed)
     )
-    http_port, grpc_port, gen_port = free_port(), free_port(), free_port()
+    http_port, grpc_port = free_port(), free_port()
+    syncd_address = where.address(hosts.SYNCD)
     syncd = cluster.start(
         "syncd",
-        [
-            PYTHON,
-            "-m",
-            "syncd",
-            "--host",
-            "127.0.0.1",
-            "--http-port",
-            str(http_port),
-            "--grpc-port",
-            str(grpc_port),
-            "--db",
-            str(work / "syncd.db"),
-            "--expected-trainers",
-            "4",
-            "--expected-generators",
-            "1",
-            "--backend",
-            "gloo",
-            "--bucket-bytes",
-            str(1 << 20),
-            *(["--delta-refits"] if args.delta else []),
-        ],
+        where.command(
+            hosts.SYNCD,
+            [
+                PYTHON,
+                "-m",
+                "syncd",
+                "--host",
+                syncd_address,
+                "--http-port",
+                str(http_port),
+                "--grpc-port",
+                str(grpc_port),
+                "--db",
+                str(work / "syncd.db"),
+                "--expected-trainers",
+                "4",
+                "--expected-generators",
+                str(args.replicas),
+                "--backend",
+                "gloo",
+                "--bucket-bytes",
+                str(1 << 20),
+                *(["--delta-refits"] if args.delta else []),
+            ],
+        ),
     )
-    cluster.wait_http(syncd, f"http://127.0.0.1:{http_port}/healthz", 60)
-    log.info("syncd up (http %d, grpc %d); starting the vLLM generator (about 30 s)", http_port, grpc_port)
-    generator = cluster.start(
-        "generator",
-        [
-            PYTHON,
-            "-m",
-            "generator_svc",
-            "--model",
-            str(model),
-            "--syncd",
-            f"127.0.0.1:{grpc_port}",
-            "--port",
-            str(gen_port),
-            "--served-model-name",
-            "tiny",
-            "--dtype",
-            args.dtype,
-            "--enforce-eager",
-            "--refit-mode",
-            args.refit_mode,
-            "--max-model-len",
-            "256",
-            "--skip-tokenizer-init",
-        ],
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    cluster.wait_http(syncd, f"http://{syncd_address}:{http_port}/healthz", 60)
+    log.info(
+        "syncd up at %s (http %d, grpc %d); starting %d vLLM generator(s) (about 30 s)",
+        syncd_address,
+        http_port,
+        grpc_port,
+        args.replicas,
     )
-    cluster.wait_http(generator, f"http://127.0.0.1:{gen_port}/healthz", 300)
-    log.info("generator up; starting the trainer (4 gloo ranks: pp %(pp)d x ep %(ep)d x tp %(tp)d)", layout)
+    generators = [
+        start_generator(cluster, where, replica, model, f"{syncd_address}:{grpc_port}", args)
+        for replica in range(args.replicas)
+    ]
+    for proc, url in generators:
+        cluster.wait_http(proc, f"{url}/healthz", 300)
+    log.info(
+        "generator(s) up; starting the trainer (4 gloo ranks: pp %(pp)d x ep %(ep)d x tp %(tp)d)", layout
+    )
     trainer = cluster.start(
         "trainer",
-        [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            "-m",
-            "trainer_svc",
-            "--pp",
-            str(layout["pp"]),
-            "--ep",
-            str(layout["ep"]),
-            "--tp",
-            str(layout["tp"]),
-            "--model-dir",
-            str(model),
-            "--steps",
-            str(args.steps),
-            "--seed",
-            str(args.seed),
-            "--lr",
-            str(args.lr),
-            "--device",
-            "cpu",
-            "--syncd",
-            f"127.0.0.1:{grpc_port}",
-            "--sync-refit",
-            "--export-dir",
-            str(work / "export"),
-            "--export-each-step",
-            "--dtype",
-            args.train_dtype,
-            "--export-dtype",
-            args.dtype,
-        ],
+        where.command(
+            hosts.TRAINER,
+            [
+                PYTHON,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "4",
+                "-m",
+                "trainer_svc",
+                "--pp",
+                str(layout["pp"]),
+                "--ep",
+                str(layout["ep"]),
+                "--tp",
+                str(layout["tp"]),
+                "--model-dir",
+                str(model),
+                "--steps",
+                str(args.steps),
+                "--seed",
+                str(args.seed),
+                "--lr",
+                str(args.lr),
+                "--device",
+                "cpu",
+                "--syncd",
+                f"{syncd_address}:{grpc_port}",
+                "--data-host",
+                where.address(hosts.TRAINER),
+                "--sync-refit",
+                "--export-dir",
+                str(work / "export"),
+                "--export-each-step",
+                "--dtype",
+                args.train_dtype,
+                "--export-dtype",
+                args.dtype,
+            ],
+        ),
         env={"OMP_NUM_THREADS": "1"},
     )
-    return Syncd(f"http://127.0.0.1:{http_port}"), Generator(f"http://127.0.0.1:{gen_port}"), trainer
+    prompts = vocabulary_prompts(model, args.seed)
+    apis = [Generator(url, prompts) for _, url in generators]
+    return Syncd(f"http://{syncd_address}:{http_port}"), apis, trainer
+
+
+def start_generator(
+    cluster: Cluster, where: Placement, replica: int, model: Path, syncd: str, args
+) -> tuple[Proc, str]:
+    """Replica `replica` of the generator (TP 1); its process and URL. Several replicas on one
+    machine each bind their OpenMP threads to one core of their own (shared/VLLM_CPU_NOTES.md)."""
+    host, port = hosts.generator_host(replica), free_port()
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    if args.replicas > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(replica % (os.cpu_count() or 1))
+    proc = cluster.start(
+        "generator" if args.replicas == 1 else f"generator-{replica}",
+        where.command(
+            host,
+            [
+                PYTHON,
+                "-m",
+                "generator_svc",
+                "--model",
+                str(model),
+                "--syncd",
+                syncd,
+                "--replica",
+                str(replica),
+                "--data-host",
+                where.address(host),
+                "--port",
+                str(port),
+                "--served-model-name",
+                "tiny",
+                "--dtype",
+                args.dtype,
+                "--enforce-eager",
+                "--refit-mode",
+                args.refit_mode,
+                "--max-model-len",
+                "256",
+                "--skip-tokenizer-init",
+            ],
+        ),
+        env=env,
+    )
+    return proc, f"http://{where.address(host)}:{port}"
 
 
 def run(args) -> dict:
@@ -242,62 +315,96 @@ def run(args) -> dict:
     layout = LAYOUTS[args.layout]
     start = time.monotonic()
     rows: list[StepRow] = []
-    with Cluster(work / "logs") as cluster:
-        syncd, generator, trainer = start_services(cluster, work, layout, args)
+    with contextlib.ExitStack() as stack:  # on the way out: the processes first, then the lab
+        lab = None
+        if args.lab:
+            hosts_of = hosts.hosts(args.replicas)
+            lab = stack.enter_context(
+                Lab(hosts_of, rate_gbit=args.link_gbit, name="demo", logs=work / "logs")
+            )
+            log.info("lab up: %s", ", ".join(f"{h} {lab.address(h)}" for h in hosts_of))
+        cluster = stack.enter_context(Cluster(work / "logs"))
+        syncd, generators, trainer = start_services(cluster, work, layout, args, Placement(lab))
         print(
             f"{'step':>4} {'loss':>9} {'refit':>9} {'mode':>5} {'changed':>8} {'seconds':>8} {'install':>8} "
-            f"{'MB':>7} {'MB/s':>8} {'checksums':>9} {'KL before':>10} {'KL after':>10}",
+            f"{'MB':>7} {'MB/s':>8} {'checksums':>9} {'KL before':>10} {'KL after':>10}"
+            + (f" {'replicas':>8}" if args.replicas > 1 else "")
+            + (f" {'egress MB':>9}" if lab else ""),
             flush=True,
         )
         for step in range(1, args.steps + 1):
-            syncd.wait_announced(step, 300, trainer)
-            export = work / "export" / f"step-{step}"
-            kl_before = policy_kl(generator, export, seed=step)
-            state = syncd.refit(
-                step, 300, full=bool(args.full_every) and step % args.full_every == 1 % args.full_every
-            )
-            committed = state["state"] == "COMMITTED"
-            kl_after = policy_kl(generator, export, seed=step) if committed else float("nan")
-            seconds = (state["finished_at"] or time.time()) - state["created_at"]
-            phases = state.get("phases") or {}
-            row = StepRow(
-                step,
-                trainer_loss(trainer.log.read_text(errors="replace"), step),
-                state["state"],
-                seconds,
-                phases.get("TRANSFERRING", float("nan")),
-                phases.get("VERIFYING", float("nan")),
-                generator.install_seconds(step) if committed else float("nan"),
-                state.get("bytes") or 0,
-                committed,
-                kl_before,
-                kl_after,
-                state.get("mode", "full"),
-                state.get("changed_fraction"),
-            )
+            row = refit_step(step, syncd, generators, trainer, lab, work, args)
             rows.append(row)
-            changed = "-" if row.changed_fraction is None else f"{100 * row.changed_fraction:.2f}%"
-            checksums = "ok" if row.checksums_ok else "FAILED"
-            print(
-                f"{row.step:>4} {row.loss:>9.4f} {row.refit_state:>9} {row.mode:>5} {changed:>8} "
-                f"{row.refit_seconds:>8.2f} {row.install_seconds:>8.3f} {row.bytes / 1e6:>7.2f} "
-                f"{row.mb_per_s:>8.2f} {checksums:>9} "
-                f"{row.kl_before:>10.2e} {row.kl_after:>10.2e}",
-                flush=True,
-            )
-            if not committed:
-                print(f"     refit failed: {state.get('error')}", flush=True)
+            print_row(row, args.replicas, lab is not None)
         trainer.popen.wait(120)
+    return summarize(rows, time.monotonic() - start, args)
+
+
+def refit_step(
+    step: int, syncd: Syncd, generators: list[Generator], trainer: Proc, lab: Lab | None, work: Path, args
+) -> StepRow:
+    """Wait for the trainer's `step`, refit every replica to it, and measure around it."""
+    syncd.wait_announced(step, 300, trainer)
+    export = work / "export" / f"step-{step}"
+    kl_before = policy_kl(generators[0], export, seed=step)
+    egress_before = lab.tx_bytes(hosts.TRAINER) if lab else 0
+    state = syncd.refit(
+        step, 300, full=bool(args.full_every) and step % args.full_every == 1 % args.full_every
+    )
+    egress = lab.tx_bytes(hosts.TRAINER) - egress_before if lab else None
+    committed = state["state"] == "COMMITTED"
+    kl_after = policy_kl(generators[0], export, seed=step) if committed else float("nan")
+    phases = state.get("phases") or {}
+    row = StepRow(
+        step,
+        trainer_loss(trainer.log.read_text(errors="replace"), step),
+        state["state"],
+        (state["finished_at"] or time.time()) - state["created_at"],
+        phases.get("TRANSFERRING", float("nan")),
+        phases.get("VERIFYING", float("nan")),
+        generators[0].install_seconds(step) if committed else float("nan"),
+        state.get("bytes") or 0,
+        committed,
+        kl_before,
+        kl_after,
+        state.get("mode", "full"),
+        state.get("changed_fraction"),
+        sum(g.serves(step) for g in generators),
+        egress,
+    )
+    if not committed:
+        print(f"     refit failed: {state.get('error')}", flush=True)
+    return row
+
+
+def print_row(row: StepRow, replicas: int, lab: bool) -> None:
+    changed = "-" if row.changed_fraction is None else f"{100 * row.changed_fraction:.2f}%"
+    checksums = "ok" if row.checksums_ok else "FAILED"
+    print(
+        f"{row.step:>4} {row.loss:>9.4f} {row.refit_state:>9} {row.mode:>5} {changed:>8} "
+        f"{row.refit_seconds:>8.2f} {row.install_seconds:>8.3f} {row.bytes / 1e6:>7.2f} "
+        f"{row.mb_per_s:>8.2f} {checksums:>9} "
+        f"{row.kl_before:>10.2e} {row.kl_after:>10.2e}"
+        + (f" {row.replicas_on_version:>4}/{replicas:<3}" if replicas > 1 else "")
+        + (f" {(row.trainer_egress_bytes or 0) / 1e6:>9.2f}" if lab else ""),
+        flush=True,
+    )
+
+
+def summarize(rows: list[StepRow], seconds: float, args) -> dict:
     return {
         "refits": len(rows),
         "refits_committed": sum(r.refit_state == "COMMITTED" for r in rows),
         "checksums_ok": all(r.checksums_ok for r in rows) and bool(rows),
         "kl_before_first": rows[0].kl_before if rows else None,
         "kl_after_max": max((r.kl_after for r in rows), default=None),
-        "total_seconds": round(time.monotonic() - start, 1),
+        "total_seconds": round(seconds, 1),
         "layout": args.layout,
         "train_dtype": args.train_dtype,
         "served_dtype": args.dtype,
+        "replicas": args.replicas,
+        "lab": {"link_gbit": args.link_gbit} if args.lab else None,
+        "all_replicas_served_each_version": all(r.replicas_on_version == args.replicas for r in rows),
         "refit_phases": [
             {
                 "step": r.step,
@@ -308,6 +415,7 @@ def run(args) -> dict:
                 "bytes": r.bytes,
                 "mode": r.mode,
                 "changed_fraction": r.changed_fraction,
+                "trainer_egress_bytes": r.trainer_egress_bytes,
             }
             for r in rows
         ],
@@ -356,6 +464,13 @@ def main() -> int:
         metavar="K",
         help="with --delta: make refits 1, K+1, 2K+1, ... full ones (compare both in one run)",
     )
+    parser.add_argument("--replicas", type=int, default=1, help="generator replicas (vLLM, TP 1 each)")
+    parser.add_argument(
+        "--lab",
+        action="store_true",
+        help="each service on its own host of a lab (network namespaces, shaped links; needs root)",
+    )
+    parser.add_argument("--link-gbit", type=float, default=1.0, help="with --lab: every link's rate")
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument(
         "--model-dir",
@@ -367,16 +482,26 @@ def main() -> int:
     args = parser.parse_args()
     if args.full_every < 0 or (args.full_every and not args.delta):
         parser.error("--full-every takes a positive K, with --delta")
+    if args.replicas < 1:
+        parser.error(f"--replicas must be >= 1, got {args.replicas}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s demo %(message)s")
     for noisy in ("httpx", "openai"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    summary = run(args)
+    try:
+        summary = run(args)
+    except LabError as e:
+        print(f"error: --lab: {e}", file=sys.stderr)
+        return 2
     line = {k: v for k, v in summary.items() if k not in ("steps", "refit_phases")}
     print(f"summary: {json.dumps(line)}")
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
-    ok = summary["refits_committed"] == summary["refits"] and summary["checksums_ok"]
+    ok = (
+        summary["refits_committed"] == summary["refits"]
+        and summary["checksums_ok"]
+        and summary["all_replicas_served_each_version"]
+    )
     return 0 if ok else 1
 
 

@@ -10,21 +10,23 @@ from syncd import commands
 from syncd.api import syncd_pb2 as pb
 from syncd.layout import Box, CanonicalTensor, Catalog, LocalTensor, Piece
 from syncd.plan.types import Bucket, Relay, TransferUnit
+from syncd.vocabulary import Fp8Part, Role
+from syncd.weight_version import WeightVersion
 
-ROLES = {"trainer": pb.ROLE_TRAINER, "generator": pb.ROLE_GENERATOR}
+ROLES = {Role.TRAINER: pb.ROLE_TRAINER, Role.GENERATOR: pb.ROLE_GENERATOR}
 ROLE_NAMES = {v: k for k, v in ROLES.items()}
 PHASES = {name: pb.Phase.Value(f"PHASE_{name}") for name in (*commands.Phase, "ANNOUNCE")}
 PHASE_NAMES = {v: k for k, v in PHASES.items()}
 
 
-def role_to_pb(role: str) -> int:
+def role_to_pb(role: str) -> pb.Role:
     try:
-        return ROLES[role]
-    except KeyError:
-        raise ValueError(f"unknown role {role!r}; expected one of {sorted(ROLES)}") from None
+        return ROLES[Role(role)]
+    except ValueError:
+        raise ValueError(f"unknown role {role!r}; expected one of {sorted(map(str, ROLES))}") from None
 
 
-def phase_to_pb(phase: str) -> int:
+def phase_to_pb(phase: str) -> pb.Phase:
     try:
         return PHASES[phase]
     except KeyError:
@@ -104,7 +106,7 @@ def unit_from_pb(m: pb.TransferUnit) -> TransferUnit:
         dst_tensor=m.dst_tensor,
         dst_box=box_from_pb(m.dst_box),
         nbytes=m.nbytes,
-        quantized=m.quantized or None,
+        quantized=Fp8Part(m.quantized) if m.quantized else None,
         src_dtype=m.src_dtype or None,
         block_box=box_from_pb(m.block_box) if m.HasField("block_box") else None,
     )
@@ -230,7 +232,8 @@ def _delta_from_pb(m: pb.ExecutePlan) -> commands.DeltaLinks | None:
     if not m.HasField("delta"):
         return None
     d = m.delta
-    return commands.DeltaLinks(None if d.base < 0 else d.base, frozenset(d.dsts), d.max_fraction)
+    base = None if d.base < 0 else WeightVersion(d.base)  # syncd sent it: a WeightVersion or -1
+    return commands.DeltaLinks(base, frozenset(d.dsts), d.max_fraction)
 
 
 def command_from_pb(msg: pb.Command) -> commands.Command:
@@ -252,7 +255,7 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
         m = msg.execute_plan
         return commands.ExecutePlan(
             m.refit_id,
-            m.weight_version,
+            WeightVersion(m.weight_version),  # versions syncd sends are WeightVersions
             _buckets_from_pb(m.buckets),
             tuple(commands.StageGroup(g.stage, g.group_id, g.backend, tuple(g.members)) for g in m.groups),
             m.timeout_s,
@@ -260,10 +263,11 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
             m.stall_timeout_s,
         )
     if kind == "verify":
-        return commands.Verify(msg.verify.refit_id, msg.verify.weight_version, msg.verify.timeout_s)
+        v = msg.verify
+        return commands.Verify(v.refit_id, WeightVersion(v.weight_version), v.timeout_s)
     if kind == "commit":
         m = msg.commit
-        return commands.Commit(m.refit_id, m.weight_version, m.timeout_s, m.run_id)
+        return commands.Commit(m.refit_id, WeightVersion(m.weight_version), m.timeout_s, m.run_id)
     if kind == "abort":
         return commands.Abort(msg.abort.refit_id, msg.abort.reason)
     raise ValueError(f"command without a kind: {msg!r}")

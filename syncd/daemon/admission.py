@@ -28,6 +28,7 @@ from syncd.daemon.versions import Versions, WeightSet
 from syncd.layout import Catalog
 from syncd.plan import Plan
 from syncd.states import RefitState
+from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -94,10 +95,10 @@ class Admission:
 
     def admit(self, role: str, member_id: str, catalog: Catalog) -> None:
         """Refuse, at registration, a generator that could never receive the trainers' weights."""
-        if role != "generator":
+        if role != Role.GENERATOR:
             return
         trainers = [
-            self._registry.catalog(m.catalog_hash) for m in self._registry.members() if m.role == "trainer"
+            self._registry.catalog(m.catalog_hash) for m in self._registry.members() if m.role == Role.TRAINER
         ]
         problem = dtype_mismatch(member_id, catalog, trainers)
         if problem is not None:
@@ -146,7 +147,7 @@ class Admission:
                 members, self._expected(), self._versions.run_id, self._registry.catalog, self.current_plan
             )
         live = [m for m in members if m.member_id not in excluded]
-        expected = {"trainer": self._settings.expected_trainers, "generator": 1}
+        expected: dict[str, int] = {Role.TRAINER: self._settings.expected_trainers, Role.GENERATOR: 1}
         return refit_problems(
             live, expected, self._versions.run_id, self._registry.catalog, lambda: self.plan_for(live)
         )
@@ -163,7 +164,10 @@ class Admission:
         return Readiness(not problems, self._expected(), {r: counts[r] for r in ROLES}, "; ".join(problems))
 
     def _expected(self) -> dict[str, int]:
-        return {"trainer": self._settings.expected_trainers, "generator": self._settings.expected_generators}
+        return {
+            Role.TRAINER: self._settings.expected_trainers,
+            Role.GENERATOR: self._settings.expected_generators,
+        }
 
     def current_plan(self) -> Plan:
         return self.plan_for(self._registry.members())

@@ -18,6 +18,7 @@ from syncd.daemon.readiness import behind
 from syncd.daemon.registry import Member, Registry, check_weight_version
 from syncd.daemon.settings import Settings
 from syncd.daemon.versions import Versions
+from syncd.vocabulary import Role
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class AutoRefit:
 
     def announce(self, member: Member, version: int) -> None:
         """A trainer announced a weight version it holds."""
-        if member.role != "trainer":
+        if member.role != Role.TRAINER:
             raise InvalidArgument(
                 f"only trainers announce weight versions; {member.member_id} is a {member.role}"
             )
@@ -44,7 +45,7 @@ class AutoRefit:
         self._maybe_refit()
 
     def on_registered(self, member: Member) -> None:
-        if member.role == "trainer":
+        if member.role == Role.TRAINER:
             self._versions.trainer_registered(member)
         self._maybe_refit()  # a deferred auto-refit may be possible now
 

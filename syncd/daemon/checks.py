@@ -22,6 +22,7 @@ from syncd.daemon.errors import FailedPrecondition
 from syncd.daemon.registry import ROLES, Member
 from syncd.layout import Catalog, dtypes
 from syncd.plan import Plan, fp8_blocks
+from syncd.vocabulary import Role
 
 
 def dtype_mismatch(generator_id: str, generator: Catalog, trainers: Sequence[Catalog]) -> str | None:
@@ -55,16 +56,16 @@ def refit_problems(
     the registered members cannot be planned for; it runs only when nothing else is wrong."""
     counts = Counter(m.role for m in members)
     problems = [f"{counts[r]} of {expected[r]} {r}s registered" for r in ROLES if counts[r] < expected[r]]
-    stale = sorted(m.member_id for m in members if m.role == "trainer" and m.run_id != run_id)
+    stale = sorted(m.member_id for m in members if m.role == Role.TRAINER and m.run_id != run_id)
     if stale:
         problems.append(
             f"trainers {', '.join(stale)} belong to a superseded training run (the current run is {run_id!r})"
         )
-    trainers = [catalog(m.catalog_hash) for m in members if m.role == "trainer"]
+    trainers = [catalog(m.catalog_hash) for m in members if m.role == Role.TRAINER]
     problems += [
         p
         for m in members
-        if m.role == "generator"
+        if m.role == Role.GENERATOR
         if (p := dtype_mismatch(m.member_id, catalog(m.catalog_hash), trainers))
     ]
     if not problems:  # ready means a refit could start now: GET /v1/plan must agree

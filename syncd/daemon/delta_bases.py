@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from syncd.commands import DeltaLinks, StageGroup
 from syncd.daemon.registry import Member
 from syncd.plan import Plan
+from syncd.vocabulary import Backend
 from syncd.weight_version import WeightVersion
 
 
@@ -40,7 +41,7 @@ class DeltaBases:
         """The delta links of a refit from `base` (the committed version; None before the first):
         every generator whose senders and itself hold it, unless `full` forces a full refit."""
         senders: dict[str, set[str]] = {}
-        gloo_stages = {s for s, g in groups.items() if g.backend == "gloo"}
+        gloo_stages = {s for s, g in groups.items() if g.backend == Backend.GLOO}
         refused: set[str] = set()
         for b in plan.buckets:
             senders.setdefault(b.dst, set()).add(b.src)

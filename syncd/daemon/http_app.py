@@ -8,7 +8,7 @@ anything unexpected is a 500 with a one-line message (never a stack trace).
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,8 +43,11 @@ def require_token(request: Request, authorization: Annotated[str | None, Header(
 
 
 Authorized = Annotated[None, Depends(require_token)]
-_ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 422)}
-_TRIGGER_ERRORS = {**_ERRORS, 503: {"model": ErrorBody, "description": "the store refuses to record a refit"}}
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 422)}
+_TRIGGER_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    503: {"model": ErrorBody, "description": "the store refuses to record a refit"},
+}
 
 
 def build_app(

@@ -14,6 +14,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from syncd.vocabulary import Role
+
 # `*_created` series only double the output; nothing here needs them.
 disable_created_metrics()
 
@@ -65,7 +67,7 @@ class Metrics:
         self.committed_version = Gauge(
             "weightsync_syncd_committed_weight_version", "Weight version generators serve", registry=r
         )
-        for role in ("trainer", "generator"):
+        for role in Role:
             self.members.labels(role=role)
         for outcome in ("committed", "aborted"):
             self.refits.labels(outcome=outcome)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from syncd.daemon.registry import Member
 from syncd.layout import Catalog, dtype_bytes
 from syncd.plan import DestMember, Plan, SourceMember, make_fanout_plan, make_plan
+from syncd.vocabulary import Role
 
 PlanKey = tuple
 
@@ -42,12 +43,12 @@ class PlanCache:
         sources = [
             SourceMember(m.member_id, m.stage, catalog(m.catalog_hash))
             for m in members
-            if m.role == "trainer"
+            if m.role == Role.TRAINER
         ]
         dests = [
             DestMember(m.member_id, catalog(m.catalog_hash), by_layer=m.receive_by_layer)
             for m in members
-            if m.role == "generator"
+            if m.role == Role.GENERATOR
         ]
         if not sources or not dests:
             raise ValueError(f"a plan needs trainers and generators; have {len(sources)} and {len(dests)}")

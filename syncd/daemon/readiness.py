@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from syncd.daemon.registry import Member
 from syncd.daemon.versions import WeightSet
+from syncd.vocabulary import Role
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ def behind(members: Sequence[Member], committed: WeightSet | None) -> list[Membe
     its start-up checkpoint until a refit reaches it)."""
     if committed is None:
         return []
-    return [m for m in members if m.role == "generator" and m.weight_version != committed.version]
+    return [m for m in members if m.role == Role.GENERATOR and m.weight_version != committed.version]
 
 
 def behind_reason(generators: Sequence[Member], committed: WeightSet) -> str:

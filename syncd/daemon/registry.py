@@ -28,12 +28,13 @@ from dataclasses import dataclass, field, replace
 
 from syncd.commands import Command
 from syncd.daemon.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from syncd.layout import Catalog
+from syncd.layout import CanonicalTensor, Catalog, LocalTensor
+from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion, parse_weight_version
 
 log = logging.getLogger(__name__)
 
-ROLES = ("trainer", "generator")
+ROLES = tuple(map(str, Role))  # plain strings: they are named in error text
 # Display order of mesh dims (protobuf maps are unordered); other dims follow alphabetically.
 DIM_ORDER = ("replica", "pp", "dp", "ep", "tp")
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -136,11 +137,11 @@ class Registry:
             )
         if weight_version is not None:
             weight_version = check_weight_version(member_id, weight_version)
-        if role == "trainer" and receive_by_layer:
+        if role == Role.TRAINER and receive_by_layer:
             raise InvalidArgument(
                 f"trainer {member_id}: receive_by_layer is for generators (trainers only send)"
             )
-        if role == "trainer" and "pp" not in coords:
+        if role == Role.TRAINER and "pp" not in coords:
             raise InvalidArgument(f"trainer {member_id}: coords {dict(coords)} lack the 'pp' dim")
         if catalog is not None:
             _check_catalog(member_id, catalog, catalog_hash, self.limits)
@@ -311,7 +312,8 @@ def _check_catalog(member_id: str, catalog: Catalog, claimed_hash: str, limits: 
             f"catalog of {member_id}: {entries} tensors and pieces, more than the limit "
             f"{limits.catalog_entries} (max_catalog_entries)"
         )
-    for t in (*catalog.canonical, *catalog.tensors):
+    every: tuple[CanonicalTensor | LocalTensor, ...] = (*catalog.canonical, *catalog.tensors)
+    for t in every:
         elements = math.prod(t.shape)
         if elements > limits.tensor_elements:
             raise InvalidArgument(

@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from syncd.vocabulary import Backend
+
 
 def _setting(default: Any, env: str, help: str) -> Any:
     return field(default=default, metadata={"env": env, "help": help})
@@ -108,7 +110,7 @@ class Settings:
             if self.auth_token not in (None, token):
                 raise ValueError("set auth_token or auth_token_file, not both")
             object.__setattr__(self, "auth_token", token)
-        if self.backend not in ("auto", "gloo", "nccl"):
+        if self.backend not in ("auto", *Backend):
             raise ValueError(f"backend must be auto, gloo or nccl, not {self.backend!r}")
         for name in (
             "store_busy_timeout",
@@ -163,7 +165,7 @@ class Settings:
         for f in dataclasses.fields(cls):
             raw = args[f.name] if args[f.name] is not None else environ.get(f.metadata["env"])
             if raw is not None:
-                values[f.name] = _parse(f.name, f.type, raw)
+                values[f.name] = _parse(f.name, str(f.type), raw)  # a name: annotations are strings here
         return cls(**values)
 
     @staticmethod

@@ -17,6 +17,7 @@ from syncd.daemon.plan_cache import stage_membership
 from syncd.daemon.refit_run import RefitAborted, Run, seconds_left
 from syncd.daemon.registry import Member
 from syncd.plan import Plan
+from syncd.vocabulary import Backend
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class StageGroups:
     def _backend(self, members: list[Member]) -> str:
         if self._backend_setting != "auto":
             return self._backend_setting
-        return "nccl" if all(m.device.startswith("cuda") for m in members) else "gloo"
+        return Backend.NCCL if all(m.device.startswith("cuda") for m in members) else Backend.GLOO
 
     def _negotiate(self, run: Run, group: StageGroup, deadline: float) -> None:
         """Rank 0 creates the address and reports it before blocking in init; syncd relays it.

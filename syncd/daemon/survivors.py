@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from syncd.daemon.registry import Member
 from syncd.plan import Plan
 from syncd.plan.fanout import relay_depths
+from syncd.vocabulary import Role
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Lost:
 
 def replica_of(member: Member) -> tuple[str, int] | None:
     """A generator worker's replica (its `replica` coordinate); None for trainers."""
-    if member.role != "generator":
+    if member.role != Role.GENERATOR:
         return None
     return ("replica", int(member.coords.get("replica", 0)))
 
@@ -67,14 +68,16 @@ def find_lost(planned: Mapping[str, Member], registered: Mapping[str, Member]) -
     )
     if not lost:
         return Lost(lost, lost, "no member was lost")
-    trainers = sorted(m for m in lost if planned[m].role == "trainer")
+    trainers = sorted(m for m in lost if planned[m].role == Role.TRAINER)
     if trainers:
         return Lost(lost, lost, f"trainer ranks {', '.join(trainers)} were lost")
     lost_replicas = {replica_of(planned[m]) for m in lost}
     excluded = lost | frozenset(
-        m.member_id for m in registered.values() if m.role == "generator" and replica_of(m) in lost_replicas
+        m.member_id
+        for m in registered.values()
+        if m.role == Role.GENERATOR and replica_of(m) in lost_replicas
     )
-    if not any(m.role == "generator" and m.member_id not in excluded for m in registered.values()):
+    if not any(m.role == Role.GENERATOR and m.member_id not in excluded for m in registered.values()):
         return Lost(lost, excluded, "no generator replica is left")
     return Lost(lost, excluded, None)
 

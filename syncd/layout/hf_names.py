@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
-T = TypeVar("T")
+
+class _Indexable(Protocol):
+    def __getitem__(self, index: int, /) -> Any: ...
+
+
+# A tensor or array: split along experts by indexing, grouped by the caller's `stack`.
+T = TypeVar("T", bound=_Indexable)
 
 # `weight_scale_inv`: the block scales of a blockwise-FP8 weight (`syncd.plan.fp8_blocks`), which
 # an FP8 checkpoint also stores per expert.
@@ -45,7 +51,7 @@ def split_to_hf(name: str, tensor: T, num_experts: int) -> list[tuple[str, T]]:
     """Canonical (name, tensor) -> HF (name, tensor) pairs; grouped experts become per-expert views."""
     if not is_grouped_expert(name):
         return [(name, tensor)]
-    return [(hf_expert_name(name, e), tensor[e]) for e in range(num_experts)]  # type: ignore[index]
+    return [(hf_expert_name(name, e), tensor[e]) for e in range(num_experts)]
 
 
 def group_from_hf(items: Iterable[tuple[str, T]], stack: Callable[[Sequence[T]], T]) -> dict[str, T]:

@@ -45,7 +45,10 @@ Placement = Replicate | Shard | InterleavedShard
 
 
 class Expr:
-    shape: tuple[int, ...]
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape this expression evaluates to."""
+        raise NotImplementedError
 
     def pieces(self) -> list[Piece]:
         """Pieces whose `local` boxes are in this expression's coordinates."""
@@ -64,7 +67,7 @@ class Canon(Expr):
         return self.box if self.box is not None else Box.full(self.canonical_shape)
 
     @property
-    def shape(self) -> tuple[int, ...]:  # type: ignore[override]
+    def shape(self) -> tuple[int, ...]:
         full = self.region.shape
         for d in self.drop:
             if full[d] != 1:
@@ -83,7 +86,7 @@ class Concat(Expr):
     parts: tuple[Expr, ...]
 
     @property
-    def shape(self) -> tuple[int, ...]:  # type: ignore[override]
+    def shape(self) -> tuple[int, ...]:
         first = self.parts[0].shape
         for p in self.parts:
             if len(p.shape) != len(first) or any(
@@ -93,7 +96,8 @@ class Concat(Expr):
         return tuple(sum(p.shape[d] for p in self.parts) if d == self.dim else n for d, n in enumerate(first))
 
     def pieces(self) -> list[Piece]:
-        out, offset = [], 0
+        out: list[Piece] = []
+        offset = 0
         for part in self.parts:
             out.extend(Piece(p.canonical, p.canon, p.local.shifted(self.dim, offset)) for p in part.pieces())
             offset += part.shape[self.dim]
@@ -106,7 +110,7 @@ class Stack(Expr):
     parts: tuple[Expr, ...]
 
     @property
-    def shape(self) -> tuple[int, ...]:  # type: ignore[override]
+    def shape(self) -> tuple[int, ...]:
         first = self.parts[0].shape
         if any(p.shape != first for p in self.parts):
             raise ValueError(f"cannot stack shapes {[p.shape for p in self.parts]}")
@@ -160,7 +164,7 @@ class Sharded(Expr):
         return runs
 
     @property
-    def shape(self) -> tuple[int, ...]:  # type: ignore[override]
+    def shape(self) -> tuple[int, ...]:
         return tuple(sum(hi - lo for lo, hi in r) for r in self._intervals)
 
     def pieces(self) -> list[Piece]:

@@ -31,16 +31,22 @@ import torch
 
 from syncd.commands import Abort, Command, Commit, DeltaLinks, ExecutePlan, JoinGroup, Phase, Verify
 from syncd.member.dataplane import (
+    GcPause,
     GlooTransport,
+    LoopCache,
+    LoopOptions,
     TransferError,
+    TransferStats,
     TransferTimeout,
     Transport,
     recv_buckets,
     send_buckets,
 )
 from syncd.member.dataplane.delta import DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.member.dataplane.prepared import ReceiveSink
 from syncd.member.dataplane.relay import relay_buckets
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Backend
 from syncd.weight_version import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -51,8 +57,9 @@ class Endpoint(Protocol):
 
     def begin(
         self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
-    ) -> Mapping[str, torch.Tensor]:
-        """Tensors (views in the catalog's shapes) to send `buckets` from or receive them into."""
+    ) -> Mapping[str, torch.Tensor] | ReceiveSink:
+        """Tensors (views in the catalog's shapes) to send `buckets` from or receive them into, or
+        a receiver that takes each arrived bucket itself (`ReceiveSink`)."""
         ...
 
     def end(self, refit_id: str, ok: bool) -> None:
@@ -73,16 +80,37 @@ class Endpoint(Protocol):
 
 
 class Reporter(Protocol):
-    member_id: str
+    """What the agent needs of its client (`MemberClient`): its id, and answering a command."""
 
-    def report(self, refit_id: str, phase: str, **fields) -> None: ...
+    @property
+    def member_id(self) -> str: ...
+
+    def report(
+        self,
+        refit_id: str,
+        phase: str,
+        *,
+        ok: bool = True,
+        error: str = "",
+        bytes: int = 0,
+        checksums: dict[str, str] | None = None,
+        timings: dict[str, float] | None = None,
+        address: str = "",
+        delta_elements: int = 0,
+        changed_elements: int = 0,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
 class AgentSettings:
-    host: str = "127.0.0.1"  # where this member's peers reach a gloo store it hosts
+    # The address this member reported: a gloo store it hosts and its gloo sockets listen there.
+    host: str = "127.0.0.1"
     device: str = "cpu"
     in_flight: int = 2  # staging buffers per stage and direction
+    # Keep Python's collector off while this member's transfers run: a full collection stalls
+    # the host for tens of ms mid-transfer (`syncd.member.dataplane.gc_pause`). A member process
+    # has one agent, so its pause covers all of the process's transfers.
+    pause_gc: bool = True
 
 
 @dataclass
@@ -90,6 +118,7 @@ class _Group:
     group_id: str
     members: tuple[str, ...]
     transport: Transport
+    cache: LoopCache  # what the loops over `transport` keep between refits; dropped with it
 
 
 def _naming_peer(error: BaseException, members: Sequence[str]) -> BaseException:
@@ -108,6 +137,7 @@ class MemberAgent:
         self._groups: dict[int, _Group] = {}
         self._cancel = threading.Event()
         self._lock = threading.Lock()
+        self._gc_pause = GcPause() if settings.pause_gc else None
         self.mirror: Mirror | None = None  # senders, while delta refits are on: what they last sent
 
     @property
@@ -132,7 +162,8 @@ class MemberAgent:
         self._close_group(cmd.stage)
         timeout = cmd.timeout_s
         t0 = time.perf_counter()
-        if cmd.backend == "nccl":
+        transport: Transport
+        if cmd.backend == Backend.NCCL:
             from syncd.member.dataplane.nccl import NcclTransport
 
             address = NcclTransport.create_address() if cmd.rank == 0 else cmd.address
@@ -141,17 +172,20 @@ class MemberAgent:
             transport = NcclTransport.connect(
                 address, cmd.rank, cmd.world_size, torch.device(self._settings.device), timeout
             )
-        elif cmd.backend == "gloo":
+        elif cmd.backend == Backend.GLOO:
             store = None
             address = cmd.address
             if cmd.rank == 0:
                 address, store = GlooTransport.create_address(self._settings.host, cmd.world_size, timeout)
                 self._client.report(cmd.refit_id, Phase.GROUP_ADDRESS, address=address)
-            transport = GlooTransport.connect(address, cmd.rank, cmd.world_size, cmd.group_id, timeout, store)
+            transport = GlooTransport.connect(
+                address, cmd.rank, cmd.world_size, cmd.group_id, timeout, store, bind_host=self._settings.host
+            )
         else:
-            raise ValueError(f"unknown data-plane backend {cmd.backend!r}; expected 'gloo' or 'nccl'")
+            known = " or ".join(repr(str(b)) for b in Backend)
+            raise ValueError(f"unknown data-plane backend {cmd.backend!r}; expected {known}")
         with self._lock:
-            self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport)
+            self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport, LoopCache())
         self._client.report(cmd.refit_id, Phase.JOINED, timings={"join_s": time.perf_counter() - t0})
         log.info("%s joined %s as rank %d/%d", self.member_id, cmd.group_id, cmd.rank, cmd.world_size)
 
@@ -184,13 +218,13 @@ class MemberAgent:
         self.mirror.version = None  # until this transfer completes, the mirror is between versions
         return d, Diffs(self.mirror)
 
-    def _transfer(self, cmd: ExecutePlan, tensors: Mapping[str, torch.Tensor]) -> None:
+    def _transfer(self, cmd: ExecutePlan, tensors: Mapping[str, torch.Tensor] | ReceiveSink) -> None:
         delta, diffs = self._delta_part(cmd)
         per_stage: dict[int, list[Bucket]] = defaultdict(list)
         for b in cmd.buckets:
             per_stage[b.stage].append(b)
         groups = {g.stage: g for g in cmd.groups}
-        results: dict[int, object] = {}
+        results: dict[int, TransferStats | BaseException] = {}
         threads = []
         for stage, buckets in per_stage.items():
             group = self._groups.get(stage)
@@ -214,6 +248,7 @@ class MemberAgent:
         checksums, total, timings, elements, changed = {}, 0, {}, 0, 0
         touched: set[str] = set()
         for stage, stats in results.items():
+            assert isinstance(stats, TransferStats)  # the failures were raised above
             checksums.update(stats.checksums)
             total += stats.bytes
             timings[f"stage{stage}_s"] = stats.seconds
@@ -222,8 +257,9 @@ class MemberAgent:
                 touched |= stats.touched
         timings["transfer_s"] = max(timings.values(), default=0.0)
         if diffs is not None:
+            assert isinstance(tensors, Mapping)  # diffs are a sender's, and a sender names its tensors
             diffs.commit(tensors)
-            self.mirror.version = cmd.weight_version
+            diffs.mirror.version = cmd.weight_version
         elif delta is not None and hasattr(self._endpoint, "received_delta"):
             self._endpoint.received_delta(cmd.refit_id, frozenset(touched))
         self._client.report(
@@ -241,7 +277,7 @@ class MemberAgent:
         group: _Group,
         buckets: list[Bucket],
         tensors,
-        results: dict,
+        results: dict[int, TransferStats | BaseException],
         stage: int,
         timeout_s: float,
         delta: DeltaLinks | None,
@@ -251,26 +287,35 @@ class MemberAgent:
         sending = buckets[0].src == self.member_id
         # Sends wait twice the stall timeout: a blocked sender is its receiver's victim, and the
         # member starving on a receive names the stuck one first (`syncd.daemon.survivors`).
-        options = {
-            "timeout_s": 2 * timeout_s if sending else timeout_s,
-            "in_flight": self._settings.in_flight,
-            "cancel": self._cancel,
-        }
+        options = LoopOptions(
+            2 * timeout_s if sending else timeout_s, self._settings.in_flight, gc_pause=self._gc_pause
+        )
+        cancel, cache, transport = self._cancel, group.cache, group.transport
         try:
             if any(b.relay is not None and b.src == self.member_id for b in buckets):  # fan-out
-                options["forward_timeout_s"] = 2 * timeout_s
                 results[stage] = relay_buckets(
-                    buckets, self.member_id, tensors, group.transport, ranks, **options
+                    buckets,
+                    self.member_id,
+                    tensors,
+                    transport,
+                    ranks,
+                    options,
+                    cancel=cancel,
+                    cache=cache,
+                    forward_timeout_s=2 * timeout_s,
                 )
             elif delta is None:
-                run = send_buckets if sending else recv_buckets
-                results[stage] = run(buckets, tensors, group.transport, ranks, **options)
+                loop = send_buckets if sending else recv_buckets
+                results[stage] = loop(buckets, tensors, transport, ranks, options, cancel=cancel, cache=cache)
             elif sending:
+                assert diffs is not None  # `_delta_part` gives every sender its comparisons
                 results[stage] = send_with_deltas(
-                    buckets, tensors, group.transport, ranks, delta, diffs, **options
+                    buckets, tensors, transport, ranks, delta, diffs, options, cancel=cancel, cache=cache
                 )
             else:
-                results[stage] = recv_with_deltas(buckets, tensors, group.transport, ranks, delta, **options)
+                results[stage] = recv_with_deltas(
+                    buckets, tensors, transport, ranks, delta, options, cancel=cancel, cache=cache
+                )
         except BaseException as e:  # noqa: BLE001 - a stage thread's failure goes to `results`, read after join
             log.warning("%s: stage %d transfer failed: %s", self.member_id, stage, e)
             self._close_group(stage)  # unblock our peers: they fail fast instead of timing out

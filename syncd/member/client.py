@@ -1,6 +1,6 @@
 """The member side of syncd's protocol, used by trainer_svc ranks and generator_svc workers.
 
-    client = MemberClient("syncd:8471", role="generator", member_id="generator-0-0",
+    client = MemberClient("syncd:8471", role=Role.GENERATOR, member_id="generator-0-0",
                           coords={"replica": 0, "tp": 0}, catalog=catalog)
     client.start(handler)            # handler(command) for JoinGroup, ExecutePlan, Verify, Commit, Abort
     client.report(cmd.refit_id, Phase.TRANSFERRED, bytes=n, checksums=sums)
@@ -36,6 +36,7 @@ from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
 from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, MemberReport, Phase, Verify
 from syncd.layout import Catalog
+from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class MemberClient:
         self,
         target: str,
         *,
-        role: str,
+        role: Role,
         member_id: str,
         coords: dict[str, int],
         catalog: Catalog,

@@ -44,6 +44,7 @@ from syncd.layout import (
 from syncd.layout.catalog import first_overlap
 from syncd.plan import fp8_blocks
 from syncd.plan.types import Bucket, DestMember, Plan, SourceMember, TransferUnit
+from syncd.vocabulary import Fp8Part
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -119,19 +120,19 @@ class _TensorMeta:
     conversion: Conversion
     source: str
     source_shape: tuple[int, ...]
-    quantized: str | None = None  # None, "values" or "scales"
+    quantized: Fp8Part | None = None
 
     def reads(self, box: Box) -> Box:
         """The canonical box of `source` that a unit over `box` of this tensor is made from."""
-        if self.quantized == "values":
+        if self.quantized == Fp8Part.VALUES:
             return fp8_blocks.whole_blocks(box, self.source_shape)
-        if self.quantized == "scales":
+        if self.quantized == Fp8Part.SCALES:
             return fp8_blocks.from_grid(box, self.source_shape)
         return box
 
     def covers(self, source_box: Box) -> Box:
         """The box of this tensor that a source's canonical `source_box` lets it send."""
-        return fp8_blocks.to_grid(source_box) if self.quantized == "scales" else source_box
+        return fp8_blocks.to_grid(source_box) if self.quantized == Fp8Part.SCALES else source_box
 
 
 def _declarations(members: Sequence[SourceMember] | Sequence[DestMember]) -> dict[str, _Declared]:
@@ -179,7 +180,9 @@ def _canonical_meta(
             if quantized
             else conversion(held.tensor.dtype, dst.tensor.dtype, tensor=name)
         )
-        meta[name] = _TensorMeta(dst.tensor, conv, name, held.tensor.shape, "values" if quantized else None)
+        meta[name] = _TensorMeta(
+            dst.tensor, conv, name, held.tensor.shape, Fp8Part.VALUES if quantized else None
+        )
     return meta
 
 
@@ -199,7 +202,7 @@ def _scales_meta(dst: _Declared, weight_src: _Declared, weight_dst: _Declared) -
             f"are {expected.dtype}{list(expected.shape)}"
         )
     return _TensorMeta(
-        dst.tensor, Conversion(weight.dtype, dst.tensor.dtype), weight.name, weight.shape, "scales"
+        dst.tensor, Conversion(weight.dtype, dst.tensor.dtype), weight.name, weight.shape, Fp8Part.SCALES
     )
 
 
@@ -262,7 +265,7 @@ def _units_for_tensor(
             src = min(holders, key=lambda h: (load[h.member], h.member))
             load[src.member] += sub.numel * wire_itemsize
             # FP8 values are cut at whole blocks, so that no block is quantized for two units.
-            align = fp8_blocks.BLOCK[0] if meta.quantized == "values" else 1
+            align = fp8_blocks.BLOCK[0] if meta.quantized == Fp8Part.VALUES else 1
             for slab in _slabs(sub, max_elements, align):
                 read = meta.reads(slab)
                 yield (

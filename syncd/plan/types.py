@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from syncd.layout import Box, Catalog
+from syncd.vocabulary import Fp8Part
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class TransferUnit:
     packing (`syncd.layout.dtypes.conversion` says which pairs are allowed); None means no
     conversion.
 
-    `quantized` ("values" or "scales") marks a unit of a blockwise-FP8 destination
+    `quantized` (an `Fp8Part`: values or scales) marks a unit of a blockwise-FP8 destination
     (`syncd.plan.fp8_blocks`): the sender quantizes `block_box` (whole blocks of the canonical
     weight it holds, read from `src_box`) and sends the e4m3 values, or the scales, of `canon`."""
 
@@ -52,7 +53,7 @@ class TransferUnit:
     dst_box: Box
     nbytes: int
     src_dtype: str | None = None
-    quantized: str | None = None
+    quantized: Fp8Part | None = None
     block_box: Box | None = None
 
 
@@ -151,8 +152,8 @@ class Plan:
             if b.relay is not None:
                 relays.add((b.stage, b.src, b.dst))
         return [
-            LinkSummary(s, src, dst, *row, relay=(s, src, dst) in relays)
-            for (s, src, dst), row in sorted(acc.items())
+            LinkSummary(s, src, dst, nbytes, buckets, units, relay=(s, src, dst) in relays)
+            for (s, src, dst), (nbytes, buckets, units) in sorted(acc.items())
         ]
 
     def stage_bytes(self) -> dict[int, int]:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import httpx
 
-from deploy.local.processes import free_port
 from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase, Verify, checksum_key
 from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
 from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, local_tensor
 from syncd.member.client import MemberClient
+from syncd.net import free_port
 from syncd.refit_wait import wait_final
 from tests.polling import wait_until
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from deploy_tools import REPO
 
-from deploy.local.processes import free_port, group_members
+from deploy.local.processes import group_members
 from deploy.slurm.launcher import command
 from deploy.slurm.plan import Allocation, Layout, Options, assign, expand_nodelist, launches
+from syncd.net import free_port
 
 
 @pytest.mark.parametrize(

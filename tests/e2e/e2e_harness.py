@@ -1,5 +1,6 @@
 """Real services as real processes for the end-to-end tests: syncd, `python -m generator_svc`
-(vLLM on CPU) and `torchrun -m trainer_svc` jobs, wired as in production, driven over HTTP."""
+(vLLM on CPU) and `torchrun -m trainer_svc` jobs, wired as in production, driven over HTTP; on
+this machine's loopback, or each on its own host of a lab (`Stack(work, Placement(lab))`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 
 import httpx
 
+from deploy.lab.placement import SYNCD, TRAINER, Placement, generator_host
 from deploy.local import openai_client
-from deploy.local.processes import PYTHON, Cluster, Proc, free_port
+from deploy.local.processes import PYTHON, Cluster, Proc
+from syncd.net import free_port
 from syncd.refit_wait import wait_final
 from syncd.weight_version import WeightVersion, version_label
 from tests.polling import wait_until
@@ -54,18 +57,21 @@ def rank_pids(torchrun_pid: int) -> list[int]:
 
 
 class Stack:
-    """One syncd (restartable on the same ports and database) plus generators and trainer jobs."""
+    """One syncd (restartable on the same ports and database) plus generators and trainer jobs;
+    `where` places them (syncd, the trainer, generator replica R on hosts `syncd`, `trainer`,
+    `genR` of a lab; all on loopback by default)."""
 
-    def __init__(self, work: Path) -> None:
-        self.work = work
+    def __init__(self, work: Path, where: Placement | None = None) -> None:
+        self.work, self.where = work, where or Placement()
         self.cluster = Cluster(work / "logs")
         self.http_port, self.grpc_port = free_port(), free_port()
         self.syncd: Proc | None = None
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=30)
+        base_url = f"http://{self.where.address(SYNCD)}:{self.http_port}"
+        self.http = httpx.Client(base_url=base_url, timeout=30)
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.where.address(SYNCD)}:{self.grpc_port}"
 
     def start_syncd(
         self,
@@ -80,34 +86,37 @@ class Stack:
         self.stop_syncd()
         self.syncd = self.cluster.start(
             "syncd",
-            [
-                PYTHON,
-                "-m",
-                "syncd",
-                "--host",
-                "127.0.0.1",
-                "--http-port",
-                str(self.http_port),
-                "--grpc-port",
-                str(self.grpc_port),
-                "--db",
-                str(self.work / db),
-                "--expected-trainers",
-                str(trainers),
-                "--expected-generators",
-                str(generators),
-                "--backend",
-                "gloo",
-                "--bucket-bytes",
-                str(bucket_bytes),
-                "--lease-seconds",
-                "4",
-                "--transfer-timeout",
-                "60",
-                *(["--delta-refits"] if delta else []),
-            ],
+            self.where.command(
+                SYNCD,
+                [
+                    PYTHON,
+                    "-m",
+                    "syncd",
+                    "--host",
+                    self.where.address(SYNCD),
+                    "--http-port",
+                    str(self.http_port),
+                    "--grpc-port",
+                    str(self.grpc_port),
+                    "--db",
+                    str(self.work / db),
+                    "--expected-trainers",
+                    str(trainers),
+                    "--expected-generators",
+                    str(generators),
+                    "--backend",
+                    "gloo",
+                    "--bucket-bytes",
+                    str(bucket_bytes),
+                    "--lease-seconds",
+                    "4",
+                    "--transfer-timeout",
+                    "60",
+                    *(["--delta-refits"] if delta else []),
+                ],
+            ),
         )
-        self.cluster.wait_http(self.syncd, f"http://127.0.0.1:{self.http_port}/healthz", 60)
+        self.cluster.wait_http(self.syncd, f"http://{self.where.address(SYNCD)}:{self.http_port}/healthz", 60)
 
     def stop_syncd(self) -> None:
         if self.syncd is not None:
@@ -124,36 +133,43 @@ class Stack:
         replica: int = 0,
         dtype: str = "bfloat16",
         refit_mode: str = "staged",
+        cpus: str | None = None,
     ) -> Generator:
-        port = free_port()
+        """Replica `replica` (on host `gen<replica>` of a lab); `cpus`: its workers' OpenMP
+        binding (VLLM_CPU_OMP_THREADS_BIND; a TP-N engine defaults to one core per worker)."""
+        port, host = free_port(), generator_host(replica)
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
         flags = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
-        if tp > 1:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+        if cpus is not None or tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpus or "|".join(str(i) for i in range(tp))
         proc = self.cluster.start(
             name,
-            [
-                PYTHON,
-                "-m",
-                "generator_svc",
-                "--model",
-                str(model),
-                "--port",
-                str(port),
-                "--dtype",
-                dtype,
-                *GENERATOR_FLAGS,
-                *flags,
-                "--replica",
-                str(replica),
-                "--refit-mode",
-                refit_mode,
-                *(["--syncd", self.target] if syncd else []),
-            ],
+            self.where.command(
+                host,
+                [
+                    PYTHON,
+                    "-m",
+                    "generator_svc",
+                    "--model",
+                    str(model),
+                    "--port",
+                    str(port),
+                    "--dtype",
+                    dtype,
+                    *GENERATOR_FLAGS,
+                    *flags,
+                    "--replica",
+                    str(replica),
+                    "--refit-mode",
+                    refit_mode,
+                    *(["--syncd", self.target, "--data-host", self.where.address(host)] if syncd else []),
+                ],
+            ),
             env=env,
         )
-        self.cluster.wait_http(proc, f"http://127.0.0.1:{port}/healthz", 300)
-        return Generator(proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120))
+        url = f"http://{self.where.address(host)}:{port}"
+        self.cluster.wait_http(proc, f"{url}/healthz", 300)
+        return Generator(proc, httpx.Client(base_url=url, timeout=120))
 
     def train(
         self,
@@ -175,40 +191,45 @@ class Stack:
         world = pp * ep * tp
         return self.cluster.start(
             name,
-            [
-                PYTHON,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                str(world),
-                "-m",
-                "trainer_svc",
-                "--pp",
-                str(pp),
-                "--ep",
-                str(ep),
-                "--tp",
-                str(tp),
-                "--model-dir",
-                str(model),
-                "--steps",
-                str(steps),
-                "--lr",
-                str(lr),
-                "--device",
-                "cpu",
-                "--syncd",
-                self.target,
-                "--export-dir",
-                str(export),
-                "--export-each-step",
-                "--dtype",
-                dtype,
-                "--export-dtype",
-                export_dtype or dtype,
-                *(["--sync-refit"] if sync_refit else []),
-            ],
+            self.where.command(
+                TRAINER,
+                [
+                    PYTHON,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc-per-node",
+                    str(world),
+                    "-m",
+                    "trainer_svc",
+                    "--pp",
+                    str(pp),
+                    "--ep",
+                    str(ep),
+                    "--tp",
+                    str(tp),
+                    "--model-dir",
+                    str(model),
+                    "--steps",
+                    str(steps),
+                    "--lr",
+                    str(lr),
+                    "--device",
+                    "cpu",
+                    "--syncd",
+                    self.target,
+                    "--data-host",
+                    self.where.address(TRAINER),
+                    "--export-dir",
+                    str(export),
+                    "--export-each-step",
+                    "--dtype",
+                    dtype,
+                    "--export-dtype",
+                    export_dtype or dtype,
+                    *(["--sync-refit"] if sync_refit else []),
+                ],
+            ),
             env={"OMP_NUM_THREADS": "1"},
         )
 

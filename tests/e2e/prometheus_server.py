@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from deploy.local.processes import Cluster, Proc, free_port
+from deploy.local.processes import Cluster, Proc
+from syncd.net import free_port
 from tests.deploy.deploy_tools import require_tool
 
 SCRAPE_INTERVAL = "1s"

@@ -3,6 +3,7 @@ generator's policy matches the trainer's after each refit, and bfloat16 moves 2 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -11,23 +12,23 @@ import pytest
 from safetensors import safe_open
 
 from deploy.local.processes import PYTHON, REPO
+from trainer_svc.tiny import TINY_ARGS, make_tiny_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
 
-def test_the_demo_refits_a_bfloat16_generator_after_every_step(tmp_path):
+def _run_demo(tmp_path, *args: str) -> dict:
     summary_path, work = tmp_path / "summary.json", tmp_path / "demo"
     run = subprocess.run(
         [
             PYTHON,
             "-m",
             "deploy.local.demo",
-            "--steps",
-            "2",
             "--workdir",
             str(work),
             "--summary-json",
             str(summary_path),
+            *args,
         ],
         cwd=REPO,
         capture_output=True,
@@ -35,7 +36,12 @@ def test_the_demo_refits_a_bfloat16_generator_after_every_step(tmp_path):
         timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    summary = json.loads(summary_path.read_text())
+    return json.loads(summary_path.read_text())
+
+
+def test_the_demo_refits_a_bfloat16_generator_after_every_step(tmp_path):
+    summary = _run_demo(tmp_path, "--steps", "2")
+    work = tmp_path / "demo"
     assert summary["refits"] == summary["refits_committed"] == 2 and summary["checksums_ok"], summary
     # After a refit the generator (bfloat16 arithmetic) samples as the trainer scores its bfloat16
     # export (float32 arithmetic): equal weights, so only the arithmetic differs; before, the
@@ -44,3 +50,14 @@ def test_the_demo_refits_a_bfloat16_generator_after_every_step(tmp_path):
     with safe_open(str(work / "export" / "step-1" / "model.safetensors"), framework="pt") as f:
         elements = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 - safe_open is not iterable
     assert [p["bytes"] for p in summary["refit_phases"]] == [2 * elements] * 2, summary["refit_phases"]
+
+
+def test_the_demo_serves_a_model_dir_whose_vocabulary_is_smaller_than_its_old_fixed_prompts(tmp_path):
+    """`--model-dir` on a Qwen3-MoE of vocabulary 256: the prompts come from the model's vocabulary
+    (fixed ids up to 400 once killed the generator's engine on the first completion)."""
+    model = make_tiny_checkpoint(
+        tmp_path / "model", seed=3, args=dataclasses.replace(TINY_ARGS, vocab_size=256)
+    )
+    summary = _run_demo(tmp_path, "--steps", "1", "--model-dir", str(model))
+    assert summary["refits"] == summary["refits_committed"] == 1 and summary["checksums_ok"], summary
+    assert summary["kl_after_max"] < 1e-4, summary

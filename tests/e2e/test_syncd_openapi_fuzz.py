@@ -9,7 +9,7 @@ import httpx
 import pytest
 from openapi_fuzz import run_schemathesis
 
-from deploy.local.processes import free_port
+from syncd.net import free_port
 from tests.control.syncd_harness import MEMBERS, TOKEN, SyncdProcess, make_member
 from tests.polling import wait_until
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.local.processes import free_port
+from syncd.net import free_port
 from trainer_svc.tiny import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

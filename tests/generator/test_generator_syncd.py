@@ -129,7 +129,7 @@ class FakeTrainer:
 
     def handle(self, cmd) -> None:
         from syncd.commands import Abort, Commit, ExecutePlan, JoinGroup, Phase, Verify
-        from syncd.member.dataplane import GlooTransport, send_buckets
+        from syncd.member.dataplane import GlooTransport, LoopOptions, send_buckets
 
         report = self.client.report
         if isinstance(cmd, JoinGroup):
@@ -150,7 +150,7 @@ class FakeTrainer:
                 transport, members = self.transports[group.group_id]
                 mine = [b for b in cmd.buckets if b.src == "trainer-0" and b.stage == group.stage]
                 stats = send_buckets(
-                    mine, self.tensors, transport, {m: i for i, m in enumerate(members)}, timeout_s=60
+                    mine, self.tensors, transport, {m: i for i, m in enumerate(members)}, LoopOptions(60)
                 )
                 stats_bytes += stats.bytes
                 sums.update(stats.checksums)

@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deploy.local.processes import free_port
+from syncd.net import free_port
 
 pytestmark = pytest.mark.gpu(count=2)
 
 
 def _worker(rank: int, port: int, result_dir: str) -> None:
     from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
-    from syncd.member.dataplane import catalog_views, recv_buckets, send_buckets
+    from syncd.member.dataplane import LoopOptions, catalog_views, recv_buckets, send_buckets
     from syncd.member.dataplane.nccl import NcclTransport
     from syncd.plan import DestMember, SourceMember, make_plan
     from syncd.plan.simulate import materialize
@@ -62,7 +62,11 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
     views = catalog_views(catalog, owned)
     run = send_buckets if rank == 0 else recv_buckets
     stats = run(
-        plan.for_member("trainer-0" if rank == 0 else "generator-0-1"), views, transport, ranks, timeout_s=60
+        plan.for_member("trainer-0" if rank == 0 else "generator-0-1"),
+        views,
+        transport,
+        ranks,
+        LoopOptions(60),
     )
     sums = [None, None]
     dist.all_gather_object(sums, stats.checksums)

@@ -1,6 +1,6 @@
-"""Refits through a real syncd with real tensors: members are MemberClient + MemberAgent over
-gloo, one communicator per trainer PP stage. No vLLM here: generator endpoints stage and commit
-plain tensors (generator_svc's own tests cover vLLM)."""
+"""Refits through a real syncd with real tensors: members join through `syncd.member.join`
+(MemberClient + MemberAgent) over gloo, one communicator per trainer PP stage. No vLLM here:
+generator endpoints stage and commit plain tensors (generator_svc's own tests cover vLLM)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import httpx
 import numpy as np
 import pytest
 
-from deploy.local.processes import free_port
 from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Shard, Sharded, Stack, local_tensor
-from syncd.member.agent import AgentSettings, MemberAgent
-from syncd.member.client import MemberClient
+from syncd.member import join
+from syncd.net import free_port
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
+from syncd.vocabulary import Role
 from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.polling import wait_until
 
@@ -79,39 +79,36 @@ def cluster(tmp_path: Path):
     target = f"127.0.0.1:{daemon.grpc_port}"
     trainers = {s: TrainerEndpoint(trainer_catalog(s)) for s in range(2)}
     generators = {t: GeneratorEndpoint(generator_catalog(t)) for t in range(2)}
-    clients = []
-    for s, ep in trainers.items():
-        c = MemberClient(
+    members = [
+        join(
             target,
-            role="trainer",
+            ep,
+            role=Role.TRAINER,
             member_id=f"trainer-{s}",
             coords={"pp": s, "dp": 0, "ep": 0, "tp": 0},
             catalog=ep.catalog,
         )
-        clients.append((c, ep))
-    for t, ep in generators.items():
-        c = MemberClient(
+        for s, ep in trainers.items()
+    ]
+    members += [
+        join(
             target,
-            role="generator",
+            ep,
+            role=Role.GENERATOR,
             member_id=f"generator-0-{t}",
             coords={"replica": 0, "tp": t},
             catalog=ep.catalog,
         )
-        clients.append((c, ep))
-    agents = []
-    for c, ep in clients:
-        agent = MemberAgent(c, ep, AgentSettings())
-        c.start(agent)
-        agents.append(agent)
+        for t, ep in generators.items()
+    ]
     http = httpx.Client(base_url=f"http://127.0.0.1:{daemon.settings.http_port}", timeout=30)
     deadline = time.monotonic() + 30
     while not http.get("/readyz").json()["ready"]:
         assert time.monotonic() < deadline, http.get("/readyz").json()
         time.sleep(0.1)
-    yield http, trainers, generators, clients[0][0].announce_version
-    for (c, _), agent in zip(clients, agents):
-        c.close()
-        agent.close()
+    yield http, trainers, generators, members[0].client.announce_version
+    for member in members:
+        member.close()
     http.close()
     daemon.stop()
 

@@ -14,22 +14,23 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.local.processes import free_port
 from generator_svc.catalog import TP, build_catalog
 from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
-from syncd.member.agent import AgentSettings, MemberAgent
+from syncd.member import join
 from syncd.member.client import MemberClient
+from syncd.net import free_port
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
 from syncd.states import TERMINAL
+from syncd.vocabulary import Role
 from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.integration.test_fp8_refit import vllm_specs
 from tests.polling import wait_until
 from trainer_svc import catalog as trainer_catalog
+from trainer_svc.canonical import canonical_shapes
 from trainer_svc.config import ModelArgs
 from trainer_svc.parallel_dims import ParallelDims
-from trainer_svc.state_dict_adapter import canonical_shapes
 
 ARGS = ModelArgs(
     vocab_size=256,
@@ -98,22 +99,20 @@ def cluster(tmp_path: Path):
         TrainerEndpoint(trainer_catalog.build_catalog(ARGS, DIMS, c, "bfloat16")) for c in DIMS.all_coords()
     ]
 
-    def join(member_id: str, coords: dict, role: str, holder) -> MemberClient:
-        client = MemberClient(target, role=role, member_id=member_id, coords=coords, catalog=holder.catalog)
-        agent = MemberAgent(client, holder, AgentSettings())
-        client.start(agent)
-        running.extend((client, agent))
-        return client
+    def join_as(member_id: str, coords: dict, role: Role, holder) -> MemberClient:
+        member = join(target, holder, role=role, member_id=member_id, coords=coords, catalog=holder.catalog)
+        running.append(member)
+        return member.client
 
     clients = [
-        join(f"trainer-{DIMS.rank_of(c)}", c.as_dict(), "trainer", t)
+        join_as(f"trainer-{DIMS.rank_of(c)}", c.as_dict(), Role.TRAINER, t)
         for c, t in zip(DIMS.all_coords(), trainers)
     ]
 
     def add_generator(replica: int, tp: int) -> list[StagedGenerator]:
         gens = [StagedGenerator(build_catalog(vllm_specs(ARGS, TP(tp, r)))) for r in range(tp)]
         for r, g in enumerate(gens):
-            join(f"generator-{replica}-{r}", {"replica": replica, "tp": r}, "generator", g)
+            join_as(f"generator-{replica}-{r}", {"replica": replica, "tp": r}, Role.GENERATOR, g)
         return gens
 
     http = httpx.Client(base_url=f"http://127.0.0.1:{settings.http_port}", timeout=30)

@@ -19,9 +19,10 @@ import pytest
 
 from bench.plain_member import TINY, canonical_values, loaded_marker
 from bench.synthetic_moe import vllm_catalog
-from deploy.local.processes import PYTHON, Cluster, Proc, free_port
+from deploy.local.processes import PYTHON, Cluster, Proc
 from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
+from syncd.net import free_port
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
 from tests.polling import wait_until

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.local.processes import free_port
 from generator_svc.catalog import (
     TP,
     ExpertsParam,
@@ -31,15 +30,16 @@ from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
 from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.client import MemberClient
+from syncd.net import free_port
 from syncd.plan.fp8_blocks import blockwise_fp8_catalog
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
 from tests.fp8_reference import checkpoint_arrays
 from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from trainer_svc import catalog as trainer_catalog
+from trainer_svc.canonical import canonical_shapes
 from trainer_svc.config import ModelArgs
 from trainer_svc.parallel_dims import ParallelDims
-from trainer_svc.state_dict_adapter import canonical_shapes
 
 ARGS = ModelArgs(
     vocab_size=300,

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deploy.lab import Lab
-from tests.lab_support import running_lab
 
-from deploy.local.processes import PYTHON, Cluster, Proc, free_port
+from deploy.lab import Lab
+from deploy.local.processes import PYTHON, Cluster, Proc
 from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
+from syncd.net import free_port
 from tests.integration.test_fanout_refit import Fleet
+from tests.lab_support import running_lab
 from tests.polling import wait_until
 
 

@@ -20,9 +20,9 @@ import torch
 
 from trainer_svc.catalog import build_catalog
 from trainer_svc.config import ModelArgs
+from trainer_svc.hf_checkpoint import load_hf
 from trainer_svc.parallel_dims import Coords, ParallelDims
 from trainer_svc.sharded_io import read_shards
-from trainer_svc.state_dict_adapter import load_hf
 
 MIB = 2**20
 

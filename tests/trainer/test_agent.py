@@ -13,15 +13,17 @@ import pytest
 import torch
 from _launch import TRAIN
 
-from deploy.local.processes import free_port
 from syncd.layout import Canon, CanonicalTensor, Catalog, local_tensor
+from syncd.net import free_port
 from syncd.refit_wait import wait_final
+from syncd.vocabulary import Role
 from tests.polling import wait_until
 from trainer_svc.agent import LocalShards, RankAgent
+from trainer_svc.canonical import canonical_shapes
 from trainer_svc.catalog import build_catalog
 from trainer_svc.parallel_dims import ParallelDims
 from trainer_svc.settings import LaunchEnv, TrainSettings
-from trainer_svc.state_dict_adapter import canonical_shapes, gather_canonical
+from trainer_svc.shard_gather import gather_canonical
 from trainer_svc.tiny import TINY_ARGS
 from trainer_svc.train import Trainer
 
@@ -166,27 +168,25 @@ def test_trainer_ranks_register_with_syncd_and_announce(start_syncd, tiny_dir, t
 
 
 class _Receiver:
-    """A stand-in generator holding every canonical tensor whole: a plain endpoint behind the
-    same MemberAgent the real services use."""
+    """A stand-in generator holding every canonical tensor whole: a plain endpoint joined through
+    the same front door (`syncd.member.join`) the real services use."""
 
     def __init__(self, target: str) -> None:
-        from syncd.member.agent import AgentSettings, MemberAgent
-        from syncd.member.client import MemberClient
+        from syncd.member import join
 
         shapes = canonical_shapes(TINY_ARGS)
         canon = tuple(CanonicalTensor(n, s, "float32") for n, s in shapes.items())
         catalog = Catalog(canon, tuple(local_tensor(n, "float32", Canon(n, s)) for n, s in shapes.items()))
         self.tensors = {n: torch.zeros(s) for n, s in shapes.items()}
         self.committed: list[int] = []
-        self.client = MemberClient(
+        self.member = join(
             target,
-            role="generator",
+            self,
+            role=Role.GENERATOR,
             member_id="generator-0-0",
             coords={"replica": 0, "tp": 0},
             catalog=catalog,
         )
-        self.agent = MemberAgent(self.client, self, AgentSettings())
-        self.client.start(self.agent)
 
     def begin(self, refit_id, version, buckets):
         return self.tensors
@@ -204,8 +204,7 @@ class _Receiver:
         pass
 
     def close(self) -> None:
-        self.agent.close()
-        self.client.close()
+        self.member.close()
 
 
 def test_refit_moves_the_trained_weights_bit_exactly(start_syncd, tiny_dir):

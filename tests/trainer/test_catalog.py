@@ -2,7 +2,7 @@
 
 A NumPy simulation executes a catalog (for each piece, canonical[canon box] -> local[local box]) and
 compares the result bit-exactly with the rank's real parameters, which come from the torch slicing
-of state_dict_adapter (the same `sharding.PLAN` executed by other code) or from a real
+of `shard_cut` (the same `sharding.PLAN` executed by other code) or from a real
 multi-process training run, and assembles all ranks' pieces back into the canonical tensors of the
 HF export. A wrong entry of the table itself shows as a layout that no longer trains like one
 process (test_layouts) and, for the fused gate/up weight, against the independent
@@ -17,9 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from syncd.layout import Box, Canon, Catalog, Concat, InterleavedShard, Shard, Sharded, hf_names, local_tensor
+from trainer_svc.canonical import canonical_shapes
 from trainer_svc.catalog import build_catalog, layout_expr
+from trainer_svc.hf_checkpoint import load_hf
 from trainer_svc.parallel_dims import ParallelDims
-from trainer_svc.state_dict_adapter import canonical_shapes, load_hf, shard_for_rank
+from trainer_svc.shard_cut import shard_for_rank
 from trainer_svc.tiny import TINY_ARGS
 
 ALL_LAYOUTS = [(pp, dp, ep, tp) for pp in (1, 2) for dp in (1, 2) for ep in (1, 2) for tp in (1, 2)]

@@ -13,9 +13,10 @@ from _launch import TRAIN
 from safetensors.torch import load_file
 
 from tests.fp8_reference import block_by_block
+from trainer_svc.canonical import random_canonical
 from trainer_svc.config import ModelArgs
+from trainer_svc.hf_checkpoint import load_hf, save_hf
 from trainer_svc.settings import TrainSettings
-from trainer_svc.state_dict_adapter import load_hf, random_canonical, save_hf
 from trainer_svc.tiny import make_tiny_checkpoint
 
 # Dims that are not multiples of 128, so that weights have partial FP8 blocks at their ends (hidden

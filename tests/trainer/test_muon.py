@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainer_svc.hf_checkpoint import load_hf
 from trainer_svc.optim.muon import orthogonalize, update_scale
 from trainer_svc.optim.optimizer import MuonWithAdamW, build_optimizer
 from trainer_svc.parallel_dims import Mesh
 from trainer_svc.parallelize import build_stage
 from trainer_svc.settings import TrainSettings
-from trainer_svc.state_dict_adapter import load_hf, load_into
+from trainer_svc.shard_cut import load_into
 
 
 @pytest.mark.parametrize("shape", [(64, 128), (128, 64), (48, 96)])

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from trainer_svc.catalog import build_catalog
+from trainer_svc.hf_checkpoint import load_hf
 from trainer_svc.parallel_dims import ParallelDims
+from trainer_svc.shard_cut import shard_for_rank
 from trainer_svc.sharded_io import read_shards
-from trainer_svc.state_dict_adapter import load_hf, shard_for_rank
 from trainer_svc.tiny import TINY_ARGS, make_tiny_checkpoint
 
 # Experts dominate (8 x 3 x 512 x 512 floats per layer, 4 layers: 96 MiB of 108 MiB).

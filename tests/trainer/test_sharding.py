@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from trainer_svc.canonical import canonical_shapes
 from trainer_svc.catalog import build_catalog
 from trainer_svc.parallel_dims import ParallelDims
 from trainer_svc.sharding import local_shape, param_names, sources
-from trainer_svc.state_dict_adapter import canonical_shapes
 from trainer_svc.tiny import TINY_ARGS
 
 

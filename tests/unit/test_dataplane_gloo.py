@@ -24,6 +24,7 @@ from syncd.layout import (
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import (
     GlooTransport,
+    LoopOptions,
     TransferError,
     TransferTimeout,
     catalog_views,
@@ -134,7 +135,7 @@ def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype, s
         if sink and not sending:
             views = sinks[m] = _Sink(views)
         run = send_buckets if sending else recv_buckets
-        stats[m] = run(plan.for_member(m), views, transport, ranks, timeout_s=30)
+        stats[m] = run(plan.for_member(m), views, transport, ranks, LoopOptions(timeout_s=30))
 
     errors = _run_threads(
         [lambda m=m: member(m.member_id, m.catalog, True) for m in sources]
@@ -184,7 +185,9 @@ def test_receiver_fails_cleanly_instead_of_hanging_when_the_sender_never_sends(s
         )
         try:
             with pytest.raises(expected[0], match=expected[1]):
-                recv_buckets(plan.for_member("generator-0-0"), views, transport, ranks, timeout_s=2)
+                recv_buckets(
+                    plan.for_member("generator-0-0"), views, transport, ranks, LoopOptions(timeout_s=2)
+                )
             outcome["clean_error"] = True
         finally:
             done.set()

@@ -24,7 +24,7 @@ from syncd.layout import (
     local_tensor,
 )
 from syncd.layout.dtypes import torch_dtype
-from syncd.member.dataplane import GlooTransport, catalog_views, recv_buckets
+from syncd.member.dataplane import GlooTransport, LoopOptions, catalog_views, recv_buckets
 from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.simulate import materialize
@@ -115,16 +115,16 @@ class Refits:
                         Diffs(self.mirrors[m]),
                     )
                     stats[m] = send_with_deltas(
-                        self.plan.for_member(m), views, transport, ranks, links, diffs, timeout_s=30
+                        self.plan.for_member(m), views, transport, ranks, links, diffs, LoopOptions(30)
                     )
                     diffs.commit(views)  # as the agent does once all its stages succeeded
                 elif m in delta_dsts:
                     links = DeltaLinks(base, frozenset(delta_dsts), max_fraction)
                     stats[m] = recv_with_deltas(
-                        self.plan.for_member(m), views, transport, ranks, links, timeout_s=30
+                        self.plan.for_member(m), views, transport, ranks, links, LoopOptions(30)
                     )
                 else:
-                    stats[m] = recv_buckets(self.plan.for_member(m), views, transport, ranks, timeout_s=30)
+                    stats[m] = recv_buckets(self.plan.for_member(m), views, transport, ranks, LoopOptions(30))
             finally:
                 transport.close()
 

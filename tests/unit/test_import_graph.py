@@ -126,3 +126,31 @@ def test_the_member_library_needs_no_http_stack():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _names_vllm(path: Path) -> bool:
+    """Whether the module imports vLLM anywhere (lazy and TYPE_CHECKING imports included)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "vllm" for a in node.names):
+            return True
+        if (
+            isinstance(node, ast.ImportFrom)
+            and not node.level
+            and (node.module or "").split(".")[0] == "vllm"
+        ):
+            return True
+    return False
+
+
+def test_syncd_and_the_trainer_never_import_vllm():
+    """Only generator_svc runs inside vLLM: syncd's daemon, the member library in trainer ranks and
+    the trainer run where vLLM is not installed. Checked through every project module they reach."""
+    modules = _modules()
+    graph = {m: _imports(m, p, set(modules)) for m, p in modules.items()}
+    assert _names_vllm(modules["generator_svc.worker"])  # the check sees a real vLLM import
+    reaching = {
+        m: sorted(r for r in _reachable(graph, m) | {m} if _names_vllm(modules[r]))
+        for m in graph
+        if m.split(".")[0] in ("syncd", "trainer_svc")
+    }
+    assert reaching and not any(reaching.values()), {m: v for m, v in reaching.items() if v}

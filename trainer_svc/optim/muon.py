@@ -49,7 +49,7 @@ def orthogonalize(g: torch.Tensor, steps: int) -> torch.Tensor:
     return (x.t() if tall else x).to(g.dtype)
 
 
-def update_scale(global_shape: tuple[int, int]) -> float:
+def update_scale(global_shape: tuple[int, ...]) -> float:
     """The factor on an orthogonalized update of a matrix whose whole (unsharded) shape is given."""
     return UPDATE_RMS * math.sqrt(max(global_shape))
 

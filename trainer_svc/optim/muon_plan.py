@@ -113,7 +113,7 @@ def _exchange(transfers: list[tuple[int, int, int, int]], group_size: int, me: i
 def gather_to_owners(layout: BatchLayout, me: int) -> Exchange:
     """Every piece of a matrix to its owner, from the tp row of the owner's own replica (the other
     replicas hold the same values and send nothing)."""
-    transfers = []
+    transfers: list[tuple[int, int, int, int]] = []
     for m, owner in enumerate(owners(layout)):
         replica = owner // layout.tp
         transfers.extend((replica * layout.tp + t, owner, m, t) for t in range(layout.tp))
@@ -122,7 +122,7 @@ def gather_to_owners(layout: BatchLayout, me: int) -> Exchange:
 
 def scatter_from_owners(layout: BatchLayout, me: int) -> Exchange:
     """Every rank of the work group gets its piece (its tp index) of every orthogonalized matrix."""
-    transfers = []
+    transfers: list[tuple[int, int, int, int]] = []
     for m, owner in enumerate(owners(layout)):
         transfers.extend((owner, dst, m, dst % layout.tp) for dst in range(layout.group_size))
     return _exchange(transfers, layout.group_size, me)

@@ -148,6 +148,7 @@ class MuonWithAdamW:
         updates, pieces = [], []
         for name, p in b.params:
             buf = self._momentum_bufs.setdefault(id(p), torch.zeros_like(p))
+            assert p.grad is not None, f"{name} has no gradient"
             u = nesterov_momentum(p.grad, buf, self.momentum)
             updates.append(u)
             pieces += matrix_views(name, u, self.args, self.mesh.dims.tp)

@@ -2,12 +2,17 @@
 
 from syncd.member.dataplane.checksum import checksum
 from syncd.member.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
+from syncd.member.dataplane.gc_pause import GcPause
+from syncd.member.dataplane.loop_options import LoopCache, LoopOptions
 from syncd.member.dataplane.pack import catalog_views, pack_into, unpack_from
 from syncd.member.dataplane.prepared import ReceiveSink
 from syncd.member.dataplane.transport import GlooTransport, TransferError, TransferTimeout, Transport
 
 __all__ = [
+    "GcPause",
     "GlooTransport",
+    "LoopCache",
+    "LoopOptions",
     "ReceiveSink",
     "TransferAborted",
     "TransferError",

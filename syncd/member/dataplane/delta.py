@@ -37,6 +37,7 @@ from syncd.layout import Box
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
+from syncd.member.dataplane.loop_options import LoopCache, LoopOptions
 from syncd.member.dataplane.transport import Transport
 from syncd.plan.types import Bucket, TransferUnit
 from syncd.weight_version import WeightVersion
@@ -168,6 +169,7 @@ class Diffs:
             if not change.sparse:
                 dense[key] = u
             elif change.changed and key not in dense:
+                assert change.index is not None and change.values is not None  # sparse
                 _scatter(self.mirror.region(u, tensors[u.src_tensor]), change.index, change.values)
         for u in dense.values():  # one copy, converting as the packing copy does
             self.mirror.region(u, tensors[u.src_tensor]).copy_(tensors[u.src_tensor][u.src_box.slices()])
@@ -306,10 +308,10 @@ def send_with_deltas(
     ranks: Mapping[str, int],
     links: DeltaLinks,
     diffs: Diffs,
+    options: LoopOptions,
     *,
-    timeout_s: float,
     cancel: threading.Event | None = None,
-    **options,
+    cache: LoopCache | None = None,
 ) -> DeltaStats:
     """`send_buckets` for a sender that keeps a mirror (`diffs`, this refit's comparisons with it):
     full links go through it (the mirror takes their values), the links to `links.dsts` as
@@ -321,7 +323,7 @@ def send_with_deltas(
         if dst not in links.dsts:
             _add(
                 stats,
-                send_buckets(link, tensors, transport, ranks, timeout_s=timeout_s, cancel=cancel, **options),
+                send_buckets(link, tensors, transport, ranks, options, cancel=cancel, cache=cache),
             )
             for b in link:
                 for u in b.units:
@@ -336,9 +338,9 @@ def send_with_deltas(
             links.max_fraction,
             diffs,
             stats,
-            timeout_s,
-            cancel,
             options,
+            cancel,
+            cache,
         )
     stats.seconds = time.perf_counter() - start
     return stats
@@ -353,9 +355,9 @@ def _send_link(
     max_fraction: float,
     diffs: Diffs,
     stats: DeltaStats,
-    timeout_s: float,
-    cancel,
-    options: dict,
+    options: LoopOptions,
+    cancel: threading.Event | None,
+    cache: LoopCache | None,
 ) -> None:
     """Two messages, whatever the number of buckets (a round trip per bucket would cost more than
     the bytes on a fast link): the header, then every sparse bucket's encoding back to back."""
@@ -380,12 +382,10 @@ def _send_link(
     if dense:
         _add(
             stats,
-            send_buckets(
-                dense, tensors, transport, {dst: peer}, timeout_s=timeout_s, cancel=cancel, **options
-            ),
+            send_buckets(dense, tensors, transport, {dst: peer}, options, cancel=cancel, cache=cache),
         )
     for handle in sent:
-        handle.wait(timeout_s)
+        handle.wait(options.timeout_s)
 
 
 def _encode(
@@ -402,6 +402,7 @@ def _encode(
         if code < 0:
             part[: u.nbytes].copy_(new.view(torch.uint8))
             continue
+        assert change.index is not None and change.values is not None  # code >= 0: a delta unit
         index_bytes = _aligned(code * _INDEX.itemsize)
         part[: code * _INDEX.itemsize].copy_(change.index.view(torch.uint8))
         part[index_bytes : index_bytes + code * new.element_size()].copy_(change.values.view(torch.uint8))
@@ -415,10 +416,10 @@ def recv_with_deltas(
     transport: Transport,
     ranks: Mapping[str, int],
     links: DeltaLinks,
+    options: LoopOptions,
     *,
-    timeout_s: float,
     cancel: threading.Event | None = None,
-    **options,
+    cache: LoopCache | None = None,
 ) -> DeltaStats:
     """The receiving side of `send_with_deltas`, for a member whose links all go as deltas: applies
     each delta to `tensors` (which must hold the base version) and checksums every whole region."""
@@ -426,7 +427,7 @@ def recv_with_deltas(
     for src, link in _links(buckets, "src").items():
         _check(cancel)
         _recv_link(
-            src, link, tensors, transport, ranks[src], links.max_fraction, stats, timeout_s, cancel, options
+            src, link, tensors, transport, ranks[src], links.max_fraction, stats, options, cancel, cache
         )
     stats.seconds = time.perf_counter() - start
     return stats
@@ -440,12 +441,12 @@ def _recv_link(
     peer: int,
     max_fraction: float,
     stats: DeltaStats,
-    timeout_s: float,
-    cancel,
-    options: dict,
+    options: LoopOptions,
+    cancel: threading.Event | None,
+    cache: LoopCache | None,
 ) -> None:
     header = torch.empty(sum(len(b.units) for b in link), dtype=torch.int64)
-    transport.irecv(header, peer).wait(timeout_s)
+    transport.irecv(header, peer).wait(options.timeout_s)
     flat_codes = header.tolist()
     dense, sparse, at = [], [], 0
     for bucket in link:
@@ -462,7 +463,7 @@ def _recv_link(
     _check(cancel)
     if sparse:
         message = torch.empty(sum(size for _, _, size in sparse), dtype=torch.uint8)
-        transport.irecv(message, peer).wait(timeout_s)
+        transport.irecv(message, peer).wait(options.timeout_s)
         offset = 0
         for bucket, codes, size in sparse:
             _apply(bucket, codes, message[offset : offset + size], tensors, stats.checksums)
@@ -472,9 +473,7 @@ def _recv_link(
     if dense:
         _add(
             stats,
-            recv_buckets(
-                dense, tensors, transport, {src: peer}, timeout_s=timeout_s, cancel=cancel, **options
-            ),
+            recv_buckets(dense, tensors, transport, {src: peer}, options, cancel=cancel, cache=cache),
         )
 
 

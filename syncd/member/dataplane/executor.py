@@ -4,8 +4,12 @@ Ordering rule that makes the loops deadlock-free without any coordination: every
 buckets by (dst, index) and every receiver by (src, index), both in the plan's global order, so a
 waiting chain always moves to strictly smaller members and cannot close into a cycle.
 
-Memory: each loop owns `in_flight` staging buffers of the largest bucket's size (default 2: pack
-the next bucket while the previous one is on the wire; unpack the previous while the next arrives).
+Memory: each loop uses `in_flight` staging buffers of the largest bucket's size (default 2: pack
+the next bucket while the previous one is on the wire; unpack the previous while the next arrives),
+kept between refits in the caller's `LoopCache` with the rest of what the loops reuse.
+
+State: none of the module's own. How a loop runs is the caller's `LoopOptions`; what it keeps from
+one refit to the next is the caller's `LoopCache`; cancelling is the caller's event.
 
 On GPUs the host only enqueues: packs/unpacks run on a stream of the loop's own, checksums on a
 second one, transfers on the transport's, and every hand-over between them (bucket packed ->
@@ -19,11 +23,9 @@ worker thread.
 from __future__ import annotations
 
 import contextlib
-import gc
 import heapq
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,18 +36,15 @@ from torch.profiler import record_function
 
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.graphs import ENQUEUE_LOCK, BucketProgram, LoopGraphs
+from syncd.member.dataplane.loop_options import LoopCache, LoopOptions
 from syncd.member.dataplane.prepared import PreparedBucket, PreparedLoop, ReceiveSink, SinkBucket
 from syncd.member.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Direction
 
 # How many buckets the host may enqueue beyond the staging depth before it waits for the wire.
 _RUN_AHEAD = 4
 
-# Staging buffers live as long as their transport (one group per stage, reused across refits),
-# and so do the CUDA graphs of the buckets packed into or unpacked from them (per direction).
-_STAGING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _NO_LABEL = contextlib.nullcontext()
 
 
@@ -102,20 +101,24 @@ class _SideStream:
         if self._worker is not None:
             self._pending[slot] = self._worker.submit(fn)
             return
+        assert self.stream is not None  # no CPU worker: a GPU stream
         self.stream.wait_stream(torch.cuda.current_stream())  # the bytes are packed / arrived
         with torch.cuda.stream(self.stream):
             fn()
-        if self.done[slot] is None:  # one event per slot, re-recorded: a wait binds the last record
-            self.done[slot] = torch.cuda.Event()
-        self.done[slot].record(self.stream)
+        done = self.done[slot]
+        if done is None:  # one event per slot, re-recorded: a wait binds the last record
+            done = self.done[slot] = torch.cuda.Event()
+        done.record(self.stream)
 
     def before_reuse(self, slot: int) -> None:
         if self._worker is not None:
-            if self._pending[slot] is not None:
-                self._pending[slot].result()  # re-raises a failed checksum here
+            pending = self._pending[slot]
+            if pending is not None:
+                pending.result()  # re-raises a failed checksum here
             return
-        if self.done[slot] is not None:
-            torch.cuda.current_stream().wait_event(self.done[slot])
+        done = self.done[slot]
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
 
     def collect(self, sums: Checksums) -> dict[str, str]:
         """The checksums' fold runs on this stream, queued behind the last region's reductions
@@ -139,13 +142,12 @@ class _SideStream:
 
 @dataclass
 class _Loop:
-    tensors: Mapping[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor] | ReceiveSink
     transport: Transport
     ranks: Mapping[str, int]
-    timeout_s: float
-    in_flight: int
-    verify: bool
+    options: LoopOptions
     cancel: threading.Event | None
+    cache: LoopCache
     stats: TransferStats = field(default_factory=TransferStats)
     sums: Checksums = field(default_factory=Checksums)
     side: _SideStream | None = None
@@ -154,40 +156,45 @@ class _Loop:
     forwarder: Forwarder | None = None  # a relay's receive loop (`syncd.member.dataplane.relay`)
 
     @property
+    def checksums(self) -> _SideStream:
+        """The side stream, which `_run` opens before the loop sends or receives."""
+        assert self.side is not None, "the side stream is opened by _run before send/recv"
+        return self.side
+
+    @property
+    def timeout_s(self) -> float:
+        return self.options.timeout_s
+
+    @property
+    def in_flight(self) -> int:
+        return self.options.in_flight
+
+    @property
     def sink(self) -> ReceiveSink | None:
         return self.tensors if isinstance(self.tensors, ReceiveSink) else None
 
     @property
     def device(self) -> torch.device:
-        if self.sink is not None:
-            return self.sink.device
+        if isinstance(self.tensors, ReceiveSink):
+            return self.tensors.device
         return next(iter(self.tensors.values())).device
 
     def buffers(self, buckets: Sequence[Bucket]) -> list[torch.Tensor]:
-        """`in_flight` staging buffers, kept with the transport so that refits after the first
-        reuse them instead of faulting in fresh memory every time."""
-        size = max(b.nbytes for b in buckets)
-        pool = _STAGING.get(self.transport)
-        if (
-            pool is None
-            or len(pool) != self.in_flight
-            or pool[0].numel() < size
-            or pool[0].device != self.device
-        ):
-            pool = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.in_flight)]
-            _STAGING[self.transport] = pool
-        return pool
+        """`in_flight` staging buffers, kept in the cache so that refits after the first reuse
+        them instead of faulting in fresh memory every time."""
+        return self.cache.staging(self.in_flight, max(b.nbytes for b in buckets), self.device)
 
     def programs(
-        self, direction: str, ordered: Sequence[Bucket], bufs: Sequence[torch.Tensor]
-    ) -> list[BucketProgram | PreparedBucket]:
+        self, direction: Direction, ordered: Sequence[Bucket], bufs: Sequence[torch.Tensor]
+    ) -> Sequence[BucketProgram | PreparedBucket]:
         """Per bucket, its work in its slot: captured copies and checksums (on GPUs with graphs
         on; the first refit of a plan captures them all here, before anything is enqueued), or
         the prepared eager work (`syncd.member.dataplane.prepared`)."""
         flats = [bufs[i % self.in_flight][: b.nbytes] for i, b in enumerate(ordered)]
-        if self.sink is not None:
-            return [SinkBucket(b, flat, self.sink) for b, flat in zip(ordered, flats)]
+        if isinstance(self.tensors, ReceiveSink):
+            return [SinkBucket(b, flat, self.tensors) for b, flat in zip(ordered, flats)]
         if self.graphs is None:
+            assert self.prepared is not None  # _run sets one of the two
             return self.prepared.buckets(ordered, self.tensors, flats)
         return self.graphs.programs(direction, ordered, self.tensors, flats)
 
@@ -211,9 +218,9 @@ class _Loop:
         self, slot: int, bucket: Bucket, flat: torch.Tensor, program: BucketProgram | PreparedBucket
     ) -> None:
         """Both sides checksum the packed bytes of every unit: the same bytes in the same order."""
-        if self.verify:
+        if self.options.verify:
             with _step("weightsync.checksum"):
-                self.side.run(slot, lambda: program.checksum(self.sums))
+                self.checksums.run(slot, lambda: program.checksum(self.sums))
         self.stats.bytes += bucket.nbytes
         self.stats.buckets += 1
 
@@ -237,7 +244,7 @@ class _Loop:
     def send(self, buckets: Sequence[Bucket]) -> None:
         ordered = sorted(buckets, key=lambda b: (b.dst, b.index))
         bufs = self.buffers(ordered)
-        programs = self.programs("send", ordered, bufs)
+        programs = self.programs(Direction.SEND, ordered, bufs)
         handles: list[Handle] = []
         for i, bucket in enumerate(ordered):
             self.check_cancel()
@@ -247,7 +254,7 @@ class _Loop:
                 handles[i - self.in_flight].fence(self.timeout_s)
             with self.enqueuing():
                 if i >= self.in_flight:
-                    self.side.before_reuse(slot)
+                    self.checksums.before_reuse(slot)
                 flat = self.pack(bucket, bufs[slot], programs[i])
                 with _step("weightsync.isend"):
                     handles.append(self.transport.isend(flat, self.ranks[bucket.dst]))
@@ -261,7 +268,7 @@ class _Loop:
         if self.sink is not None and self.forwarder is None:  # a relay keeps the planned order
             ordered = interleaved(ordered, self.sink.position)
         bufs = self.buffers(ordered)
-        programs = self.programs("recv", ordered, bufs)
+        programs = self.programs(Direction.RECV, ordered, bufs)
         handles: list[Handle] = []
 
         def post(i: int) -> None:
@@ -284,7 +291,7 @@ class _Loop:
                 self.account(slot, bucket, flat, programs[i])
                 self.unpack(bucket, flat, programs[i])
                 if i + self.in_flight < len(ordered):
-                    self.side.before_reuse(slot)  # the next receive into the slot waits for the checksum
+                    self.checksums.before_reuse(slot)  # the next receive into the slot waits for the checksum
                     if self.forwarder is not None:
                         self.forwarder.release(slot)  # ... and for the bucket's forwards
                     post(i + self.in_flight)
@@ -326,75 +333,37 @@ def _work_stream(device: torch.device) -> Iterator[None]:
     stream.synchronize()
 
 
-class _GcPause:
-    """Python's cyclic garbage collector stays off while any transfer of this process runs (one
-    per stage may run at once). A full collection in a process holding torch takes tens of
-    milliseconds (87 ms measured on an H100 host by bench/loopback_bench.py), during which the
-    host enqueues nothing and the link idles; the cycles made during a transfer are collected
-    after the last one ends. Reference counting frees everything else as usual."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders = 0
-        self._was_enabled = False
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        with self._lock:
-            if self._holders == 0:
-                self._was_enabled = gc.isenabled()
-                gc.disable()
-            self._holders += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._holders -= 1
-                if self._holders == 0 and self._was_enabled:
-                    gc.enable()
-
-
-_GC_PAUSE = _GcPause()
-
-
-def _loop_graphs(transport: Transport, direction: str, device: torch.device) -> LoopGraphs:
-    per_direction = _GRAPHS.setdefault(transport, {})
-    if direction not in per_direction or per_direction[direction].device != device:
-        per_direction[direction] = LoopGraphs(device)
-    return per_direction[direction]
-
-
 def _run(
-    direction: str,
+    direction: Direction,
     buckets: Sequence[Bucket],
-    tensors,
-    transport,
-    ranks,
-    *,
-    timeout_s: float,
-    in_flight: int = 2,
-    verify: bool = True,
-    cancel: threading.Event | None = None,
-    graphs: bool = False,
+    tensors: Mapping[str, torch.Tensor] | ReceiveSink,
+    transport: Transport,
+    ranks: Mapping[str, int],
+    options: LoopOptions,
+    cancel: threading.Event | None,
+    cache: LoopCache | None,
     forwarder: Forwarder | None = None,
 ) -> TransferStats:
-    loop = _Loop(tensors, transport, ranks, timeout_s, in_flight, verify, cancel, forwarder=forwarder)
+    cache = cache if cache is not None else LoopCache()
+    loop = _Loop(tensors, transport, ranks, options, cancel, cache, forwarder=forwarder)
     if not buckets:
         return loop.stats
-    if graphs and loop.device.type == "cuda" and loop.sink is None:
-        loop.graphs = _loop_graphs(transport, direction, loop.device)
+    program_cache: LoopGraphs | PreparedLoop
+    if options.graphs and loop.device.type == "cuda" and loop.sink is None:
+        loop.graphs = program_cache = loop.cache.graphs(direction, loop.device)
     else:
-        loop.prepared = _PREPARED.setdefault(transport, {}).setdefault(direction, PreparedLoop(direction))
+        loop.prepared = program_cache = loop.cache.prepared(direction)
     start = time.perf_counter()
-    with _GC_PAUSE.held(), _work_stream(loop.device):
-        loop.side = _SideStream(loop.device, in_flight)
+    paused = options.gc_pause.held() if options.gc_pause is not None else contextlib.nullcontext()
+    with paused, _work_stream(loop.device):
+        loop.side = side = _SideStream(loop.device, options.in_flight)
         try:
-            loop.send(buckets) if direction == "send" else loop.recv(buckets)
-            loop.stats.checksums = loop.side.collect(loop.sums)
-            loop.side.join()
+            loop.send(buckets) if direction == Direction.SEND else loop.recv(buckets)
+            loop.stats.checksums = side.collect(loop.sums)
+            side.join()
         finally:
-            loop.side.close()
-    (loop.graphs or loop.prepared).retain_used()
+            side.close()
+    program_cache.retain_used()
     loop.stats.seconds = time.perf_counter() - start
     return loop.stats
 
@@ -404,13 +373,15 @@ def send_buckets(
     tensors: Mapping[str, torch.Tensor],
     transport: Transport,
     ranks: Mapping[str, int],
-    **options,
+    options: LoopOptions,
+    *,
+    cancel: threading.Event | None = None,
+    cache: LoopCache | None = None,
 ) -> TransferStats:
-    """Send `buckets` (this member is their src), reading from `tensors` (catalog views).
-    Options: timeout_s (required), in_flight=2, verify=True, cancel=None, graphs=False (on GPUs,
-    capture each bucket's copies and checksums as CUDA graphs on the first refit and replay them
-    on later ones; see `syncd.member.dataplane.graphs`; every loop of the process must agree)."""
-    return _run("send", buckets, tensors, transport, ranks, **options)
+    """Send `buckets` (this member is their src), reading from `tensors` (catalog views), as
+    `options` say. `cancel`, once set, stops the loop (`TransferAborted`); `cache` is what the
+    loops over `transport` keep between refits (pass the same one on every call over it)."""
+    return _run(Direction.SEND, buckets, tensors, transport, ranks, options, cancel, cache)
 
 
 def recv_buckets(
@@ -418,8 +389,11 @@ def recv_buckets(
     tensors: Mapping[str, torch.Tensor] | ReceiveSink,
     transport: Transport,
     ranks: Mapping[str, int],
-    **options,
+    options: LoopOptions,
+    *,
+    cancel: threading.Event | None = None,
+    cache: LoopCache | None = None,
 ) -> TransferStats:
     """Receive `buckets` (this member is their dst) into `tensors` (catalog views), or hand each
-    arrived bucket to a `ReceiveSink`. Same options."""
-    return _run("recv", buckets, tensors, transport, ranks, **options)
+    arrived bucket to a `ReceiveSink`. Same options, cancel and cache."""
+    return _run(Direction.RECV, buckets, tensors, transport, ranks, options, cancel, cache)

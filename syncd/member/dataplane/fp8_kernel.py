@@ -26,16 +26,8 @@ except ImportError:  # CPU-only installs: the reference quantizer serves
     triton = None
 
 
-ENABLED = True  # benchmarks switch it off to measure the reference in the same run
-
-
 def available(t: torch.Tensor) -> bool:
-    return (
-        ENABLED
-        and triton is not None
-        and t.is_cuda
-        and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
-    )
+    return triton is not None and t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
 if triton is not None:

@@ -37,6 +37,7 @@ from syncd.commands import checksum_key
 from syncd.member.dataplane.checksum import Checksums, reduce_region, region_outputs
 from syncd.member.dataplane.pack import pack_into, unpack_from
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Direction
 
 
 class BucketProgram:
@@ -90,7 +91,7 @@ class LoopGraphs:
 
     def programs(
         self,
-        direction: str,
+        direction: Direction,
         buckets: Sequence[Bucket],
         tensors: Mapping[str, torch.Tensor],
         flats: Sequence[torch.Tensor],
@@ -108,8 +109,8 @@ class LoopGraphs:
         return [self._programs[k] for k in keys]
 
     @staticmethod
-    def _key(direction: str, bucket: Bucket, tensors, flat: torch.Tensor) -> tuple:
-        names = [u.src_tensor if direction == "send" else u.dst_tensor for u in bucket.units]
+    def _key(direction: Direction, bucket: Bucket, tensors, flat: torch.Tensor) -> tuple:
+        names = [u.src_tensor if direction == Direction.SEND else u.dst_tensor for u in bucket.units]
         return (
             direction,
             id(bucket),
@@ -123,9 +124,9 @@ class LoopGraphs:
         self._programs = {k: p for k, p in self._programs.items() if k in self._used}
         self._used = set()
 
-    def _capture(self, direction: str, bucket: Bucket, tensors, flat: torch.Tensor) -> BucketProgram:
+    def _capture(self, direction: Direction, bucket: Bucket, tensors, flat: torch.Tensor) -> BucketProgram:
         def copy() -> None:
-            if direction == "send":
+            if direction == Direction.SEND:
                 pack_into(bucket, tensors, flat)
             else:
                 unpack_from(bucket, flat, tensors)

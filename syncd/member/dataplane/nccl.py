@@ -21,20 +21,15 @@ _POLL_S = 50e-6
 _SPIN_S = 5e-3
 
 
-_MODULES: tuple | None = None
-
-
 def _nccl():
-    """(nccl.core, nccl.bindings.nccl), imported on first use: the GPU extra is optional."""
-    global _MODULES
-    if _MODULES is None:
-        try:
-            import nccl.core as nccl_core
-            from nccl.bindings import nccl as nccl_bindings
-        except ImportError as e:  # say how to get it
-            raise RuntimeError("the NCCL transport needs nccl4py: pip install 'weightsync[nccl]'") from e
-        _MODULES = (nccl_core, nccl_bindings)
-    return _MODULES
+    """(nccl.core, nccl.bindings.nccl), imported on use (Python keeps them once imported): the
+    GPU extra is optional."""
+    try:
+        import nccl.core as nccl_core
+        from nccl.bindings import nccl as nccl_bindings
+    except ImportError as e:  # say how to get it
+        raise RuntimeError("the NCCL transport needs nccl4py: pip install 'weightsync[nccl]'") from e
+    return nccl_core, nccl_bindings
 
 
 class _EventHandle:

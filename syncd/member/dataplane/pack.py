@@ -28,6 +28,7 @@ from syncd.member.dataplane import fp8_kernel
 from syncd.member.dataplane.fp8 import block_scales, quantized_view
 from syncd.plan.fp8_blocks import scale_shape, to_grid
 from syncd.plan.types import Bucket, TransferUnit
+from syncd.vocabulary import Direction, Fp8Part
 
 
 def catalog_views(catalog: Catalog, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -67,21 +68,21 @@ class Copies:
 
 
 def copy_pairs(
-    direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor
+    direction: Direction, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor
 ) -> Copies:
-    """The bucket's copies, unit by unit: for "send" from the source regions into the byte buffer
+    """The bucket's copies, unit by unit: for SEND from the source regions into the byte buffer
     `flat` (each unit's slice viewed in the unit's dtype, so the copy casts; FP8 units quantized),
-    for "recv" from `flat` into the destination regions. Views only, no copies."""
+    for RECV from `flat` into the destination regions. Views only, no copies."""
     copies = Copies()
     offset = 0
     for u in bucket.units:
         packed = flat[offset : offset + u.nbytes]
         offset += u.nbytes
-        if direction == "send" and u.quantized:
+        if direction == Direction.SEND and u.quantized:
             copies.computed.append(
                 _quantized(u, tensors, packed.view(torch_dtype(u.dtype)).view(u.canon.shape))
             )
-        elif direction == "send":
+        elif direction == Direction.SEND:
             src = tensors[u.src_tensor][u.src_box.slices()]
             copies.dsts.append(packed.view(torch_dtype(u.dtype)).view(src.shape))
             copies.srcs.append(src)
@@ -100,7 +101,7 @@ def _quantized(u: TransferUnit, tensors: Mapping[str, torch.Tensor], out: torch.
     assert u.block_box is not None
     region = tensors[u.src_tensor][u.src_box.slices()]
     shape = u.block_box.shape
-    origin = u.block_box if u.quantized == "values" else to_grid(u.block_box)
+    origin = u.block_box if u.quantized == Fp8Part.VALUES else to_grid(u.block_box)
     whole = u.canon == origin  # the unit is all of the blocks it reads
     take = Box(
         tuple(a - o for a, o in zip(u.canon.start, origin.start)),
@@ -108,7 +109,7 @@ def _quantized(u: TransferUnit, tensors: Mapping[str, torch.Tensor], out: torch.
     ).slices()
     # `reshape` at each call, not once: where it must copy, the copy is of the current weights.
     if whole and fp8_kernel.available(region):
-        if u.quantized == "values":
+        if u.quantized == Fp8Part.VALUES:
             scratch = torch.empty(scale_shape(shape), dtype=torch.float32, device=region.device)
             return lambda: fp8_kernel.quantize_into(region.reshape(shape), out, scratch)
         return lambda: fp8_kernel.quantize_into(region.reshape(shape), None, out)
@@ -119,16 +120,16 @@ def _quantized(u: TransferUnit, tensors: Mapping[str, torch.Tensor], out: torch.
     def scales() -> None:  # only the amax pass: scales units do not pay for the values
         out.copy_(block_scales(region.reshape(shape))[take])
 
-    return values if u.quantized == "values" else scales
+    return values if u.quantized == Fp8Part.VALUES else scales
 
 
 def pack_into(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Copy the bucket's source regions into the byte buffer `out` (at least `bucket.nbytes`),
     converted to each unit's dtype; returns the filled prefix."""
-    copy_pairs("send", bucket, tensors, out).run()
+    copy_pairs(Direction.SEND, bucket, tensors, out).run()
     return out[: bucket.nbytes]
 
 
 def unpack_from(bucket: Bucket, flat: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
     """Scatter a packed byte buffer into the bucket's destination regions."""
-    copy_pairs("recv", bucket, tensors, flat).run()
+    copy_pairs(Direction.RECV, bucket, tensors, flat).run()

@@ -28,13 +28,14 @@ from syncd.commands import checksum_key
 from syncd.member.dataplane.checksum import Checksums, reduce_region, region_outputs
 from syncd.member.dataplane.pack import Copies, copy_pairs
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Direction
 
 
 class PreparedBucket:
     """One bucket's copies and checksum inputs in one staging slice."""
 
     def __init__(
-        self, direction: str, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor
+        self, direction: Direction, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor
     ) -> None:
         self._copies = copy_pairs(direction, bucket, tensors, flat)
         self._regions_of(bucket, flat, _direct_bytes(direction, bucket, self._copies))
@@ -73,7 +74,7 @@ class PreparedBucket:
             sums.add_reduced(key, packed.numel(), cols, rows, rest)
 
 
-def _direct_bytes(direction: str, bucket: Bucket, copies: Copies) -> torch.Tensor | None:
+def _direct_bytes(direction: Direction, bucket: Bucket, copies: Copies) -> torch.Tensor | None:
     """The bytes of a one-unit bucket whose region in the member's own tensor is one contiguous
     range, with no cast: those bytes are exactly what the bucket carries, so they can go on the
     wire as they are, without the copy into (or out of) staging. (A third of the bytes of the
@@ -82,7 +83,7 @@ def _direct_bytes(direction: str, bucket: Bucket, copies: Copies) -> torch.Tenso
     if len(bucket.units) != 1 or copies.computed:
         return None
     dsts, srcs = copies.dsts, copies.srcs
-    mine = srcs[0] if direction == "send" else dsts[0]
+    mine = srcs[0] if direction == Direction.SEND else dsts[0]
     if mine.dtype != dsts[0].dtype or mine.dtype != srcs[0].dtype or not mine.is_contiguous():
         return None
     return mine.reshape(-1).view(torch.uint8)
@@ -118,7 +119,7 @@ class SinkBucket(PreparedBucket):
 class PreparedLoop:
     """The prepared buckets of one loop (one direction of one transport)."""
 
-    def __init__(self, direction: str) -> None:
+    def __init__(self, direction: Direction) -> None:
         self.direction = direction
         self._buckets: dict[tuple, PreparedBucket] = {}
         self._used: set[tuple] = set()
@@ -138,7 +139,7 @@ class PreparedLoop:
         return out
 
     def _key(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor) -> tuple:
-        names = [u.src_tensor if self.direction == "send" else u.dst_tensor for u in bucket.units]
+        names = [u.src_tensor if self.direction == Direction.SEND else u.dst_tensor for u in bucket.units]
         return (id(bucket), flat.data_ptr(), flat.numel(), tuple(tensors[n].data_ptr() for n in names))
 
     def retain_used(self) -> None:

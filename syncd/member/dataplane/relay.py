@@ -20,14 +20,18 @@ next receive into a slot after its sends on the device instead of blocking the h
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
 from syncd.member.dataplane.executor import TransferStats, _run
+from syncd.member.dataplane.loop_options import LoopCache, LoopOptions
 from syncd.member.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Direction
 
 
 class BucketForwarder:
@@ -76,21 +80,25 @@ def relay_buckets(
     tensors: Mapping[str, torch.Tensor],
     transport: Transport,
     ranks: Mapping[str, int],
-    **options,
+    options: LoopOptions,
+    *,
+    cancel: threading.Event | None = None,
+    cache: LoopCache | None = None,
+    forward_timeout_s: float | None = None,
 ) -> TransferStats:
     """Receive this member's buckets of one stage into `tensors` and forward those that relay
-    buckets (its own, `src == member_id`) name. Options as `recv_buckets`, plus `forward_timeout_s` (default
-    `timeout_s`) for each forward. The stats count the
+    buckets (its own, `src == member_id`) name. Options, cancel and cache as `recv_buckets`;
+    `forward_timeout_s` (default `options.timeout_s`) bounds each forward. The stats count the
     bytes received and forwarded (this member's part of the plan) and the received checksums."""
     incoming = [b for b in buckets if b.dst == member_id]
     outgoing = [b for b in buckets if b.src == member_id]
-    options = dict(options)
-    forward_timeout_s = options.pop("forward_timeout_s", options["timeout_s"])
-    forwarder = BucketForwarder(outgoing, transport, ranks, forward_timeout_s)
+    forwarder = BucketForwarder(
+        outgoing, transport, ranks, forward_timeout_s if forward_timeout_s is not None else options.timeout_s
+    )
     forwarder.expects(incoming)
     # A relay's slot is busy for a receive and then a forward: twice the slots keep its incoming
     # link as busy as a plain receiver's.
-    options = {**options, "in_flight": 2 * options.get("in_flight", 2)}
-    stats = _run("recv", incoming, tensors, transport, ranks, forwarder=forwarder, **options)
+    relay_options = replace(options, in_flight=2 * options.in_flight)
+    stats = _run(Direction.RECV, incoming, tensors, transport, ranks, relay_options, cancel, cache, forwarder)
     stats.bytes += forwarder.bytes
     return stats

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from typing import Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,16 @@ class _GlooHandle:
     fence = wait
 
 
+@contextlib.contextmanager
+def _posting(what: str, peer: int) -> Iterator[None]:
+    """gloo raises at once when the peer closed the group before the transfer was posted; that is
+    the same failure as one that `wait` reports later, so it raises the same TransferError."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise TransferError(f"{what} failed: {str(e).splitlines()[0][:200]}", peer) from e
+
+
 def _require_host(buf: torch.Tensor, what: str) -> None:
     """gloo moves host memory only. Given a tensor elsewhere (the meta device, say, as a model's
     parameters are inside vLLM's layerwise reload) it resets the connection, and the peers see a
@@ -78,19 +89,41 @@ def _require_host(buf: torch.Tensor, what: str) -> None:
         raise ValueError(f"gloo cannot {what} a tensor on the {buf.device} device (host memory only)")
 
 
+def _bound_options(bind_host: str, timeout: datetime.timedelta) -> Any:
+    """Options for a gloo group whose one device listens on `bind_host`. gloo's default device
+    takes the address the hostname resolves to (127.0.0.1 on many machines), so peers on other
+    hosts (or network namespaces) would be told to connect there. torch takes a device only
+    through these options, which its binding names `_Options`/`_devices` (its type stub says
+    `Options`/`devices`); tests/unit/test_gloo_bind.py pins the names."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # stub/binding name differ, see above
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    return options
+
+
 class GlooTransport:
     """A standalone gloo process group (not torch's default group, which vLLM and the trainer
     already use), rendezvousing on a TCPStore hosted by group rank 0."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, group_id: str, timeout_s: float):
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        group_id: str,
+        timeout_s: float,
+        bind_host: str | None = None,
+    ):
         self.rank, self.world_size = rank, world_size
         self._store = store  # rank 0 hosts the store: keep it alive as long as the group
-        self._pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"weightsync/{group_id}", store),
-            rank,
-            world_size,
-            datetime.timedelta(seconds=timeout_s),
-        )
+        prefixed = dist.PrefixStore(f"weightsync/{group_id}", store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if bind_host is None:
+            self._pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
+                prefixed, rank, world_size, timeout
+            )
+        else:
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, _bound_options(bind_host, timeout))
 
     @staticmethod
     def create_address(host: str, world_size: int, timeout_s: float) -> tuple[str, dist.Store]:
@@ -114,8 +147,11 @@ class GlooTransport:
         group_id: str,
         timeout_s: float,
         store: dist.Store | None = None,
+        bind_host: str | None = None,
     ) -> GlooTransport:
-        """Join the group; blocks until every member joined or `timeout_s` passed."""
+        """Join the group; blocks until every member joined or `timeout_s` passed. `bind_host`:
+        the address this member's gloo sockets listen on and advertise to its peers (the one it
+        reported); None leaves it to gloo, which takes what this machine's hostname resolves to."""
         if store is None:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
@@ -123,19 +159,30 @@ class GlooTransport:
             store = dist.TCPStore(
                 host, int(port), world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
             )
-        return cls(store, rank, world_size, group_id, timeout_s)
+        return cls(store, rank, world_size, group_id, timeout_s, bind_host)
+
+    def _group(self) -> dist.ProcessGroupGloo:
+        if self._pg is None:
+            raise RuntimeError(f"gloo transport of rank {self.rank} is closed")
+        return self._pg
 
     def isend(self, buf: torch.Tensor, peer: int) -> Handle:
         _require_host(buf, "send from")
-        return _GlooHandle(self._pg.send([buf], peer, 0), f"send of {buf.numel()} bytes to rank {peer}", peer)
+        what = f"send of {buf.numel()} bytes to rank {peer}"
+        with _posting(what, peer):
+            work = self._group().send([buf], peer, 0)  # type: ignore[attr-defined]  # torch's stub lacks Backend.send
+        return _GlooHandle(work, what, peer)
 
     def irecv(self, buf: torch.Tensor, peer: int) -> Handle:
         _require_host(buf, "receive into")
-        return _GlooHandle(
-            self._pg.recv([buf], peer, 0), f"receive of {buf.numel()} bytes from rank {peer}", peer
-        )
+        what = f"receive of {buf.numel()} bytes from rank {peer}"
+        with _posting(what, peer):
+            work = self._group().recv([buf], peer, 0)  # type: ignore[attr-defined]  # torch's stub lacks Backend.recv
+        return _GlooHandle(work, what, peer)
 
     def abort(self) -> None:
+        if self._pg is None:  # closed: nothing left to unblock
+            return
         with contextlib.suppress(RuntimeError):  # already aborted or torn down: nothing to unblock
             self._pg.abort()
 
