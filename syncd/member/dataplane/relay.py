@@ -46,6 +46,8 @@ class BucketForwarder:
             self._out[b.relay.forwards].append(b)
         self._transport, self._ranks, self._timeout_s = transport, ranks, timeout_s
         self._in_slot: dict[int, list[Handle]] = defaultdict(list)
+        self._all = tuple(outgoing)
+        self._sent: set[tuple[str, str, int]] = set()
         self.bytes = 0
 
     def expects(self, received: Sequence[Bucket]) -> None:
@@ -61,6 +63,7 @@ class BucketForwarder:
             if out.nbytes != flat.numel():
                 raise ValueError(f"relay {out.key} carries {out.nbytes} bytes, received {flat.numel()}")
             self._in_slot[slot].append(self._transport.isend(flat, self._ranks[out.dst]))
+            self._sent.add(out.key)
             self.bytes += out.nbytes
 
     def release(self, slot: int) -> None:
@@ -69,9 +72,16 @@ class BucketForwarder:
             handle.fence(self._timeout_s)
 
     def finish(self) -> None:
+        """Wait for the last forwards; a relay bucket never sent is an error here, at once, rather
+        than a successor starving until its stall timeout names this member."""
         for slot in list(self._in_slot):
             for handle in self._in_slot.pop(slot):
                 handle.wait(self._timeout_s)
+        unsent = sorted(b.key for b in self._all if b.key not in self._sent)
+        if unsent:
+            raise RuntimeError(
+                f"relay loop ended with {len(unsent)} relay buckets not forwarded: {unsent[:3]}"
+            )
 
 
 def relay_buckets(
