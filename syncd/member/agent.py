@@ -284,7 +284,10 @@ class MemberAgent:
         diffs: Diffs | None,
     ) -> None:
         ranks = {m: i for i, m in enumerate(group.members)}
-        sending = buckets[0].src == self.member_id
+        relaying = any(b.relay is not None and b.src == self.member_id for b in buckets)  # fan-out
+        # A relay is a receiver first: its receives wait the stall timeout, only its forwards
+        # twice (its own relay buckets sort before a trainer's, so buckets[0] may be one).
+        sending = not relaying and buckets[0].src == self.member_id
         # Sends wait twice the stall timeout: a blocked sender is its receiver's victim, and the
         # member starving on a receive names the stuck one first (`syncd.daemon.survivors`).
         options = LoopOptions(
@@ -292,7 +295,7 @@ class MemberAgent:
         )
         cancel, cache, transport = self._cancel, group.cache, group.transport
         try:
-            if any(b.relay is not None and b.src == self.member_id for b in buckets):  # fan-out
+            if relaying:
                 results[stage] = relay_buckets(
                     buckets,
                     self.member_id,
