@@ -33,9 +33,10 @@ import numpy as np
 import torch
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
-from syncd.member.agent import AgentSettings, MemberAgent
+from syncd.member import join
 from syncd.member.client import MemberClient
 from syncd.plan.simulate import convert
+from syncd.vocabulary import Role
 from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 
 log = logging.getLogger("plain_member")
@@ -182,34 +183,30 @@ def main() -> None:
         coords = {"replica": args.replica, "tp": args.tp_rank}
         catalog = vllm_catalog(shape, args.tp, args.tp_rank)
         endpoint = _LeanGenerator(catalog) if args.lean else _Digesting(catalog, args.digest_file)
-    client = MemberClient(
+    membership = join(
         args.syncd,
-        role=args.role,
+        _Holding(endpoint, args.hold_begin_s, args.hold_from_version) if args.hold_begin_s else endpoint,
+        role=Role(args.role),
         member_id=member_id,
         coords=coords,
         catalog=endpoint.catalog,
-        data_address=args.host,
+        data_host=args.host,
         weight_version=0 if args.role == "generator" else None,
-    )
-    agent = MemberAgent(
-        client,
-        _Holding(endpoint, args.hold_begin_s, args.hold_from_version) if args.hold_begin_s else endpoint,
-        AgentSettings(host=args.host),
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    client.start(agent)
     if args.role == "trainer" and args.announce_file is not None:
         threading.Thread(
-            target=_announce_loop, args=(client, endpoint, shape, args.announce_file, stop), daemon=True
+            target=_announce_loop,
+            args=(membership.client, endpoint, shape, args.announce_file, stop),
+            daemon=True,
         ).start()
     try:
         stop.wait()
     except KeyboardInterrupt:
         pass
     finally:
-        client.close()
-        agent.close()
+        membership.close()
         logging.shutdown()
         os._exit(0)  # not waiting for a transfer thread a stuck peer holds (it holds nothing to save)
 
