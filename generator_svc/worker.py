@@ -27,8 +27,10 @@ import torch
 from generator_svc import transfer_engine
 from generator_svc.catalog import build_catalog, catalog_to_json
 from generator_svc.cpu_moe_fix import apply_cpu_moe_fix
-from generator_svc.staging import Staging
+from generator_svc.settings import RefitMode
+from generator_svc.staging import StagingInputError
 from generator_svc.vllm_layout import allocated_shapes, param_specs
+from generator_svc.worker_modes import worker_mode
 from generator_svc.worker_status import StatusPublisher, WorkerStatus
 
 log = logging.getLogger("generator_svc.worker")
@@ -65,11 +67,10 @@ class WeightSyncExtension:
         refit_mode: str = "staged",
         hold_limit_s: float = 300.0,
     ) -> dict[str, Any]:
-        """Build this worker's catalog and, in staged mode, its staging; register with syncd when
-        `syncd` is set, and publish this worker's status into `status_dir` when set
-        (`worker_status`). Raises ValueError naming any parameter the catalog cannot cover."""
-        from generator_svc.member import InplaceEndpoint, StagedEndpoint
-
+        """Build this worker's catalog and its refit mode's object (`worker_modes`: staging in
+        staged mode); register with syncd when `syncd` is set, and publish this worker's status
+        into `status_dir` when set (`worker_status`). Raises ValueError naming any parameter the
+        catalog cannot cover."""
         model = self._ws_model()
         tp_rank, tp_size = self._ws_tp()
         shapes = allocated_shapes(model)
@@ -79,20 +80,17 @@ class WeightSyncExtension:
             raise RuntimeError(f"weight_transfer_config.backend must be {transfer_engine.BACKEND!r}")
         self._ws_catalog = catalog
         self._ws_member_id = f"generator-{replica}-{tp_rank}"
-        relay = internal_url if tp_rank == 0 else ""
-        if refit_mode == "inplace":
-            self._ws_staging = None  # the point of the mode: no second copy of the weights
-            engine.inplace_catalog = catalog
-            self._ws_endpoint = InplaceEndpoint(
-                self._ws_member_id, relay, commit_token, hold_limit_s, in_flight
-            )
-        else:
-            # Staging lives where the weights live, so the data plane writes into it with the
-            # transport of that device (gloo on CPU, NCCL on GPU) and the install copies
-            # device-to-device.
-            self._ws_staging = Staging(catalog, device=self.device)  # type: ignore[attr-defined]
-            engine.staging = self._ws_staging
-            self._ws_endpoint = StagedEndpoint(self._ws_staging, self._ws_member_id, relay, commit_token)
+        self._ws_mode = worker_mode(
+            RefitMode(refit_mode),
+            catalog=catalog,
+            device=self.device,  # type: ignore[attr-defined]
+            member_id=self._ws_member_id,
+            relay=internal_url if tp_rank == 0 else "",
+            token=commit_token,
+            hold_limit_s=hold_limit_s,
+            in_flight=in_flight,
+        )
+        engine.target = self._ws_mode
         self._ws_member = None
         if syncd:
             from generator_svc.member import start_member
@@ -102,8 +100,8 @@ class WeightSyncExtension:
                 member_id=self._ws_member_id,
                 coords={"replica": replica, "tp": tp_rank},
                 catalog=catalog,
-                device=self.device,
-                endpoint=self._ws_endpoint,  # type: ignore[attr-defined]
+                device=self.device,  # type: ignore[attr-defined]
+                endpoint=self._ws_mode.endpoint,
                 auth_token=auth_token or None,
                 data_host=data_host,
                 in_flight=in_flight,
@@ -151,49 +149,33 @@ class WeightSyncExtension:
 
     def ws_stage_file(self, path: str, refit_id: str) -> dict[str, Any]:
         """Stage this worker's boxes of a safetensors checkpoint (the data plane's stand-in for
-        operators and tests). Starts refit `refit_id`: earlier staged bytes no longer count."""
-        if self._ws_staging is None:
-            raise ValueError(
-                "this generator runs --refit-mode inplace: it has no staging to load a file into"
-            )
-        self._ws_staging.begin(refit_id)
-        return self._ws_staging.fill_from_safetensors(path)
+        operators and tests). Starts refit `refit_id`: earlier staged bytes no longer count.
+        Returns {"tensors", "skipped"}, or {"rejected": why} when the input is not a checkpoint
+        of this catalog (exceptions cross collective_rpc as text, so the API server could not
+        tell bad input from a bug)."""
+        try:
+            return self._ws_mode.stage_file(path, refit_id)
+        except StagingInputError as e:
+            return {"rejected": f"{self._ws_member_id}: {e}"}
 
     def ws_status(self) -> dict[str, Any]:
         """What is ready to commit: staging (staged) or the open in-place install (inplace)."""
-        if self._ws_staging is None:
-            receiver = self.weight_transfer_engine.receiver  # type: ignore[attr-defined]
-            return {
-                "member_id": self._ws_member_id,
-                "refit_id": "inplace" if receiver else None,
-                "missing": receiver.missing()[:10] if receiver else [],
-            }
-        s = self._ws_staging
-        return {
-            "member_id": self._ws_member_id,
-            "refit_id": s.refit_id,
-            "missing": s.missing()[:10] if s.refit_id else [],
-        }
+        refit_id, missing = self._ws_mode.status()
+        return {"member_id": self._ws_member_id, "refit_id": refit_id, "missing": missing}
 
     def ws_hold(self, refit_id: str) -> None:
         """inplace: generation is held and this worker's install is open (start_weight_update made
         the receiver); the member may receive."""
-        self._ws_endpoint.held(refit_id, self.weight_transfer_engine.receiver)  # type: ignore[attr-defined]
+        self._ws_mode.hold(refit_id)
 
     def ws_release(self) -> int:
         """inplace: close the open install (it takes no more bytes); returns how many layers it had
         installed (0: the engine still holds the committed version whole). `ws_recover` follows."""
-        receiver = self.weight_transfer_engine.receiver  # type: ignore[attr-defined]
-        if receiver is None:
-            return 0
-        receiver.close()
-        self._ws_endpoint.released()
-        return receiver.installed_layers
+        return self._ws_mode.release()
 
     def ws_abort(self, refit_id: str = "") -> None:
         """Drop staged bytes of `refit_id` (any when empty); serving is unaffected."""
-        if self._ws_staging is not None and (not refit_id or self._ws_staging.refit_id == refit_id):
-            self._ws_staging.discard()
+        self._ws_mode.drop_staged(refit_id)
 
     def ws_recover(self) -> None:
         """After an update failed inside the lifecycle: put every layer back on real tensors
@@ -202,11 +184,8 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        engine = self.weight_transfer_engine  # type: ignore[attr-defined]
-        if engine.receiver is not None:
-            engine.receiver.close()
-            engine.receiver = None
-        engine.reset_weight_update_target()
+        self._ws_mode.recover()
+        self.weight_transfer_engine.reset_weight_update_target()  # type: ignore[attr-defined]
         self._weight_update_active = False
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             finalize_layerwise_reload(self._ws_model(), self.model_config)  # type: ignore[attr-defined]
@@ -214,11 +193,8 @@ class WeightSyncExtension:
     def ws_committed(self, refit_id: str, version: str, ok: bool, error: str = "") -> None:
         """Tell syncd this worker's outcome of a Commit (the API server applied it)."""
         if self._ws_member is not None and refit_id:
-            self._ws_endpoint.applied(version, ok, error)
-        if self._ws_staging is None:
-            self._ws_endpoint.released()
-        elif ok:
-            self._ws_staging.discard()
+            self._ws_mode.endpoint.applied(version, ok, error)
+        self._ws_mode.committed(ok)
 
     def ws_last_install(self) -> dict[str, Any]:
         """What the last install did on this worker (`InstallReport`), {} before the first."""
@@ -253,12 +229,13 @@ class WeightSyncExtension:
         `{out_dir}/installed-tp{rank}.safetensors`."""
 
         def install() -> None:
-            self._ws_staging.begin("dump")
-            self._ws_staging.fill_from_safetensors(checkpoint)
+            staging = self._ws_mode.staging  # type: ignore[attr-defined]  # a staged worker's
+            staging.begin("dump")
+            staging.fill_from_safetensors(checkpoint)
             self.start_weight_update()  # type: ignore[attr-defined]
             self.update_weights({"version": "dump"})  # type: ignore[attr-defined]
             self.finish_weight_update()  # type: ignore[attr-defined]
-            self._ws_staging.discard()
+            staging.discard()
 
         return self._ws_dump(install, f"{out_dir}/installed-tp{self._ws_tp()[0]}.safetensors")
 
