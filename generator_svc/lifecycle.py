@@ -26,10 +26,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
 from generator_svc import metrics
 from generator_svc.settings import Settings
+from generator_svc.vllm_adapter import WeightTransferUpdateRequest
 from syncd.weight_version import version_of_label
 
 log = logging.getLogger("generator_svc.refit")

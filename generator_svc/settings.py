@@ -90,8 +90,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     """Our settings plus vLLM's server namespace, with the worker extension and the staging
     weight-transfer backend forced on (the service depends on both)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from generator_svc.vllm_adapter import (
+        FlexibleArgumentParser,
+        make_arg_parser,
+        validate_parsed_serve_args,
+    )
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="python -m generator_svc"))
     add_arguments(parser)

@@ -11,10 +11,10 @@ differs by refit mode is the worker's `UpdateTarget` (`generator_svc.worker_mode
                              will write into)
     update_weights(info)  -> target.install: staged: `install.install_into_model`, one copy per
                              parameter from staging, then each layer's post-processing once (CPU
-                             repack, MoE prepack with the CPU MoE fix); `load_weights` only for
-                             layers it cannot cover. After a delta refit only the layers whose
-                             parameters changed. inplace: nothing left to install; checks every
-                             layer was
+                             repack, MoE prepack with the CPU MoE fix of `vllm_adapter`);
+                             `load_weights` only for layers it cannot cover. After a delta
+                             refit only the layers whose parameters changed. inplace: nothing
+                             left to install; checks every layer was
     finish_weight_update  -> target.finish; finalize_layerwise_reload
 
 The bytes never travel through `update_weights`: `info` only names the version. In staged mode the
@@ -28,14 +28,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from vllm.distributed.weight_transfer.base import (
+
+from generator_svc.install import InstallReport
+from generator_svc.vllm_adapter import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+    register_weight_transfer_engine,
 )
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-from generator_svc.install import InstallReport
 
 BACKEND = "syncd_staging"
 
@@ -75,8 +77,6 @@ class StagingTransferEngine(WeightTransferEngine[StagingInitInfo, StagingUpdateI
         """Nothing to connect: the data plane is owned by the worker's syncd member."""
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         target = self._target()
         target.before_reload()
         initialize_layerwise_reload(self.model)
@@ -86,8 +86,6 @@ class StagingTransferEngine(WeightTransferEngine[StagingInitInfo, StagingUpdateI
         self.last_install = self._target().install(self.model, update_info.version)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         if self.target is not None:
             self.target.finish()
         finalize_layerwise_reload(self.model, self.model_config)
@@ -102,5 +100,4 @@ class StagingTransferEngine(WeightTransferEngine[StagingInitInfo, StagingUpdateI
 
 
 def register() -> None:
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, StagingTransferEngine)
+    register_weight_transfer_engine(BACKEND, StagingTransferEngine)

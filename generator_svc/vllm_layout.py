@@ -1,5 +1,8 @@
 """Read `ParamSpec`s off a live vLLM model: the bridge from vLLM's modules to the pure builder.
 
+The layer classes come from `generator_svc.vllm_adapter`, which also declares (and its test checks)
+every attribute read here (`ATTRIBUTES`).
+
 Every parameter is classified by the vLLM layer that owns it, and its layout is derived from that
 layer's own attributes (tp rank/size, partition sizes, head counts, vocab shard indices), never from
 hard-coded shapes or from the visible Parameter shape (on CPU linear weights are repacked into
@@ -42,7 +45,7 @@ def _packed_names(model: torch.nn.Module, module_path: str) -> list[str]:
 
 
 def _linear_spec(model: torch.nn.Module, path: str, module: torch.nn.Module, dtype: str) -> ParamSpec:
-    from vllm.model_executor.layers.linear import (
+    from generator_svc.vllm_adapter import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
         QKVParallelLinear,
@@ -84,9 +87,7 @@ def _linear_spec(model: torch.nn.Module, path: str, module: torch.nn.Module, dty
 
 
 def _module_specs(model: torch.nn.Module, path: str, module: torch.nn.Module) -> list[ParamSpec]:
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from generator_svc.vllm_adapter import LinearBase, RoutedExperts, VocabParallelEmbedding
 
     params = dict(module.named_parameters(recurse=False))
     if isinstance(module, RoutedExperts):
@@ -175,13 +176,10 @@ def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
 def allocated_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """Checkpoint-format shapes vLLM allocated, from the layerwise-reload metadata vLLM records at
     load (before kernels repack the tensors). Empty when vLLM recorded none."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from generator_svc.vllm_adapter import recorded_checkpoint_shapes
 
     out: dict[str, tuple[int, ...]] = {}
     for path, module in model.named_modules():
-        info = LAYERWISE_INFO.get(module)
-        if info is None:
-            continue
-        for pname, meta in info.restore_metadata[0].items():
-            out[f"{path}.{pname}" if path else pname] = tuple(meta.shape)
+        for pname, shape in (recorded_checkpoint_shapes(module) or {}).items():
+            out[f"{path}.{pname}" if path else pname] = shape
     return out

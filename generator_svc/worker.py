@@ -6,10 +6,11 @@ every worker and carries only plain data (no tensors). What runs where:
 - API server (generator_svc.refit): the update lifecycle (`pause_generation`, `start_weight_update`,
   `update_weights`, `finish_weight_update`, `reset_prefix_cache`, `resume_generation`), because it
   must be entered by all TP workers together and generation must be held meanwhile.
-- worker, via collective_rpc: `ws_setup` (catalog, staging or the inplace receiver's catalog, syncd
-  registration), `ws_stage_file`, `ws_status`, `ws_hold` and `ws_release` (inplace), `ws_abort`,
-  `ws_recover`, `ws_committed`, `ws_last_install`, `ws_dump_loaded`, `ws_dump_installed` and
-  `ws_dump_inplace` (tests).
+- worker, via collective_rpc: `ws_setup` (catalog, this worker's refit mode object from
+  `generator_svc.worker_modes`, syncd registration), `ws_stage_file`, `ws_status`, `ws_hold` and
+  `ws_release` (inplace), `ws_abort`, `ws_recover`, `ws_committed`, `ws_last_install`, which hand
+  whatever depends on the refit mode to that object. (Test aids that run in the worker live in
+  `tests/generator/worker_aids.py`.)
 - worker, on the syncd member's handler thread: the data plane writing received buckets into
   staging (`generator_svc.member`), concurrently with serving: staging is separate memory; or, in
   inplace mode, into the live layers while generation is held (`generator_svc.inplace`).
@@ -26,9 +27,14 @@ import torch
 
 from generator_svc import transfer_engine
 from generator_svc.catalog import build_catalog, catalog_to_json
-from generator_svc.cpu_moe_fix import apply_cpu_moe_fix
 from generator_svc.settings import RefitMode
 from generator_svc.staging import StagingInputError
+from generator_svc.vllm_adapter import (
+    abandon_weight_update,
+    apply_cpu_moe_fix,
+    tensor_parallel_position,
+    worker_model,
+)
 from generator_svc.vllm_layout import allocated_shapes, param_specs
 from generator_svc.worker_modes import worker_mode
 from generator_svc.worker_status import StatusPublisher, WorkerStatus
@@ -44,15 +50,10 @@ class WeightSyncExtension:
     """Weight-sync methods of a vLLM worker. State lives on the worker as `_ws_*` attributes."""
 
     def _ws_model(self) -> torch.nn.Module:
-        return self.model_runner.get_model()  # type: ignore[attr-defined]
+        return worker_model(self)
 
     def _ws_tp(self) -> tuple[int, int]:
-        from vllm.distributed import parallel_state
-
-        return (
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_world_size(),
-        )
+        return tensor_parallel_position()
 
     def ws_setup(
         self,
@@ -181,14 +182,8 @@ class WeightSyncExtension:
         """After an update failed inside the lifecycle: put every layer back on real tensors
         (layers not yet loaded get their previous kernel tensors back) so the next forward cannot
         meet meta parameters. The engine must not serve until a complete refit succeeds."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         self._ws_mode.recover()
-        self.weight_transfer_engine.reset_weight_update_target()  # type: ignore[attr-defined]
-        self._weight_update_active = False
-        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-            finalize_layerwise_reload(self._ws_model(), self.model_config)  # type: ignore[attr-defined]
+        abandon_weight_update(self)
 
     def ws_committed(self, refit_id: str, version: str, ok: bool, error: str = "") -> None:
         """Tell syncd this worker's outcome of a Commit (the API server applied it)."""
@@ -200,107 +195,3 @@ class WeightSyncExtension:
         """What the last install did on this worker (`InstallReport`), {} before the first."""
         report = self.weight_transfer_engine.last_install  # type: ignore[attr-defined]
         return report.as_dict() if report is not None else {}
-
-    def ws_dump_loaded(self, checkpoint: str, out_dir: str) -> str:
-        """Test aid: reload `checkpoint` through vLLM's own loader inside the layerwise reload and
-        save every parameter as vLLM's loaders wrote it (checkpoint format, before kernel
-        processing) to `{out_dir}/tp{rank}.safetensors`. The engine serves `checkpoint` afterwards."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        model = self._ws_model()
-
-        def load() -> None:
-            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-                initialize_layerwise_reload(model)
-                try:
-                    model.load_weights(_read_checkpoint(checkpoint))
-                finally:
-                    finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
-
-        return self._ws_dump(load, f"{out_dir}/tp{self._ws_tp()[0]}.safetensors")
-
-    def ws_dump_installed(self, checkpoint: str, out_dir: str) -> str:
-        """Test aid: like `ws_dump_loaded`, but through the staged refit path (stage `checkpoint`,
-        then the update lifecycle with the install by parameter), to
-        `{out_dir}/installed-tp{rank}.safetensors`."""
-
-        def install() -> None:
-            staging = self._ws_mode.staging  # type: ignore[attr-defined]  # a staged worker's
-            staging.begin("dump")
-            staging.fill_from_safetensors(checkpoint)
-            self.start_weight_update()  # type: ignore[attr-defined]
-            self.update_weights({"version": "dump"})  # type: ignore[attr-defined]
-            self.finish_weight_update()  # type: ignore[attr-defined]
-            staging.discard()
-
-        return self._ws_dump(install, f"{out_dir}/installed-tp{self._ws_tp()[0]}.safetensors")
-
-    def ws_dump_inplace(self, checkpoint: str, out_dir: str, bucket_bytes: int = 1 << 16) -> dict[str, Any]:
-        """Test aid: like `ws_dump_installed`, through the in-place install: `checkpoint` packed into
-        buckets of `bucket_bytes` as a one-rank trainer would send them (`inplace.checkpoint_buckets`),
-        each handed to an `InplaceReceiver` inside the layerwise reload. Saves
-        `{out_dir}/inplace-tp{rank}.safetensors`; returns the receiver's report."""
-        from generator_svc.inplace import checkpoint_buckets, install_buckets
-
-        packed = checkpoint_buckets(self._ws_catalog, self._ws_member_id, checkpoint, bucket_bytes)
-        out: dict[str, Any] = {}
-
-        def install() -> None:
-            receiver = install_buckets(
-                self._ws_model(),
-                self._ws_catalog,
-                self.device,  # type: ignore[attr-defined]
-                self.vllm_config,
-                packed,
-            )  # type: ignore[attr-defined]
-            out.update(receiver.report.as_dict())
-
-        self._ws_dump(install, f"{out_dir}/inplace-tp{self._ws_tp()[0]}.safetensors")
-        return out
-
-    def _ws_dump(self, run, out_path: str) -> str:
-        """Run `run` and save every parameter in checkpoint format: the values each layer's
-        `process_weights_after_loading` received (before kernel repacking), and the parameters of
-        layers that have no processing as they are afterwards."""
-        from safetensors.torch import save_file
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-        model = self._ws_model()
-        captured: dict[str, torch.Tensor] = {}
-        restore = []
-        for path, module in model.named_modules():
-            method = getattr(module, "quant_method", None)
-            if isinstance(method, QuantizeMethodBase):
-                original = method.process_weights_after_loading
-
-                def capture(layer, _path=path, _orig=original):
-                    for n, p in layer.named_parameters(recurse=False):
-                        captured[f"{_path}.{n}"] = p.detach().clone()
-                    return _orig(layer)
-
-                method.process_weights_after_loading = capture
-                restore.append(method)
-        try:
-            run()
-        finally:
-            for method in restore:
-                del method.process_weights_after_loading
-        for n, p in model.named_parameters():
-            captured.setdefault(n, p.detach().clone())
-        save_file({k: v.contiguous() for k, v in captured.items()}, out_path)
-        return out_path
-
-
-def _read_checkpoint(directory: str):
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    for file in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                yield name, f.get_tensor(name)

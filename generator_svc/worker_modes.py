@@ -28,7 +28,11 @@ from syncd.layout import Catalog
 
 class WorkerMode(Protocol):
     mode: RefitMode
-    endpoint: GeneratorEndpoint
+
+    @property
+    def endpoint(self) -> GeneratorEndpoint:
+        """What the syncd member receives through (`generator_svc.member`)."""
+        ...
 
     def stage_file(self, path: str, refit_id: str) -> dict[str, int]:
         """Stage a checkpoint file (StagingInputError when there is nothing to stage it into)."""
