@@ -37,7 +37,7 @@ WORKER_EXTENSION = "generator_svc.worker.WeightSyncExtension"
 
 class RefitMode(StrEnum):
     """How a worker receives a refit (generator_svc/README.md, "Refit modes: which to pick"); each
-    has one strategy on each side: `refit_modes` in the API server, `member` in the workers."""
+    has one strategy on each side: `refit_modes` in the API server, `worker_modes` in the workers."""
 
     STAGED = "staged"  # into staging beside the live weights, installed on commit
     INPLACE = "inplace"  # into the live layers, generation held for the transfer
