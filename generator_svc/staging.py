@@ -220,5 +220,6 @@ def _open_safetensors(file: Path) -> Any:
 
     try:
         return safe_open(str(file), framework="pt")
-    except (OSError, SafetensorError) as e:
-        raise StagingInputError(f"{file}: {type(e).__name__}: {e}") from e
+    except (OSError, ValueError, SafetensorError) as e:  # ValueError: a path that cannot be encoded
+        # repr: the path may hold characters no encoding carries (a lone surrogate from JSON)
+        raise StagingInputError(f"{str(file)!r} is not a readable safetensors file: {e!r}") from e

@@ -20,6 +20,8 @@ from fastapi.testclient import TestClient
 from generator_svc import server
 from generator_svc.refit import Refitter
 from generator_svc.settings import RefitMode, Settings
+from generator_svc.staging import Staging, StagingInputError
+from syncd.layout import Catalog
 from tests.polling import wait_until
 
 
@@ -239,3 +241,24 @@ def test_no_lock_is_held_between_requests(inplace) -> None:
     assert http.post("/v1/weights/abort", json={}).status_code == 200
     assert _post(http, refitter, "/internal/release", refit_id="other").json()["released"] is False
     assert _served(http)["updating"] is True and engine.count("ws_release") == 0
+
+
+@pytest.mark.parametrize(
+    "path,message",
+    [
+        ("/", "no safetensors files at /"),
+        ("/no/such/file.safetensors", "'/no/such/file.safetensors' is not a readable safetensors file"),
+        ("\ud800", r"'\ud800' is not a readable safetensors file: UnicodeEncodeError"),
+    ],
+)
+def test_staging_rejects_what_is_no_checkpoint_as_the_callers_input(
+    path: str, message: str, tmp_path
+) -> None:
+    """What a worker returns as `{"rejected": ...}` (409), naming the path, never a 500."""
+    with pytest.raises(StagingInputError) as raised:
+        Staging(Catalog((), ())).fill_from_safetensors(path)
+    assert str(raised.value).startswith(message)
+    not_safetensors = tmp_path / "x.safetensors"
+    not_safetensors.write_text("not a checkpoint")
+    with pytest.raises(StagingInputError, match="SafetensorError"):
+        Staging(Catalog((), ())).fill_from_safetensors(tmp_path)
