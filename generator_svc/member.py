@@ -146,6 +146,8 @@ class InplaceEndpoint(_CommitRelay):
     into its `InplaceReceiver`; Abort releases the hold (`/internal/release`: 503 until a complete
     refit when layers were already installed)."""
 
+    receive_by_layer = True
+
     def __init__(
         self, member_id: str, internal_url: str, token: str, hold_limit_s: float, in_flight: int
     ) -> None:

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from generator_svc import server
+from generator_svc.member import InplaceEndpoint, StagedEndpoint
 from generator_svc.refit import Refitter
 from generator_svc.settings import RefitMode, Settings
 from generator_svc.staging import Staging, StagingInputError
@@ -262,3 +263,9 @@ def test_staging_rejects_what_is_no_checkpoint_as_the_callers_input(
     not_safetensors.write_text("not a checkpoint")
     with pytest.raises(StagingInputError, match="SafetensorError"):
         Staging(Catalog((), ())).fill_from_safetensors(tmp_path)
+
+
+def test_only_the_inplace_member_asks_for_buckets_cut_at_whole_layers() -> None:
+    """An in-place install post-processes whole layers (registered as `receive_by_layer`)."""
+    assert InplaceEndpoint.receive_by_layer is True
+    assert StagedEndpoint.receive_by_layer is False
