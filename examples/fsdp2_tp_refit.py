@@ -25,7 +25,6 @@ import logging
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]

@@ -170,7 +170,8 @@ def _agreed_layout(model: torch.nn.Module, names: UserNames | None, exclude: Ite
         dist.all_gather_object(everyone, problems)
         problems = {}
         for rank, theirs in enumerate(everyone):
-            problems.update({name: f"(rank {rank}) {why}" for name, why in theirs.items()})
+            for name, why in theirs.items():
+                problems.setdefault(name, f"(rank {rank}) {why}")  # the lowest rank that refuses
     if problems:
         raise LayoutRefusedError(problems)
     assert layout is not None

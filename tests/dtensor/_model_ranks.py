@@ -15,11 +15,11 @@ import torch.distributed as dist
 from transformers import Qwen3MoeForCausalLM
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "examples"))
-from fsdp2_tp_refit import parallelize, sum_head_norm_grads  # noqa: E402 - the example's recipe, not a copy of it
+from fsdp2_tp_refit import parallelize, sum_head_norm_grads
 
-from syncd.layout import hf_names  # noqa: E402
-from syncd.member.dtensor import rank_layout  # noqa: E402
-from trainer_svc.state_dict_adapter import load_hf  # noqa: E402
+from syncd.layout import hf_names
+from syncd.member.dtensor import rank_layout
+from trainer_svc.state_dict_adapter import load_hf
 
 
 def main() -> None:
