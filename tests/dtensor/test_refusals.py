@@ -19,14 +19,15 @@ def test_refusals_name_every_parameter_on_every_rank(tmp_path):
     assert "3 parameter(s) cannot be registered" in first, first
     assert "model.partial.weight: (rank 0) placement P(sum) on mesh dim 0 holds a pending reduction" in first
     assert (
-        "model.strided.weight: (rank 0) placement _StridedShard(dim=0, sf=3) on mesh dim 0: its split factor is not the 1 shard(s)"
-        in first
+        "model.strided.weight: (rank 0) placement _StridedShard(dim=0, sf=3) on mesh dim 0: "
+        "its split factor is not the 1 shard(s)" in first
     )
     assert "encoder.unnamed: (rank 0) no canonical name" in first
     assert "model.renamed.weight" not in first and "q_proj" not in first and "model.norm" not in first
     assert (
         "1 parameter(s)" in second
-        and "model.renamed.weight: (rank 0) its name mapping gives a layout of shape (3, 3), the parameter is (2, 2)"
+        and "model.renamed.weight: (rank 0) its name mapping gives a layout of shape (3, 3), "
+        "the parameter is (2, 2)"
         in second
     )
 
