@@ -188,9 +188,9 @@ def launch(args) -> dict:
     with Cluster(work / "logs") as cluster:
         syncd = cluster.start(
             "syncd",
-            [PYTHON, "-m", "syncd", "--host", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-             "--db", str(work / "syncd.db"), "--expected-trainers", "4", "--expected-generators", str(args.generator_tp),
-             "--backend", "gloo", "--auto-refit"],
+            [PYTHON, "-m", "syncd", "--host", "127.0.0.1", "--http-port", str(http_port),
+             "--grpc-port", str(grpc_port), "--db", str(work / "syncd.db"), "--expected-trainers", "4",
+             "--expected-generators", str(args.generator_tp), "--backend", "gloo", "--auto-refit"],
         )  # fmt: skip
         cluster.wait_http(syncd, f"http://127.0.0.1:{http_port}/healthz", 60)
         generator = start_vllm(
@@ -204,9 +204,11 @@ def launch(args) -> dict:
         gathered = work / "gathered"
         trainer = cluster.start(
             "trainer",
-            [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", __file__, "--rank-job",
-             "--layout", args.layout, "--model", str(model), "--syncd", f"127.0.0.1:{grpc_port}", "--steps", str(args.steps),
-             "--lr", str(args.lr), "--seed", str(args.seed), "--gathered", str(gathered)],
+            [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", __file__,
+             "--rank-job", "--layout", args.layout, "--model", str(model),
+             "--syncd", f"127.0.0.1:{grpc_port}",
+             "--steps", str(args.steps), "--lr", str(args.lr), "--seed", str(args.seed),
+             "--gathered", str(gathered)],
             env={"OMP_NUM_THREADS": "1"},
         )  # fmt: skip
         if trainer.popen.wait(args.timeout_s) != 0:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.canonical_names import UserNames
+from syncd.member.client import MemberClient
 from syncd.member.dataplane import catalog_views
 from syncd.member.dtensor import LayoutRefusedError, RankLayout, rank_layout
 from syncd.plan.types import Bucket
@@ -122,17 +123,19 @@ class Attachment:
         return self.endpoint.version
 
     def send(self, version: int, wait_s: float | None = None) -> str | None:
-        """The parameters now hold `version`: announce it to syncd. With `wait_s`, block until a
-        refit of it committed ("committed"), aborted ("aborted") or `wait_s` passed ("timeout")."""
+        """The parameters now hold `version`: announce it to syncd. Collective: every rank calls
+        it, and no rank announces before all of them hold `version` (a refit that one rank's
+        announcement starts must find every rank there). With `wait_s`, block until a refit of it
+        committed ("committed"), aborted ("aborted") or `wait_s` passed ("timeout")."""
         v = WeightVersion(version)
         with self.endpoint.lock:
             self.endpoint.version = v
+        if dist.is_initialized():
+            dist.barrier()
         try:
             self.client.announce_version(v)
-        except (
-            grpc.RpcError,
-            RuntimeError,
-        ) as e:  # syncd down must not stop training; re-registration announces it
+        except (grpc.RpcError, RuntimeError) as e:  # syncd down must not stop training
+            # not lost: the client re-registers with the version it holds, which announces it
             log.warning("%s: could not announce version %d now (%s)", self.client.member_id, v, e)
         return None if wait_s is None else self.endpoint.wait_refit(v, wait_s)
 
@@ -141,8 +144,10 @@ class Attachment:
             self.endpoint.lock.acquire()
 
         def after_step(opt, args, kwargs) -> None:
+            # relabel before anyone can read: a refit of the old version must not send new bytes
+            self.endpoint.version = WeightVersion(self.endpoint.version + 1)
             self.endpoint.lock.release()
-            outcome = self.send(self.endpoint.version + 1, self.wait_s)
+            outcome = self.send(self.endpoint.version, self.wait_s)
             if outcome not in (None, "committed"):
                 log.warning("refit of version %d: %s; training goes on", self.endpoint.version, outcome)
 
@@ -198,8 +203,6 @@ def attach(
     `optimizer`: send version 1, 2, ... after each of its steps, waiting `wait_s` for each refit.
     `data_host`: the address peers reach this rank's data plane at. Collective: every rank of the
     default process group calls it."""
-    from syncd.member.client import MemberClient  # grpc: only once we really register
-
     layout = _agreed_layout(model, names, exclude)
     rank = dist.get_rank() if dist.is_initialized() else 0
     run_id = [uuid.uuid4().hex]  # this training run, as syncd knows it: rank 0's id on every rank

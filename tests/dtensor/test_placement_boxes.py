@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import torchrun
+from dtensor_harness import torchrun
 
 
 def test_strided_shard_boxes_reassemble_full_tensor(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import torchrun
+from dtensor_harness import torchrun
 
 from syncd.layout import Canon, Concat
 from syncd.member.dtensor import LayoutRefusedError, rank_layout
