@@ -73,7 +73,7 @@ def held_runs(t: torch.Tensor, param: str) -> tuple[Runs, ...] | None:
             continue
         if not isinstance(placement, tdt.Shard | tdt.StridedShard):
             raise ValueError(f"placement {placement!r} on mesh dim {mesh_dim} has no mapping to boxes")
-        d = placement.dim
+        d = tdt.shard_dim(placement)
         if isinstance(placement, tdt.StridedShard):
             _check_split_factor(t, mesh_dim)
         indices[d] = tdt.held_indices(placement, indices[d], t.device_mesh.size(mesh_dim), coords[mesh_dim])
@@ -95,15 +95,16 @@ def _check_split_factor(t: tdt.DTensor, mesh_dim: int) -> None:
     `full_tensor()` disagrees with its split for other factors (torch 2.13: e.g. sf=3 over 2 x 2),
     so such a layout is refused rather than mapped to boxes nobody can check."""
     placement = t.placements[mesh_dim]
+    dim = tdt.shard_dim(placement)
     later = 1
     for i in range(mesh_dim + 1, t.device_mesh.ndim):
         p = t.placements[i]
-        if isinstance(p, tdt.Shard | tdt.StridedShard) and p.dim == placement.dim:
+        if isinstance(p, tdt.Shard | tdt.StridedShard) and tdt.shard_dim(p) == dim:
             later *= t.device_mesh.size(i)
     if tdt.split_factor(placement) != later:
         raise ValueError(
             f"placement {placement!r} on mesh dim {mesh_dim}: its split factor is not the {later} "
-            f"shard(s) that the later mesh dims cut dim {placement.dim} into ({t.placements}); "
+            f"shard(s) that the later mesh dims cut dim {dim} into ({t.placements}); "
             "DTensor itself does not reassemble such a layout consistently"
         )
 

@@ -35,6 +35,7 @@ __all__ = [
     "StridedShard",
     "held_indices",
     "local_shape",
+    "shard_dim",
     "split_factor",
     "torch_version_tested",
 ]
@@ -49,6 +50,11 @@ def torch_version_tested() -> bool:
 def split_factor(p: Placement) -> int:
     """A `_StridedShard`'s split factor as an int (it may be symbolic under tracing)."""
     return int(p.split_factor)  # type: ignore[attr-defined]  # only _StridedShard has it
+
+
+def shard_dim(p: Placement) -> int:
+    """The tensor dim a `Shard` or `_StridedShard` cuts."""
+    return int(p.dim)  # type: ignore[attr-defined]  # torch's Placement base class does not declare dim
 
 
 def held_indices(placement: Placement, indices: torch.Tensor, num_chunks: int, coord: int) -> torch.Tensor:

@@ -35,3 +35,8 @@ def test_local_shape_helper_is_importable_and_callable():
 
     params = list(inspect.signature(tdt.compute_local_shape_and_global_offset).parameters)
     assert params[:3] == ["global_shape", "mesh", "placements"]
+
+
+def test_shard_dim_reads_both_placement_kinds():
+    assert tdt.shard_dim(tdt.Shard(2)) == 2
+    assert tdt.shard_dim(tdt.StridedShard(1, split_factor=2)) == 1
