@@ -166,7 +166,7 @@ def start_vllm(cluster, name: str, model: Path, tp: int, extra: list[str]) -> st
     cluster.wait_http(
         proc,
         f"http://127.0.0.1:{port}/health" if "vllm" in extra[0] else f"http://127.0.0.1:{port}/healthz",
-        300,
+        900,  # a shared 2-core machine under load has taken over 300 s to start a TP 2 engine
     )
     return f"http://127.0.0.1:{port}"
 
