@@ -128,20 +128,23 @@ def rank_job(args) -> None:
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()
     }
     if rank == 0:
-        save_gathered(args.model, gathered, Path(args.gathered))
+        save_gathered(args.model, gathered, Path(args.gathered), args.gathered_dtype)
     handle.close()
     dist.destroy_process_group()
 
 
-def save_gathered(model_dir: str, state: dict, out: Path) -> None:
-    """The gathered parameters as an HF checkpoint, written by transformers (not by weightsync)."""
+def save_gathered(model_dir: str, state: dict, out: Path, dtype: str = "float32") -> None:
+    """The gathered parameters as an HF checkpoint, written by transformers (not by weightsync),
+    in `dtype` (torch's `.to()`: round to nearest even, as a float32 sender's refit into a
+    bfloat16 generator rounds)."""
+    import torch
     from transformers import AutoConfig, Qwen3MoeForCausalLM
 
     whole = Qwen3MoeForCausalLM(AutoConfig.from_pretrained(model_dir))
     missing, unexpected = whole.load_state_dict(state, strict=False)
     if unexpected or any(not k.endswith("rotary_emb.inv_freq") for k in missing):
         raise RuntimeError(f"gathered state dict: missing {missing}, unexpected {unexpected}")
-    whole.save_pretrained(out)
+    whole.to(getattr(torch, dtype)).save_pretrained(out)
 
 
 # ---- the launcher: syncd, the generator, the trainer job, and the check against a fresh engine ----
@@ -243,6 +246,7 @@ def main() -> int:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--syncd", help=argparse.SUPPRESS)
     parser.add_argument("--gathered", help=argparse.SUPPRESS)
+    parser.add_argument("--gathered-dtype", default="float32", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_job:
         rank_job(args)

@@ -3,7 +3,8 @@ ranks, attached with `syncd.member.attach.attach` (the example's rank job, one c
 and a TP 2 vLLM CPU generator at once.
 
 After each refit both generators must generate exactly (greedy tokens and logprobs) as an engine
-holding the gathered state dict (`DTensor.full_tensor()`, saved by transformers): the generator
+holding the gathered state dict (`DTensor.full_tensor()`, saved by transformers in the served
+bfloat16, which the generator's load route requires): the generator
 itself after loading it through vLLM's own loaders (tests/generator shows that such a load
 generates exactly as a fresh engine), so two engines serve the whole module. The example's own
 check against a truly fresh engine runs in `test_example_against_a_fresh_engine`.
@@ -59,7 +60,7 @@ def test_dtensor_trainer_refits_tp1_and_tp2_generators_exactly(stack, generators
         f"trainer-{layout}",
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(TRAINERS),
          str(EXAMPLE), "--rank-job", "--layout", layout, "--model", str(model), "--syncd", stack.target,
-         "--steps", "1", "--lr", "1e-3", "--gathered", str(gathered)],
+         "--steps", "1", "--lr", "1e-3", "--gathered", str(gathered), "--gathered-dtype", "bfloat16"],
         env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
     )  # fmt: skip
     stack.wait_announced(1)
