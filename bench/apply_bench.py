@@ -63,10 +63,13 @@ def make_checkpoint(out_dir: Path, layers: int, experts: int, dtype: str) -> Pat
 
 
 def time_loader_path(worker) -> float:
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from generator_svc.vllm_adapter import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+        set_current_vllm_config,
+    )
 
-    model, staging = worker._ws_model(), worker._ws_staging
+    model, staging = worker._ws_model(), worker._ws_mode.staging
     start = time.perf_counter()
     with set_current_vllm_config(worker.vllm_config):
         initialize_layerwise_reload(model)
@@ -78,7 +81,7 @@ def time_loader_path(worker) -> float:
 def time_plain_copy(worker) -> float:
     import torch
 
-    buffers = worker._ws_staging.buffers
+    buffers = worker._ws_mode.staging.buffers
     targets = {n: torch.empty_like(b) for n, b in buffers.items()}
     start = time.perf_counter()
     for name, buf in buffers.items():
@@ -113,7 +116,7 @@ def time_inplace(worker, checkpoint: str, bucket_bytes: int) -> dict:
     """The inplace mode's install (`generator_svc.inplace`): already packed buckets (packed once,
     outside the timing, as a one-rank trainer sends them) unpacked into the live layers inside the
     layerwise reload, each layer post-processed as it completes."""
-    from generator_svc.inplace import checkpoint_buckets, install_buckets
+    from tests.generator.worker_aids import checkpoint_buckets, install_buckets
 
     packed = getattr(worker, "_bench_packed", None)
     if packed is None:

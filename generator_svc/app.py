@@ -15,14 +15,16 @@ log = logging.getLogger("generator_svc")
 async def serve(settings: Settings, args: Namespace) -> int:
     """Start the engine, set up weight sync on every worker, then serve HTTP until shutdown.
     Returns the exit status: 1 when the engine died (generator_svc.engine_health), else 0."""
-    import vllm.envs as envs
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
-
     from generator_svc import edge, server
     from generator_svc.engine_health import keep_http_up_after_engine_death
+    from generator_svc.vllm_adapter import (
+        build_app,
+        build_async_engine_client,
+        envs,
+        init_app_state,
+        serve_http,
+        setup_server,
+    )
 
     listen_address, sock = setup_server(args, reuse_port=False)
     try:

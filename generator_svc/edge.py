@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -31,7 +31,6 @@ from syncd.error_body import error_response
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
-    from vllm.config import ModelConfig
 
     from generator_svc.settings import Settings
 
@@ -169,7 +168,9 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def install(app: FastAPI, engine: EngineClient, model_config: ModelConfig, settings: Settings) -> EngineWatch:
+def install(
+    app: FastAPI, engine: EngineClient, model_config: Any, settings: Settings
+) -> EngineWatch:  # vllm.config.ModelConfig
     """Put the guard in front of `app` (vLLM's OpenAI app, before its middleware stack is built)
     with the bounds of `model_config` (the engine's) and `settings`; return the engine watch, whose
     `run()` the caller starts."""

@@ -24,10 +24,10 @@ server then never resumes generation: it answers 503 until a complete refit succ
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -70,7 +70,7 @@ class InplaceReceiver:
     def __init__(
         self, model: torch.nn.Module, catalog: Catalog, device: torch.device, vllm_config=None
     ) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from generator_svc.vllm_adapter import layerwise_info
 
         # Where the weights live (the model's own parameters are on the meta device by now).
         self.device = torch.device(device)
@@ -87,9 +87,7 @@ class InplaceReceiver:
         self._landing = landing_order(catalog)
         for path, names in params_by_layer(list(by_name)).items():
             module = modules[path]
-            info = get_layerwise_info(module)
-            if not info.can_load() or info.kernel_tensors is None:
-                raise RuntimeError(f"{path}: not inside a layerwise reload (start_weight_update first)")
+            info = layerwise_info(module, path)
             uncovered = uncovered_tensors(module, info, path, set(names))
             if uncovered:
                 raise ValueError(
@@ -199,75 +197,11 @@ class InplaceReceiver:
         self.peak_open_bytes = max(self.peak_open_bytes, self.open_bytes)
         self.report.peak_open_bytes = self.peak_open_bytes
 
-    def _config(self):
+    def _config(self) -> contextlib.AbstractContextManager[None]:
         """vLLM's current config while post-processing runs on the data plane's thread."""
-        import contextlib
+        from generator_svc.vllm_adapter import vllm_config_context
 
-        if self._vllm_config is None:
-            return contextlib.nullcontext()
-        from vllm.config import set_current_vllm_config
-
-        return set_current_vllm_config(self._vllm_config)
-
-
-def checkpoint_buckets(
-    catalog: Catalog, member_id: str, checkpoint: str, bucket_bytes: int
-) -> list[tuple[Bucket, torch.Tensor]]:
-    """(bucket, packed bytes) of `checkpoint` as a sender would send them to `member_id`, planned
-    as one source holding every canonical tensor whole (a test and benchmark aid: the same buckets
-    a one-rank trainer sends, without a network)."""
-    from safetensors.torch import load_file
-
-    from syncd.layout import Canon, CanonicalTensor, hf_names, local_tensor
-    from syncd.layout.dtypes import torch_dtype
-    from syncd.member.dataplane import pack_into
-    from syncd.plan import DestMember, SourceMember, make_plan
-
-    dtype = {c.name: c.dtype for c in catalog.canonical}
-    canonical = {}
-    for file in sorted(Path(checkpoint).glob("*.safetensors")):
-        for name, t in hf_names.group_from_hf(
-            load_file(str(file)).items(), lambda parts: torch.stack(list(parts))
-        ).items():
-            if name in dtype:
-                canonical[name] = t.to(torch_dtype(dtype[name]))
-    source = Catalog(
-        tuple(CanonicalTensor(n, tuple(t.shape), dtype[n]) for n, t in canonical.items()),
-        tuple(local_tensor(n, dtype[n], Canon(n, tuple(t.shape))) for n, t in canonical.items()),
-    )
-    plan = make_plan(
-        [SourceMember("checkpoint", 0, source)],
-        [DestMember(member_id, catalog, by_layer=True)],
-        bucket_bytes=bucket_bytes,
-    )
-    return [
-        (b, pack_into(b, canonical, torch.empty(b.nbytes, dtype=torch.uint8)).clone())
-        for b in plan.for_member(member_id)
-    ]
-
-
-def install_buckets(
-    model: torch.nn.Module,
-    catalog: Catalog,
-    device: torch.device,
-    vllm_config,
-    packed: list[tuple[Bucket, torch.Tensor]],
-) -> InplaceReceiver:
-    """The whole in-place install of already packed buckets inside vLLM's layerwise reload (what a
-    refit does between hold and commit, without the wire). Returns the receiver (its report)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    with set_current_vllm_config(vllm_config):
-        initialize_layerwise_reload(model)
-        try:
-            receiver = InplaceReceiver(model, catalog, device, vllm_config)
-            for bucket, flat in packed:
-                receiver.unpack(bucket, flat)
-            receiver.require_complete()
-        finally:
-            finalize_layerwise_reload(model, vllm_config.model_config)
-    return receiver
+        return vllm_config_context(self._vllm_config)
 
 
 def _param(name: str) -> str:

@@ -15,9 +15,10 @@ into). Per layer that owns catalog parameters:
   kernel tensors, which go back on the layer: one copy, nothing to process;
 - any other layer (linear, vocab, fused MoE) gets real checkpoint-format tensors, the copies, and
   its quant method's `process_weights_after_loading` (on CPU: oneDNN/sgl repack of linear weights,
-  whose visible Parameter is then empty, and the MoE prepack with `cpu_moe_fix`); the processed
-  values then go into the kept kernel tensors, as vLLM's own reload does. This is what the kernels
-  read, so installing never writes into the (possibly empty) visible Parameters of a repacked layer.
+  whose visible Parameter is then empty, and the MoE prepack with the CPU MoE fix in
+  `vllm_adapter`); the processed values then go into the kept kernel tensors, as vLLM's own
+  reload does. This is what the kernels read, so installing never writes into the (possibly
+  empty) visible Parameters of a repacked layer.
 
 A layer whose loadable tensors the catalog does not all cover cannot be installed by copies; its
 canonical tensors go through vLLM's `load_weights` (the fallback), named in the report.
@@ -103,16 +104,14 @@ def install_into_model(
     it is neither copied nor post-processed. Returns what was done; the parameters of layers that
     need vLLM's loaders are listed in `fallback_params` and NOT installed (the caller feeds them to
     `load_weights`)."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from generator_svc import vllm_adapter as vllm
 
     start = time.perf_counter()
     report = InstallReport()
     modules = dict(model.named_modules())
     for path, names in params_by_layer(list(buffers)).items():
         layer = modules[path]
-        info = get_layerwise_info(layer)
-        if not info.can_load() or info.kernel_tensors is None:
-            raise RuntimeError(f"{path}: not inside a layerwise reload (start_weight_update first)")
+        info = vllm.layerwise_info(layer, path)
         if changed is not None and changed.isdisjoint(names):
             close_plain(layer, info)  # the kernel tensors it kept aside go back unchanged
             report.layers_kept += 1
@@ -137,7 +136,9 @@ def install_into_model(
 def uncovered_tensors(layer, info, path: str, names) -> list[str]:
     """Loadable tensors of the layer (checkpoint-format parameters and persistent buffers) that no
     staged buffer fills."""
-    params, layer_buffers = info.restore_metadata
+    from generator_svc.vllm_adapter import checkpoint_tensors
+
+    params, layer_buffers = checkpoint_tensors(info)
     loadable = list(params) + [n for n in layer_buffers if n not in layer._non_persistent_buffers_set]
     return [n for n in loadable if f"{path}.{n}" not in names]
 
@@ -152,9 +153,11 @@ def _install_plain(layer, info, path: str, buffers, report: InstallReport) -> No
 
 
 def _install_processed(layer, info, path: str, buffers, report: InstallReport) -> None:
+    from generator_svc.vllm_adapter import checkpoint_tensors
+
     open_processed(layer, info)
     t0 = time.perf_counter()
-    for name in info.restore_metadata[0]:
+    for name in checkpoint_tensors(info)[0]:
         _copy(getattr(layer, name).data, buffers[f"{path}.{name}"], report)
     report.copy_s += time.perf_counter() - t0
     close_processed(layer, info, report)
@@ -167,44 +170,41 @@ def _install_processed(layer, info, path: str, buffers, report: InstallReport) -
 def is_plain(layer) -> bool:
     """A layer without a quantization method (norms): its kernel tensors are its checkpoint
     tensors, so the bytes go straight into them."""
-    return getattr(layer, "quant_method", None) is None
+    from generator_svc.vllm_adapter import quant_method
+
+    return quant_method(layer) is None
 
 
 def plain_targets(info) -> dict[str, torch.Tensor]:
     """The kept kernel tensors of a plain layer, by parameter name: where its bytes are written."""
-    kernel_params, _ = info.kernel_tensors
-    return {n: p.data for n, p in kernel_params.items()}
+    from generator_svc.vllm_adapter import kernel_parameters
+
+    return kernel_parameters(info)
 
 
 def close_plain(layer, info) -> None:
     """Put the layer's kept kernel tensors back and end its reload (nothing to process)."""
-    from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
+    from generator_svc.vllm_adapter import restore_kernel_tensors
 
-    _place_kernel_tensors(layer, info)
-    info.reset()
+    restore_kernel_tensors(layer, info)
 
 
 def open_processed(layer, info) -> None:
     """Give the layer real checkpoint-format tensors (new memory, freed by `close_processed`)."""
-    from vllm.model_executor.model_loader.reload.meta import materialize_layer
+    from generator_svc.vllm_adapter import materialize_checkpoint_tensors
 
-    materialize_layer(layer, info)
-    if hasattr(layer, "_already_called_process_weights_after_loading"):
-        delattr(layer, "_already_called_process_weights_after_loading")
+    materialize_checkpoint_tensors(layer, info)
 
 
 def close_processed(layer, info, report: InstallReport) -> None:
     """vLLM's post-processing of the filled checkpoint tensors, whose results go into the kept
     kernel tensors (vLLM's own steps of `_layerwise_process`, without the loader calls)."""
-    from vllm.model_executor.model_loader.reload.layerwise import _copy_and_restore_kernel_tensors
+    from generator_svc.vllm_adapter import process_weights, store_processed_tensors
 
     t0 = time.perf_counter()
-    layer.quant_method.process_weights_after_loading(layer)
-    if hasattr(layer, "update_param_tp_status"):
-        layer.update_param_tp_status()
+    process_weights(layer)
     report.process_s += time.perf_counter() - t0
-    _copy_and_restore_kernel_tensors(layer, info)
-    info.reset()
+    store_processed_tensors(layer, info)
     report.layers_processed += 1
 
 

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import httpx
 import torch
@@ -33,7 +34,7 @@ from generator_svc.inplace import InplaceReceiver
 from generator_svc.staging import Staging
 from syncd.layout import Catalog
 from syncd.member import join
-from syncd.member.agent import MemberAgent
+from syncd.member.agent import Endpoint, MemberAgent
 from syncd.member.client import MemberClient
 from syncd.plan.types import Bucket
 from syncd.vocabulary import Role
@@ -98,8 +99,20 @@ class _CommitRelay:
             self._applied.notify_all()
 
 
+class GeneratorEndpoint(Endpoint, Protocol):
+    """The member agent's endpoint of one refit mode, plus what the API server tells it."""
+
+    # The planner cuts this member's buckets at groups of whole layers (an in-place install
+    # post-processes whole layers, so it asks for that).
+    receive_by_layer: bool
+
+    def applied(self, version: str, ok: bool, error: str = "") -> None: ...
+
+
 class StagedEndpoint(_CommitRelay):
     """`staged` mode: receive into staging while serving goes on; the commit installs it."""
+
+    receive_by_layer = False
 
     def __init__(self, staging: Staging, member_id: str, internal_url: str, token: str = "") -> None:
         super().__init__(member_id, internal_url, token)
@@ -134,6 +147,8 @@ class InplaceEndpoint(_CommitRelay):
     hold generation and open the install on every worker (`/internal/hold`); each worker receives
     into its `InplaceReceiver`; Abort releases the hold (`/internal/release`: 503 until a complete
     refit when layers were already installed)."""
+
+    receive_by_layer = True
 
     def __init__(
         self, member_id: str, internal_url: str, token: str, hold_limit_s: float, in_flight: int
@@ -218,9 +233,7 @@ class InplaceEndpoint(_CommitRelay):
 class GeneratorMember:
     """Registration plus the agent; `close` leaves syncd and tears the groups down."""
 
-    def __init__(
-        self, client: MemberClient, endpoint: StagedEndpoint | InplaceEndpoint, agent: MemberAgent
-    ) -> None:
+    def __init__(self, client: MemberClient, endpoint: GeneratorEndpoint, agent: MemberAgent) -> None:
         self.client, self.endpoint, self.agent = client, endpoint, agent
 
     def close(self) -> None:
@@ -235,7 +248,7 @@ def start_member(
     coords: dict[str, int],
     catalog: Catalog,
     device: torch.device,
-    endpoint: StagedEndpoint | InplaceEndpoint,
+    endpoint: GeneratorEndpoint,
     auth_token: str | None,
     data_host: str = "127.0.0.1",
     in_flight: int = 2,
@@ -253,8 +266,7 @@ def start_member(
         # The engine starts on its --model checkpoint, which is no trainer version:
         # it registers serving none, so syncd holds it not ready and catches it up.
         weight_version=None,
-        # An in-place install post-processes whole layers: ask for layer-cut buckets.
-        receive_by_layer=isinstance(endpoint, InplaceEndpoint),
+        receive_by_layer=endpoint.receive_by_layer,
         in_flight=in_flight,
     )
     return GeneratorMember(member.client, endpoint, member.agent)

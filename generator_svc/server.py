@@ -21,10 +21,11 @@
     POST /internal/release   {refit_id}            inplace mode: end a hold without committing
                              (both relayed by the tp-0 worker, with the worker token)
 
-Errors: a refit that is refused (incomplete or invalid staging, no time left) is 409 with the
-reason, the engine untouched; a failure inside the update lifecycle is 500, a missed commit
-deadline 504, and after either the generator answers 503 to generation requests until a good
-refit.
+Errors (`_answer`, the one place exceptions become statuses): a refit that is refused
+(incomplete or invalid staging, no time left, a mode that cannot do it: `RefitRefused`) is 409
+with the reason, the engine untouched; a missed commit deadline is 504; anything else (a failure
+inside the update lifecycle, or a bug) is 500, logged with its traceback. After a 500 from inside
+the lifecycle or a 504 the generator answers 503 to generation requests until a good refit.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import dataclasses
 import json
 import logging
 import secrets
+from collections.abc import Awaitable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -40,7 +42,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from generator_svc.refit import DeadlineExceeded, RefitRefused, Refitter
+from generator_svc.lifecycle import DeadlineExceeded, RefitRefused
+from generator_svc.refit import Refitter
 from generator_svc.worker_status import behind_workers, quiet_workers
 from syncd.error_body import ErrorBody, error_response
 from syncd.weight_version import WeightVersionJson, version_label
@@ -112,7 +115,9 @@ router = APIRouter()
 _Responses = dict[int | str, dict[str, Any]]
 _INVALID: _Responses = {400: {"description": "invalid request (vLLM's error format)"}}
 _REFUSED: _Responses = {409: {"model": ErrorBody, "description": "refused; the served weights are unchanged"}}
-_FAILED: _Responses = {500: {"model": ErrorBody, "description": "the apply failed inside vLLM"}}
+_FAILED: _Responses = {
+    500: {"model": ErrorBody, "description": "failed inside vLLM, or a bug (logged with its traceback)"}
+}
 _UNAUTHORIZED: _Responses = {
     401: {"model": ErrorBody, "description": "not the worker token of this generator"}
 }
@@ -185,7 +190,9 @@ class InstallStatus(BaseModel):
 @router.get("/v1/install")
 async def install_status(refitter: RefitterDep) -> InstallStatus:
     last = refitter.last_install
-    return InstallStatus(mode=refitter.settings.refit_mode, last=dataclasses.asdict(last) if last else None)
+    return InstallStatus(
+        mode=refitter.settings.refit_mode.value, last=dataclasses.asdict(last) if last else None
+    )
 
 
 @router.get("/v1/workers")
@@ -201,33 +208,35 @@ async def worker_catalog(tp_rank: int, refitter: RefitterDep) -> JSONResponse:
     return JSONResponse(content=json.loads(catalogs[tp_rank]))
 
 
-@router.post("/v1/weights/stage", responses={**_INVALID, **_REFUSED})
+@router.post("/v1/weights/stage", responses={**_INVALID, **_REFUSED, **_FAILED})
 async def stage(body: StageRequest, refitter: RefitterDep) -> JSONResponse:
-    try:
+    async def staged() -> JSONResponse:
         return JSONResponse({"workers": await refitter.stage_file(body.path, body.refit_id)})
-    except Exception as e:  # noqa: BLE001 - staging errors never touch the engine: the input was bad
-        return error_response(_message(e), 409)
+
+    return await _answer(f"staging {body.path}", staged())
 
 
 @router.post("/v1/weights/apply", responses={**_INVALID, **_REFUSED, **_FAILED})
 async def apply(body: ApplyRequest, refitter: RefitterDep) -> JSONResponse:
-    return await _apply(refitter, body.version, body.refit_id)
+    return await _answer(f"apply of version {body.version}", _applied(refitter, body.version, body.refit_id))
 
 
 @router.post("/v1/weights/load", responses={**_INVALID, **_REFUSED, **_FAILED})
 async def load(body: LoadRequest, refitter: RefitterDep) -> JSONResponse:
-    refit_id = f"load-{body.version}"
-    try:
-        await refitter.stage_file(body.path, refit_id)
-    except Exception as e:  # noqa: BLE001 - as in `stage`: a staging error is the caller's input
-        return error_response(_message(e), 409)
-    return await _apply(refitter, body.version, "")
+    async def loaded() -> JSONResponse:
+        await refitter.stage_file(body.path, f"load-{body.version}")
+        return await _applied(refitter, body.version, "")
+
+    return await _answer(f"load of {body.path} as version {body.version}", loaded())
 
 
-@router.post("/v1/weights/abort", responses=_INVALID)
+@router.post("/v1/weights/abort", responses={**_INVALID, **_FAILED})
 async def abort(body: AbortRequest, refitter: RefitterDep) -> JSONResponse:
-    await refitter.abort(body.refit_id)
-    return JSONResponse({"aborted": body.refit_id or "any"})
+    async def aborted() -> JSONResponse:
+        await refitter.abort(body.refit_id)
+        return JSONResponse({"aborted": body.refit_id or "any"})
+
+    return await _answer("abort", aborted())
 
 
 def _not_a_worker(refitter: Refitter, request: Request) -> JSONResponse | None:
@@ -243,42 +252,57 @@ def _not_a_worker(refitter: Refitter, request: Request) -> JSONResponse | None:
 async def commit(body: CommitRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
     if (refused := _not_a_worker(refitter, request)) is not None:
         return refused
-    return await _apply(refitter, version_label(body.version), body.refit_id, body.timeout_s)
+    version = version_label(body.version)
+    return await _answer(
+        f"commit of version {version}", _applied(refitter, version, body.refit_id, body.timeout_s)
+    )
 
 
 @router.post("/internal/hold", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED})
 async def hold(body: HoldRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
     if (refused := _not_a_worker(refitter, request)) is not None:
         return refused
-    try:
+
+    async def held() -> JSONResponse:
         await refitter.hold(body.refit_id)
-    except RefitRefused as e:
-        return error_response(str(e), 409)
-    except Exception as e:  # noqa: BLE001 - any other failure is a 500 with its message, not a dropped request
-        return error_response(_message(e), 500)
-    return JSONResponse({"held": body.refit_id})
+        return JSONResponse({"held": body.refit_id})
+
+    return await _answer(f"hold for refit {body.refit_id}", held())
 
 
-@router.post("/internal/release", responses={**_INVALID, **_UNAUTHORIZED})
+@router.post("/internal/release", responses={**_INVALID, **_FAILED, **_UNAUTHORIZED})
 async def release(body: ReleaseRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
     if (refused := _not_a_worker(refitter, request)) is not None:
         return refused
-    released = await refitter.release(body.refit_id, "aborted by syncd")
-    return JSONResponse({"released": released, "serving": refitter.serving})
+
+    async def released() -> JSONResponse:
+        ended = await refitter.release(body.refit_id, "aborted by syncd")
+        return JSONResponse({"released": ended, "serving": refitter.serving})
+
+    return await _answer(f"release of refit {body.refit_id}", released())
 
 
-async def _apply(
+async def _applied(
     refitter: Refitter, version: str, refit_id: str, timeout_s: float | None = None
 ) -> JSONResponse:
+    state = await refitter.apply(version, refit_id, timeout_s)
+    return JSONResponse({"version": state.version, "serving": state.serving})
+
+
+async def _answer(what: str, respond: Awaitable[JSONResponse]) -> JSONResponse:
+    """`respond`'s answer, or the one place an exception becomes an HTTP status: only the refit's
+    own errors say what was wrong with the request (409) or its deadline (504); anything else is
+    a failure inside vLLM or a bug, a 500 logged with its traceback so that it never reads as bad
+    input. `what` names the request in the log."""
     try:
-        state = await refitter.apply(version, refit_id, timeout_s)
+        return await respond
     except RefitRefused as e:
         return error_response(str(e), 409)
     except DeadlineExceeded as e:
         return error_response(str(e), 504)
-    except Exception as e:  # noqa: BLE001 - any other failure is a 500 with its message, not a dropped request
+    except Exception as e:
+        log.exception("%s failed", what)
         return error_response(_message(e), 500)
-    return JSONResponse({"version": state.version, "serving": state.serving})
 
 
 def _message(e: BaseException) -> str:

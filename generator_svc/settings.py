@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from enum import StrEnum
 
 ENV_SYNCD = "GENERATOR_SYNCD"
 ENV_REPLICA = "GENERATOR_REPLICA"
@@ -46,17 +47,27 @@ ENV_AUTH_TOKEN = "GENERATOR_AUTH_TOKEN"
 ENV_DATA_HOST = "GENERATOR_DATA_HOST"
 
 WORKER_EXTENSION = "generator_svc.worker.WeightSyncExtension"
-REFIT_MODES = ("staged", "inplace")
+
+
+class RefitMode(StrEnum):
+    """How a worker receives a refit (generator_svc/README.md, "Refit modes: which to pick"); each
+    has one strategy on each side: `refit_modes` in the API server, `worker_modes` in the workers."""
+
+    STAGED = "staged"  # into staging beside the live weights, installed on commit
+    INPLACE = "inplace"  # into the live layers, generation held for the transfer
+
+
+REFIT_MODES = tuple(RefitMode)
 # inplace trades the overlap of a second receive buffer for memory: its extra memory is the receive
 # buffers plus the layers being received.
-_IN_FLIGHT_DEFAULT = {"staged": 2, "inplace": 1}
+_IN_FLIGHT_DEFAULT = {RefitMode.STAGED: 2, RefitMode.INPLACE: 1}
 
 
 @dataclass(frozen=True)
 class Settings:
     syncd: str
     replica: int
-    refit_mode: str
+    refit_mode: RefitMode
     initial_version: str
     auth_token: str
     data_host: str
@@ -72,7 +83,11 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.refit_mode not in REFIT_MODES:
-            raise ValueError(f"refit_mode must be one of {REFIT_MODES}, got {self.refit_mode!r}")
+            raise ValueError(
+                f"refit_mode must be one of {[m.value for m in RefitMode]}, got {self.refit_mode!r}"
+            )
+        # A plain string naming a mode (tests, callers) becomes the enum member.
+        object.__setattr__(self, "refit_mode", RefitMode(self.refit_mode))
         if not self.hold_limit_s > 0:
             raise ValueError(f"hold_limit_s must be > 0, got {self.hold_limit_s}")
         if self.in_flight_buckets < 1:
@@ -91,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("generator_svc")
     group.add_argument("--syncd", default=os.environ.get(ENV_SYNCD, ""))
     group.add_argument("--replica", type=int, default=int(os.environ.get(ENV_REPLICA, "0")))
-    group.add_argument("--refit-mode", default="staged", choices=REFIT_MODES)
+    group.add_argument("--refit-mode", default=RefitMode.STAGED.value, choices=[m.value for m in RefitMode])
     group.add_argument("--initial-version", default="0")
     group.add_argument("--auth-token", default=os.environ.get(ENV_AUTH_TOKEN, ""))
     group.add_argument("--data-host", default=os.environ.get(ENV_DATA_HOST, "127.0.0.1"))
@@ -109,8 +124,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     """Our settings plus vLLM's server namespace, with the worker extension and the staging
     weight-transfer backend forced on (the service depends on both)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from generator_svc.vllm_adapter import (
+        FlexibleArgumentParser,
+        make_arg_parser,
+        validate_parsed_serve_args,
+    )
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="python -m generator_svc"))
     add_arguments(parser)
@@ -125,12 +143,14 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     settings = Settings(
         syncd=args.syncd,
         replica=args.replica,
-        refit_mode=args.refit_mode,
+        refit_mode=RefitMode(args.refit_mode),
         initial_version=args.initial_version,
         auth_token=args.auth_token,
         data_host=args.data_host,
         in_flight_buckets=(
-            _IN_FLIGHT_DEFAULT[args.refit_mode] if args.in_flight_buckets is None else args.in_flight_buckets
+            _IN_FLIGHT_DEFAULT[RefitMode(args.refit_mode)]
+            if args.in_flight_buckets is None
+            else args.in_flight_buckets
         ),
         hold_limit_s=args.hold_limit_s,
         max_request_bytes=args.max_request_bytes,

@@ -25,12 +25,18 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from syncd.layout import Box, Catalog, LocalTensor, Piece, hf_names
 from syncd.layout.dtypes import conversion, torch_dtype
 from syncd.plan.types import Bucket
+
+
+class StagingInputError(ValueError):
+    """What a worker was asked to stage is not a checkpoint of its catalog (no such file, not
+    safetensors, a shape or dtype the catalog does not have): the caller's input, not a bug."""
 
 
 def covered_elements(t: LocalTensor) -> int:
@@ -98,17 +104,16 @@ class Staging:
         """Stage the canonical tensors a safetensors file (or every `*.safetensors` of a directory)
         holds, reading only this worker's boxes, converted to the catalog's dtype as vLLM's startup
         converts (`syncd.layout.dtypes.conversion`: float32 -> bfloat16/float16 round to nearest
-        even). Tensors the catalog does not know are skipped; a tensor whose shape disagrees with
-        the catalog, or whose dtype cannot be converted, raises ValueError naming it.
-        Returns {"tensors": staged canonical tensors, "skipped": unknown ones}."""
-        from safetensors import safe_open
-
+        even). Tensors the catalog does not know are skipped. Returns {"tensors": staged canonical
+        tensors, "skipped": unknown ones}. Raises StagingInputError, naming it, for a path that is
+        no such checkpoint, a tensor whose shape disagrees with the catalog, or a dtype that cannot
+        be converted."""
         files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
         if not files:
-            raise ValueError(f"no safetensors files at {path}")
+            raise StagingInputError(f"no safetensors files at {path}")
         staged, skipped = 0, 0
         for file in files:
-            with safe_open(str(file), framework="pt") as f:
+            with _open_safetensors(file) as f:
                 names = list(f.keys())
                 shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
                 for name, shape in hf_names.canonical_shapes_from_hf(shapes).items():
@@ -117,7 +122,9 @@ class Staging:
                         skipped += 1
                         continue
                     if shape != canon.shape:
-                        raise ValueError(f"{name}: checkpoint shape {shape} != catalog shape {canon.shape}")
+                        raise StagingInputError(
+                            f"{name}: checkpoint shape {shape} != catalog shape {canon.shape}"
+                        )
                     self._fill_from_file(f, canon.name, canon.dtype)
                     staged += 1
         return {"tensors": staged, "skipped": skipped}
@@ -136,8 +143,11 @@ class Staging:
             source = str(data.dtype).removeprefix("torch.")
             if source != dtype:
                 # As vLLM's startup loader does (its copy into the parameter rounds to nearest
-                # even); pairs the project cannot convert raise ValueError naming them.
-                conversion(source, dtype, tensor=name)
+                # even); pairs the project cannot convert are the caller's input, named.
+                try:
+                    conversion(source, dtype, tensor=name)
+                except ValueError as e:
+                    raise StagingInputError(str(e)) from None
                 data = data.to(torch_dtype(dtype))
             self.fill_canonical(name, box, data)
 
@@ -211,3 +221,14 @@ class Staging:
             dst = tuple(slice(a - r, b - r) for a, b, r in zip(hit.start, hit.stop, region.start))
             out[dst] = local.reshape(hit.shape)
         return out
+
+
+def _open_safetensors(file: Path) -> Any:
+    """`safe_open(file)`; a missing or unreadable file is the caller's input: StagingInputError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt")
+    except (OSError, ValueError, SafetensorError) as e:  # ValueError: a path that cannot be encoded
+        # repr: the path may hold characters no encoding carries (a lone surrogate from JSON)
+        raise StagingInputError(f"{str(file)!r} is not a readable safetensors file: {e!r}") from e

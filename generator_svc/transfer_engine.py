@@ -2,16 +2,20 @@
 
 Registered with vLLM's `WeightTransferEngineFactory` as `syncd_staging` when the worker extension is
 imported (inside every worker, before the model loads). It drives vLLM's own lifecycle, so vLLM's
-post-processing runs exactly as for a checkpoint load, without the trip through its loaders:
+post-processing runs exactly as for a checkpoint load, without the trip through its loaders; what
+differs by refit mode is the worker's `UpdateTarget` (`generator_svc.worker_modes`):
 
-    start_weight_update   -> initialize_layerwise_reload (parameters back to checkpoint format, meta);
-                             inplace: also the `InplaceReceiver` the data plane will write into
-    update_weights(info)  -> staged: `install.install_into_model`, one copy per parameter from
-                             staging, then each layer's post-processing once (CPU repack, MoE prepack
-                             with `cpu_moe_fix`); `load_weights` only for layers it cannot cover.
-                             After a delta refit only the layers whose parameters changed.
-                             inplace: nothing left to install; checks every layer was
-    finish_weight_update  -> finalize_layerwise_reload
+    start_weight_update   -> target.before_reload (staged: staging is complete);
+                             initialize_layerwise_reload (parameters back to checkpoint format, meta);
+                             target.after_reload (inplace: the `InplaceReceiver` the data plane
+                             will write into)
+    update_weights(info)  -> target.install: staged: `install.install_into_model`, one copy per
+                             parameter from staging, then each layer's post-processing once (CPU
+                             repack, MoE prepack with the CPU MoE fix of `vllm_adapter`);
+                             `load_weights` only for layers it cannot cover. After a delta
+                             refit only the layers whose parameters changed. inplace: nothing
+                             left to install; checks every layer was
+    finish_weight_update  -> target.finish; finalize_layerwise_reload
 
 The bytes never travel through `update_weights`: `info` only names the version. In staged mode the
 data plane has written them into staging before the lifecycle; in inplace mode it writes them
@@ -21,18 +25,19 @@ between start and update, while generation is held.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from vllm.distributed.weight_transfer.base import (
+import torch
+
+from generator_svc.install import InstallReport
+from generator_svc.vllm_adapter import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+    register_weight_transfer_engine,
 )
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-from generator_svc import install
-from generator_svc.inplace import InplaceReceiver
-from generator_svc.staging import Staging
-from syncd.layout import Catalog
 
 BACKEND = "syncd_staging"
 
@@ -47,60 +52,52 @@ class StagingUpdateInfo(WeightTransferUpdateInfo):
     version: str
 
 
+class UpdateTarget(Protocol):
+    """What one refit mode does inside the lifecycle on this worker (`worker_modes.WorkerMode`)."""
+
+    def before_reload(self) -> None: ...
+
+    def after_reload(self, model: torch.nn.Module, device: torch.device, vllm_config: Any) -> None: ...
+
+    def install(self, model: torch.nn.Module, version: str) -> InstallReport: ...
+
+    def finish(self) -> None: ...
+
+
 class StagingTransferEngine(WeightTransferEngine[StagingInitInfo, StagingUpdateInfo]):
     init_info_cls = StagingInitInfo
     update_info_cls = StagingUpdateInfo
     supports_draft_weight_update = False
 
-    # Set by the worker extension's ws_setup: staging (staged mode) or the catalog (inplace mode).
-    staging: Staging | None = None
-    inplace_catalog: Catalog | None = None
-    receiver: InplaceReceiver | None = None  # inplace: from start_weight_update to finish
-    last_install: install.InstallReport | None = None
+    # Set by the worker extension's ws_setup: the worker's refit mode.
+    target: UpdateTarget | None = None
+    last_install: InstallReport | None = None
 
     def init_transfer_engine(self, init_info: StagingInitInfo) -> None:
         """Nothing to connect: the data plane is owned by the worker's syncd member."""
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        if self.staging is None and self.inplace_catalog is None:
-            raise RuntimeError("weight sync is not set up on this worker (ws_setup was not called)")
-        if self.staging is not None:
-            self.staging.require_complete()
+        target = self._target()
+        target.before_reload()
         initialize_layerwise_reload(self.model)
-        if self.inplace_catalog is not None:
-            self.receiver = InplaceReceiver(self.model, self.inplace_catalog, self.device, self.vllm_config)
+        target.after_reload(self.model, self.device, self.vllm_config)
 
     def receive_weights(self, update_info: StagingUpdateInfo) -> None:
-        """Install staging into the parameters by copies (`generator_svc.install`); only layers the
-        catalog cannot cover completely go through vLLM's loaders (logged, reported). In inplace
-        mode the receiver installed every layer as it arrived; only its completeness is checked."""
-        if self.receiver is not None:
-            self.receiver.require_complete()
-            self.last_install = self.receiver.report
-            return
-        assert self.staging is not None
-        report = install.install_into_model(self.model, self.staging.buffers, self.staging.changed)
-        if report.fallback_params:
-            fallback = set(report.fallback_params)
-            # vLLM's models define load_weights; to nn.Module's stub an attribute is Tensor | Module.
-            loaded = set(self.model.load_weights(self.staging.hf_weights(fallback)))  # type: ignore[operator]  # vLLM model's method
-            missed = sorted(fallback - loaded)
-            if missed:
-                raise RuntimeError(f"version {update_info.version}: vLLM's loaders did not load {missed[:5]}")
-        self.last_install = report
+        self.last_install = self._target().install(self.model, update_info.version)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        self.receiver = None
+        if self.target is not None:
+            self.target.finish()
         finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
         """No resources of its own."""
 
+    def _target(self) -> UpdateTarget:
+        if self.target is None:
+            raise RuntimeError("weight sync is not set up on this worker (ws_setup was not called)")
+        return self.target
+
 
 def register() -> None:
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, StagingTransferEngine)
+    register_weight_transfer_engine(BACKEND, StagingTransferEngine)

@@ -1,5 +1,8 @@
 """Read `ParamSpec`s off a live vLLM model: the bridge from vLLM's modules to the pure builder.
 
+The layer classes come from `generator_svc.vllm_adapter`, which also declares (and its test checks)
+every attribute read here (`ATTRIBUTES`).
+
 Every parameter is classified by the vLLM layer that owns it, and its layout is derived from that
 layer's own attributes (tp rank/size, partition sizes, head counts, vocab shard indices), never from
 hard-coded shapes or from the visible Parameter shape (on CPU linear weights are repacked into
@@ -9,7 +12,7 @@ naming it, before anything registers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +28,7 @@ from generator_svc.catalog import (
 )
 
 if TYPE_CHECKING:  # for annotations only: this module imports vLLM inside its functions
-    from vllm.model_executor.layers.linear import LinearBase
+    pass
 
 # Layers whose parameters are whole on every rank and loaded as-is from one canonical tensor.
 _REPLICATED_LAYER_NAMES = ("RMSNorm", "LayerNorm", "GemmaRMSNorm")
@@ -46,8 +49,9 @@ def _packed_names(model: torch.nn.Module, module_path: str) -> list[str]:
     return [f"{parent}.{sub}.weight" for sub in mapping[leaf]]
 
 
-def _linear_spec(model: torch.nn.Module, path: str, module: LinearBase, dtype: str) -> ParamSpec:
-    from vllm.model_executor.layers.linear import (
+def _linear_spec(model: torch.nn.Module, path: str, module: Any, dtype: str) -> ParamSpec:
+    # `module` is one of vLLM's LinearBase layers (its classes come from the adapter, lazily).
+    from generator_svc.vllm_adapter import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
         QKVParallelLinear,
@@ -89,9 +93,7 @@ def _linear_spec(model: torch.nn.Module, path: str, module: LinearBase, dtype: s
 
 
 def _module_specs(model: torch.nn.Module, path: str, module: torch.nn.Module) -> list[ParamSpec]:
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from generator_svc.vllm_adapter import LinearBase, RoutedExperts, VocabParallelEmbedding
 
     params = dict(module.named_parameters(recurse=False))
     if isinstance(module, RoutedExperts):
@@ -180,13 +182,10 @@ def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
 def allocated_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """Checkpoint-format shapes vLLM allocated, from the layerwise-reload metadata vLLM records at
     load (before kernels repack the tensors). Empty when vLLM recorded none."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from generator_svc.vllm_adapter import recorded_checkpoint_shapes
 
     out: dict[str, tuple[int, ...]] = {}
     for path, module in model.named_modules():
-        info = LAYERWISE_INFO.get(module)
-        if info is None:
-            continue
-        for pname, meta in info.restore_metadata[0].items():
-            out[f"{path}.{pname}" if path else pname] = tuple(meta.shape)
+        for pname, shape in (recorded_checkpoint_shapes(module) or {}).items():
+            out[f"{path}.{pname}" if path else pname] = shape
     return out

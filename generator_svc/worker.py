@@ -6,10 +6,11 @@ every worker and carries only plain data (no tensors). What runs where:
 - API server (generator_svc.refit): the update lifecycle (`pause_generation`, `start_weight_update`,
   `update_weights`, `finish_weight_update`, `reset_prefix_cache`, `resume_generation`), because it
   must be entered by all TP workers together and generation must be held meanwhile.
-- worker, via collective_rpc: `ws_setup` (catalog, staging or the inplace receiver's catalog, syncd
-  registration), `ws_stage_file`, `ws_status`, `ws_hold` and `ws_release` (inplace), `ws_abort`,
-  `ws_recover`, `ws_committed`, `ws_last_install`, `ws_dump_loaded`, `ws_dump_installed` and
-  `ws_dump_inplace` (tests).
+- worker, via collective_rpc: `ws_setup` (catalog, this worker's refit mode object from
+  `generator_svc.worker_modes`, syncd registration), `ws_stage_file`, `ws_status`, `ws_hold` and
+  `ws_release` (inplace), `ws_abort`, `ws_recover`, `ws_committed`, `ws_last_install`, which hand
+  whatever depends on the refit mode to that object. (Test aids that run in the worker live in
+  `tests/generator/worker_aids.py`.)
 - worker, on the syncd member's handler thread: the data plane writing received buckets into
   staging (`generator_svc.member`), concurrently with serving: staging is separate memory; or, in
   inplace mode, into the live layers while generation is held (`generator_svc.inplace`).
@@ -26,9 +27,16 @@ import torch
 
 from generator_svc import transfer_engine
 from generator_svc.catalog import build_catalog, catalog_to_json
-from generator_svc.cpu_moe_fix import apply_cpu_moe_fix
-from generator_svc.staging import Staging
+from generator_svc.settings import RefitMode
+from generator_svc.staging import StagingInputError
+from generator_svc.vllm_adapter import (
+    abandon_weight_update,
+    apply_cpu_moe_fix,
+    tensor_parallel_position,
+    worker_model,
+)
 from generator_svc.vllm_layout import allocated_shapes, param_specs
+from generator_svc.worker_modes import worker_mode
 from generator_svc.worker_status import StatusPublisher, WorkerStatus
 
 log = logging.getLogger("generator_svc.worker")
@@ -42,12 +50,11 @@ class WeightSyncExtension:
     """Weight-sync methods of a vLLM worker. State lives on the worker as `_ws_*` attributes."""
 
     if TYPE_CHECKING:  # what the vLLM worker this class extends (`worker_extension_cls`) provides
-        from vllm.config import ModelConfig, VllmConfig
-
+        # (vLLM's own types stay behind generator_svc.vllm_adapter: VllmConfig, ModelConfig.)
         model_runner: Any
         device: torch.device
-        vllm_config: VllmConfig
-        model_config: ModelConfig
+        vllm_config: Any
+        model_config: Any
         # vLLM's is `WeightTransferEngine | None`; `ws_setup` refuses any other than ours.
         weight_transfer_engine: transfer_engine.StagingTransferEngine
 
@@ -56,15 +63,10 @@ class WeightSyncExtension:
         def finish_weight_update(self) -> None: ...
 
     def _ws_model(self) -> torch.nn.Module:
-        return self.model_runner.get_model()
+        return worker_model(self)
 
     def _ws_tp(self) -> tuple[int, int]:
-        from vllm.distributed import parallel_state
-
-        return (
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_world_size(),
-        )
+        return tensor_parallel_position()
 
     def ws_setup(
         self,
@@ -79,11 +81,10 @@ class WeightSyncExtension:
         refit_mode: str = "staged",
         hold_limit_s: float = 300.0,
     ) -> dict[str, Any]:
-        """Build this worker's catalog and, in staged mode, its staging; register with syncd when
-        `syncd` is set, and publish this worker's status into `status_dir` when set
-        (`worker_status`). Raises ValueError naming any parameter the catalog cannot cover."""
-        from generator_svc.member import InplaceEndpoint, StagedEndpoint
-
+        """Build this worker's catalog and its refit mode's object (`worker_modes`: staging in
+        staged mode); register with syncd when `syncd` is set, and publish this worker's status
+        into `status_dir` when set (`worker_status`). Raises ValueError naming any parameter the
+        catalog cannot cover."""
         model = self._ws_model()
         tp_rank, tp_size = self._ws_tp()
         shapes = allocated_shapes(model)
@@ -93,20 +94,17 @@ class WeightSyncExtension:
             raise RuntimeError(f"weight_transfer_config.backend must be {transfer_engine.BACKEND!r}")
         self._ws_catalog = catalog
         self._ws_member_id = f"generator-{replica}-{tp_rank}"
-        relay = internal_url if tp_rank == 0 else ""
-        if refit_mode == "inplace":
-            self._ws_staging = None  # the point of the mode: no second copy of the weights
-            engine.inplace_catalog = catalog
-            self._ws_endpoint: InplaceEndpoint | StagedEndpoint = InplaceEndpoint(
-                self._ws_member_id, relay, commit_token, hold_limit_s, in_flight
-            )
-        else:
-            # Staging lives where the weights live, so the data plane writes into it with the
-            # transport of that device (gloo on CPU, NCCL on GPU) and the install copies
-            # device-to-device.
-            self._ws_staging = Staging(catalog, device=self.device)
-            engine.staging = self._ws_staging
-            self._ws_endpoint = StagedEndpoint(self._ws_staging, self._ws_member_id, relay, commit_token)
+        self._ws_mode = worker_mode(
+            RefitMode(refit_mode),
+            catalog=catalog,
+            device=self.device,
+            member_id=self._ws_member_id,
+            relay=internal_url if tp_rank == 0 else "",
+            token=commit_token,
+            hold_limit_s=hold_limit_s,
+            in_flight=in_flight,
+        )
+        engine.target = self._ws_mode
         self._ws_member = None
         if syncd:
             from generator_svc.member import start_member
@@ -117,7 +115,7 @@ class WeightSyncExtension:
                 coords={"replica": replica, "tp": tp_rank},
                 catalog=catalog,
                 device=self.device,
-                endpoint=self._ws_endpoint,
+                endpoint=self._ws_mode.endpoint,
                 auth_token=auth_token or None,
                 data_host=data_host,
                 in_flight=in_flight,
@@ -165,189 +163,48 @@ class WeightSyncExtension:
 
     def ws_stage_file(self, path: str, refit_id: str) -> dict[str, Any]:
         """Stage this worker's boxes of a safetensors checkpoint (the data plane's stand-in for
-        operators and tests). Starts refit `refit_id`: earlier staged bytes no longer count."""
-        if self._ws_staging is None:
-            raise ValueError(
-                "this generator runs --refit-mode inplace: it has no staging to load a file into"
-            )
-        self._ws_staging.begin(refit_id)
-        return self._ws_staging.fill_from_safetensors(path)
+        operators and tests). Starts refit `refit_id`: earlier staged bytes no longer count.
+        Returns {"tensors", "skipped"}, or {"rejected": why} when the input is not a checkpoint
+        of this catalog (exceptions cross collective_rpc as text, so the API server could not
+        tell bad input from a bug)."""
+        try:
+            return self._ws_mode.stage_file(path, refit_id)
+        except StagingInputError as e:
+            return {"rejected": f"{self._ws_member_id}: {e}"}
 
     def ws_status(self) -> dict[str, Any]:
         """What is ready to commit: staging (staged) or the open in-place install (inplace)."""
-        if self._ws_staging is None:
-            receiver = self.weight_transfer_engine.receiver
-            return {
-                "member_id": self._ws_member_id,
-                "refit_id": "inplace" if receiver else None,
-                "missing": receiver.missing()[:10] if receiver else [],
-            }
-        s = self._ws_staging
-        return {
-            "member_id": self._ws_member_id,
-            "refit_id": s.refit_id,
-            "missing": s.missing()[:10] if s.refit_id else [],
-        }
+        refit_id, missing = self._ws_mode.status()
+        return {"member_id": self._ws_member_id, "refit_id": refit_id, "missing": missing}
 
     def ws_hold(self, refit_id: str) -> None:
         """inplace: generation is held and this worker's install is open (start_weight_update made
         the receiver); the member may receive."""
-        from generator_svc.member import InplaceEndpoint
-
-        endpoint, receiver = self._ws_endpoint, self.weight_transfer_engine.receiver
-        assert isinstance(endpoint, InplaceEndpoint) and receiver is not None  # inplace, install open
-        endpoint.held(refit_id, receiver)
+        self._ws_mode.hold(refit_id)
 
     def ws_release(self) -> int:
         """inplace: close the open install (it takes no more bytes); returns how many layers it had
         installed (0: the engine still holds the committed version whole). `ws_recover` follows."""
-        receiver = self.weight_transfer_engine.receiver
-        if receiver is None:
-            return 0
-        receiver.close()
-        from generator_svc.member import InplaceEndpoint
-
-        assert isinstance(self._ws_endpoint, InplaceEndpoint)  # only an in-place refit has a receiver
-        self._ws_endpoint.released()
-        return receiver.installed_layers
+        return self._ws_mode.release()
 
     def ws_abort(self, refit_id: str = "") -> None:
         """Drop staged bytes of `refit_id` (any when empty); serving is unaffected."""
-        if self._ws_staging is not None and (not refit_id or self._ws_staging.refit_id == refit_id):
-            self._ws_staging.discard()
+        self._ws_mode.drop_staged(refit_id)
 
     def ws_recover(self) -> None:
         """After an update failed inside the lifecycle: put every layer back on real tensors
         (layers not yet loaded get their previous kernel tensors back) so the next forward cannot
         meet meta parameters. The engine must not serve until a complete refit succeeds."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        engine = self.weight_transfer_engine
-        if engine.receiver is not None:
-            engine.receiver.close()
-            engine.receiver = None
-        engine.reset_weight_update_target()
-        self._weight_update_active = False
-        with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self._ws_model(), self.model_config)
+        self._ws_mode.recover()
+        abandon_weight_update(self)
 
     def ws_committed(self, refit_id: str, version: str, ok: bool, error: str = "") -> None:
         """Tell syncd this worker's outcome of a Commit (the API server applied it)."""
         if self._ws_member is not None and refit_id:
-            self._ws_endpoint.applied(version, ok, error)
-        from generator_svc.member import InplaceEndpoint
-
-        if isinstance(self._ws_endpoint, InplaceEndpoint):  # no staging: the in-place refit
-            self._ws_endpoint.released()
-        elif ok and self._ws_staging is not None:
-            self._ws_staging.discard()
+            self._ws_mode.endpoint.applied(version, ok, error)
+        self._ws_mode.committed(ok)
 
     def ws_last_install(self) -> dict[str, Any]:
         """What the last install did on this worker (`InstallReport`), {} before the first."""
         report = self.weight_transfer_engine.last_install
         return report.as_dict() if report is not None else {}
-
-    def ws_dump_loaded(self, checkpoint: str, out_dir: str) -> str:
-        """Test aid: reload `checkpoint` through vLLM's own loader inside the layerwise reload and
-        save every parameter as vLLM's loaders wrote it (checkpoint format, before kernel
-        processing) to `{out_dir}/tp{rank}.safetensors`. The engine serves `checkpoint` afterwards."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        model = self._ws_model()
-
-        def load() -> None:
-            with set_current_vllm_config(self.vllm_config):
-                initialize_layerwise_reload(model)
-                try:
-                    model.load_weights(_read_checkpoint(checkpoint))  # type: ignore[operator]  # vLLM model's method
-                finally:
-                    finalize_layerwise_reload(model, self.model_config)
-
-        return self._ws_dump(load, f"{out_dir}/tp{self._ws_tp()[0]}.safetensors")
-
-    def ws_dump_installed(self, checkpoint: str, out_dir: str) -> str:
-        """Test aid: like `ws_dump_loaded`, but through the staged refit path (stage `checkpoint`,
-        then the update lifecycle with the install by parameter), to
-        `{out_dir}/installed-tp{rank}.safetensors`."""
-
-        def install() -> None:
-            assert self._ws_staging is not None, "ws_dump_installed needs --refit-mode staged"
-            self._ws_staging.begin("dump")
-            self._ws_staging.fill_from_safetensors(checkpoint)
-            self.start_weight_update()
-            self.update_weights({"version": "dump"})
-            self.finish_weight_update()
-            self._ws_staging.discard()
-
-        return self._ws_dump(install, f"{out_dir}/installed-tp{self._ws_tp()[0]}.safetensors")
-
-    def ws_dump_inplace(self, checkpoint: str, out_dir: str, bucket_bytes: int = 1 << 16) -> dict[str, Any]:
-        """Test aid: like `ws_dump_installed`, through the in-place install: `checkpoint` packed into
-        buckets of `bucket_bytes` as a one-rank trainer would send them (`inplace.checkpoint_buckets`),
-        each handed to an `InplaceReceiver` inside the layerwise reload. Saves
-        `{out_dir}/inplace-tp{rank}.safetensors`; returns the receiver's report."""
-        from generator_svc.inplace import checkpoint_buckets, install_buckets
-
-        packed = checkpoint_buckets(self._ws_catalog, self._ws_member_id, checkpoint, bucket_bytes)
-        out: dict[str, Any] = {}
-
-        def install() -> None:
-            receiver = install_buckets(
-                self._ws_model(),
-                self._ws_catalog,
-                self.device,
-                self.vllm_config,
-                packed,
-            )
-            out.update(receiver.report.as_dict())
-
-        self._ws_dump(install, f"{out_dir}/inplace-tp{self._ws_tp()[0]}.safetensors")
-        return out
-
-    def _ws_dump(self, run, out_path: str) -> str:
-        """Run `run` and save every parameter in checkpoint format: the values each layer's
-        `process_weights_after_loading` received (before kernel repacking), and the parameters of
-        layers that have no processing as they are afterwards."""
-        from safetensors.torch import save_file
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-        model = self._ws_model()
-        captured: dict[str, torch.Tensor] = {}
-        restore = []
-        for path, module in model.named_modules():
-            method = getattr(module, "quant_method", None)
-            if isinstance(method, QuantizeMethodBase):
-                original = method.process_weights_after_loading
-
-                def capture(layer, _path=path, _orig=original):
-                    for n, p in layer.named_parameters(recurse=False):
-                        captured[f"{_path}.{n}"] = p.detach().clone()
-                    return _orig(layer)
-
-                method.process_weights_after_loading = capture  # type: ignore[method-assign]  # test aid, undone below
-                restore.append(method)
-        try:
-            run()
-        finally:
-            for method in restore:
-                del method.process_weights_after_loading
-        for n, p in model.named_parameters():
-            captured.setdefault(n, p.detach().clone())
-        save_file({k: v.contiguous() for k, v in captured.items()}, out_path)
-        return out_path
-
-
-def _read_checkpoint(directory: str):
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    for file in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                yield name, f.get_tensor(name)

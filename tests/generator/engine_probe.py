@@ -43,6 +43,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from tests.generator import worker_aids
+
     llm = LLM(
         model=args.model,
         tensor_parallel_size=args.tp,
@@ -57,10 +59,10 @@ def main() -> None:
     setup = llm.collective_rpc("ws_setup", args=(0,))
     catalogs = llm.collective_rpc("ws_catalog")
     names = llm.collective_rpc("ws_param_names")
-    llm.collective_rpc("ws_dump_loaded", args=(args.model, args.out))
-    llm.collective_rpc("ws_dump_installed", args=(args.model, args.out))
+    llm.collective_rpc(worker_aids.dump_loaded, args=(args.model, args.out))
+    llm.collective_rpc(worker_aids.dump_installed, args=(args.model, args.out))
     installs = llm.collective_rpc("ws_last_install")
-    inplace = llm.collective_rpc("ws_dump_inplace", args=(args.model, args.out))
+    inplace = llm.collective_rpc(worker_aids.dump_inplace, args=(args.model, args.out))
     doc = [
         {"setup": s, "catalog": json.loads(c), "params": n, "install": i, "inplace": p}
         for s, c, n, i, p in zip(setup, catalogs, names, installs, inplace)

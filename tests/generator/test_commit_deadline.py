@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from generator_svc import server
 from generator_svc.refit import Refitter
-from generator_svc.settings import Settings
+from generator_svc.settings import RefitMode, Settings
 from tests.polling import wait_until
 
 
@@ -69,7 +69,7 @@ def generator():
         Settings(
             syncd="",
             replica=0,
-            refit_mode="staged",
+            refit_mode=RefitMode.STAGED,
             initial_version="1",
             auth_token="",
             data_host="127.0.0.1",

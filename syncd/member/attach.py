@@ -1,0 +1,238 @@
+"""Any PyTorch trainer as a weightsync sender, in one call.
+
+    import syncd.member.attach as weightsync
+
+    handle = weightsync.attach(model, syncd="syncd-host:8471", optimizer=optimizer, wait_s=300)
+    for batch in data:
+        loss = model(batch).loss; loss.backward()
+        optimizer.step()         # the hook announces version 1, 2, ... and waits for its refit
+        optimizer.zero_grad()
+    handle.close()
+
+Every rank calls `attach` after its model is parallelized (FSDP2 `fully_shard`, tensor parallel
+`parallelize_module`, expert parallel: any DTensor placements) and after `init_process_group`.
+`attach` reads this rank's catalog off the parameters (`syncd.member.dtensor`; plain tensors count
+as replicated), maps their names to the generator's canonical tensors (`syncd.member.canonical_names`:
+HF names of dense models and Qwen3-MoE built in, `names=` for anything else), refuses what it
+cannot express before anything registers (`LayoutRefusedError`, naming every parameter, raised on
+every rank alike), then registers the rank with syncd as `trainer-{rank}` and serves refits: the
+data plane reads the live local shards in place, under a lock that the optimizer's step takes too,
+so no step changes a parameter while it is being sent.
+
+Versions: `handle.send(version)` announces that the parameters now hold `version` (syncd's
+`--auto-refit` then starts a refit, or an operator does); with `wait_s` it blocks until a refit of
+it committed or aborted. With `optimizer=`, every `optimizer.step()` is version 1, 2, ... and is
+sent automatically. A refit asks for the version it moves: a rank that holds another one refuses,
+and the refit aborts rather than hand generators a model torn between two versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from syncd.member.agent import MemberAgent
+from syncd.member.canonical_names import UserNames
+from syncd.member.dataplane import catalog_views
+from syncd.member.dtensor import LayoutRefusedError, RankLayout, rank_layout
+from syncd.member.membership import join
+from syncd.plan.types import Bucket
+from syncd.vocabulary import Role
+from syncd.weight_version import WeightVersion
+
+__all__ = ["Attachment", "LayoutRefusedError", "attach"]
+
+log = logging.getLogger(__name__)
+
+
+class _SenderEndpoint:
+    """This rank as the data plane sees it: its parameters' local shards, held still while sent."""
+
+    def __init__(self, layout: RankLayout, member_id: str) -> None:
+        self.layout, self.member_id = layout, member_id
+        self.lock = threading.Lock()  # held by a transfer, and by every optimizer step
+        self.version = WeightVersion(0)  # what the parameters hold, as the trainer last said
+        self._held = False
+        self._changed = threading.Condition()
+        self._committed = WeightVersion(0)
+        self._aborts = 0
+
+    def begin(
+        self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
+    ) -> Mapping[str, torch.Tensor]:
+        self.lock.acquire()
+        self._held = True
+        if self.version != weight_version:
+            self.end(refit_id, ok=False)
+            raise ValueError(
+                f"{self.member_id}: refit {refit_id} moves weight version {weight_version}, "
+                f"but this rank holds version {self.version}"
+            )
+        # read the local shards now: FSDP2 and optimizers may have swapped storage since attach
+        return catalog_views(self.layout.catalog, self.layout.local_tensors())
+
+    def end(self, refit_id: str, ok: bool) -> None:
+        if self._held:
+            self._held = False
+            self.lock.release()
+
+    def verify(self, refit_id: str) -> None:
+        pass  # a sender keeps no staged copy: what it sent is what it holds
+
+    def commit(self, refit_id: str, weight_version: WeightVersion, timeout_s: float) -> None:
+        with self._changed:
+            self._committed = max(self._committed, weight_version)
+            self._changed.notify_all()
+
+    def abort(self) -> None:
+        with self._changed:
+            self._aborts += 1
+            self._changed.notify_all()
+
+    def wait_refit(self, version: WeightVersion, timeout_s: float) -> str:
+        """ "committed" once a refit of `version` (or newer) committed, "aborted" when one aborted
+        after the call, else "timeout" after `timeout_s`."""
+        with self._changed:
+            aborts = self._aborts
+            done = self._changed.wait_for(
+                lambda: self._committed >= version or self._aborts > aborts, timeout_s
+            )
+            if not done:
+                return "timeout"
+            return "committed" if self._committed >= version else "aborted"
+
+
+class Attachment:
+    """One rank's registration with syncd (from `attach`); `close()` leaves."""
+
+    def __init__(self, client, agent: MemberAgent, endpoint: _SenderEndpoint, wait_s: float | None) -> None:
+        self.client, self.agent, self.endpoint, self.wait_s = client, agent, endpoint, wait_s
+        self._hooks: list = []
+
+    @property
+    def catalog(self):
+        return self.endpoint.layout.catalog
+
+    @property
+    def version(self) -> WeightVersion:
+        return self.endpoint.version
+
+    def send(self, version: int, wait_s: float | None = None) -> str | None:
+        """The parameters now hold `version`: announce it to syncd. Collective: every rank calls
+        it, and no rank announces before all of them hold `version` (a refit that one rank's
+        announcement starts must find every rank there). With `wait_s`, block until a refit of it
+        committed ("committed"), aborted ("aborted") or `wait_s` passed ("timeout")."""
+        v = WeightVersion(version)
+        with self.endpoint.lock:
+            self.endpoint.version = v
+        if dist.is_initialized():
+            dist.barrier()
+        try:
+            self.client.announce_version(v)
+        except (grpc.RpcError, RuntimeError) as e:  # syncd down must not stop training
+            # not lost: the client re-registers with the version it holds, which announces it
+            log.warning("%s: could not announce version %d now (%s)", self.client.member_id, v, e)
+        return None if wait_s is None else self.endpoint.wait_refit(v, wait_s)
+
+    def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        def before_step(opt, args, kwargs) -> None:
+            self.endpoint.lock.acquire()
+
+        def after_step(opt, args, kwargs) -> None:
+            # relabel before anyone can read: a refit of the old version must not send new bytes
+            self.endpoint.version = WeightVersion(self.endpoint.version + 1)
+            self.endpoint.lock.release()
+            outcome = self.send(self.endpoint.version, self.wait_s)
+            if outcome not in (None, "committed"):
+                log.warning("refit of version %d: %s; training goes on", self.endpoint.version, outcome)
+
+        self._hooks += [
+            optimizer.register_step_pre_hook(before_step),
+            optimizer.register_step_post_hook(after_step),
+        ]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self.agent.close()
+        self.client.close()
+
+
+def _agreed_layout(model: torch.nn.Module, names: UserNames | None, exclude: Iterable[str]) -> RankLayout:
+    """This rank's layout, or `LayoutRefusedError` on every rank when any rank refuses."""
+    layout, problems = None, {}
+    try:
+        layout = rank_layout(model.named_parameters(), names, exclude)
+    except LayoutRefusedError as e:
+        problems = e.problems
+    if dist.is_initialized():
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+        problems = {}
+        for rank, theirs in enumerate(everyone):
+            for name, why in theirs.items():
+                problems.setdefault(name, f"(rank {rank}) {why}")  # the lowest rank that refuses
+    if problems:
+        raise LayoutRefusedError(problems)
+    assert layout is not None
+    return layout
+
+
+def attach(
+    model: torch.nn.Module,
+    *,
+    syncd: str,
+    names: UserNames | None = None,
+    exclude: Iterable[str] = (),
+    optimizer: torch.optim.Optimizer | None = None,
+    wait_s: float | None = None,
+    auth_token: str | None = None,
+    data_host: str = "127.0.0.1",
+    in_flight: int = 2,
+    register_timeout_s: float = 60.0,
+) -> Attachment:
+    """Register this rank's parameters with syncd at `syncd` (gRPC host:port) and serve refits.
+
+    `names`: per parameter a canonical name or layout expression, or a function of (name, global
+    shape); the built-in rules cover what it leaves out. `exclude`: parameters not to send.
+    `optimizer`: send version 1, 2, ... after each of its steps, waiting `wait_s` for each refit.
+    `data_host`: the address peers reach this rank's data plane at. Collective: every rank of the
+    default process group calls it."""
+    layout = _agreed_layout(model, names, exclude)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    run_id = [uuid.uuid4().hex]  # this training run, as syncd knows it: rank 0's id on every rank
+    if dist.is_initialized():
+        dist.broadcast_object_list(run_id, src=0)
+    device = str(next(iter(layout.params.values())).device) if layout.params else "cpu"
+    member_id = f"trainer-{rank}"
+    endpoint = _SenderEndpoint(layout, member_id)
+    membership = join(
+        syncd,
+        endpoint,
+        role=Role.TRAINER,
+        member_id=member_id,
+        coords={"pp": 0, "rank": rank},  # one data-plane group; ranks named by their global rank
+        catalog=layout.catalog,
+        device=device,
+        data_host=data_host,
+        auth_token=auth_token,
+        run_id=run_id[0],
+        in_flight=in_flight,
+    )
+    client, agent = membership.client, membership.agent
+    if not client.wait_registered(register_timeout_s):
+        agent.close()
+        client.close()
+        raise TimeoutError(
+            f"{member_id}: syncd at {syncd} did not register it within {register_timeout_s:.0f} s"
+        )
+    handle = Attachment(client, agent, endpoint, wait_s)
+    if optimizer is not None:
+        handle._hook_optimizer(optimizer)
+    return handle

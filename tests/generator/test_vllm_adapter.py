@@ -1,0 +1,125 @@
+"""`generator_svc.vllm_adapter` against the installed vLLM, without an engine: every vLLM symbol
+generator_svc uses exists, with the parameters it is called with and the attributes read off it;
+the version guard names the versions; nothing else in generator_svc imports vLLM.
+
+An upgrade of vLLM that moves or renames any of these fails here, by name, instead of making a
+refit silently install wrong weights.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from generator_svc import vllm_adapter
+from generator_svc.vllm_adapter import ATTRIBUTES, SIGNATURES, SYMBOLS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", sorted(SYMBOLS))
+def test_the_symbol_exists_in_the_installed_vllm(name: str) -> None:
+    module, attribute = SYMBOLS[name]
+    assert getattr(vllm_adapter, name) is not None, f"{module}.{attribute}"
+
+
+def _resolve(dotted: str) -> Any:
+    head, *rest = dotted.split(".")
+    obj = getattr(vllm_adapter, head)
+    for part in rest:
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_the_function_takes_the_parameters_it_is_called_with(name: str) -> None:
+    parameters = list(inspect.signature(_resolve(name)).parameters)
+    assert parameters[: len(SIGNATURES[name])] == list(SIGNATURES[name]), parameters
+
+
+def _has_attribute(cls: type, attribute: str) -> bool:
+    """A method, property or class attribute; a dataclass field or annotation; or an attribute
+    that some `__init__`-like method in the class's vLLM bases assigns (`self.NAME = ...`)."""
+    if hasattr(cls, attribute):
+        return True
+    if dataclasses.is_dataclass(cls) and attribute in {f.name for f in dataclasses.fields(cls)}:
+        return True
+    for base in cls.__mro__:
+        if not base.__module__.startswith("vllm"):
+            continue
+        if attribute in getattr(base, "__annotations__", {}):
+            return True
+        tree = ast.parse(inspect.getsource(base).lstrip())
+        for node in ast.walk(tree):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
+            for target in targets:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"
+                    and target.attr == attribute
+                ):
+                    return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "cls_name,attribute",
+    [(cls, attr) for cls, attrs in sorted(ATTRIBUTES.items()) for attr in attrs],
+)
+def test_the_class_has_the_attribute_generator_svc_reads(cls_name: str, attribute: str) -> None:
+    assert _has_attribute(getattr(vllm_adapter, cls_name), attribute)
+
+
+def test_the_attribute_check_can_fail() -> None:
+    assert not _has_attribute(vllm_adapter.LinearBase, "no_such_attribute")
+    assert _has_attribute(vllm_adapter.LinearBase, "tp_size")
+
+
+def test_the_installed_vllm_is_a_supported_version() -> None:
+    assert vllm_adapter.check_version(env={}).startswith(vllm_adapter.SUPPORTED_VERSIONS)
+
+
+def test_another_vllm_version_fails_loudly_unless_overridden() -> None:
+    with pytest.raises(vllm_adapter.VllmVersionError, match=r"vLLM 0\.33\.1 is installed.*vLLM 0\.32\.x"):
+        vllm_adapter.check_version("0.33.1", env={})
+    with pytest.raises(vllm_adapter.VllmVersionError, match="GENERATOR_VLLM_ANY_VERSION=1"):
+        vllm_adapter.check_version("0.31.9", env={})
+    assert vllm_adapter.check_version("0.33.1", env={"GENERATOR_VLLM_ANY_VERSION": "1"}) == "0.33.1"
+
+
+def test_the_cpu_moe_fix_patches_once_keeping_the_signature() -> None:
+    method = vllm_adapter.UnquantizedFusedMoEMethod
+    before = list(inspect.signature(method._setup_kernel).parameters)
+    assert vllm_adapter.apply_cpu_moe_fix() is True  # this machine runs vLLM on CPU
+    patched = method._setup_kernel
+    assert vllm_adapter.apply_cpu_moe_fix() is True and method._setup_kernel is patched
+    assert list(inspect.signature(patched).parameters) == before
+
+
+def test_no_other_generator_svc_module_imports_vllm() -> None:
+    offenders = []
+    for path in sorted((REPO / "generator_svc").glob("*.py")):
+        if path.name == "vllm_adapter.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [f"{path.name}: {n}" for n in names if n == "vllm" or n.startswith("vllm.")]
+    assert offenders == []
