@@ -39,12 +39,6 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def generators(stack, model):
-    # The harness waits 300 s for an engine; on the shared 2-core machine a TP 2 engine took longer
-    # under load (16:26, load average 33), so this module's engines get 900 s.
-    wait_http = stack.cluster.wait_http
-    stack.cluster.wait_http = lambda proc, url, timeout_s, **kw: wait_http(
-        proc, url, max(timeout_s, 900), **kw
-    )
     stack.start_syncd(trainers=TRAINERS, generators=GENERATOR_WORKERS)
     tp1 = stack.start_generator(model, tp=1)
     tp2 = stack.start_generator(model, tp=2, name="generator-tp2", replica=1)
