@@ -72,13 +72,14 @@ def test_two_refits_across_hosts_generate_as_vllm_on_the_trainers_export(
         received_before = {r: lab.rx_bytes(placement.generator_host(r)) for r in replicas}
         state = stack.refit(step)
         assert state["state"] == "COMMITTED", state
-        # What the replicas received (syncd's count, both of them) left the trainer's host and
-        # reached each replica's host over the lab's links, not over a loopback.
-        assert lab.tx_bytes(placement.TRAINER) - egress_before >= state["bytes"] > 0
+        # What each replica received (syncd's count is over both) reached its host over the lab's
+        # links, not over a loopback, and left the trainer's host once: the two replicas have one
+        # layout, so the second receives from the first (fan-out) instead of from the trainer.
+        one_copy = state["bytes"] // REPLICAS
+        egress = lab.tx_bytes(placement.TRAINER) - egress_before
+        assert one_copy <= egress < 1.5 * one_copy, (egress, one_copy)
         for r in replicas:
-            assert (
-                lab.rx_bytes(placement.generator_host(r)) - received_before[r] >= state["bytes"] // REPLICAS
-            )
+            assert lab.rx_bytes(placement.generator_host(r)) - received_before[r] >= one_copy
             served[r].append(replicas[r].greedy())
     assert trainer.popen.wait(180) == 0, trainer.tail()
 
