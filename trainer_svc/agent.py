@@ -26,6 +26,7 @@ from syncd.layout import Catalog
 from syncd.member import Membership, join
 from syncd.member.client import MemberClient
 from syncd.member.dataplane import catalog_views
+from syncd.member.refit_outcomes import RefitOutcomes
 from syncd.plan.types import Bucket
 from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion
@@ -72,13 +73,12 @@ class TrainerEndpoint:
     def __init__(self, shards: LocalShards, trainer: Trainer, member_id: str) -> None:
         self.shards, self.trainer, self.member_id = shards, trainer, member_id
         self._held = False
-        self._changed = threading.Condition()
-        self._committed = WeightVersion(0)  # newest weight version a refit committed
-        self._aborts = 0  # refits aborted so far
+        self.outcomes = RefitOutcomes()
 
     def begin(
         self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
     ) -> Mapping[str, torch.Tensor]:
+        self.outcomes.began(weight_version)
         self.trainer.lock.acquire()
         self._held = True
         if self.trainer.version != weight_version:
@@ -98,26 +98,14 @@ class TrainerEndpoint:
         pass  # a trainer keeps no staged copy: what it sent is what it holds
 
     def commit(self, refit_id: str, weight_version: WeightVersion, timeout_s: float) -> None:
-        with self._changed:
-            self._committed = max(self._committed, weight_version)
-            self._changed.notify_all()
+        self.outcomes.committed(weight_version)
 
     def abort(self) -> None:
-        with self._changed:
-            self._aborts += 1
-            self._changed.notify_all()
+        self.outcomes.aborted()
 
     def wait_refit(self, version: WeightVersion, timeout_s: float) -> str:
-        """Block until a refit of `version` (or newer) committed, or any refit aborted after the
-        call; returns "committed", "aborted" or "timeout"."""
-        with self._changed:
-            aborts = self._aborts
-            done = self._changed.wait_for(
-                lambda: self._committed >= version or self._aborts > aborts, timeout_s
-            )
-            if not done:
-                return "timeout"
-            return "committed" if self._committed >= version else "aborted"
+        """See `RefitOutcomes.wait`: "committed", "aborted" or "timeout"."""
+        return self.outcomes.wait(version, timeout_s)
 
 
 class RankAgent:

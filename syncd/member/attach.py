@@ -42,6 +42,7 @@ from syncd.member.canonical_names import UserNames
 from syncd.member.dataplane import catalog_views
 from syncd.member.dtensor import LayoutRefusedError, RankLayout, rank_layout
 from syncd.member.membership import join
+from syncd.member.refit_outcomes import RefitOutcomes
 from syncd.plan.types import Bucket
 from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion
@@ -59,13 +60,12 @@ class _SenderEndpoint:
         self.lock = threading.Lock()  # held by a transfer, and by every optimizer step
         self.version = WeightVersion(0)  # what the parameters hold, as the trainer last said
         self._held = False
-        self._changed = threading.Condition()
-        self._committed = WeightVersion(0)
-        self._aborts = 0
+        self.outcomes = RefitOutcomes()
 
     def begin(
         self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
     ) -> Mapping[str, torch.Tensor]:
+        self.outcomes.began(weight_version)
         self.lock.acquire()
         self._held = True
         if self.version != weight_version:
@@ -86,26 +86,14 @@ class _SenderEndpoint:
         pass  # a sender keeps no staged copy: what it sent is what it holds
 
     def commit(self, refit_id: str, weight_version: WeightVersion, timeout_s: float) -> None:
-        with self._changed:
-            self._committed = max(self._committed, weight_version)
-            self._changed.notify_all()
+        self.outcomes.committed(weight_version)
 
     def abort(self) -> None:
-        with self._changed:
-            self._aborts += 1
-            self._changed.notify_all()
+        self.outcomes.aborted()
 
     def wait_refit(self, version: WeightVersion, timeout_s: float) -> str:
-        """ "committed" once a refit of `version` (or newer) committed, "aborted" when one aborted
-        after the call, else "timeout" after `timeout_s`."""
-        with self._changed:
-            aborts = self._aborts
-            done = self._changed.wait_for(
-                lambda: self._committed >= version or self._aborts > aborts, timeout_s
-            )
-            if not done:
-                return "timeout"
-            return "committed" if self._committed >= version else "aborted"
+        """See `RefitOutcomes.wait`: "committed", "aborted" or "timeout"."""
+        return self.outcomes.wait(version, timeout_s)
 
 
 class Attachment:
