@@ -158,7 +158,8 @@ def greedy(url: str) -> list[tuple[list[int], list[float]]]:
 
 
 def start_vllm(cluster, name: str, model: Path, tp: int, extra: list[str]) -> str:
-    from deploy.local.processes import PYTHON, free_port
+    from deploy.local.processes import PYTHON
+    from syncd.net import free_port
 
     port = free_port()
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -177,7 +178,8 @@ def start_vllm(cluster, name: str, model: Path, tp: int, extra: list[str]) -> st
 def launch(args) -> dict:
     import httpx
 
-    from deploy.local.processes import PYTHON, Cluster, free_port
+    from deploy.local.processes import PYTHON, Cluster
+    from syncd.net import free_port
     from trainer_svc.config import ModelArgs
     from trainer_svc.tiny import TINY_ARGS, make_tiny_checkpoint
 

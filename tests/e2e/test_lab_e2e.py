@@ -110,7 +110,9 @@ def test_a_replica_cut_off_mid_refit_leaves_no_torn_weights_and_the_next_refit_c
     finally:
         lab.link_up("gen1")
         lab.set_rate("gen1", 1.0)
-    check_no_torn_weights(state, {0: replicas[0]}, before, lost=("generator-1-0",))  # its lease expired
+    check_no_torn_weights(  # its lease expired
+        state, {0: replicas[0]}, before, tmp_path / "export", lost=("generator-1-0",)
+    )
     # Back on the network, the replica that was cut off serves what it served before.
     wait_until(lambda: replicas[1].http.get("/healthz").status_code == 200, 120, "gen1 reachable again")
     assert replicas[1].greedy() == before[1]
@@ -133,7 +135,9 @@ def test_a_replica_killed_mid_refit_leaves_no_torn_weights_and_the_next_refit_co
     killed.stop()  # reaps what is left
     stack.cluster.procs.remove(killed)
     # The abort names the lost replica by the address its trainer peers lost (gloo's error).
-    check_no_torn_weights(state, {0: replicas[0]}, before, lost=("generator-1-0", lab.address("gen1")))
+    check_no_torn_weights(
+        state, {0: replicas[0]}, before, tmp_path / "export", lost=("generator-1-0", lab.address("gen1"))
+    )
     replicas[1] = start_replica(stack, model, 1)  # back, on the checkpoint it starts from
     after_refit_recovers(stack, replicas, trainer, tmp_path / "export")
 
@@ -155,18 +159,24 @@ def refit_with_a_fault(stack: Stack, version: int, fault) -> dict:
 
 
 def check_no_torn_weights(
-    state: dict, reachable: dict[int, Generator], before: dict, lost: tuple[str, ...]
+    state: dict, reachable: dict[int, Generator], before: dict, export: Path, lost: tuple[str, ...]
 ) -> None:
-    """Every reachable replica serves exactly what it served before, unless the refit committed
-    without the lost member (a re-route), when it serves the new version. An abort names the lost
-    member (one of `lost`: its id, or its address)."""
+    """Every reachable replica serves a whole version: what it served before, or the refit's
+    version, which syncd commits without the lost member (a re-route, or its retry over the
+    survivors once the lost lease ran out); then it generates as vLLM's own load of that step's
+    export. An abort names the lost member (one of `lost`: its id, or its address)."""
     assert state["state"] in ("ABORTED", "COMMITTED"), state
     if state["state"] == "ABORTED":
         assert any(name in (state.get("error") or "") for name in lost), state
-        for r, generator in reachable.items():
-            assert generator.greedy() == before[r], f"replica {r} changed after an aborted refit"
-    else:
-        assert reachable[0].http.get("/v1/weight_version").json()["version"] == str(state["weight_version"])
+    new = str(state["weight_version"])
+    for r, generator in reachable.items():
+        served = generator.http.get("/v1/weight_version").json()["version"]
+        if served != new:
+            assert generator.greedy() == before[r], f"replica {r} changed, to no committed version"
+            continue
+        got = generator.greedy()
+        generator.load(export / f"step-{new}", version=9000 + int(new))
+        assert got == generator.greedy(), f"replica {r} serves version {new} torn"
 
 
 def after_refit_recovers(stack: Stack, replicas: dict[int, Generator], trainer, export: Path) -> None:
