@@ -81,35 +81,45 @@ class GenerationGuard:
             return
         g = self.guard
         if g.watch.dead:
-            await self._refuse(scope, receive, send, "engine_dead", 503, _engine_dead_message(g.watch))
+            await self._refuse(
+                scope, receive, send, metrics.RejectReason.ENGINE_DEAD, 503, _engine_dead_message(g.watch)
+            )
             return
         try:
             body = await _read_body(scope, receive, g.max_request_bytes)
         except _BodyTooLargeError:
             message = f"request body: larger than --max-request-bytes {g.max_request_bytes}"
-            await self._refuse(scope, receive, send, "too_large", 413, message)
+            await self._refuse(scope, receive, send, metrics.RejectReason.TOO_LARGE, 413, message)
             return
         try:
             check_request(scope["path"], _parsed(body), g.limits)
         except BadRequestError as e:
             log.info("refused %s: %s", scope["path"], e)
-            await self._refuse(scope, receive, send, "invalid", 400, str(e))
+            await self._refuse(scope, receive, send, metrics.RejectReason.INVALID, 400, str(e))
             return
         if scope["path"] in TEXT_PATHS and not g.has_tokenizer:
             message = (
                 f"{scope['path']} takes text, and this generator runs without a tokenizer "
                 "(--skip-tokenizer-init): send token ids to /v1/completions"
             )
-            await self._refuse(scope, receive, send, "invalid", 400, message)
+            await self._refuse(scope, receive, send, metrics.RejectReason.INVALID, 400, message)
             return
         try:
             async with g.admission.slot():
                 await self.app(scope, _replay(body, receive), send)
         except OverloadedError as e:
-            await self._refuse(scope, receive, send, "overloaded", 429, f"overloaded: {e}; retry later")
+            await self._refuse(
+                scope, receive, send, metrics.RejectReason.OVERLOADED, 429, f"overloaded: {e}; retry later"
+            )
 
     async def _refuse(
-        self, scope: Scope, receive: Receive, send: Send, reason: str, status: int, message: str
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        reason: metrics.RejectReason,
+        status: int,
+        message: str,
     ) -> None:
         metrics.REJECTED_REQUESTS.labels(reason=reason).inc()
         headers = {"Retry-After": str(self.guard.retry_after_s)} if status in (429, 503) else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from prometheus_client import Counter, Gauge, Histogram
 
 REFITS = Counter("weightsync_generator_refits", "Refits applied by this generator, by outcome", ["outcome"])
@@ -31,9 +33,24 @@ ENGINE_ALIVE = Gauge(
 ENGINE_DEATHS = Counter(
     "weightsync_generator_engine_deaths", "Deaths of the vLLM engine seen by this generator"
 )
+
+
+class RejectReason(StrEnum):
+    """Why a generation request was refused before the engine (the `reason` label)."""
+
+    INVALID = "invalid"  # 400
+    TOO_LARGE = "too_large"  # 413
+    OVERLOADED = "overloaded"  # 429
+    ENGINE_DEAD = "engine_dead"  # 503
+
+
 REJECTED_REQUESTS = Counter(
     "weightsync_generator_rejected_requests",
     "Generation requests refused before the engine, by reason: invalid (400), too_large (413), "
     "overloaded (429), engine_dead (503)",
     ["reason"],
 )
+# Every reason is exported from the start, at 0: a series that appears only at its first refusal
+# has no rate() over the window before it, and dashboards and alerts would see "no data".
+for _reason in RejectReason:
+    REJECTED_REQUESTS.labels(reason=_reason)
