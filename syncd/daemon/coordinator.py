@@ -161,14 +161,16 @@ class Coordinator:
             log.info("refit %s is not retried: %s", run.id, lost.reason_not_to_retry)
             return
         log.warning(
-            "refit %s lost %s: retrying version %s without %s",
+            "refit %s (version %s) lost %s: retrying the trainers' newest version without %s",
             run.id,
-            ", ".join(sorted(lost.members)),
             run.version,
+            ", ".join(sorted(lost.members)),
             ", ".join(sorted(lost.excluded)),
         )
         try:
-            retry = self._admission.start(run.version, False, run.full, lost.excluded)
+            # The newest version the trainers hold, not the aborted one: a trainer that went on
+            # training during the settle time holds only its newest, and would refuse the old one.
+            retry = self._admission.start(None, False, run.full, lost.excluded)
         except (FailedPrecondition, Unavailable) as e:
             log.warning("refit %s: the retry over the survivors did not start: %s", run.id, e)
             return

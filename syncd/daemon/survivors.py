@@ -7,10 +7,11 @@ operator, since a refit needs every expected member. So the refit thread, after 
 1. waits up to `settle_s` (the lease plus a second: a dead member's lease has ended by then) for
    the members of the failed plan to be accounted for; a member is *lost* when it is no longer
    registered, or registered again under a new session (restarted: its communicators are gone);
-2. retries once when generators were lost and every trainer of the plan is still there: the same
-   weight version, over the registered members minus every *replica* that lost a worker (the
-   other TP ranks of a replica that lost one would otherwise install half a version), with the
-   readiness check asking for the trainers and at least one generator instead of all expected.
+2. retries once when generators were lost and every trainer of the plan is still there: the
+   trainers' newest weight version (the aborted one, unless they trained on meanwhile), over the
+   registered members minus every *replica* that lost a worker (the other TP ranks of a replica
+   that lost one would otherwise install half a version), with the readiness check asking for
+   the trainers and at least one generator instead of all expected.
    Stage groups are negotiated anew over the new membership (the abort dropped them), never reused.
 3. The lost replica catches up when it registers again: it reports an older version, so syncd's
    catch-up refit (`AutoRefit._wants_catch_up`) brings it to the committed one.

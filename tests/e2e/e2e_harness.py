@@ -285,6 +285,10 @@ class Stack:
             f"version {version} announced",
         )
 
+    def wait_idle(self, timeout_s: float = 180) -> None:
+        """Until no refit runs (after a fault, syncd's retry over the survivors may be running)."""
+        wait_until(lambda: self.http.get("/v1/status").json()["state"] == "IDLE", timeout_s, "syncd idle")
+
     def refit(self, version: int, timeout_s: float = 120) -> dict:
         self.wait_ready()
         r = self.http.post("/v1/refits", json={"weight_version": version})

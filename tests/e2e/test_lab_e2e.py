@@ -183,6 +183,10 @@ def after_refit_recovers(stack: Stack, replicas: dict[int, Generator], trainer, 
     """With every replica back, the trainer's next step refits both; both then generate as vLLM's
     own load of that step's export."""
     stack.wait_announced(2, timeout_s=300)
+    # syncd's retry over the survivors (of version 1, or 2 if the trainer announced it by then)
+    # may still run: on a slow machine a trainer rank that trained on refuses the retry's version,
+    # and its peers wait out the stall timeout.
+    stack.wait_idle(timeout_s=300)
     state = stack.refit(2, timeout_s=300)
     assert state["state"] == "COMMITTED", state
     assert trainer.popen.wait(180) == 0, trainer.tail()
