@@ -128,6 +128,11 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "_place_kernel_tensors": (f"{_RELOAD}.layerwise", "_place_kernel_tensors"),
     "_copy_and_restore_kernel_tensors": (f"{_RELOAD}.layerwise", "_copy_and_restore_kernel_tensors"),
     "materialize_layer": (f"{_RELOAD}.meta", "materialize_layer"),
+    # Per-token weight versions (generator_svc.token_versions reads `weight_versions` off outputs)
+    "CompletionOutput": ("vllm.outputs", "CompletionOutput"),
+    "WeightVersionSpan": ("vllm.outputs", "WeightVersionSpan"),
+    "AsyncLLM": ("vllm.v1.engine.async_llm", "AsyncLLM"),
+    "PauseMode": ("vllm.v1.engine", "PauseMode"),
     # Worker context
     "set_current_vllm_config": ("vllm.config", "set_current_vllm_config"),
     "parallel_state": ("vllm.distributed", "parallel_state"),
@@ -147,6 +152,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "WeightTransferEngineFactory.register_engine": ("name", "module_path_or_cls", "class_name"),
     "WeightTransferEngine.reset_weight_update_target": ("self",),
     "QuantizeMethodBase.process_weights_after_loading": ("self", "layer"),
+    "AsyncLLM.generate": ("self", "prompt", "sampling_params", "request_id"),
+    "AsyncLLM.reset_prefix_cache": ("self", "reset_running_requests"),
 }
 
 # Attributes read off vLLM's objects: class -> names (methods, class attributes, dataclass fields,
@@ -162,6 +169,10 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "FusedMoEKernel": ("fused_experts",),
     "LayerReloadingInfo": ("restore_metadata", "kernel_tensors", "can_load", "reset"),
     "UnquantizedFusedMoEMethod": ("moe_kernel", "_setup_kernel"),
+    "CompletionOutput": ("weight_versions", "index"),
+    "WeightVersionSpan": ("version", "start", "end"),
+    # pause modes, and the wrapped generate (generator_svc.lifecycle, generator_svc.token_versions)
+    "AsyncLLM": ("pause_generation", "resume_generation", "generate", "reset_prefix_cache"),
     "WeightTransferEngine": ("model", "device", "vllm_config", "model_config", "reset_weight_update_target"),
     "Worker": (
         "model_runner",

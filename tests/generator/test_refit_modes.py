@@ -64,7 +64,7 @@ class RecordingEngine:
     async def finish_weight_update(self, weight_version: str) -> None:
         await self._step("finish", weight_version)
 
-    async def reset_prefix_cache(self) -> None:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         await self._step("reset_prefix_cache")
 
     async def resume_generation(self) -> None:
