@@ -28,8 +28,8 @@ from typing import Any
 
 from generator_svc import metrics
 from generator_svc.refit_history import RefitHistory, RefitPause
-from generator_svc.settings import Settings
-from generator_svc.vllm_adapter import WeightTransferUpdateRequest
+from generator_svc.settings import PauseMode, Settings
+from generator_svc.vllm_adapter import WeightTransferUpdateRequest, pause_scheduler
 from syncd.weight_version import version_of_label
 
 log = logging.getLogger("generator_svc.refit")
@@ -94,7 +94,9 @@ class UpdateLifecycle:
         self.serving = True
         self.last_install: LastInstall | None = None
         self.history = RefitHistory()
-        self._paused_at = 0.0  # perf_counter when the last pause took effect
+        self._paused_at = 0.0  # perf_counter when the last pause call returned
+        self._held_since = 0.0  # perf_counter from which the last pause held requests
+        self._pause_call_s = 0.0  # how long the last pause call took
         self._lock = asyncio.Lock()
         self._late_update: asyncio.Future[None] | None = None  # an update that missed its deadline
 
@@ -117,10 +119,17 @@ class UpdateLifecycle:
     async def pause(self) -> None:
         """Pause generation as `--pause-mode` says (vLLM's own modes): `wait` returns once running
         requests finished, `keep` once the engine holds them between steps, `abort` once they
-        ended. New requests queue until `resume_generation`."""
-        mode = self.settings.pause_mode.value
-        await self.engine.pause_generation(mode=mode, clear_cache=False)
+        ended. New requests queue until `resume_generation`.
+
+        When requests began to be held: the engine core takes the pause between two steps, so
+        with `keep` and `abort` the step in flight at the call still runs (its requests get their
+        token) and the hold begins when the core answers; with `wait` new requests are held while
+        the running ones finish, so the hold is counted from the call (at most one step early)."""
+        called = time.perf_counter()
+        await pause_scheduler(self.engine, self.settings.pause_mode.value)
         self._paused_at = time.perf_counter()
+        self._pause_call_s = self._paused_at - called
+        self._held_since = called if self.settings.pause_mode is PauseMode.WAIT else self._paused_at
 
     async def went_live(self, version: str, held_since: float) -> None:
         """`version` is installed whole: serve it, resume generation (held since `held_since`,
@@ -130,12 +139,18 @@ class UpdateLifecycle:
         set_version_metric(version)
         resuming = time.perf_counter()
         await self.engine.resume_generation()
-        held = time.perf_counter() - held_since
-        install = resuming - self._paused_at
+        resumed = time.perf_counter()
+        held, install = resumed - held_since, resuming - self._paused_at
         metrics.APPLY_SECONDS.observe(held)
         metrics.INSTALL_SECONDS.observe(install)
         self.history.add(
-            RefitPause(version, self.settings.pause_mode.value, round(held, 6), round(install, 6))
+            RefitPause(
+                version,
+                self.settings.pause_mode.value,
+                pause_s=round(resumed - self._held_since, 6),
+                install_s=round(install, 6),
+                pause_call_s=round(self._pause_call_s, 6),
+            )
         )
         await self._record_install(version, held, install)
 

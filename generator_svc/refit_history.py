@@ -12,15 +12,18 @@ from generator_svc.token_versions import Span
 
 @dataclass
 class RefitPause:
-    """One committed install as the requests saw it: generation was held `pause_s` (pause to
-    resume), of which `install_s` with the engine paused (from the pause taking effect to the
-    resume); `spanning_requests` finished requests have tokens from before and from `version`
-    (counted as they finish, so it grows after the install)."""
+    """One committed install as the requests saw it: requests were held `pause_s` (from when the
+    pause held them to the resume, `UpdateLifecycle.pause`), of which `install_s` from the pause
+    call's return to the resume call (the install); the pause call itself took `pause_call_s`
+    (`keep`, `abort`: the engine step in flight finishing; `wait`: the running requests finishing).
+    `spanning_requests` finished requests have tokens from before and from `version` (counted as
+    they finish, so it grows after the install)."""
 
     version: str
     pause_mode: str
     pause_s: float
     install_s: float
+    pause_call_s: float
     spanning_requests: int = 0
 
 

@@ -133,6 +133,7 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "WeightVersionSpan": ("vllm.outputs", "WeightVersionSpan"),
     "AsyncLLM": ("vllm.v1.engine.async_llm", "AsyncLLM"),
     "PauseMode": ("vllm.v1.engine", "PauseMode"),
+    "AsyncMPClient": ("vllm.v1.engine.core_client", "AsyncMPClient"),
     # Worker context
     "set_current_vllm_config": ("vllm.config", "set_current_vllm_config"),
     "parallel_state": ("vllm.distributed", "parallel_state"),
@@ -154,6 +155,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "QuantizeMethodBase.process_weights_after_loading": ("self", "layer"),
     "AsyncLLM.generate": ("self", "prompt", "sampling_params", "request_id"),
     "AsyncLLM.reset_prefix_cache": ("self", "reset_running_requests"),
+    "AsyncMPClient.pause_scheduler_async": ("self", "mode", "clear_cache"),
 }
 
 # Attributes read off vLLM's objects: class -> names (methods, class attributes, dataclass fields,
@@ -172,7 +174,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "CompletionOutput": ("weight_versions", "index"),
     "WeightVersionSpan": ("version", "start", "end"),
     # pause modes, and the wrapped generate (generator_svc.lifecycle, generator_svc.token_versions)
-    "AsyncLLM": ("pause_generation", "resume_generation", "generate", "reset_prefix_cache"),
+    "AsyncLLM": ("engine_core", "resume_generation", "generate", "reset_prefix_cache"),
     "WeightTransferEngine": ("model", "device", "vllm_config", "model_config", "reset_weight_update_target"),
     "Worker": (
         "model_runner",
@@ -314,6 +316,17 @@ def register_weight_transfer_engine(name: str, engine_cls: type) -> None:
     WeightTransferEngineFactory = _load("WeightTransferEngineFactory")
     if name not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(name, engine_cls)
+
+
+# --- pausing generation -----------------------------------------------------------------------
+
+
+async def pause_scheduler(engine: Any, mode: str) -> None:
+    """`AsyncLLM.pause_generation(mode=mode, clear_cache=False)` without its closing 20 ms sleep
+    (there only so that the last outputs of running requests reach their callers before it
+    returns, "not required for correctness"): a refit's serving pause should not hold requests for
+    it. Returns once the engine core took the pause (`wait`: once running requests finished)."""
+    await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
 
 
 # --- the CPU MoE fix --------------------------------------------------------------------------

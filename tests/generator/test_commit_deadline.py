@@ -38,7 +38,11 @@ class SlowEngine:
             return [{"member_id": "generator-0-0", "refit_id": "r", "missing": []}]
         return [None]
 
-    async def pause_generation(self, **_: object) -> None:
+    @property
+    def engine_core(self) -> SlowEngine:  # vLLM's core client, which takes the pause
+        return self
+
+    async def pause_scheduler_async(self, **_: object) -> None:
         self.calls.append(("pause",))
         while not self.requests_done.is_set():
             await asyncio.sleep(0.01)

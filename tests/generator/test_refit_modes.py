@@ -52,7 +52,11 @@ class RecordingEngine:
         if name in self.failing:
             raise RuntimeError(f"{name} broke")
 
-    async def pause_generation(self, **_: object) -> None:
+    @property
+    def engine_core(self) -> RecordingEngine:  # vLLM's core client, which takes the pause
+        return self
+
+    async def pause_scheduler_async(self, **_: object) -> None:
         await self._step("pause")
 
     async def start_weight_update(self) -> None:
