@@ -312,7 +312,7 @@ def start_generator(
                 "--pause-mode",
                 args.pause_mode,
                 "--max-model-len",
-                str(max(256, max(PROMPT_LENGTHS) + args.max_tokens)),
+                str(max(256, max(PROMPT_LENGTHS) + args.max_tokens) if args.load else 256),
                 "--skip-tokenizer-init",
             ],
         ),
@@ -453,6 +453,7 @@ def load_summary(rows: list[StepRow], history: list[dict], seen: LoadResult, arg
                     "step": r.step,
                     "pause_s": h["pause_s"],
                     "install_s": h["install_s"],
+                    "pause_call_s": h["pause_call_s"],
                     "spanning_requests": h["spanning_requests"],
                     "spanning_requests_seen": seen.spanning[label],
                 }
