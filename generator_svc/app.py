@@ -15,7 +15,7 @@ log = logging.getLogger("generator_svc")
 async def serve(settings: Settings, args: Namespace) -> int:
     """Start the engine, set up weight sync on every worker, then serve HTTP until shutdown.
     Returns the exit status: 1 when the engine died (generator_svc.engine_health), else 0."""
-    from generator_svc import edge, server
+    from generator_svc import edge, server, token_versions
     from generator_svc.engine_health import keep_http_up_after_engine_death
     from generator_svc.vllm_adapter import (
         build_app,
@@ -30,6 +30,7 @@ async def serve(settings: Settings, args: Namespace) -> int:
     try:
         async with build_async_engine_client(args) as engine:
             refitter = Refitter(engine, settings)
+            token_versions.track(engine, refitter.history.finished)
             workers = await refitter.setup(internal_url=f"http://127.0.0.1:{args.port}/internal")
             log.info("weight sync ready on %d worker(s): %s", len(workers), [w["member_id"] for w in workers])
             tasks = await engine.get_supported_tasks()

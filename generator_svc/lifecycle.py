@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from generator_svc import metrics
-from generator_svc.settings import Settings
-from generator_svc.vllm_adapter import WeightTransferUpdateRequest
+from generator_svc.refit_history import RefitHistory, RefitPause
+from generator_svc.settings import PauseMode, Settings
+from generator_svc.vllm_adapter import WeightTransferUpdateRequest, pause_scheduler
 from syncd.weight_version import version_of_label
 
 log = logging.getLogger("generator_svc.refit")
@@ -69,6 +70,8 @@ class LastInstall:
     fallback_params: list[str]
     extra_bytes: int = 0
     bucket_bytes: int = 0
+    pause_mode: str = "wait"
+    install_seconds: float = 0.0  # of hold_seconds, the engine paused (see RefitPause)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,10 @@ class UpdateLifecycle:
         self.version = settings.initial_version
         self.serving = True
         self.last_install: LastInstall | None = None
+        self.history = RefitHistory()
+        self._paused_at = 0.0  # perf_counter when the last pause call returned
+        self._held_since = 0.0  # perf_counter from which the last pause held requests
+        self._pause_call_s = 0.0  # how long the last pause call took
         self._lock = asyncio.Lock()
         self._late_update: asyncio.Future[None] | None = None  # an update that missed its deadline
 
@@ -109,16 +116,43 @@ class UpdateLifecycle:
                 self._late_update = None
             yield
 
+    async def pause(self) -> None:
+        """Pause generation as `--pause-mode` says (vLLM's own modes): `wait` returns once running
+        requests finished, `keep` once the engine holds them between steps, `abort` once they
+        ended. New requests queue until `resume_generation`.
+
+        When requests began to be held: the engine core takes the pause between two steps, so
+        with `keep` and `abort` the step in flight at the call still runs (its requests get their
+        token) and the hold begins when the core answers; with `wait` new requests are held while
+        the running ones finish, so the hold is counted from the call (at most one step early)."""
+        called = time.perf_counter()
+        await pause_scheduler(self.engine, self.settings.pause_mode.value)
+        self._paused_at = time.perf_counter()
+        self._pause_call_s = self._paused_at - called
+        self._held_since = called if self.settings.pause_mode is PauseMode.WAIT else self._paused_at
+
     async def went_live(self, version: str, held_since: float) -> None:
         """`version` is installed whole: serve it, resume generation (held since `held_since`,
         a perf_counter time), record the install."""
         self.version, self.serving = version, True
         metrics.SERVING.set(1)
         set_version_metric(version)
+        resuming = time.perf_counter()
         await self.engine.resume_generation()
-        held = time.perf_counter() - held_since
+        resumed = time.perf_counter()
+        held, install = resumed - held_since, resuming - self._paused_at
         metrics.APPLY_SECONDS.observe(held)
-        await self._record_install(version, held)
+        metrics.INSTALL_SECONDS.observe(install)
+        self.history.add(
+            RefitPause(
+                version,
+                self.settings.pause_mode.value,
+                pause_s=round(resumed - self._held_since, 6),
+                install_s=round(install, 6),
+                pause_call_s=round(self._pause_call_s, 6),
+            )
+        )
+        await self._record_install(version, held, install)
 
     async def within(self, deadline: float | None, update: asyncio.Future[None], version: str) -> None:
         """Wait for `update` until `deadline`. Past it, refuse generation, let the update finish in
@@ -135,11 +169,15 @@ class UpdateLifecycle:
             ) from None
 
     async def end_update(self, version: str) -> None:
-        """The last steps of the lifecycle: install (staged) or check (inplace), finish, and drop
-        KV computed with the old weights."""
+        """The last steps of the lifecycle: install (staged) or check (inplace), finish (which
+        labels every later token with `version`), and drop KV computed with the old weights.
+        Requests kept across the pause (`--pause-mode keep`) hold KV blocks, and vLLM resets the
+        prefix cache only when none does: they are preempted, and recompute their prompt and the
+        tokens they have so far on the new weights when generation resumes. A prefix cache that
+        kept their blocks would hand old-weights KV to requests that start after the refit."""
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
         await self.engine.finish_weight_update(weight_version=version)
-        await self.engine.reset_prefix_cache()
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
 
     def refuse_generation(self) -> None:
         self.serving = False
@@ -150,7 +188,7 @@ class UpdateLifecycle:
         if refit_id:
             await self.engine.collective_rpc("ws_committed", args=(refit_id, version, ok, error))
 
-    async def _record_install(self, version: str, held_s: float) -> None:
+    async def _record_install(self, version: str, held_s: float, install_s: float) -> None:
         """Keep what the workers' install did (`GET /v1/install`), count loader fallbacks."""
         reports = [r for r in await self.engine.collective_rpc("ws_last_install") if r]
         fallback = [p for r in reports for p in r["fallback_params"]]
@@ -172,6 +210,8 @@ class UpdateLifecycle:
             fallback_params=fallback,
             extra_bytes=max((r["receive_buffer_bytes"] + r["peak_open_bytes"] for r in reports), default=0),
             bucket_bytes=max((r["bucket_bytes"] for r in reports), default=0),
+            pause_mode=self.settings.pause_mode.value,
+            install_seconds=round(install_s, 6),
         )
 
     async def _settle_late_update(self, update: asyncio.Future[None], version: str) -> None:

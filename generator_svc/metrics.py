@@ -11,6 +11,16 @@ STAGE_SECONDS = Histogram("weightsync_generator_stage_seconds", "Time to stage o
 APPLY_SECONDS = Histogram(
     "weightsync_generator_apply_seconds", "Time generation was held for one update (pause to resume)"
 )
+INSTALL_SECONDS = Histogram(
+    "weightsync_generator_install_seconds",
+    "Time the engine was paused for one update (pause in effect to resume): the part of the apply "
+    "time that is the install itself",
+)
+SPANNING_REQUESTS = Counter(
+    "weightsync_generator_spanning_requests",
+    "Requests whose output tokens came from more than one weight version (--pause-mode keep), "
+    "counted once per version switch when they finish",
+)
 STAGED_BYTES = Counter("weightsync_generator_staged_bytes", "Bytes staged across all workers")
 CATALOG_BYTES = Gauge(
     "weightsync_generator_catalog_bytes", "Bytes of the parameters registered by all workers"

@@ -16,6 +16,7 @@ from typing import Any
 
 from generator_svc import metrics
 from generator_svc.lifecycle import LastInstall, ServingState, UpdateLifecycle, set_version_metric
+from generator_svc.refit_history import RefitHistory
 from generator_svc.refit_modes import RefitStrategy, strategy_for
 from generator_svc.settings import Settings
 
@@ -44,6 +45,10 @@ class Refitter:
     @property
     def last_install(self) -> LastInstall | None:
         return self._life.last_install
+
+    @property
+    def history(self) -> RefitHistory:
+        return self._life.history
 
     @property
     def state(self) -> ServingState:

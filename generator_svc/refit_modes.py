@@ -4,8 +4,9 @@
 `apply` checks every worker's staging is complete, then holds generation for the install only:
 
 1. check (no engine change): every worker's staging holds a complete version, else RefitRefused;
-2. `pause_generation(mode="wait")`: running requests finish on the committed weights, new ones are
-   held (queued, not failed) until step 5;
+2. `pause_generation(mode=--pause-mode)`: `wait`: running requests finish on the committed
+   weights; `keep`: they are held and continue on the new weights after step 5; `abort`: they end
+   (a retryable 503). New ones are held (queued, not failed) until step 5;
 3. `start_weight_update` / `update_weights` / `finish_weight_update` on every worker (vLLM's
    lifecycle: staging installed by parameter, vLLM's post-processing, CPU MoE fix);
 4. `reset_prefix_cache` (KV computed with the old weights must not be reused);
@@ -152,11 +153,11 @@ class StagedRefit:
         await life.went_live(version, start)
 
     async def _update(self, version: str, deadline: float | None) -> None:
-        # Running requests finish first (mode="wait"); if that outlasts the deadline, the engine
-        # is left untouched.
-        await self._life.engine.pause_generation(mode="wait", clear_cache=False)
+        # With --pause-mode wait running requests finish first; if that outlasts the deadline, the
+        # engine is left untouched.
+        await self._life.pause()
         if deadline is not None and time.monotonic() >= deadline:
-            raise Untouched(f"version {version}: the deadline passed while running requests finished")
+            raise Untouched(f"version {version}: the deadline passed while generation paused")
         await self._life.engine.start_weight_update()
         await self._life.end_update(version)
 
@@ -207,7 +208,7 @@ class InplaceRefit:
                     return
                 await self._release(self._end_hold(self._hold.refit_id), f"refit {refit_id} asks to hold")
             since = time.perf_counter()
-            await life.engine.pause_generation(mode="wait", clear_cache=False)
+            await life.pause()
             try:
                 await life.engine.start_weight_update()
                 await life.engine.collective_rpc("ws_hold", args=(refit_id,))

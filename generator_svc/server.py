@@ -7,7 +7,8 @@
     GET  /readyz                                     readiness: /healthz, and every worker serves
                                                      syncd's committed version (503 while behind)
     GET  /v1/weight_version                          committed version and refit state
-    GET  /v1/install                                 refit mode and what the last install did
+    GET  /v1/install                                 refit and pause modes, what the last install did,
+                                                     and per refit the serving pause (`history`)
     GET  /v1/workers                                 per worker: member id, tp rank, catalog hash, bytes
     GET  /v1/workers/{tp_rank}/catalog               that worker's registered catalog (JSON)
     POST /v1/weights/stage   {path, refit_id}        stage a safetensors checkpoint (serving goes on)
@@ -44,6 +45,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 
 from generator_svc.lifecycle import DeadlineExceeded, RefitRefused
 from generator_svc.refit import Refitter
+from generator_svc.versions_http import WeightVersionsMiddleware
 from generator_svc.worker_status import behind_workers, quiet_workers
 from syncd.error_body import ErrorBody, error_response
 from syncd.weight_version import WeightVersionJson, version_label
@@ -181,9 +183,15 @@ class InstallStatus(BaseModel):
         description="refit mode: 'staged' (receive beside the live weights, install on commit) or "
         "'inplace' (hold generation, receive into the live layers)"
     )
+    pause_mode: str = Field(description="how a refit meets running requests: 'wait', 'keep' or 'abort'")
     last: dict | None = Field(
         description="the last committed install: hold, copy and post-processing seconds, "
         "parameters, bytes, loader fallbacks; null before the first"
+    )
+    history: list[dict] = Field(
+        description="the last 100 committed installs, oldest first: version, pause_mode, pause_s "
+        "(generation held, pause to resume), install_s (engine paused) and spanning_requests "
+        "(finished requests with tokens from before and after it)"
     )
 
 
@@ -191,7 +199,10 @@ class InstallStatus(BaseModel):
 async def install_status(refitter: RefitterDep) -> InstallStatus:
     last = refitter.last_install
     return InstallStatus(
-        mode=refitter.settings.refit_mode.value, last=dataclasses.asdict(last) if last else None
+        mode=refitter.settings.refit_mode.value,
+        pause_mode=refitter.settings.pause_mode.value,
+        last=dataclasses.asdict(last) if last else None,
+        history=refitter.history.entries(),
     )
 
 
@@ -313,7 +324,8 @@ def _message(e: BaseException) -> str:
 
 
 def install(app: FastAPI, refitter: Refitter) -> None:
-    """Add generator_svc's routes and the torn-weights guard to vLLM's app."""
+    """Add generator_svc's routes, the weight versions of completions and the torn-weights guard
+    to vLLM's app."""
     app.state.refitter = refitter
     app.include_router(router)
 
@@ -324,4 +336,8 @@ def install(app: FastAPI, refitter: Refitter) -> None:
 
     # vLLM's build_app already built the middleware stack; drop it so Starlette rebuilds it with ours.
     app.middleware_stack = None
+    settings = refitter.settings
+    app.add_middleware(
+        WeightVersionsMiddleware, pause_mode=settings.pause_mode.value, retry_after_s=settings.retry_after_s
+    )
     app.add_middleware(BaseHTTPMiddleware, dispatch=refuse_when_torn)

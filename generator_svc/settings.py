@@ -11,6 +11,11 @@ Our flags sit on top of vLLM's own server flags (every `vllm serve` flag works, 
                           generation for the install); `inplace`: no staging memory, generation
                           is held for the whole transfer and the bytes go into the live layers
                           (see generator_svc/README.md for which to pick)
+    --pause-mode MODE     how a refit meets running requests: `wait` (default): they finish on the
+                          old weights first, so the refit waits for the longest one; `keep`: they
+                          are held in the engine across the install and continue on the new
+                          weights (their KV is recomputed on the new weights); `abort`: they end
+                          at once with a retryable 503 (generator_svc/README.md, "Pause modes")
     --hold-limit-s S      inplace: a refit that neither commits nor aborts within S seconds of
                           holding generation is released as failed (default 300)
     --initial-version V   version label of the checkpoint the engine starts on (default "0"); a label
@@ -58,6 +63,17 @@ class RefitMode(StrEnum):
 
 
 REFIT_MODES = tuple(RefitMode)
+
+
+class PauseMode(StrEnum):
+    """How a refit meets the requests running when it pauses generation: vLLM's own pause modes
+    (`AsyncLLM.pause_generation(mode=...)`), named as vLLM names them."""
+
+    WAIT = "wait"  # running requests finish on the old weights; the refit waits for the longest
+    KEEP = "keep"  # running requests are held and continue on the new weights
+    ABORT = "abort"  # running requests end at once (a retryable 503 to their callers)
+
+
 # inplace trades the overlap of a second receive buffer for memory: its extra memory is the receive
 # buffers plus the layers being received.
 _IN_FLIGHT_DEFAULT = {RefitMode.STAGED: 2, RefitMode.INPLACE: 1}
@@ -72,6 +88,7 @@ class Settings:
     auth_token: str
     data_host: str
     in_flight_buckets: int = 2
+    pause_mode: PauseMode = PauseMode.WAIT
     hold_limit_s: float = 300.0
     max_request_bytes: int = 4 << 20
     max_n: int = 16
@@ -88,6 +105,11 @@ class Settings:
             )
         # A plain string naming a mode (tests, callers) becomes the enum member.
         object.__setattr__(self, "refit_mode", RefitMode(self.refit_mode))
+        if self.pause_mode not in tuple(PauseMode):
+            raise ValueError(
+                f"pause_mode must be one of {[m.value for m in PauseMode]}, got {self.pause_mode!r}"
+            )
+        object.__setattr__(self, "pause_mode", PauseMode(self.pause_mode))
         if not self.hold_limit_s > 0:
             raise ValueError(f"hold_limit_s must be > 0, got {self.hold_limit_s}")
         if self.in_flight_buckets < 1:
@@ -107,6 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--syncd", default=os.environ.get(ENV_SYNCD, ""))
     group.add_argument("--replica", type=int, default=int(os.environ.get(ENV_REPLICA, "0")))
     group.add_argument("--refit-mode", default=RefitMode.STAGED.value, choices=[m.value for m in RefitMode])
+    group.add_argument("--pause-mode", default=PauseMode.WAIT.value, choices=[m.value for m in PauseMode])
     group.add_argument("--initial-version", default="0")
     group.add_argument("--auth-token", default=os.environ.get(ENV_AUTH_TOKEN, ""))
     group.add_argument("--data-host", default=os.environ.get(ENV_DATA_HOST, "127.0.0.1"))
@@ -152,6 +175,7 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
             if args.in_flight_buckets is None
             else args.in_flight_buckets
         ),
+        pause_mode=PauseMode(args.pause_mode),
         hold_limit_s=args.hold_limit_s,
         max_request_bytes=args.max_request_bytes,
         max_n=args.max_n,

@@ -128,6 +128,12 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "_place_kernel_tensors": (f"{_RELOAD}.layerwise", "_place_kernel_tensors"),
     "_copy_and_restore_kernel_tensors": (f"{_RELOAD}.layerwise", "_copy_and_restore_kernel_tensors"),
     "materialize_layer": (f"{_RELOAD}.meta", "materialize_layer"),
+    # Per-token weight versions (generator_svc.token_versions reads `weight_versions` off outputs)
+    "CompletionOutput": ("vllm.outputs", "CompletionOutput"),
+    "WeightVersionSpan": ("vllm.outputs", "WeightVersionSpan"),
+    "AsyncLLM": ("vllm.v1.engine.async_llm", "AsyncLLM"),
+    "PauseMode": ("vllm.v1.engine", "PauseMode"),
+    "AsyncMPClient": ("vllm.v1.engine.core_client", "AsyncMPClient"),
     # Worker context
     "set_current_vllm_config": ("vllm.config", "set_current_vllm_config"),
     "parallel_state": ("vllm.distributed", "parallel_state"),
@@ -147,6 +153,9 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "WeightTransferEngineFactory.register_engine": ("name", "module_path_or_cls", "class_name"),
     "WeightTransferEngine.reset_weight_update_target": ("self",),
     "QuantizeMethodBase.process_weights_after_loading": ("self", "layer"),
+    "AsyncLLM.generate": ("self", "prompt", "sampling_params", "request_id"),
+    "AsyncLLM.reset_prefix_cache": ("self", "reset_running_requests"),
+    "AsyncMPClient.pause_scheduler_async": ("self", "mode", "clear_cache"),
 }
 
 # Attributes read off vLLM's objects: class -> names (methods, class attributes, dataclass fields,
@@ -162,6 +171,10 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "FusedMoEKernel": ("fused_experts",),
     "LayerReloadingInfo": ("restore_metadata", "kernel_tensors", "can_load", "reset"),
     "UnquantizedFusedMoEMethod": ("moe_kernel", "_setup_kernel"),
+    "CompletionOutput": ("weight_versions", "index"),
+    "WeightVersionSpan": ("version", "start", "end"),
+    # pause modes, and the wrapped generate (generator_svc.lifecycle, generator_svc.token_versions)
+    "AsyncLLM": ("engine_core", "resume_generation", "generate", "reset_prefix_cache"),
     "WeightTransferEngine": ("model", "device", "vllm_config", "model_config", "reset_weight_update_target"),
     "Worker": (
         "model_runner",
@@ -303,6 +316,17 @@ def register_weight_transfer_engine(name: str, engine_cls: type) -> None:
     WeightTransferEngineFactory = _load("WeightTransferEngineFactory")
     if name not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(name, engine_cls)
+
+
+# --- pausing generation -----------------------------------------------------------------------
+
+
+async def pause_scheduler(engine: Any, mode: str) -> None:
+    """`AsyncLLM.pause_generation(mode=mode, clear_cache=False)` without its closing 20 ms sleep
+    (there only so that the last outputs of running requests reach their callers before it
+    returns, "not required for correctness"): a refit's serving pause should not hold requests for
+    it. Returns once the engine core took the pause (`wait`: once running requests finished)."""
+    await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
 
 
 # --- the CPU MoE fix --------------------------------------------------------------------------

@@ -4,6 +4,7 @@
                                 [--train-dtype bfloat16|float32] [--model-dir DIR]
                                 [--refit-mode staged|inplace] [--delta [--full-every K]]
                                 [--replicas N] [--lab [--link-gbit G]] [--summary-json PATH]
+                                [--pause-mode wait|keep|abort] [--load N [--max-tokens T]]
 
 Starts syncd, the vLLM generator (CPU) and a 4-rank gloo trainer (`--layout ep2tp2`: ep 2 x tp 2,
 experts split over TP; `--layout pp2`: pp 2 x ep 2), all on this machine. The trainer waits after
@@ -25,6 +26,13 @@ several), all refitted together; the KL is measured on replica 0 and every repli
 each step's version. `--lab` runs each service on its own host of a lab (`deploy/lab`: network
 namespaces on a bridge, links shaped at `--link-gbit`, root needed): syncd, the trainer's ranks,
 and each replica; the summary then also gives the bytes that left the trainer's host per refit.
+`--pause-mode` is how the generator's refits meet running requests (`wait`, `keep`, `abort`:
+generator_svc/README.md, "Pause modes"); `--load N` keeps N clients sending greedy completions of
+`--max-tokens` tokens to replica 0 while it trains and refits, and the summary then gives per refit
+`pause_s` (how long the generator held requests), `install_s` (of which the engine was paused for
+the install) and `spanning_requests` (requests with tokens from before and after it), and overall
+`load_requests`, `failed_requests` and `responses_without_versions` (answers whose tokens do not say
+which weight version produced them).
 Every process it starts, it stops (and the lab, its namespaces).
 """
 
@@ -50,6 +58,7 @@ from deploy.lab import Lab, LabError
 from deploy.lab import placement as hosts
 from deploy.lab.placement import Placement
 from deploy.local import openai_client
+from deploy.local.load import Load, LoadResult
 from deploy.local.processes import PYTHON, Cluster, Proc
 from syncd.net import free_port
 from syncd.refit_wait import wait_final
@@ -88,6 +97,7 @@ class Generator:
     logprobs."""
 
     def __init__(self, url: str, prompts: list[list[int]]) -> None:
+        self.url = url
         self.prompts = prompts
         self.api = openai_client.client(url)
         self.http = httpx.Client(base_url=url, timeout=30)  # the generator's own routes (/v1/install)
@@ -299,8 +309,10 @@ def start_generator(
                 "--enforce-eager",
                 "--refit-mode",
                 args.refit_mode,
+                "--pause-mode",
+                args.pause_mode,
                 "--max-model-len",
-                "256",
+                str(max(256, max(PROMPT_LENGTHS) + args.max_tokens) if args.load else 256),
                 "--skip-tokenizer-init",
             ],
         ),
@@ -332,12 +344,15 @@ def run(args) -> dict:
             + (f" {'egress MB':>9}" if lab else ""),
             flush=True,
         )
+        load = Load(generators[0].url, generators[0].prompts, args.load, args.max_tokens).start()
         for step in range(1, args.steps + 1):
             row = refit_step(step, syncd, generators, trainer, lab, work, args)
             rows.append(row)
             print_row(row, args.replicas, lab is not None)
+        seen = load.stop()
+        history = generators[0].http.get("/v1/install").json()["history"]
         trainer.popen.wait(120)
-    return summarize(rows, time.monotonic() - start, args)
+    return summarize(rows, time.monotonic() - start, args) | load_summary(rows, history, seen, args)
 
 
 def refit_step(
@@ -423,6 +438,38 @@ def summarize(rows: list[StepRow], seconds: float, args) -> dict:
     }
 
 
+def load_summary(rows: list[StepRow], history: list[dict], seen: LoadResult, args) -> dict:
+    """Per committed refit, the serving pause as replica 0 recorded it (`/v1/install`'s history)
+    and the requests that spanned it (as the generator counted them, and as the clients saw them);
+    overall, what the `--load` clients saw."""
+    installs = {h["version"]: h for h in history}
+    refits = []
+    for r in rows:
+        label = version_label(r.step)
+        if r.refit_state == "COMMITTED" and label in installs:
+            h = installs[label]
+            refits.append(
+                {
+                    "step": r.step,
+                    "pause_s": h["pause_s"],
+                    "install_s": h["install_s"],
+                    "pause_call_s": h["pause_call_s"],
+                    "spanning_requests": h["spanning_requests"],
+                    "spanning_requests_seen": seen.spanning[label],
+                }
+            )
+    return {
+        "pause_mode": args.pause_mode,
+        "load": args.load,
+        "max_tokens": args.max_tokens,
+        "refit_pauses": refits,
+        "load_requests": seen.requests,
+        "failed_requests": seen.failed_requests,
+        "responses_without_versions": seen.responses_without_versions,
+        "load_errors": seen.errors,
+    }
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(143)  # unwinds through Cluster.__exit__, which stops every child
 
@@ -464,6 +511,16 @@ def main() -> int:
         metavar="K",
         help="with --delta: make refits 1, K+1, 2K+1, ... full ones (compare both in one run)",
     )
+    parser.add_argument(
+        "--pause-mode",
+        choices=("wait", "keep", "abort"),
+        default="wait",
+        help="how the generator's refits meet running requests (generator_svc/README.md, 'Pause modes')",
+    )
+    parser.add_argument(
+        "--load", type=int, default=0, metavar="N", help="clients sending greedy completions to replica 0"
+    )
+    parser.add_argument("--max-tokens", type=int, default=256, help="with --load: tokens per request")
     parser.add_argument("--replicas", type=int, default=1, help="generator replicas (vLLM, TP 1 each)")
     parser.add_argument(
         "--lab",
@@ -484,6 +541,8 @@ def main() -> int:
         parser.error("--full-every takes a positive K, with --delta")
     if args.replicas < 1:
         parser.error(f"--replicas must be >= 1, got {args.replicas}")
+    if args.load < 0 or args.max_tokens < 1:
+        parser.error(f"--load must be >= 0 and --max-tokens >= 1, got {args.load} and {args.max_tokens}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s demo %(message)s")
     for noisy in ("httpx", "openai"):  # one line per request otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -493,14 +552,18 @@ def main() -> int:
     except LabError as e:
         print(f"error: --lab: {e}", file=sys.stderr)
         return 2
-    line = {k: v for k, v in summary.items() if k not in ("steps", "refit_phases")}
+    line = {k: v for k, v in summary.items() if k not in ("steps", "refit_phases", "refit_pauses")}
     print(f"summary: {json.dumps(line)}")
+    if args.load:
+        print(f"refit pauses: {json.dumps(summary['refit_pauses'])}")
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
     ok = (
         summary["refits_committed"] == summary["refits"]
         and summary["checksums_ok"]
         and summary["all_replicas_served_each_version"]
+        and summary["responses_without_versions"] == 0
+        and (summary["failed_requests"] == 0 or args.pause_mode == "abort")
     )
     return 0 if ok else 1
 

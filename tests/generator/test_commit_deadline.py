@@ -38,7 +38,11 @@ class SlowEngine:
             return [{"member_id": "generator-0-0", "refit_id": "r", "missing": []}]
         return [None]
 
-    async def pause_generation(self, **_: object) -> None:
+    @property
+    def engine_core(self) -> SlowEngine:  # vLLM's core client, which takes the pause
+        return self
+
+    async def pause_scheduler_async(self, **_: object) -> None:
         self.calls.append(("pause",))
         while not self.requests_done.is_set():
             await asyncio.sleep(0.01)
@@ -54,7 +58,7 @@ class SlowEngine:
     async def finish_weight_update(self, weight_version: str) -> None:
         self.calls.append(("finish", weight_version))
 
-    async def reset_prefix_cache(self) -> None:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         self.calls.append(("reset_prefix_cache",))
 
     async def resume_generation(self) -> None:
@@ -121,7 +125,8 @@ def test_an_install_past_the_deadline_gives_up_and_its_version_never_goes_live(g
     assert ("resume",) not in engine.calls, "generation must not resume on a version reported failed"
     assert http.post("/v1/completions", json={}).status_code == 503
 
-    assert http.get("/v1/install").json() == {"mode": "staged", "last": None}
+    install = http.get("/v1/install").json()
+    assert (install["mode"], install["last"], install["history"]) == ("staged", None, [])
 
     assert commit(http, 3, 30, token=refitter.commit_token) == 200  # the next complete refit serves again
     assert http.get("/v1/weight_version").json() == {"version": "3", "serving": True, "updating": False}

@@ -52,7 +52,11 @@ class RecordingEngine:
         if name in self.failing:
             raise RuntimeError(f"{name} broke")
 
-    async def pause_generation(self, **_: object) -> None:
+    @property
+    def engine_core(self) -> RecordingEngine:  # vLLM's core client, which takes the pause
+        return self
+
+    async def pause_scheduler_async(self, **_: object) -> None:
         await self._step("pause")
 
     async def start_weight_update(self) -> None:
@@ -64,7 +68,7 @@ class RecordingEngine:
     async def finish_weight_update(self, weight_version: str) -> None:
         await self._step("finish", weight_version)
 
-    async def reset_prefix_cache(self) -> None:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         await self._step("reset_prefix_cache")
 
     async def resume_generation(self) -> None:

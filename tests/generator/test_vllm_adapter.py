@@ -12,7 +12,7 @@ import ast
 import dataclasses
 import inspect
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
@@ -123,3 +123,10 @@ def test_no_other_generator_svc_module_imports_vllm() -> None:
             )
             offenders += [f"{path.name}: {n}" for n in names if n == "vllm" or n.startswith("vllm.")]
     assert offenders == []
+
+
+def test_the_pause_modes_are_vllms() -> None:
+    from generator_svc.settings import PauseMode
+    from generator_svc.vllm_adapter import PauseMode as VllmPauseMode
+
+    assert sorted(m.value for m in PauseMode) == sorted(get_args(VllmPauseMode))

@@ -1,0 +1,190 @@
+"""How a refit meets running requests (`--pause-mode keep|abort`) and the weight versions every
+completion reports, on real vLLM engines (CPU): one generator per mode, started together and shared
+by the checks of this module. `wait` (the default) is what every other generator test runs.
+
+A long greedy request streams from checkpoint A; once its first tokens arrived the staged
+checkpoint B is applied, so the request spans the refit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.generator.conftest import Service
+from tests.polling import wait_until
+
+PROMPT = [3, 14, 15, 92, 65]
+LONG = 250  # output tokens: the whole --max-model-len 256 with the prompt
+
+
+def _body(prompt: list[int], max_tokens: int, **extra: object) -> dict:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "detokenize": False,
+        "return_tokens_as_token_ids": True,
+        **extra,
+    }
+
+
+def _tokens(logprobs: dict) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
+
+
+class Stream:
+    """A streamed completion read on a thread: its tokens as they come, and its last chunk."""
+
+    def __init__(self, service: Service, prompt: list[int], max_tokens: int) -> None:
+        self.tokens: list[int] = []
+        self.last: dict = {}
+        self.status = 0
+        self._thread = threading.Thread(target=self._read, args=(service, prompt, max_tokens))
+        self._thread.start()
+
+    def _read(self, service: Service, prompt: list[int], max_tokens: int) -> None:
+        body = _body(prompt, max_tokens, stream=True)
+        with httpx.stream("POST", f"{service.url}/v1/completions", json=body, timeout=120) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line.removeprefix("data: "))
+                    self.tokens += _tokens(chunk["choices"][0]["logprobs"] or {"tokens": []})
+                    self.last = chunk
+
+    def join(self) -> dict:
+        self._thread.join(120)
+        return self.last
+
+
+class Call:
+    """A plain (not streamed) completion on a thread."""
+
+    def __init__(self, service: Service, prompt: list[int], max_tokens: int) -> None:
+        self.response: httpx.Response | None = None
+        self._thread = threading.Thread(target=self._post, args=(service, _body(prompt, max_tokens)))
+        self._thread.start()
+
+    def _post(self, service: Service, body: dict) -> None:
+        self.response = httpx.post(f"{service.url}/v1/completions", json=body, timeout=120)
+
+    def join(self) -> httpx.Response:
+        self._thread.join(120)
+        assert self.response is not None
+        return self.response
+
+
+@pytest.fixture(scope="module")
+def services(checkpoints, tmp_path_factory) -> Iterator[dict[str, Service]]:
+    logs = tmp_path_factory.mktemp("pause-logs")
+    started = {
+        mode: Service(checkpoints["A"], logs / f"{mode}.log", "--pause-mode", mode)
+        for mode in ("keep", "abort")
+    }
+    try:
+        yield {mode: s.wait_ready() for mode, s in started.items()}
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def _refit_during(service: Service, checkpoint: str, version: str, *requests: Stream) -> None:
+    """Stage `checkpoint`, then apply it as `version` once every stream has its first tokens."""
+    staged = service.http.post("/v1/weights/stage", json={"path": checkpoint, "refit_id": version})
+    assert staged.status_code == 200, staged.text
+    wait_until(lambda: all(len(s.tokens) >= 4 for s in requests), what="the streams' first tokens")
+    applied = service.http.post("/v1/weights/apply", json={"version": version, "refit_id": version})
+    assert applied.status_code == 200, applied.text
+
+
+def _metric(service: Service, name: str) -> float:
+    m = re.search(rf"^{name} ([0-9.e+]+)$", service.http.get("/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_keep_continues_running_requests_on_the_new_weights_and_says_from_which_token(
+    services, checkpoints
+) -> None:
+    keep = services["keep"]
+    before = keep.http.post("/v1/completions", json=_body(PROMPT, LONG))
+    assert before.status_code == 200, before.text
+    old_only = _tokens(before.json()["choices"][0]["logprobs"])
+    assert before.json()["choices"][0]["weight_versions"] == [{"version": "0", "start": 0, "end": LONG}]
+    assert before.headers["x-weight-version"] == "0"
+
+    plain = Call(keep, PROMPT, LONG)
+    stream = Stream(keep, PROMPT, LONG)
+    _refit_during(keep, str(checkpoints["B"]), "b", stream)
+    answer, last = plain.join(), stream.join()
+
+    # The stream: its last chunk carries the spans; tokens before the switch are the old weights'.
+    spans = last["choices"][0]["weight_versions"]
+    assert stream.status == 200 and last["choices"][0]["finish_reason"] == "length"
+    assert [s["version"] for s in spans] == ["0", "b"], spans
+    switch = spans[1]["start"]
+    assert spans == [
+        {"version": "0", "start": 0, "end": switch},
+        {"version": "b", "start": switch, "end": LONG},
+    ]
+    assert 0 < switch < LONG and len(stream.tokens) == LONG
+    assert stream.tokens[:switch] == old_only[:switch]
+    # From the switch on, B chose: its greedy choice after the same tokens differs from A's here,
+    # and is what the request got.
+    b_next = keep.complete(PROMPT + stream.tokens[:switch], max_tokens=1)[0][0]
+    assert b_next != old_only[switch], "the test needs weights whose greedy choice differs"
+    assert stream.tokens[switch] == b_next
+
+    # The plain request spanned it too: its body and header say so.
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    plain_spans = choice["weight_versions"]
+    assert [s["version"] for s in plain_spans] == ["0", "b"]
+    plain_switch = plain_spans[1]["start"]
+    assert answer.headers["x-weight-version"] == f"0@0,b@{plain_switch}"
+    assert _tokens(choice["logprobs"])[:plain_switch] == old_only[:plain_switch]
+
+    # What the generator records: the pause, and both requests as spanning refit b.
+    history = keep.http.get("/v1/install").json()
+    assert history["pause_mode"] == "keep"
+    (entry,) = [e for e in history["history"] if e["version"] == "b"]
+    assert entry["spanning_requests"] == 2 and 0 < entry["install_s"] <= entry["pause_s"]
+    assert _metric(keep, "weightsync_generator_spanning_requests_total") == 2
+
+    # A request that starts after the refit is B's alone.
+    after = keep.http.post("/v1/completions", json=_body(PROMPT, 8))
+    assert after.headers["x-weight-version"] == "b"
+    assert after.json()["choices"][0]["weight_versions"] == [{"version": "b", "start": 0, "end": 8}]
+
+
+def test_abort_ends_running_requests_with_a_retryable_error_and_nothing_else_fails(
+    services, checkpoints
+) -> None:
+    abort = services["abort"]
+    plain = Call(abort, PROMPT, LONG)
+    stream = Stream(abort, PROMPT, LONG)
+    _refit_during(abort, str(checkpoints["B"]), "b", stream)
+    answer, last = plain.join(), stream.join()
+
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["retry-after"] == "1"
+    assert "aborted by a weight refit" in answer.json()["error"]["message"]
+    assert "retry" in answer.json()["error"]["message"]
+    # The stream had begun (status 200): its last chunk says it was aborted, and by what.
+    assert stream.status == 200 and last["choices"][0]["finish_reason"] == "abort"
+    assert "aborted by a weight refit" in last["error"]["message"]
+    assert len(stream.tokens) < LONG
+
+    # Nothing else fails: the generator is healthy and serves B to new requests.
+    assert abort.http.get("/healthz").status_code == 200
+    again = abort.http.post("/v1/completions", json=_body(PROMPT, 8))
+    assert again.status_code == 200 and again.headers["x-weight-version"] == "b"
+    assert abort.http.get("/v1/install").json()["history"][-1]["version"] == "b"
