@@ -54,10 +54,19 @@ def test_the_demo_refits_a_bfloat16_generator_after_every_step(tmp_path):
 
 def test_the_demo_serves_a_model_dir_whose_vocabulary_is_smaller_than_its_old_fixed_prompts(tmp_path):
     """`--model-dir` on a Qwen3-MoE of vocabulary 256: the prompts come from the model's vocabulary
-    (fixed ids up to 400 once killed the generator's engine on the first completion)."""
+    (fixed ids up to 400 once killed the generator's engine on the first completion). The same run
+    keeps two clients generating through its refits with `--pause-mode keep`: none fails, every
+    answer says which weight versions produced its tokens, and each refit's pause is recorded."""
     model = make_tiny_checkpoint(
         tmp_path / "model", seed=3, args=dataclasses.replace(TINY_ARGS, vocab_size=256)
     )
-    summary = _run_demo(tmp_path, "--steps", "1", "--model-dir", str(model))
-    assert summary["refits"] == summary["refits_committed"] == 1 and summary["checksums_ok"], summary
+    summary = _run_demo(
+        tmp_path, "--steps", "2", "--model-dir", str(model),
+        "--pause-mode", "keep", "--load", "2", "--max-tokens", "64",
+    )  # fmt: skip
+    assert summary["refits"] == summary["refits_committed"] == 2 and summary["checksums_ok"], summary
     assert summary["kl_after_max"] < 1e-4, summary
+    assert summary["load_requests"] > 0 and summary["failed_requests"] == 0, summary
+    assert summary["responses_without_versions"] == 0, summary
+    assert [p["step"] for p in summary["refit_pauses"]] == [1, 2], summary["refit_pauses"]
+    assert all(p["install_s"] > 0 and p["pause_s"] > 0 for p in summary["refit_pauses"]), summary
