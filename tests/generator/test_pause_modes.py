@@ -1,6 +1,7 @@
 """How a refit meets running requests (`--pause-mode keep|abort`) and the weight versions every
 completion reports, on real vLLM engines (CPU): one generator per mode, started together and shared
-by the checks of this module. `wait` (the default) is what every other generator test runs.
+by the checks of this module; the `keep` one at TP 2 (its pause and switch act on both workers), the
+`abort` one at TP 1. `wait` (the default) is what every other generator test runs.
 
 A long greedy request streams from checkpoint A; once its first tokens arrived the staged
 checkpoint B is applied, so the request spans the refit.
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.generator.conftest import Service
+from tests.generator.conftest import Service, engine_env
 from tests.polling import wait_until
 
 PROMPT = [3, 14, 15, 92, 65]
@@ -86,10 +87,14 @@ class Call:
 @pytest.fixture(scope="module")
 def services(checkpoints, tmp_path_factory) -> Iterator[dict[str, Service]]:
     logs = tmp_path_factory.mktemp("pause-logs")
+    tp2 = ("--tensor-parallel-size", "2")  # one core per worker (vLLM binds a TP-N engine by NUMA node)
     started = {
-        mode: Service(checkpoints["A"], logs / f"{mode}.log", "--pause-mode", mode)
-        for mode in ("keep", "abort")
-    }
+        "keep": Service(
+            checkpoints["A"], logs / "keep.log", "--pause-mode", "keep", *tp2,
+            env=engine_env(VLLM_CPU_OMP_THREADS_BIND="0|1"),
+        ),
+        "abort": Service(checkpoints["A"], logs / "abort.log", "--pause-mode", "abort"),
+    }  # fmt: skip
     try:
         yield {mode: s.wait_ready() for mode, s in started.items()}
     finally:
