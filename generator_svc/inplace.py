@@ -47,7 +47,6 @@ from generator_svc.staging import covered_elements
 from syncd.commands import checksum_key
 from syncd.layout import Catalog
 from syncd.member.dataplane.checksum import Checksums
-from syncd.member.dataplane.landed import region_bytes
 from syncd.plan import Bucket, landing_order
 
 
@@ -201,7 +200,7 @@ class InplaceReceiver:
     def _close_layer(self, layer: _Layer) -> None:
         sums = Checksums()  # what landed, before post-processing turns it into kernel tensors
         for key, region in layer.written:
-            sums.add(key, region_bytes(region))
+            sums.add_region(key, region)
         self._landed.update(sums.result())
         layer.written.clear()
         if is_plain(layer.module):

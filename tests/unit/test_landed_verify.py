@@ -20,6 +20,7 @@ from syncd.member.dataplane import (
     recv_buckets,
     send_buckets,
 )
+from syncd.member.dataplane.checksum import Checksums, checksum
 from syncd.member.dataplane.landed import LandedMismatch, check_landed, landed_checksums
 from syncd.member.dataplane.landing_fault import LandingFault, armed
 from syncd.plan import DestMember, SourceMember, make_plan
@@ -49,6 +50,24 @@ def test_landed_checksums_name_the_tensor_and_region_that_differs() -> None:
     views["norm"][3] += 1
     with pytest.raises(LandedMismatch, match=r"tensor m\.norm\.weight region .* into norm\): received xxh3:"):
         check_landed(plan.buckets, received, landed_checksums(units, views))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_a_strided_region_checksums_as_its_bytes_in_c_order(dtype: torch.dtype) -> None:
+    """`Checksums.add_region` hashes run by run (no copy): the value of the contiguous bytes."""
+    whole = (torch.randn(6, 10, 12) * 50).to(dtype)
+    for region in (
+        whole,
+        whole[1:4],
+        whole[:, 2:7],
+        whole[2:5, 3:9, 1:11],
+        whole[:, :, 4],
+        whole[0:0],
+        whole.transpose(0, 2),
+    ):
+        sums = Checksums()
+        sums.add_region("r", region)
+        assert sums.result()["r"] == checksum(region.contiguous()), tuple(region.shape)
 
 
 def test_an_armed_fault_names_itself_and_a_bad_file_is_refused(tmp_path) -> None:

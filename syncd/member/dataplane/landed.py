@@ -3,16 +3,19 @@
 The data plane checksums every unit's packed bytes on both sides (`checksum.Checksums`, keyed by
 `syncd.commands.checksum_key`): that proves the wire. Between the receiver's checksum of a bucket
 and the tensor the engine computes with, our own code still runs (the unpack, the in-place
-writes), and the checksum of a bucket runs on a worker thread that races the unpack. So after a
-receive loop has written every unit, the receiver checksums each unit's region again where it
+writes), and the checksum of a bucket runs on a worker thread that races the unpack. So once a
+receive loop has unpacked a bucket, the receiver checksums each of its units again where it
 landed (staging, or a layer's tensors before vLLM post-processes them) with the same algorithm
-and key, and requires the two to be equal before it reports TRANSFERRED: a unit's packed bytes
+and key, on the same checksum worker (or GPU stream) behind the bucket's wire checksum, so it
+overlaps the next buckets' transfers; after the last bucket it requires the two to be equal
+before it reports TRANSFERRED: a unit's packed bytes
 are its destination region's bytes in C order (`pack.copy_pairs` views them so), so the values
 are comparable one to one. The received checksums are what syncd compares with the senders', so
 a landed region equal to them is equal to what the senders packed.
 
-On CPU this is one xxh3 pass over the received bytes (plus a copy for a region that is not
-contiguous in its tensor); on GPUs the same two reductions per region as the wire checksums.
+On CPU this is one xxh3 pass over the received bytes (after a copy of a region that is not
+contiguous in its tensor: `Checksums.add_region`); on GPUs the same two reductions per region as
+the wire checksums.
 """
 
 from __future__ import annotations
@@ -30,17 +33,17 @@ class LandedMismatch(RuntimeError):
     """A unit's bytes in its destination are not the bytes that arrived for it."""
 
 
-def region_bytes(region: torch.Tensor) -> torch.Tensor:
-    """A destination region's bytes in C order, as the bucket carried them (a copy only when the
-    region is not contiguous in its tensor)."""
-    return region.contiguous().reshape(-1).view(torch.uint8)
+def add_landed(units: Iterable[TransferUnit], tensors: Mapping[str, torch.Tensor], sums: Checksums) -> None:
+    """Add the checksum of each unit's destination region in `tensors` (catalog views) to `sums`,
+    by unit key."""
+    for u in units:
+        sums.add_region(checksum_key(u.canonical, u.canon), tensors[u.dst_tensor][u.dst_box.slices()])
 
 
 def landed_checksums(units: Iterable[TransferUnit], tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Checksums of each unit's destination region in `tensors` (catalog views), by unit key."""
+    """Checksums of each unit's destination region in `tensors`, by unit key."""
     sums = Checksums()
-    for u in units:
-        sums.add(checksum_key(u.canonical, u.canon), region_bytes(tensors[u.dst_tensor][u.dst_box.slices()]))
+    add_landed(units, tensors, sums)
     return sums.result()
 
 

@@ -22,6 +22,8 @@ class LoopOptions:
     in_flight: staging buffers per loop: 2 packs the next bucket while the previous is on the wire.
     verify: checksum every unit on both sides (syncd compares them), and on the receiving side
         once more where it landed, before the loop returns (`syncd.member.dataplane.landed`).
+    verify_landed: with `verify`, the check where the bytes landed; off only to measure its cost
+        (`bench/landed_bench.py`): without it a fault in the receiver's own code goes unseen.
     graphs: on GPUs, capture each bucket's copies and checksums as CUDA graphs on the first refit
         and replay them on later ones (`syncd.member.dataplane.graphs`); every loop of the process
         must agree. Off: on one H100 it ran slower (bench/README.md).
@@ -34,6 +36,7 @@ class LoopOptions:
     timeout_s: float
     in_flight: int = 2
     verify: bool = True
+    verify_landed: bool = True
     graphs: bool = False
     gc_pause: GcPause | None = None
     landing_fault: LandingFault | None = None
