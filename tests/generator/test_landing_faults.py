@@ -154,3 +154,40 @@ def test_every_changed_byte_aborts_the_refit_and_a_good_refit_then_commits(stack
     served = stack.served()
     assert served["version"] == "1" and served["serving"], served
     assert stack.generator.outputs() != before
+    _check_verify(stack)
+
+
+def _syncctl(stack: Stack, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "syncd.cli", "--url", str(stack.syncd.base_url), *args],
+        cwd=REPO,
+        env=engine_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _check_verify(stack: Stack) -> None:
+    """`syncctl verify`: staged workers hold what the trainer sent (every worker, every region);
+    a digest with one region changed is named by tensor; inplace workers say why they cannot."""
+    done = _syncctl(stack, "verify", "--generator", stack.generator.url)
+    if stack.mode == "inplace":
+        assert done.returncode == 1 and "--refit-mode inplace keeps no copy" in done.stderr, done
+        return
+    assert done.returncode == 0 and "equal:" in done.stdout, (done.stdout, done.stderr)
+    workers = stack.generator.http.get("/v1/weights/digest").json()
+    assert [w["member_id"] for w in workers] == [f"generator-0-{r}" for r in range(stack.tp)]
+    recorded = stack.syncd.get("/v1/digest").json()
+    assert recorded["weight_version"] == 1
+    assert all(w["checksums"] == recorded["members"][w["member_id"]] for w in workers)
+    region = sorted(workers[0]["checksums"])[len(workers[0]["checksums"]) // 2]
+    tampered = {**workers[0]["checksums"], region: "xxh3:0:0"}
+    r = stack.syncd.post(
+        "/v1/verify",
+        json={"members": {workers[0]["member_id"]: {"weight_version": 1, "checksums": tampered}}},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert not body["equal"] and body["tensors"] == [region.partition("[")[0]], body
+    assert [d["region"] for d in body["differences"]] == [region]
