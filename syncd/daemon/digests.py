@@ -8,8 +8,8 @@ generator's digest of what it holds compares one to one. A generator reports its
 (`GET /v1/weights/digest`) and `compare` names every region that differs; `syncctl verify` does
 both.
 
-The newest committed version's digest is kept in the store (it survives a restart); older ones
-in memory only, the last `KEPT` of them.
+The newest committed version's digest is kept in the store (it survives a restart), written off
+the refit's path; older ones in memory only, the last `KEPT` of them.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class Digests:
     def __init__(self, store: Store) -> None:
         self._store = store
         self._lock = threading.Lock()
+        self._store_lock = threading.Lock()
         self._by_version: OrderedDict[tuple[str, WeightVersion], VersionDigest] = OrderedDict()
         self.latest: VersionDigest | None = None
         saved = store.get_text(_STORE_KEY)
@@ -97,16 +98,23 @@ class Digests:
             self._keep(VersionDigest(d["run_id"], parse_weight_version(d["weight_version"]), d["members"]))
 
     def committed(self, digest: VersionDigest) -> None:
-        """Record the digest of a version just committed (after the decision was written)."""
+        """Record the digest of a version just committed (after the decision was written). Stored
+        on a thread of its own: a locked store must not delay the Commit behind it."""
         with self._lock:
             self._keep(digest)
+        threading.Thread(target=self._store_latest, args=(digest,), name="digest-store", daemon=True).start()
+
+    def _store_latest(self, digest: VersionDigest) -> None:
         text = json.dumps(
             {"run_id": digest.run_id, "weight_version": digest.weight_version, "members": digest.members}
         )
-        try:
-            self._store.set_meta({_STORE_KEY: text})
-        except StoreUnavailable as e:  # the refit is committed either way; only a restart forgets
-            log.warning("could not store the digest of version %s: %s", digest.weight_version, e)
+        with self._store_lock:  # one writer at a time, and only the newest digest is written
+            if self.latest is not digest:
+                return
+            try:
+                self._store.set_meta({_STORE_KEY: text})
+            except StoreUnavailable as e:  # the refit is committed either way; only a restart forgets
+                log.warning("could not store the digest of version %s: %s", digest.weight_version, e)
 
     def _keep(self, digest: VersionDigest) -> None:
         key = (digest.run_id, digest.weight_version)

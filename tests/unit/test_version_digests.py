@@ -4,6 +4,8 @@ named by tensor and region."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -74,6 +76,9 @@ def test_digests_keep_the_committed_version_across_a_restart_and_name_what_they_
     with pytest.raises(NotFound, match="no version committed yet"):
         digests.get()
     digests.committed(VersionDigest("run-a", 3, digest_of(plan, checksums)))
+    for t in threading.enumerate():  # the store write runs off the caller's thread
+        if t.name == "digest-store":
+            t.join(30)
     store.close()
     again = Digests(Store(str(tmp_path / "syncd.db")))
     assert again.get().weight_version == 3 and again.get(3).members == digest_of(plan, checksums)
