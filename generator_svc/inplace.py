@@ -14,8 +14,10 @@ layers being received (`peak_open_bytes`): the data plane receives the buckets o
 the catalog order of where they land (`position`), so a layer's parts from several trainer ranks
 arrive together and it is open about as long as one layer takes to arrive.
 
-Verification: both ends checksum the bytes on the wire (the data plane); Verify also requires every
-element of every parameter to have arrived, so every layer was post-processed.
+Verification: both ends checksum the bytes on the wire (the data plane); each layer's written
+regions are checksummed again where they landed, just before its post-processing (`landed`: the
+data plane requires them equal to the received ones before it reports the transfer); Verify also
+requires every element of every parameter to have arrived, so every layer was post-processed.
 
 Failure after the first layer was installed leaves mixed weights (new layers, old layers). The API
 server then never resumes generation: it answers 503 until a complete refit succeeds
@@ -42,7 +44,9 @@ from generator_svc.install import (
     uncovered_tensors,
 )
 from generator_svc.staging import covered_elements
+from syncd.commands import checksum_key
 from syncd.layout import Catalog
+from syncd.member.dataplane.checksum import Checksums
 from syncd.plan import Bucket, landing_order
 
 
@@ -59,6 +63,7 @@ class _Layer:
     partial: set[str]  # catalog tensors that pieces do not cover whole: zeroed when opened
     remaining: int  # elements still to arrive, over all its catalog tensors
     targets: dict[str, torch.Tensor] = field(default_factory=dict)  # while open: name -> receive view
+    written: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # while open: (unit key, region)
     open_bytes: int = 0
     closed: bool = False
 
@@ -80,6 +85,7 @@ class InplaceReceiver:
         self._vllm_config = vllm_config
         self._lock = threading.Lock()
         self._closed = False
+        self._landed: dict[str, str] = {}
         modules = dict(model.named_modules())
         by_name = {t.name: t for t in catalog.tensors}
         self._layers: dict[str, _Layer] = {}
@@ -126,6 +132,7 @@ class InplaceReceiver:
                 layer = self._layer_of[u.dst_tensor]
                 target = self._target(layer, u.dst_tensor)[u.dst_box.slices()]
                 target.copy_(flat[offset : offset + u.nbytes].view(target.dtype).view(target.shape))
+                layer.written.append((checksum_key(u.canonical, u.canon), target))
                 offset += u.nbytes
                 self.report.bytes_copied += u.nbytes
                 layer.remaining -= u.dst_box.numel
@@ -139,6 +146,12 @@ class InplaceReceiver:
         """Receive order (`ReceiveSink`): by the catalog position of the bucket's first unit, so
         that the data plane fills layers one after another whichever trainer rank sends them."""
         return self._landing(bucket)
+
+    def landed(self) -> dict[str, str]:
+        """Checksums of every unit written into a layer that is complete, as it was just before
+        the layer's post-processing (`ReceiveSink.landed`)."""
+        with self._lock:
+            return dict(self._landed)
 
     def missing(self) -> list[str]:
         """Layers not completely received, as 'path (N elements missing)'."""
@@ -161,6 +174,7 @@ class InplaceReceiver:
             self._closed = True
             for layer in self._layers.values():
                 layer.targets.clear()
+                layer.written.clear()
 
     def _target(self, layer: _Layer, name: str) -> torch.Tensor:
         target = layer.targets.get(name)
@@ -184,6 +198,11 @@ class InplaceReceiver:
         return target
 
     def _close_layer(self, layer: _Layer) -> None:
+        sums = Checksums()  # what landed, before post-processing turns it into kernel tensors
+        for key, region in layer.written:
+            sums.add_region(key, region)
+        self._landed.update(sums.result())
+        layer.written.clear()
         if is_plain(layer.module):
             close_plain(layer.module, layer.info)
         else:

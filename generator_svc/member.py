@@ -30,6 +30,7 @@ from typing import Protocol
 import httpx
 import torch
 
+from generator_svc.digest import ServedRegions
 from generator_svc.inplace import InplaceReceiver
 from generator_svc.staging import Staging
 from syncd.layout import Catalog
@@ -117,14 +118,21 @@ class StagedEndpoint(_CommitRelay):
     def __init__(self, staging: Staging, member_id: str, internal_url: str, token: str = "") -> None:
         super().__init__(member_id, internal_url, token)
         self.staging = staging
+        self.served = ServedRegions()  # what staging holds of the served version (`digest`)
         self._buckets: tuple[Bucket, ...] = ()
 
     def begin(
         self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
     ) -> Mapping[str, torch.Tensor]:
         self.staging.begin(refit_id)
+        self.served.receiving(refit_id, buckets, self.member_id)
         self._buckets = tuple(buckets)
         return self.staging.buffers
+
+    def applied(self, version: str, ok: bool, error: str = "") -> None:
+        if ok:
+            self.served.applied(version)
+        super().applied(version, ok, error)
 
     def end(self, refit_id: str, ok: bool) -> None:
         if ok:

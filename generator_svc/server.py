@@ -11,6 +11,7 @@
                                                      and per refit the serving pause (`history`)
     GET  /v1/workers                                 per worker: member id, tp rank, catalog hash, bytes
     GET  /v1/workers/{tp_rank}/catalog               that worker's registered catalog (JSON)
+    GET  /v1/weights/digest                          per worker: checksums of the served version
     POST /v1/weights/stage   {path, refit_id}        stage a safetensors checkpoint (serving goes on)
     POST /v1/weights/apply   {version, refit_id?}    apply the staged version (holds generation)
     POST /v1/weights/load    {path, version}         stage + apply
@@ -217,6 +218,13 @@ async def worker_catalog(tp_rank: int, refitter: RefitterDep) -> JSONResponse:
     if not 0 <= tp_rank < len(catalogs):
         return error_response(f"no worker with tp rank {tp_rank}", 404)
     return JSONResponse(content=json.loads(catalogs[tp_rank]))
+
+
+@router.get("/v1/weights/digest")
+async def digest(refitter: RefitterDep) -> list[dict]:
+    """Per worker, the checksums of what it holds of the served version, by canonical region
+    (`generator_svc.digest`); `syncctl verify` compares them with syncd's record."""
+    return list(await refitter.engine.collective_rpc("ws_digest"))
 
 
 @router.post("/v1/weights/stage", responses={**_INVALID, **_REFUSED, **_FAILED})

@@ -204,6 +204,10 @@ class WeightSyncExtension:
             self._ws_mode.endpoint.applied(version, ok, error)
         self._ws_mode.committed(ok)
 
+    def ws_digest(self) -> dict[str, Any]:
+        """This worker's digest of the version it serves (`generator_svc.digest`)."""
+        return self._ws_mode.digest(self._ws_member_id)
+
     def ws_last_install(self) -> dict[str, Any]:
         """What the last install did on this worker (`InstallReport`), {} before the first."""
         report = self.weight_transfer_engine.last_install

@@ -56,6 +56,10 @@ class WorkerMode(Protocol):
 
     def committed(self, ok: bool) -> None: ...
 
+    def digest(self, member_id: str) -> dict[str, Any]:
+        """The digest of the served version (`generator_svc.digest`)."""
+        ...
+
     # The weight-transfer engine's side (`transfer_engine.UpdateTarget`).
 
     def before_reload(self) -> None: ...
@@ -78,7 +82,12 @@ class StagedWorker:
 
     def stage_file(self, path: str, refit_id: str) -> dict[str, int]:
         self.staging.begin(refit_id)
+        self.endpoint.served.overwritten(f"a checkpoint file was staged (refit {refit_id}), not by syncd")
         return self.staging.fill_from_safetensors(path)
+
+    def digest(self, member_id: str) -> dict[str, Any]:
+        """What staging holds of the served version (`generator_svc.digest`)."""
+        return self.endpoint.served.digest(self.staging.buffers, member_id)
 
     def status(self) -> tuple[str | None, list[str]]:
         s = self.staging
@@ -151,6 +160,14 @@ class InplaceWorker:
 
     def drop_staged(self, refit_id: str) -> None:
         """Nothing is staged in this mode."""
+
+    def digest(self, member_id: str) -> dict[str, Any]:
+        """Unavailable: the bytes were written into the layers and post-processed in place."""
+        reason = (
+            "--refit-mode inplace keeps no copy in checkpoint format: the layers were "
+            "post-processed in place (each was verified where it landed, before that)"
+        )
+        return {"member_id": member_id, "version": "", "available": False, "reason": reason, "checksums": {}}
 
     def hold(self, refit_id: str) -> None:
         """Generation is held and this worker's install is open (`after_reload` made the

@@ -3,6 +3,7 @@
     syncctl --url http://syncd:8470 status
     syncctl members | plan [--json] | history | abort refit-3
     syncctl --token T refit --wait          # exit 0 only when the refit COMMITTED
+    syncctl verify --generator http://gen-0:8000   # exit 0 only when it holds what was sent
 
 Tables by default, `--json` for scripts. Exit codes: 0 success, 1 syncd refused the request or the
 refit did not commit, 2 usage error, 3 syncd unreachable.
@@ -205,6 +206,40 @@ def _wait(api: Api, refit: dict, timeout: float, quiet: bool) -> dict:
         raise CliError(str(e)) from None
 
 
+def _generator_digests(url: str) -> list[dict[str, Any]]:
+    """A generator's digest of what each of its workers holds (`GET /v1/weights/digest`)."""
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v1/weights/digest", timeout=120)
+    except httpx.HTTPError as e:
+        raise CliError(
+            f"cannot reach generator at {url}: {str(e) or type(e).__name__}", EXIT_UNREACHABLE
+        ) from None
+    if r.status_code >= 400:
+        raise CliError(f"generator {url}: {error_message(r.json())} (HTTP {r.status_code})")
+    return list(r.json())
+
+
+def cmd_verify(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
+    """Each generator worker's digest of what it holds against syncd's digest of the version it
+    serves (the senders' checksums): exit 0 only when every region is equal."""
+    workers = [w for url in args.generator for w in _generator_digests(url)]
+    unavailable = [f"{w['member_id']}: {w['reason']}" for w in workers if not w["available"]]
+    if unavailable:
+        raise CliError("cannot verify: " + "; ".join(unavailable))
+    members = {
+        w["member_id"]: {"weight_version": int(w["version"]), "checksums": w["checksums"]} for w in workers
+    }
+    r = api.call("POST", "/v1/verify", json={"members": members})
+    rows = [(w["member_id"], w["version"], len(w["checksums"])) for w in workers]
+    text = table(("member", "version", "regions"), rows) + "\n"
+    if r["equal"]:
+        text += f"equal: {r['regions_compared']} regions hold what the trainers sent"
+        return r, text
+    diffs = [(d["member_id"], d["region"], d["expected"] or "-", d["got"] or "-") for d in r["differences"]]
+    text += f"DIFFERENT: {', '.join(r['tensors'])}\n" + table(("member", "region", "sent", "holds"), diffs)
+    raise CliError(text if not args.json else json.dumps(r))
+
+
 def _weight_version(text: str) -> WeightVersion:
     try:
         return parse_weight_version(text)
@@ -257,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="wait for the outcome; exit 0 only if COMMITTED")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait with --wait")
     p.set_defaults(run=cmd_refit)
+    p = sub.add_parser("verify", parents=[common], help="compare what generators hold with what was sent")
+    p.add_argument(
+        "--generator", action="append", required=True, help="a generator's HTTP URL (repeat for each)"
+    )
+    p.set_defaults(run=cmd_verify)
     return parser
 
 

@@ -20,6 +20,7 @@ import threading
 from syncd.commands import MemberReport
 from syncd.daemon.admission import Admission, RefitSlot
 from syncd.daemon.auto_refit import AutoRefit
+from syncd.daemon.digests import Digests
 from syncd.daemon.errors import FailedPrecondition, Unavailable
 from syncd.daemon.journal import Journal
 from syncd.daemon.metrics import Metrics
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 class Coordinator:
     def __init__(self, settings: Settings, registry: Registry, store: Store, metrics: Metrics) -> None:
         self.versions = Versions(store)
+        self.digests = Digests(store)
         self._journal = Journal(store)
         self._slot = RefitSlot()
         plans = PlanCache(max_buckets=settings.max_plan_buckets, fanout=settings.fanout)
@@ -60,6 +62,7 @@ class Coordinator:
             metrics,
             plans,
             self.versions,
+            self.digests,
             refit_problems=self._admission.refit_problems,
             release=self._slot.release,
         )

@@ -18,8 +18,11 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from syncd.daemon.coordinator import Coordinator
+from syncd.daemon.digests import compare
 from syncd.daemon.errors import SyncdError, check_token, http_headers, http_status
 from syncd.daemon.http_models import (
+    DifferenceOut,
+    DigestOut,
     HealthOut,
     MemberOut,
     MembersOut,
@@ -29,10 +32,13 @@ from syncd.daemon.http_models import (
     RefitOut,
     RefitsOut,
     StatusOut,
+    VerifyIn,
+    VerifyOut,
 )
 from syncd.daemon.metrics import Metrics
 from syncd.daemon.registry import ROLES, Registry
 from syncd.error_body import ErrorBody, error_response
+from syncd.weight_version import parse_weight_version
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +124,28 @@ def build_app(
     @app.post("/v1/refits/{refit_id}/abort", response_model=RefitOut, responses=_ERRORS, tags=["refits"])
     def abort(_: Authorized, refit_id: str) -> RefitOut:
         return RefitOut.of(coordinator.abort(refit_id))
+
+    @app.get("/v1/digest", response_model=DigestOut, responses=_ERRORS, tags=["verify"])
+    def digest(weight_version: Annotated[int | None, Query(ge=0)] = None) -> DigestOut:
+        """The senders' checksums of a committed version (default: the newest), per member."""
+        version = None if weight_version is None else parse_weight_version(weight_version)
+        return DigestOut.of(coordinator.digests.get(version))
+
+    @app.post("/v1/verify", response_model=VerifyOut, responses=_ERRORS, tags=["verify"])
+    def verify(_: Authorized, body: VerifyIn) -> VerifyOut:
+        """Compare members' digests of what they hold with the committed versions' digests;
+        names every tensor and region that differs (`syncctl verify`)."""
+        differences, compared = [], 0
+        for member_id, reported in body.members.items():
+            recorded = coordinator.digests.get(reported.weight_version)
+            compared += len(recorded.members.get(member_id, {}))
+            differences += compare(recorded, member_id, reported.checksums)
+        return VerifyOut(
+            equal=not differences,
+            regions_compared=compared,
+            tensors=sorted({d.tensor for d in differences}),
+            differences=[DifferenceOut.of(d) for d in differences],
+        )
 
     return app
 

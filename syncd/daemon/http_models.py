@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from syncd.daemon.digests import Difference, VersionDigest
 from syncd.daemon.plan_cache import plan_members
 from syncd.daemon.readiness import Readiness
 from syncd.daemon.registry import Member
@@ -187,3 +188,51 @@ class StatusOut(BaseModel):
     )
     announced_run: str | None = Field(description="the trainers' current training run")
     readiness: ReadinessOut
+
+
+class DigestOut(BaseModel):
+    run_id: str
+    weight_version: WeightVersionJson
+    members: dict[str, dict[str, str]] = Field(
+        description="per receiving member: region (canonical tensor and box) -> the senders' checksum"
+    )
+
+    @classmethod
+    def of(cls, d: VersionDigest) -> DigestOut:
+        return cls(
+            run_id=d.run_id,
+            weight_version=d.weight_version,
+            members={m: dict(c) for m, c in d.members.items()},
+        )
+
+
+class MemberDigestIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weight_version: WeightVersionJson = Field(description="the version the member serves")
+    checksums: dict[str, str] = Field(description="region -> checksum of what the member holds")
+
+
+class VerifyIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    members: dict[str, MemberDigestIn] = Field(description="member id -> its digest")
+
+
+class DifferenceOut(BaseModel):
+    member_id: str
+    tensor: str
+    region: str
+    expected: str = Field(description="the senders' checksum; empty when syncd has none")
+    got: str = Field(description="the member's; empty when it reported none")
+
+    @classmethod
+    def of(cls, d: Difference) -> DifferenceOut:
+        return cls(member_id=d.member_id, tensor=d.tensor, region=d.region, expected=d.expected, got=d.got)
+
+
+class VerifyOut(BaseModel):
+    equal: bool
+    regions_compared: int
+    tensors: list[str] = Field(description="the canonical tensors that differ, sorted")
+    differences: list[DifferenceOut]

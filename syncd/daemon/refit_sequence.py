@@ -33,6 +33,7 @@ from syncd.commands import (
 )
 from syncd.daemon.checks import checksum_mismatch, plan_problem, transfer_report_problem
 from syncd.daemon.delta_bases import DeltaBases
+from syncd.daemon.digests import Digests, VersionDigest, digest_of
 from syncd.daemon.journal import Journal
 from syncd.daemon.metrics import Metrics
 from syncd.daemon.plan_cache import PlanCache, plan_members
@@ -59,6 +60,7 @@ class RefitSequence:
         metrics: Metrics,
         plans: PlanCache,
         versions: Versions,
+        digests: Digests,
         *,
         refit_problems: Callable[..., list[str]],
         release: Callable[[Run], None],
@@ -72,6 +74,7 @@ class RefitSequence:
         self._metrics = metrics
         self._plans = plans
         self._versions = versions
+        self._digests = digests
         self._refit_problems = refit_problems
         self._release = release
         self._groups = StageGroups(settings.backend, self._send)
@@ -82,8 +85,8 @@ class RefitSequence:
         try:
             plan, groups = self._prepare(run)
             transferred = self._transfer(run, plan, groups)
-            self._verify(run, plan, transferred)
-            commit_deadline = self._decide(run, plan)
+            digest = self._verify(run, plan, transferred)
+            commit_deadline = self._decide(run, plan, digest)
         except RefitAborted as e:
             self.abort_everywhere(run, str(e))
         except Exception as e:  # a bug must still end the refit and free the slot
@@ -154,7 +157,11 @@ class RefitSequence:
             plan, members, groups, base, self._settings.delta_max_fraction, run.full
         )
 
-    def _verify(self, run: Run, plan: Plan, transferred: dict[str, MemberReport]) -> None:
+    def _verify(
+        self, run: Run, plan: Plan, transferred: dict[str, MemberReport]
+    ) -> dict[str, dict[str, str]]:
+        """Compare every receiver's checksums with its senders'; returns the version's digest
+        (`syncd.daemon.digests`)."""
         deadline = self._enter(run, RefitState.VERIFYING, self._settings.verify_timeout)
         ids = plan_members(plan)
         for m in ids:
@@ -164,8 +171,9 @@ class RefitSequence:
         problem = checksum_mismatch(plan, checksums)
         if problem is not None:
             raise RefitAborted(f"verification failed: {problem}")
+        return digest_of(plan, checksums)
 
-    def _decide(self, run: Run, plan: Plan) -> float:
+    def _decide(self, run: Run, plan: Plan, digest: dict[str, dict[str, str]]) -> float:
         """Write the commit decision durably; only then may any member hear of it. Returns the
         commit deadline. The state stays VERIFYING until the members confirmed or the deadline
         passed; the time is kept as the COMMITTING phase."""
@@ -176,6 +184,7 @@ class RefitSequence:
         except StoreUnavailable as e:
             raise RefitAborted(f"could not record the commit decision, so nobody committed: {e}") from None
         self._versions.set_committed(WeightSet(run.run_id, run.version))
+        self._digests.committed(VersionDigest(run.run_id, run.version, digest))
         self._metrics.committed_version.set(run.version)
         return deadline
 

@@ -24,7 +24,8 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -43,6 +44,7 @@ from syncd.member.dataplane import (
     send_buckets,
 )
 from syncd.member.dataplane.delta import DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.member.dataplane.landing_fault import LandingFault, armed, fault_file_from_env
 from syncd.member.dataplane.prepared import ReceiveSink
 from syncd.member.dataplane.relay import relay_buckets
 from syncd.plan.types import Bucket
@@ -111,6 +113,9 @@ class AgentSettings:
     # the host for tens of ms mid-transfer (`syncd.member.dataplane.gc_pause`). A member process
     # has one agent, so its pause covers all of the process's transfers.
     pause_gc: bool = True
+    # Tests only: the file that arms a fault in this member's receives, from
+    # WEIGHTSYNC_TEST_LANDING_FAULT_FILE (`syncd.member.dataplane.landing_fault`); unset: none.
+    landing_fault_file: Path | None = field(default_factory=fault_file_from_env)
 
 
 @dataclass
@@ -220,6 +225,9 @@ class MemberAgent:
 
     def _transfer(self, cmd: ExecutePlan, tensors: Mapping[str, torch.Tensor] | ReceiveSink) -> None:
         delta, diffs = self._delta_part(cmd)
+        fault = armed(self._settings.landing_fault_file)
+        if fault is not None:
+            log.warning("%s: test fault %s armed for refit %s", self.member_id, fault, cmd.refit_id)
         per_stage: dict[int, list[Bucket]] = defaultdict(list)
         for b in cmd.buckets:
             per_stage[b.stage].append(b)
@@ -235,7 +243,7 @@ class MemberAgent:
             timeout_s = min(cmd.timeout_s, cmd.stall_timeout_s) if cmd.stall_timeout_s > 0 else cmd.timeout_s
             t = threading.Thread(
                 target=self._run_stage,
-                args=(group, buckets, tensors, results, stage, timeout_s, delta, diffs),
+                args=(group, buckets, tensors, results, stage, timeout_s, delta, diffs, fault),
                 name=f"{self.member_id}-stage{stage}",
             )
             t.start()
@@ -282,6 +290,7 @@ class MemberAgent:
         timeout_s: float,
         delta: DeltaLinks | None,
         diffs: Diffs | None,
+        fault: LandingFault | None,
     ) -> None:
         ranks = {m: i for i, m in enumerate(group.members)}
         relaying = any(b.relay is not None and b.src == self.member_id for b in buckets)  # fan-out
@@ -291,7 +300,10 @@ class MemberAgent:
         # Sends wait twice the stall timeout: a blocked sender is its receiver's victim, and the
         # member starving on a receive names the stuck one first (`syncd.daemon.survivors`).
         options = LoopOptions(
-            2 * timeout_s if sending else timeout_s, self._settings.in_flight, gc_pause=self._gc_pause
+            2 * timeout_s if sending else timeout_s,
+            self._settings.in_flight,
+            gc_pause=self._gc_pause,
+            landing_fault=fault,
         )
         cancel, cache, transport = self._cancel, group.cache, group.transport
         try:

@@ -32,6 +32,7 @@ from syncd.member.dataplane import (
     send_buckets,
     unpack_from,
 )
+from syncd.member.dataplane.landed import landed_checksums
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.simulate import materialize
 
@@ -90,10 +91,15 @@ class _Sink:
 
     def __init__(self, views) -> None:
         self.views, self.device, self.buckets = views, torch.device("cpu"), 0
+        self.units: list = []
 
     def unpack(self, bucket, flat) -> None:
         unpack_from(bucket, flat, self.views)
         self.buckets += 1
+        self.units.extend(bucket.units)
+
+    def landed(self) -> dict[str, str]:
+        return landed_checksums(self.units, self.views)
 
     def position(self, bucket) -> tuple:
         return (-bucket.index,)  # asks for the links' last buckets first: each link's order is kept

@@ -36,6 +36,8 @@ from torch.profiler import record_function
 
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.graphs import ENQUEUE_LOCK, BucketProgram, LoopGraphs
+from syncd.member.dataplane.landed import add_landed, check_landed
+from syncd.member.dataplane.landing_fault import FaultAt, LandingFault, flip_bit
 from syncd.member.dataplane.loop_options import LoopCache, LoopOptions
 from syncd.member.dataplane.prepared import PreparedBucket, PreparedLoop, ReceiveSink, SinkBucket
 from syncd.member.dataplane.transport import Handle, Transport
@@ -150,6 +152,7 @@ class _Loop:
     cache: LoopCache
     stats: TransferStats = field(default_factory=TransferStats)
     sums: Checksums = field(default_factory=Checksums)
+    landed_sums: Checksums = field(default_factory=Checksums)  # receives: where the units landed
     side: _SideStream | None = None
     graphs: LoopGraphs | None = None
     prepared: PreparedLoop | None = None
@@ -224,6 +227,37 @@ class _Loop:
         self.stats.bytes += bucket.nbytes
         self.stats.buckets += 1
 
+    def strike(self, fault: LandingFault, slot: int, flat: torch.Tensor) -> None:
+        """The test-only fault (`landing_fault`): change a received byte before its unpack, after
+        the bucket's checksum ran or racing it."""
+        if fault == LandingFault.AFTER_CHECKSUM:
+            self.checksums.before_reuse(slot)
+        flip_bit(flat)
+
+    @property
+    def checks_landed(self) -> bool:
+        return self.options.verify and self.options.verify_landed
+
+    def account_landed(self, slot: int, bucket: Bucket) -> None:
+        """Once `bucket` is unpacked: checksum its units where they landed, off the loop's path
+        like the wire checksums (queued behind them on the same worker or stream), so the check
+        overlaps the next buckets' transfers. A sink checksums its destinations itself."""
+        if not self.checks_landed or self.sink is not None:
+            return
+        tensors = self.tensors
+        assert isinstance(tensors, Mapping)  # not a sink: the catalog views
+        with _step("weightsync.landed"):
+            self.checksums.run(slot, lambda: add_landed(bucket.units, tensors, self.landed_sums))
+
+    def landed(self, buckets: Sequence[Bucket]) -> None:
+        """After a receive: every unit's bytes where they landed must be the bytes that arrived
+        (`syncd.member.dataplane.landed`). A sink checksummed its destinations itself, before it
+        post-processed them."""
+        if not self.checks_landed:
+            return
+        landed = self.sink.landed() if self.sink is not None else self.checksums.collect(self.landed_sums)
+        check_landed(buckets, self.stats.checksums, landed)
+
     def check_cancel(self) -> None:
         if self.cancel is not None and self.cancel.is_set():
             raise TransferAborted("transfer aborted")
@@ -270,6 +304,7 @@ class _Loop:
         bufs = self.buffers(ordered)
         programs = self.programs(Direction.RECV, ordered, bufs)
         handles: list[Handle] = []
+        fault = FaultAt.of(self.options.landing_fault, len(ordered))
 
         def post(i: int) -> None:
             flat = _received_into(programs[i], bufs[i % self.in_flight], ordered[i])
@@ -289,7 +324,10 @@ class _Loop:
                 if self.forwarder is not None:
                     self.forwarder.forward(slot, bucket, flat)
                 self.account(slot, bucket, flat, programs[i])
+                if fault is not None and fault.index == i:
+                    self.strike(fault.fault, slot, flat)
                 self.unpack(bucket, flat, programs[i])
+                self.account_landed(slot, bucket)
                 if i + self.in_flight < len(ordered):
                     self.checksums.before_reuse(slot)  # the next receive into the slot waits for the checksum
                     if self.forwarder is not None:
@@ -361,6 +399,8 @@ def _run(
             loop.send(buckets) if direction == Direction.SEND else loop.recv(buckets)
             loop.stats.checksums = side.collect(loop.sums)
             side.join()
+            if direction == Direction.RECV:
+                loop.landed(buckets)
         finally:
             side.close()
     program_cache.retain_used()

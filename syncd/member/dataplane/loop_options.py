@@ -9,6 +9,7 @@ import torch
 
 from syncd.member.dataplane.gc_pause import GcPause
 from syncd.member.dataplane.graphs import LoopGraphs
+from syncd.member.dataplane.landing_fault import LandingFault
 from syncd.member.dataplane.prepared import PreparedLoop
 from syncd.vocabulary import Direction
 
@@ -19,19 +20,26 @@ class LoopOptions:
 
     timeout_s: how long any one wait on the wire may take (members pass syncd's phase deadline).
     in_flight: staging buffers per loop: 2 packs the next bucket while the previous is on the wire.
-    verify: checksum every unit on both sides (syncd compares them).
+    verify: checksum every unit on both sides (syncd compares them), and on the receiving side
+        once more where it landed, before the loop returns (`syncd.member.dataplane.landed`).
+    verify_landed: with `verify`, the check where the bytes landed; off only to measure its cost
+        (`bench/landed_bench.py`): without it a fault in the receiver's own code goes unseen.
     graphs: on GPUs, capture each bucket's copies and checksums as CUDA graphs on the first refit
         and replay them on later ones (`syncd.member.dataplane.graphs`); every loop of the process
         must agree. Off: on one H100 it ran slower (bench/README.md).
     gc_pause: held while the loop runs (`syncd.member.dataplane.gc_pause`); None leaves the
         collector alone. `MemberAgent` passes its own.
+    landing_fault: tests only (`syncd.member.dataplane.landing_fault`): a receive loop changes one
+        received byte before its unpack. None (always, outside tests): nothing is changed.
     """
 
     timeout_s: float
     in_flight: int = 2
     verify: bool = True
+    verify_landed: bool = True
     graphs: bool = False
     gc_pause: GcPause | None = None
+    landing_fault: LandingFault | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

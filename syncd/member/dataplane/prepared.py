@@ -104,6 +104,12 @@ class ReceiveSink(Protocol):
         """Where the bucket's first byte lands, in the order the sink wants its buckets."""
         ...
 
+    def landed(self) -> Mapping[str, str]:
+        """Checksums (by unit key, `syncd.member.dataplane.landed`) of every unit's bytes where
+        the sink wrote them, taken before anything transformed them; the loop compares them
+        with the received ones after the last bucket."""
+        ...
+
 
 class SinkBucket(PreparedBucket):
     """A received bucket handed to a `ReceiveSink`; checksummed like any other bucket."""

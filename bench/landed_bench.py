@@ -1,0 +1,165 @@
+"""The cost of verifying what landed (`syncd.member.dataplane.landed`), CPU, gloo, real processes.
+
+    python -m bench.landed_bench [--layers 24 --experts 128 --rounds 5 --bucket-mib 1] [--out PATH]
+
+Four trainer ranks (ep 2 x tp 2, bf16) send to one receiver in vLLM's layout (TP 1), each a process
+of its own, as in `make demo` (`--layers 4 --experts 8` is the demo's model). Each round runs a
+full refit with the landed check and one without (`LoopOptions.verify_landed`), in alternating
+order, in the same processes on the same transport; the wire checksums run in both. Reports the
+receiver's median wall time of each, their ratio, and the check alone on the receiver's tensors
+(`landed_checksums` of every unit it received, timed after the refits). No vLLM: the in-place
+install checksums each layer as it closes, the same pass over the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
+from syncd.member.dataplane import (
+    GcPause,
+    GlooTransport,
+    LoopCache,
+    LoopOptions,
+    catalog_views,
+    recv_buckets,
+    send_buckets,
+)
+from syncd.member.dataplane.landed import landed_checksums
+from syncd.plan import DestMember, SourceMember, make_plan
+
+SENDERS = 4
+RECEIVER = "generator"
+ON, OFF = "landed check on", "landed check off"
+CHECK_ALONE = "the landed check alone"
+
+
+def _plan(args: argparse.Namespace):
+    shape = MoeShape(
+        layers=args.layers,
+        hidden=128,
+        experts=args.experts,
+        moe_inter=64,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        vocab=512,
+    )
+    sources = [
+        SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(shape, 2, e, 2, t))
+        for e in range(2)
+        for t in range(2)
+    ]
+    dest = DestMember(RECEIVER, vllm_catalog(shape, 1, 0))
+    return sources, dest, make_plan(sources, [dest], bucket_bytes=int(args.bucket_mib * (1 << 20)))
+
+
+def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
+    torch.set_num_threads(1)
+    sources, dest, plan = _plan(args)
+    members = [s.member_id for s in sources] + [RECEIVER]
+    ranks = {m: i for i, m in enumerate(members)}
+    me = members[rank]
+    sending = rank < SENDERS
+    catalog = sources[rank].catalog if sending else dest.catalog
+    gen = torch.Generator().manual_seed(rank)
+    tensors = {
+        t.name: (torch.randn(t.shape, generator=gen) * 0.02).to(torch.bfloat16) for t in catalog.tensors
+    }
+    views = catalog_views(catalog, tensors)
+    transport = GlooTransport.connect(address, rank, len(members), "landed-bench", 120)
+    mine = plan.for_member(me)
+    cache, pause = LoopCache(), GcPause()
+    rows = []
+
+    def barrier() -> None:
+        flag = torch.zeros(1, dtype=torch.uint8)
+        if rank == len(members) - 1:
+            for r in range(SENDERS):
+                transport.irecv(flag, r).wait(120)
+            for r in range(SENDERS):
+                transport.isend(flag, r).wait(120)
+        else:
+            transport.isend(flag, len(members) - 1).wait(120)
+            transport.irecv(flag, len(members) - 1).wait(120)
+
+    def refit(method: str) -> None:
+        options = LoopOptions(120, gc_pause=pause, verify_landed=method == ON)
+        barrier()
+        t0 = time.perf_counter()
+        run = send_buckets if sending else recv_buckets
+        stats = run(mine, views, transport, ranks, options, cache=cache)
+        rows.append({"method": method, "seconds": time.perf_counter() - t0, "bytes": stats.bytes})
+
+    for round_ in range(args.rounds + 1):
+        for method in (ON, OFF) if round_ % 2 else (OFF, ON):
+            refit(method)
+    if not sending:  # the check alone, on the receiver's tensors after the last refit
+        units = [u for b in mine for u in b.units]
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            landed_checksums(units, views)
+            rows.append({"method": CHECK_ALONE, "seconds": time.perf_counter() - t0, "bytes": 0})
+    results[me] = rows[2:]  # the first round warms up
+    transport.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--bucket-mib", type=float, default=1.0)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    _, _, plan = _plan(args)
+    address, store = GlooTransport.create_address("127.0.0.1", SENDERS + 1, 120)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with mp.Manager() as manager:
+        results = manager.dict()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_member, args=(r, args, address, results)) for r in range(SENDERS + 1)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        results = dict(results)
+    del store
+    seconds = {
+        m: statistics.median(r["seconds"] for r in results[RECEIVER] if r["method"] == m)
+        for m in (ON, OFF, CHECK_ALONE)
+    }
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "plan_bytes": plan.total_bytes,
+        "buckets": len(plan.buckets),
+        "layers": args.layers,
+        "experts": args.experts,
+        "rounds": args.rounds,
+        "bucket_mib": args.bucket_mib,
+        "load": os.getloadavg(),
+        "receiver_seconds": seconds,
+        "ratio_on_over_off": seconds[ON] / seconds[OFF],
+        "rows": results[RECEIVER],
+    }
+    print(
+        f"{plan.total_bytes / 1e6:.1f} MB, {len(plan.buckets)} buckets, "
+        f"{SENDERS} senders -> 1 receiver (gloo, CPU)"
+    )
+    for m in (ON, OFF, CHECK_ALONE):
+        print(f"{m:<20} {seconds[m]:8.3f} s (median of {args.rounds})")
+    print(f"ratio on / off: {report['ratio_on_over_off']:.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Receivers verify what landed (`syncd.member.dataplane.landed`): a byte changed inside the
+receiver after its bucket's checksum (`landing_fault`) is caught on every refit, over a real gloo
+group, whether the loop unpacks into catalog views or hands buckets to a sink."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from syncd.layout import Canon, Catalog, local_tensor
+from syncd.member.dataplane import (
+    GlooTransport,
+    LoopCache,
+    LoopOptions,
+    catalog_views,
+    recv_buckets,
+    send_buckets,
+)
+from syncd.member.dataplane.checksum import Checksums, checksum
+from syncd.member.dataplane.landed import LandedMismatch, check_landed, landed_checksums
+from syncd.member.dataplane.landing_fault import LandingFault, armed
+from syncd.plan import DestMember, SourceMember, make_plan
+from syncd.plan.simulate import materialize
+from tests.unit.test_dataplane_gloo import ALL, _Sink, vllm_catalog
+
+REFITS = 12  # per fault: enough for the racing flip to land on both sides of the checksum worker
+
+
+def test_landed_checksums_name_the_tensor_and_region_that_differs() -> None:
+    catalog = vllm_catalog(0, 1)
+    plan = make_plan(
+        [
+            SourceMember(
+                "trainer-0",
+                0,
+                Catalog(ALL, tuple(local_tensor(c.name, "float32", Canon(c.name, c.shape)) for c in ALL)),
+            )
+        ],
+        [DestMember("generator-0-0", vllm_catalog(0, 1))],
+        bucket_bytes=1 << 20,
+    )
+    views = catalog_views(catalog, {t.name: torch.randn(t.shape) for t in catalog.tensors})
+    units = [u for b in plan.buckets for u in b.units]
+    received = landed_checksums(units, views)
+    check_landed(plan.buckets, received, received)  # equal: nothing raised
+    views["norm"][3] += 1
+    with pytest.raises(LandedMismatch, match=r"tensor m\.norm\.weight region .* into norm\): received xxh3:"):
+        check_landed(plan.buckets, received, landed_checksums(units, views))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_a_strided_region_checksums_as_its_bytes_in_c_order(dtype: torch.dtype) -> None:
+    """`Checksums.add_region` hashes run by run (no copy): the value of the contiguous bytes."""
+    whole = (torch.randn(6, 10, 12) * 50).to(dtype)
+    for region in (
+        whole,
+        whole[1:4],
+        whole[:, 2:7],
+        whole[2:5, 3:9, 1:11],
+        whole[:, :, 4],
+        whole[0:0],
+        whole.transpose(0, 2),
+    ):
+        sums = Checksums()
+        sums.add_region("r", region)
+        assert sums.result()["r"] == checksum(region.contiguous()), tuple(region.shape)
+
+
+def test_an_armed_fault_names_itself_and_a_bad_file_is_refused(tmp_path) -> None:
+    path = tmp_path / "fault"
+    assert armed(None) is None and armed(path) is None
+    path.write_text("racing\n")
+    assert armed(path) == LandingFault.RACING
+    path.write_text("sometimes")
+    with pytest.raises(ValueError, match="holds 'sometimes'; expected one of after_checksum, racing"):
+        armed(path)
+
+
+@pytest.mark.parametrize("sink", [False, True], ids=["views", "sink"])
+def test_a_byte_changed_after_the_bucket_checksum_is_caught_every_time(sink: bool) -> None:
+    """A float32 trainer refits a 2-way TP generator's rank 0 over gloo, in 64-byte buckets, again
+    and again on one group: good refits land bit-exactly; every refit with a fault armed fails,
+    the landed check naming the tensor (after_checksum, or racing the checksum worker when the
+    flip came after it) or the received checksums differing from the sent ones (racing, flip
+    first), which syncd's comparison refuses."""
+    rng = np.random.default_rng(2)
+    canonical = {c.name: rng.standard_normal(c.shape).astype(np.float32) for c in ALL}
+    whole = Catalog(ALL, tuple(local_tensor(c.name, "float32", Canon(c.name, c.shape)) for c in ALL))
+    dest = vllm_catalog(0, 2)
+    plan = make_plan(
+        [SourceMember("trainer-0", 0, whole)], [DestMember("generator-0-0", dest)], bucket_bytes=64
+    )
+    ranks = {"trainer-0": 0, "generator-0-0": 1}
+    address, store = GlooTransport.create_address("127.0.0.1", 2, 30)
+    transports: dict[int, GlooTransport] = {}
+
+    def connect(rank: int) -> None:
+        transports[rank] = GlooTransport.connect(
+            address, rank, 2, "g-landed", 30, store if rank == 0 else None
+        )
+
+    threads = [threading.Thread(target=connect, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    source = {k: torch.from_numpy(v) for k, v in materialize(whole, canonical).items()}
+    expected = {k: torch.from_numpy(v) for k, v in materialize(dest, canonical).items()}
+    caches = (LoopCache(), LoopCache())
+    outcomes: dict[str, int] = {}
+    for refit in range(3 * REFITS):
+        fault = [None, LandingFault.AFTER_CHECKSUM, LandingFault.RACING][refit % 3]
+        received = {t.name: torch.zeros(t.shape) for t in dest.tensors}
+        views = catalog_views(dest, received)
+        result: dict[str, Any] = {}
+
+        def send(result: dict[str, Any] = result) -> None:
+            result["sent"] = send_buckets(
+                plan.for_member("trainer-0"), source, transports[0], ranks, LoopOptions(30), cache=caches[0]
+            )
+
+        def receive(result: dict[str, Any] = result, fault: LandingFault | None = fault, views=views) -> None:
+            options = LoopOptions(30, landing_fault=fault)
+            try:
+                result["got"] = recv_buckets(
+                    plan.for_member("generator-0-0"),
+                    _Sink(views) if sink else views,
+                    transports[1],
+                    ranks,
+                    options,
+                    cache=caches[1],
+                )
+            except LandedMismatch as e:
+                result["landed_error"] = str(e)
+
+        threads = [threading.Thread(target=send), threading.Thread(target=receive)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive(), "a data-plane thread hung"
+        sent = result["sent"].checksums
+        if fault is None:
+            assert result["got"].checksums == sent
+            assert all(torch.equal(received[k], expected[k]) for k in expected)
+            outcome = "good"
+        elif "landed_error" in result:
+            assert "bytes written differ from bytes received: tensor m." in result["landed_error"]
+            outcome = f"{fault}: landed check"
+        else:
+            assert fault == LandingFault.RACING, "after_checksum must be caught where it landed"
+            assert result["got"].checksums != sent
+            outcome = f"{fault}: wire checksum"
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    for t in transports.values():
+        t.close()
+    assert outcomes["good"] == REFITS and outcomes[f"{LandingFault.AFTER_CHECKSUM}: landed check"] == REFITS
+    assert sum(n for k, n in outcomes.items() if k.startswith(str(LandingFault.RACING))) == REFITS
