@@ -194,7 +194,15 @@ class MemberAgent:
             allocate = transport.allocate if isinstance(transport, ShmTransport) else None
             self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport, LoopCache(allocate))
         self._client.report(cmd.refit_id, Phase.JOINED, timings={"join_s": time.perf_counter() - t0})
-        log.info("%s joined %s as rank %d/%d", self.member_id, cmd.group_id, cmd.rank, cmd.world_size)
+        shm = sorted(transport.local_peers) if isinstance(transport, ShmTransport) else []
+        log.info(
+            "%s joined %s as rank %d/%d%s",
+            self.member_id,
+            cmd.group_id,
+            cmd.rank,
+            cmd.world_size,
+            f", shared memory to ranks {shm}" if shm else "",
+        )
 
     def _execute(self, cmd: ExecutePlan) -> None:
         self._cancel.clear()
