@@ -13,7 +13,8 @@ the receiver:
   - refit_gloo_gbps: the same refit over gloo, the path colocated members took before;
   - checksums: both sides' per-unit checksums agree; bit_exact: every destination region holds the
     source's bits after the last refit.
-GB/s are 1e9 bytes per second of the plan's bytes; each refit figure is the median of `--reps`.
+GB/s are 1e9 bytes per second of the plan's bytes, medians of `--reps` rounds; each round runs
+every method once (a drifting, shared machine touches all alike), the first warms up.
 Which `syncd` it measures is whatever Python imports (PYTHONPATH).
 """
 
@@ -79,20 +80,20 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
-def _memcpy_seconds(nbytes: int, reps: int) -> float:
-    """One thread copying `nbytes` (both buffers touched first: the copy, not page faults)."""
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+_COPY: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _memcpy(nbytes: int) -> None:
+    """One thread copying `nbytes` (the buffers touched first and kept: the copy, not page faults)."""
+    if nbytes not in _COPY:
+        _COPY[nbytes] = (torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8))
+    src, dst = _COPY[nbytes]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
+        dst.copy_(src)
     finally:
         torch.set_num_threads(threads)
-    return statistics.median(times)
 
 
 class _Member:
@@ -142,16 +143,19 @@ class _Member:
         if over == "shm":  # what the agent does when a refit's transfer ended
             self.shm.end_refit()
 
-    def timed(self, name: str, fn, reps: int) -> list[float]:
-        """Seconds of `fn` per rep, both processes starting together; one untimed warm-up."""
-        times = []
-        for rep in range(reps + 1):
-            _barrier(self.store, f"{name}/{rep}", self.rank)
-            t0 = time.perf_counter()
-            fn()
-            _barrier(self.store, f"{name}/{rep}/done", self.rank)
-            if rep:
-                times.append(time.perf_counter() - t0)
+    def rounds(self, methods: dict, reps: int) -> dict[str, list[float]]:
+        """Seconds per method; each round runs every method once, both processes starting each
+        together (drift touches all alike); the first round warms up."""
+        times: dict[str, list[float]] = {name: [] for name in methods}
+        for round_ in range(reps + 1):
+            for name, fn in methods.items():
+                _barrier(self.store, f"{name}/{round_}", self.rank)
+                t0 = time.perf_counter()
+                fn()
+                seconds = time.perf_counter() - t0  # the receiver's: until the last bucket is in place
+                _barrier(self.store, f"{name}/{round_}/done", self.rank)
+                if round_:
+                    times[name].append(seconds)
         return times
 
     def bit_exact(self) -> bool:
@@ -172,19 +176,25 @@ def member_main(rank: int, port: int, args: argparse.Namespace) -> None:
     )
     m = _Member(rank, store, args)
     total = m.plan.total_bytes
-    seconds = {
-        "raw_gloo": m.timed("raw_gloo", m.raw_gloo, args.reps),
-        "refit": m.timed("refit", lambda: m.refit("shm"), args.reps),
-    }
+    # The receiver copies alone while the sender waits at the barrier.
+    memcpy = (lambda: _memcpy(total)) if rank == 1 else (lambda: None)
+    seconds = m.rounds(
+        {
+            "memcpy": memcpy,
+            "raw_gloo": m.raw_gloo,
+            "refit": lambda: m.refit("shm"),
+            "refit_gloo": lambda: m.refit("gloo"),
+        },
+        args.reps,
+    )
+    if rank == 1:  # the bit-exact check sees only what the last refit, over shared memory, wrote
+        for t in m.views.values():
+            t.fill_(float("nan"))
+    m.refit("shm")
     store.set(f"checksums/{rank}", json.dumps(m.checksums))
     store.wait(["checksums/0", "checksums/1"], datetime.timedelta(seconds=_TIMEOUT_S))
     agree = json.loads(store.get("checksums/0")) == json.loads(store.get("checksums/1"))
     exact = m.bit_exact() if rank == 1 else True
-    seconds["refit_gloo"] = m.timed("refit_gloo", lambda: m.refit("gloo"), args.reps)
-    _barrier(store, "memcpy", rank)  # alone on the machine's cores while it copies
-    if rank == 1:
-        seconds["memcpy"] = [_memcpy_seconds(total, args.reps)]
-    _barrier(store, "memcpy/done", rank)
     m.shm.close()
     if rank == 0:
         return

@@ -30,18 +30,21 @@ import contextlib
 import hashlib
 import mmap
 import os
+import queue
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from syncd.member.dataplane.transport import GlooTransport, Handle, TransferError
+from syncd.member.dataplane.transport import GlooTransport, Handle, TransferError, TransferTimeout
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "weightsync-"
 _READY, _DONE = 1, 2  # gloo tags of the notices
 _NOTICE = 5  # int64 fields of a "bucket ready" notice: pid, segment, offset, nbytes, segment size
 _BOUNCE_SLOTS = 2  # per peer: segments a tensor sent as it is gets copied into
+_COPY_WAIT_S = 3600.0  # the copy thread's bound on one notice (see `_RecvHandle.copy_out`)
 _PENDING_ANSWERS = 16  # "done" notices in flight before the oldest is waited for
 
 
@@ -136,27 +139,44 @@ class _SendHandle:
 
 
 class _RecvHandle:
-    """Waits for the sender's notice, then copies the bucket out of its segment into `buf`."""
+    """A receive from a local peer: the transport's copy thread waits for the sender's notice and
+    copies the bucket out of its segment into `buf`, in posting order, as gloo's own thread
+    receives; so the loop unpacks bucket i while bucket i + 1 is copied out."""
 
     def __init__(self, transport: ShmTransport, buf: torch.Tensor, peer: int) -> None:
         self._transport, self._buf, self._peer = transport, buf, peer
         self._notice = torch.zeros(_NOTICE, dtype=torch.int64)
         self._ready = transport.gloo.irecv(self._notice, peer, _READY)
-        self._copied = False
+        self._copied = threading.Event()
+        self._error: BaseException | None = None
+
+    def copy_out(self) -> None:
+        """On the copy thread. Its wait is only a bound: the loop's own timeout ends the refit
+        first, and closing the group unblocks it."""
+        try:
+            self._ready.wait(_COPY_WAIT_S)
+            pid, number, offset, nbytes, size = (int(x) for x in self._notice.tolist())
+            if nbytes != self._buf.numel():
+                raise TransferError(
+                    f"rank {self._peer} sent {nbytes} bytes into a receive of {self._buf.numel()}", self._peer
+                )
+            segment = self._transport.peer_segment(self._peer, pid, number, size)
+            self._buf.copy_(segment[offset : offset + nbytes])
+            self._transport.acknowledge(self._peer)
+        except BaseException as e:  # noqa: BLE001 - handed to the loop, which raises it in wait
+            self._error = e
+        finally:
+            self._copied.set()
 
     def wait(self, timeout_s: float) -> None:
-        if self._copied:
-            return
-        self._ready.wait(timeout_s)
-        pid, number, offset, nbytes, size = (int(x) for x in self._notice.tolist())
-        if nbytes != self._buf.numel():
-            raise TransferError(
-                f"rank {self._peer} sent {nbytes} bytes into a receive of {self._buf.numel()}", self._peer
+        if not self._copied.wait(timeout_s):
+            raise TransferTimeout(
+                f"receive of {self._buf.numel()} bytes from rank {self._peer} did not complete "
+                f"within {timeout_s:.0f} s",
+                self._peer,
             )
-        segment = self._transport.peer_segment(self._peer, pid, number, size)
-        self._buf.copy_(segment[offset : offset + nbytes])
-        self._copied = True
-        self._transport.acknowledge(self._peer)
+        if self._error is not None:
+            raise self._error
 
     fence = wait
 
@@ -177,6 +197,8 @@ class ShmTransport:
         self._acks: list[Handle] = []
         self._one = torch.ones(1, dtype=torch.int64)
         self.shared_bytes = 0  # sent through shared memory, over the transport's life
+        self._copies: queue.SimpleQueue[_RecvHandle | None] = queue.SimpleQueue()
+        self._copier: threading.Thread | None = None
 
     # ---- the loops' staging ----
 
@@ -217,14 +239,24 @@ class ShmTransport:
             raise ValueError(
                 f"shared memory receives into contiguous host memory, not {buf.device} / strided"
             )
-        return _RecvHandle(self, buf.view(torch.uint8).reshape(-1), peer)
+        handle = _RecvHandle(self, buf.view(torch.uint8).reshape(-1), peer)
+        if self._copier is None:
+            self._copier = threading.Thread(target=self._copy_loop, name="weightsync-shm-copy", daemon=True)
+            self._copier.start()
+        self._copies.put(handle)
+        return handle
+
+    def _copy_loop(self) -> None:
+        while (handle := self._copies.get()) is not None:
+            handle.copy_out()
 
     def abort(self) -> None:
         self.gloo.abort()
 
     def close(self) -> None:
         """Drop the group: unlink every name and unmap every segment, own and peers'."""
-        self.gloo.close()
+        self.gloo.close()  # fails a copy still waiting for its notice
+        self._copies.put(None)
         for segment in self._own:
             segment.unlink()
         self._own, self._bounce, self._mapped, self._mapped_used = [], {}, {}, set()
