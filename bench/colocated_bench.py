@@ -11,6 +11,9 @@ the receiver:
   - refit_gbps: `send_buckets`/`recv_buckets` over `ShmTransport` (shared memory) with checksums,
     each refit from fresh segments, as the agent runs it (a refit's segments die with it);
   - refit_gloo_gbps: the same refit over gloo, the path colocated members took before;
+  - pack_loop_gbps / unpack_loop_gbps: the sender's or the receiver's loop alone, with checksums,
+    over a wire that moves nothing (`bench/loopback_transport.NullTransport`): the refit's ceiling
+    from packing and unpacking, whatever the transport;
   - checksums: both sides' per-unit checksums agree; bit_exact: every destination region holds the
     source's bits after the last refit.
 GB/s are 1e9 bytes per second of the plan's bytes, medians of `--reps` rounds; each round runs
@@ -37,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import syncd
+from bench.loopback_transport import NullTransport
 from bench.refit_bench import shape_for
 from bench.synthetic_moe import trainer_catalog, vllm_catalog
 from syncd.layout.dtypes import torch_dtype
@@ -117,7 +121,13 @@ class _Member:
             )
         self.gloo = GlooTransport(store, rank, 2, "colocated-bench", _TIMEOUT_S)
         self.shm = ShmTransport(self.gloo, [1 - rank], "colocated-bench", _TIMEOUT_S)
-        self.caches = {"shm": LoopCache(self.shm.allocate), "gloo": LoopCache()}
+        self.caches = {
+            "shm": LoopCache(self.shm.allocate),
+            "gloo": LoopCache(),
+            "send": LoopCache(),
+            "recv": LoopCache(),
+        }
+        self._src_views: dict[str, torch.Tensor] | None = None
         self.options = LoopOptions(_TIMEOUT_S, verify=True, gc_pause=GcPause())
         self.checksums: dict[str, str] = {}
 
@@ -158,6 +168,19 @@ class _Member:
                     times[name].append(seconds)
         return times
 
+    def loop_alone(self, direction: str) -> None:
+        """One side's loop with checksums over a wire that moves nothing (`NullTransport`), in the
+        receiver's process while the sender waits: what packing or unpacking alone costs."""
+        if self.rank == 0:
+            return
+        if direction == "send":
+            if self._src_views is None:
+                self._src_views = catalog_views(self.src_cat, _source(self.src_cat, torch.device("cpu")))
+            bucket_list, views, loop = self.plan.for_member(_SRC), self._src_views, send_buckets
+        else:
+            bucket_list, views, loop = self.plan.for_member(_DST), self.views, recv_buckets
+        loop(bucket_list, views, NullTransport(), _RANKS, self.options, cache=self.caches[direction])
+
     def bit_exact(self) -> bool:
         """Every destination region holds the source region's bits."""
         src = catalog_views(self.src_cat, _source(self.src_cat, torch.device("cpu")))
@@ -184,6 +207,8 @@ def member_main(rank: int, port: int, args: argparse.Namespace) -> None:
             "raw_gloo": m.raw_gloo,
             "refit": lambda: m.refit("shm"),
             "refit_gloo": lambda: m.refit("gloo"),
+            "pack_loop": lambda: m.loop_alone("send"),
+            "unpack_loop": lambda: m.loop_alone("recv"),
         },
         args.reps,
     )
@@ -205,6 +230,8 @@ def member_main(rank: int, port: int, args: argparse.Namespace) -> None:
         "raw_gloo_gbps": _gbps(total, med["raw_gloo"]),
         "refit_gbps": _gbps(total, med["refit"]),
         "refit_gloo_gbps": _gbps(total, med["refit_gloo"]),
+        "pack_loop_gbps": _gbps(total, med["pack_loop"]),
+        "unpack_loop_gbps": _gbps(total, med["unpack_loop"]),
         "checksums": agree and len(m.checksums) == m.plan.num_units,
         "bit_exact": exact,
         "bytes": total,
