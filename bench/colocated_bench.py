@@ -18,7 +18,9 @@ the receiver:
     source's bits after the last refit.
 GB/s are 1e9 bytes per second of the plan's bytes, medians of `--reps` rounds; each round runs
 every method once (a drifting, shared machine touches all alike), the first warms up.
-Which `syncd` it measures is whatever Python imports (PYTHONPATH).
+Which `syncd` it measures is whatever Python imports (PYTHONPATH). COLOCATED_BENCH_LAUNCH (words
+put between the interpreter and this script in the member processes' command line, e.g. a
+profiling wrapper) is for looking inside one member.
 """
 
 from __future__ import annotations
