@@ -125,13 +125,14 @@ def cmd_plan(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
         [(s["stage"], human_bytes(s["bytes"]), " ".join(s["members"])) for s in p["stages"]],
     )
     links = table(
-        ("STAGE", "SRC", "DST", "VIA", "BYTES", "BUCKETS", "UNITS"),
+        ("STAGE", "SRC", "DST", "VIA", "TRANSPORT", "BYTES", "BUCKETS", "UNITS"),
         [
             (
                 k["stage"],
                 k["src"],
                 k["dst"],
                 "relay" if k["relay"] else "trainer",
+                k.get("transport") or "-",
                 human_bytes(k["bytes"]),
                 k["buckets"],
                 k["units"],

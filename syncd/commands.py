@@ -78,6 +78,9 @@ class JoinGroup:
     address: str
     members: tuple[str, ...]
     timeout_s: float
+    # Per group rank, the transport between this member and that one (`LinkTransport`); empty:
+    # the backend on every link.
+    links: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -38,3 +38,20 @@ class Fp8Part(StrEnum):
 
     VALUES = "values"
     SCALES = "scales"
+
+
+class LinkTransport(StrEnum):
+    """What carries one link (sender -> receiver) of a plan: the stage group's backend, or, between
+    members that reported the same host, shared memory (`syncd.plan.transports`)."""
+
+    SHM = "shm"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class SameHost(StrEnum):
+    """syncd's choice for members of one host (`SYNCD_SAME_HOST`): shared memory, or the network
+    backend as between hosts."""
+
+    SHM = "shm"
+    NETWORK = "network"

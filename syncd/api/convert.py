@@ -184,6 +184,7 @@ def command_to_pb(cmd: commands.Command) -> pb.Command:
                     address=cmd.address,
                     members=cmd.members,
                     timeout_s=cmd.timeout_s,
+                    links=cmd.links,
                 )
             )
         case commands.ExecutePlan():
@@ -250,6 +251,7 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
             m.address,
             tuple(m.members),
             m.timeout_s,
+            tuple(m.links),
         )
     if kind == "execute_plan":
         m = msg.execute_plan

@@ -140,7 +140,7 @@ class Bucket(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., index: _Optional[int] = ..., units: _Optional[_Iterable[_Union[TransferUnit, _Mapping]]] = ..., nbytes: _Optional[int] = ..., relay: _Optional[_Union[Relay, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "member_id", "coords", "device", "data_address", "catalog_hash", "catalog", "run_id", "weight_version", "receive_by_layer")
+    __slots__ = ("role", "member_id", "coords", "device", "data_address", "catalog_hash", "catalog", "run_id", "weight_version", "receive_by_layer", "host_id")
     class CoordsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class RegisterRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_BY_LAYER_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     role: Role
     member_id: str
     coords: _containers.ScalarMap[str, int]
@@ -168,7 +169,8 @@ class RegisterRequest(_message.Message):
     run_id: str
     weight_version: int
     receive_by_layer: bool
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., member_id: _Optional[str] = ..., coords: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., data_address: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., catalog: _Optional[_Union[Catalog, _Mapping]] = ..., run_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., receive_by_layer: _Optional[bool] = ...) -> None: ...
+    host_id: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., member_id: _Optional[str] = ..., coords: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., data_address: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., catalog: _Optional[_Union[Catalog, _Mapping]] = ..., run_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., receive_by_layer: _Optional[bool] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("catalog_required", "session_id", "lease_seconds", "committed_version")
@@ -219,7 +221,7 @@ class StageGroup(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., group_id: _Optional[str] = ..., backend: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinGroup(_message.Message):
-    __slots__ = ("refit_id", "group_id", "stage", "rank", "world_size", "backend", "address", "members", "timeout_s")
+    __slots__ = ("refit_id", "group_id", "stage", "rank", "world_size", "backend", "address", "members", "timeout_s", "links")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +231,7 @@ class JoinGroup(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     group_id: str
     stage: int
@@ -238,7 +241,8 @@ class JoinGroup(_message.Message):
     address: str
     members: _containers.RepeatedScalarFieldContainer[str]
     timeout_s: float
-    def __init__(self, refit_id: _Optional[str] = ..., group_id: _Optional[str] = ..., stage: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    links: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, refit_id: _Optional[str] = ..., group_id: _Optional[str] = ..., stage: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., links: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExecutePlan(_message.Message):
     __slots__ = ("refit_id", "weight_version", "buckets", "groups", "timeout_s", "delta", "stall_timeout_s")

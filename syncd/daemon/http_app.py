@@ -104,7 +104,8 @@ def build_app(
 
     @app.get("/v1/plan", response_model=PlanOut, responses=_ERRORS, tags=["plan"])
     def plan() -> PlanOut:
-        return PlanOut.of(coordinator.current_plan())
+        plan = coordinator.current_plan()
+        return PlanOut.of(plan, coordinator.link_transports(plan))
 
     @app.post(
         "/v1/refits", response_model=RefitOut, status_code=202, responses=_TRIGGER_ERRORS, tags=["refits"]

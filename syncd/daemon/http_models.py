@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from syncd.daemon.digests import Difference, VersionDigest
@@ -68,6 +70,9 @@ class LinkOut(BaseModel):
     buckets: int
     units: int
     relay: bool = Field(default=False, description="src is a generator forwarding what it received (fan-out)")
+    transport: str = Field(
+        default="", description="what carries the link: shm (same host), gloo or nccl (syncd.plan.transports)"
+    )
 
 
 class PlanOut(BaseModel):
@@ -84,7 +89,8 @@ class PlanOut(BaseModel):
     links: list[LinkOut]
 
     @classmethod
-    def of(cls, plan: Plan) -> PlanOut:
+    def of(cls, plan: Plan, transports: Mapping[tuple[int, str, str], str]) -> PlanOut:
+        """`transports`: per link (stage, src, dst), what carries it."""
         stage_bytes = plan.stage_bytes()
         return cls(
             total_bytes=plan.total_bytes,
@@ -107,6 +113,7 @@ class PlanOut(BaseModel):
                     buckets=k.buckets,
                     units=k.units,
                     relay=k.relay,
+                    transport=transports.get((k.stage, k.src, k.dst), ""),
                 )
                 for k in plan.links()
             ],

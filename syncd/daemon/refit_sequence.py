@@ -77,7 +77,7 @@ class RefitSequence:
         self._digests = digests
         self._refit_problems = refit_problems
         self._release = release
-        self._groups = StageGroups(settings.backend, self._send)
+        self._groups = StageGroups(settings.backend, self._send, settings.same_host)
         self._delta_bases = DeltaBases()
 
     def execute(self, run: Run) -> None:

@@ -55,6 +55,7 @@ class Member:
     run_id: str = ""  # trainers: the training run
     weight_version: WeightVersion | None = None  # what it held or served when it registered
     receive_by_layer: bool = False  # generators installing while they receive (see the proto)
+    host_id: str = ""  # where it runs (`syncd.net.host_identity`); empty: unknown
 
     @property
     def stage(self) -> int:
@@ -120,6 +121,7 @@ class Registry:
         run_id: str = "",
         weight_version: int | None = None,
         receive_by_layer: bool = False,
+        host_id: str = "",
     ) -> Registration:
         """Validate and open a session; raises InvalidArgument / AlreadyExists and changes nothing."""
         if role not in ROLES:
@@ -164,6 +166,7 @@ class Registry:
                 run_id,
                 weight_version,
                 receive_by_layer,
+                host_id,
             )
             old = self._sessions.get(member_id)
             self._sessions[member_id] = _Session(member, time.monotonic() + self.lease_seconds)

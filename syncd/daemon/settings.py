@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from syncd.vocabulary import Backend
+from syncd.vocabulary import Backend, SameHost
 
 
 def _setting(default: Any, env: str, help: str) -> Any:
@@ -68,6 +68,12 @@ class Settings:
     expected_generators: int = _setting(
         1, "SYNCD_EXPECTED_GENERATORS", "generator workers needed to be ready"
     )
+    same_host: str = _setting(
+        "shm",
+        "SYNCD_SAME_HOST",
+        "links between members that report the same host: shm (shared memory, in gloo groups) or "
+        "network (the group's backend, as between hosts)",
+    )
     backend: str = _setting(
         "auto", "SYNCD_BACKEND", "data-plane backend: auto (nccl if all cuda), gloo, nccl"
     )
@@ -110,6 +116,8 @@ class Settings:
             if self.auth_token not in (None, token):
                 raise ValueError("set auth_token or auth_token_file, not both")
             object.__setattr__(self, "auth_token", token)
+        if self.same_host not in tuple(SameHost):
+            raise ValueError(f"same_host must be shm or network, not {self.same_host!r}")
         if self.backend not in ("auto", *Backend):
             raise ValueError(f"backend must be auto, gloo or nccl, not {self.backend!r}")
         for name in (

@@ -17,7 +17,7 @@ from syncd.daemon.plan_cache import stage_membership
 from syncd.daemon.refit_run import RefitAborted, Run, seconds_left
 from syncd.daemon.registry import Member
 from syncd.plan import Plan
-from syncd.vocabulary import Backend
+from syncd.plan.transports import group_backend, link_transport
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,9 @@ GroupKey = tuple[tuple[str, str], ...]
 
 
 class StageGroups:
-    def __init__(self, backend: str, send: Send) -> None:
+    def __init__(self, backend: str, send: Send, same_host: str) -> None:
         self._backend_setting = backend  # "gloo", "nccl" or "auto"
+        self._same_host = same_host  # `SameHost`: shared memory between members of one host, or not
         self._send = send
         self._lock = threading.Lock()
         self._groups: dict[int, tuple[GroupKey, StageGroup]] = {}
@@ -47,9 +48,9 @@ class StageGroups:
             if cached is not None and cached[0] == key:
                 group = cached[1]
             else:
-                backend = self._backend([members[i] for i in ids])
+                backend = group_backend(self._backend_setting, [members[i].device for i in ids])
                 group = StageGroup(stage, f"{run.id}/stage{stage}", backend, ids)
-                self._negotiate(run, group, deadline)
+                self._negotiate(run, group, {i: members[i].host_id for i in ids}, deadline)
             with self._lock:
                 self._groups[stage] = (key, group)
             groups[stage] = group
@@ -60,12 +61,7 @@ class StageGroups:
         with self._lock:
             self._groups.clear()
 
-    def _backend(self, members: list[Member]) -> str:
-        if self._backend_setting != "auto":
-            return self._backend_setting
-        return Backend.NCCL if all(m.device.startswith("cuda") for m in members) else Backend.GLOO
-
-    def _negotiate(self, run: Run, group: StageGroup, deadline: float) -> None:
+    def _negotiate(self, run: Run, group: StageGroup, hosts: Mapping[str, str], deadline: float) -> None:
         """Rank 0 creates the address and reports it before blocking in init; syncd relays it.
         Groups are negotiated one after another: a generator in several groups then never waits
         in one group's init while its peers wait in another's."""
@@ -81,6 +77,10 @@ class StageGroups:
                 address=address,
                 members=group.members,
                 timeout_s=seconds_left(deadline),
+                links=tuple(
+                    link_transport(group.backend, self._same_host, hosts[group.members[rank]], hosts[m])
+                    for m in group.members
+                ),
             )
 
         root = group.members[0]

@@ -47,8 +47,9 @@ from syncd.member.dataplane.delta import DeltaStats, Diffs, Mirror, recv_with_de
 from syncd.member.dataplane.landing_fault import LandingFault, armed, fault_file_from_env
 from syncd.member.dataplane.prepared import ReceiveSink
 from syncd.member.dataplane.relay import relay_buckets
+from syncd.member.dataplane.shm import ShmTransport, sweep_orphans
 from syncd.plan.types import Bucket
-from syncd.vocabulary import Backend
+from syncd.vocabulary import Backend, LinkTransport
 from syncd.weight_version import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -186,13 +187,27 @@ class MemberAgent:
             transport = GlooTransport.connect(
                 address, cmd.rank, cmd.world_size, cmd.group_id, timeout, store, bind_host=self._settings.host
             )
+            local = [r for r, link in enumerate(cmd.links) if link == LinkTransport.SHM and r != cmd.rank]
+            if local:  # peers on this host: shared memory to them, gloo to the others
+                sweep_orphans()  # what members killed in an earlier refit left
+                transport = ShmTransport(transport, local, cmd.group_id, timeout)
         else:
             known = " or ".join(repr(str(b)) for b in Backend)
             raise ValueError(f"unknown data-plane backend {cmd.backend!r}; expected {known}")
         with self._lock:
-            self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport, LoopCache())
+            # Over shared memory the loops' staging is the transport's: sends from it copy nothing.
+            allocate = transport.allocate if isinstance(transport, ShmTransport) else None
+            self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport, LoopCache(allocate))
         self._client.report(cmd.refit_id, Phase.JOINED, timings={"join_s": time.perf_counter() - t0})
-        log.info("%s joined %s as rank %d/%d", self.member_id, cmd.group_id, cmd.rank, cmd.world_size)
+        shm = sorted(transport.local_peers) if isinstance(transport, ShmTransport) else []
+        log.info(
+            "%s joined %s as rank %d/%d%s",
+            self.member_id,
+            cmd.group_id,
+            cmd.rank,
+            cmd.world_size,
+            f", shared memory to ranks {shm}" if shm else "",
+        )
 
     def _execute(self, cmd: ExecutePlan) -> None:
         self._cancel.clear()
@@ -202,7 +217,19 @@ class MemberAgent:
             self._transfer(cmd, tensors)
             ok = True
         finally:
+            self._end_shared_memory()
             self._endpoint.end(cmd.refit_id, ok)
+
+    def _end_shared_memory(self) -> None:
+        """The transfer ended: no segment name of this refit stays in /dev/shm, ours or those of a
+        local peer that died before it could unlink its own."""
+        with self._lock:
+            transports = [g.transport for g in self._groups.values()]
+        shared = [t for t in transports if isinstance(t, ShmTransport)]
+        for transport in shared:
+            transport.end_refit()
+        if shared:
+            sweep_orphans()
 
     def _delta_part(self, cmd: ExecutePlan) -> tuple[DeltaLinks | None, Diffs | None]:
         """This member's part in a delta refit: the delta links when it sends or receives deltas
@@ -341,6 +368,7 @@ class MemberAgent:
         self._cancel.set()
         for stage in list(self._groups):
             self._close_group(stage)
+        sweep_orphans()  # a local peer killed mid-refit left its segments' names
         self._endpoint.abort()
         self._client.report(cmd.refit_id, Phase.ABORTED)
 

@@ -141,13 +141,16 @@ def make_member(
     *,
     run_id: str = "",
     weight_version: int | None = None,
+    host_id: str | None = None,
     **behaviour: object,
 ) -> FakeMember:
     role, coords, catalog = MEMBERS[member_id]
     # Only what a test sets is passed, so the harness also drives an older syncd (to show a
     # regression test fails there).
     optional = {
-        k: v for k, v in (("run_id", run_id), ("weight_version", weight_version)) if v not in ("", None)
+        k: v
+        for k, v in (("run_id", run_id), ("weight_version", weight_version), ("host_id", host_id))
+        if v not in ("", None)
     }
     client = MemberClient(
         target, role=role, member_id=member_id, coords=coords, catalog=catalog(), auth_token=token, **optional
@@ -192,7 +195,13 @@ class Cluster:
         return f"http://127.0.0.1:{self.daemon.settings.http_port}"
 
     def start_member(
-        self, member_id: str, *, run_id: str = "", weight_version: int | None = None, **behaviour: object
+        self,
+        member_id: str,
+        *,
+        run_id: str = "",
+        weight_version: int | None = None,
+        host_id: str | None = None,
+        **behaviour: object,
     ) -> FakeMember:
         m = make_member(
             self.target,
@@ -200,6 +209,7 @@ class Cluster:
             self.daemon.settings.auth_token,
             run_id=run_id,
             weight_version=weight_version,
+            host_id=host_id,
             **behaviour,
         )
         m.client.start(m.handle)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,10 @@ class LoopCache:
     or the CUDA graphs. Its owner keeps it as long as the transport (the agent: one per stage
     group, dropped with the group); a loop called without one starts from nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+        # Host staging from the transport (`ShmTransport.allocate`: shared memory its peers on
+        # this host read from); None: plain memory.
+        self._allocate = allocate
         self._staging: list[torch.Tensor] = []
         self._graphs: dict[Direction, LoopGraphs] = {}
         self._prepared: dict[Direction, PreparedLoop] = {}
@@ -64,7 +68,10 @@ class LoopCache:
         """`count` byte buffers of at least `nbytes` on `device`, the last ones when they fit."""
         pool = self._staging
         if len(pool) != count or pool[0].numel() < nbytes or pool[0].device != device:
-            pool = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
+            if self._allocate is not None and device.type == "cpu":
+                pool = [self._allocate(nbytes) for _ in range(count)]
+            else:
+                pool = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
             self._staging = pool
         return pool
 
@@ -76,6 +83,10 @@ class LoopCache:
 
     def prepared(self, direction: Direction) -> PreparedLoop:
         return self._prepared.setdefault(direction, PreparedLoop(direction))
+
+    def drop_staging(self) -> None:
+        """Let go of the staging buffers (a transport that lent them took them back)."""
+        self._staging = []
 
     def clear(self) -> None:
         """Forget everything (benchmarks measure a first refit with it)."""

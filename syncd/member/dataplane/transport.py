@@ -166,18 +166,20 @@ class GlooTransport:
             raise RuntimeError(f"gloo transport of rank {self.rank} is closed")
         return self._pg
 
-    def isend(self, buf: torch.Tensor, peer: int) -> Handle:
+    def isend(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+        """`tag`: messages of one peer match in posting order per tag (the shared-memory
+        transport sends its small notices on tags of their own)."""
         _require_host(buf, "send from")
         what = f"send of {buf.numel()} bytes to rank {peer}"
         with _posting(what, peer):
-            work = self._group().send([buf], peer, 0)  # type: ignore[attr-defined]  # torch's stub lacks Backend.send
+            work = self._group().send([buf], peer, tag)  # type: ignore[attr-defined]  # torch's stub lacks Backend.send
         return _GlooHandle(work, what, peer)
 
-    def irecv(self, buf: torch.Tensor, peer: int) -> Handle:
+    def irecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Handle:
         _require_host(buf, "receive into")
         what = f"receive of {buf.numel()} bytes from rank {peer}"
         with _posting(what, peer):
-            work = self._group().recv([buf], peer, 0)  # type: ignore[attr-defined]  # torch's stub lacks Backend.recv
+            work = self._group().recv([buf], peer, tag)  # type: ignore[attr-defined]  # torch's stub lacks Backend.recv
         return _GlooHandle(work, what, peer)
 
     def abort(self) -> None:
