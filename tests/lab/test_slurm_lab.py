@@ -172,12 +172,15 @@ def test_sbatch_commits_two_refits_across_nodes_and_scancel_leaves_nothing(clust
 
     cluster.client("scancel", job.id)
     assert job.wait_ended(KILL_WAIT_S + 60) == "CANCELLED", job.output()
-    # slurmd SIGKILLs what outlives the grace time; anything left escaped SLURM's tracking.
+    # slurmd SIGKILLs what outlives the grace time (KillWait); anything left escaped SLURM's
+    # tracking (a daemonized or reparented process).
     wait_until(
         lambda: not any(processes(cluster, node) for node in cluster.nodes),
-        30,
+        KILL_WAIT_S + 30,
         "every process of the job to be gone",
     )
+    # The script took the TERM and stopped the launcher (which stops what it started).
+    assert "weightsync.sbatch: SIGTERM, stopping the launcher" in job.output(), job.output()
 
 
 def test_a_trainer_node_killed_mid_refit_ends_the_job_and_aborts_the_refit(cluster, model, tmp_path):
