@@ -264,14 +264,21 @@ def remove_stale_states() -> list[str]:
     return [d.name for d in stale]
 
 
-def _stop_munged(state: Path) -> None:
-    """SIGTERM the munged whose pid file is in `state` (if that pid is still a munged)."""
+def _stop_munged(state: Path, timeout_s: float = 10) -> None:
+    """SIGTERM the munged whose pid file is in `state` (if that pid is still a munged) and wait
+    for it to exit: it writes its seed file into `state` on the way out."""
     try:
         pid = int((state / "munged.pid").read_text())
-        if Path(f"/proc/{pid}/comm").read_text().strip() == "munged":
-            os.kill(pid, signal.SIGTERM)
+        if Path(f"/proc/{pid}/comm").read_text().strip() != "munged":
+            return
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return  # exited; its parent (gone with `up`'s process) leaves the reaping to init
+            time.sleep(0.1)
     except (OSError, ValueError):
-        pass  # no pid file, or munged is gone already
+        pass  # no pid file, or munged is gone (already, or now)
 
 
 def remove_cluster(name: str) -> bool:

@@ -214,10 +214,11 @@ def test_a_trainer_node_killed_mid_refit_ends_the_job_and_aborts_the_refit(clust
     served = httpx.get(f"{generator}/v1/weight_version", timeout=10).json()["version"]
     assert (job.status()["committed_version"], served) == (1, "1")
 
-    # slurmctld finds node2 not responding (SlurmdTimeout), ends the job and says why, in the job's
-    # output (slurmstepd) and in the trainer's log (srun); the script asks for no requeue.
+    # slurmctld finds node2 not responding (SlurmdTimeout) and ends the job (the script asks for
+    # no requeue); the job's output says why (slurmstepd) and which node (the launcher).
     assert job.wait_ended(300) == "NODE_FAIL", job.output()
-    output = job.output()
-    assert "DUE TO NODE FAILURE" in output and "Node failure on node2" in output, output
+    script_output = (job.work / f"slurm-{job.id}.out").read_text()
+    assert "DUE TO NODE FAILURE" in script_output, job.output()
+    assert "node node2 of this allocation is lost" in script_output, job.output()
     for node in ("node0", "node1"):
         wait_until(lambda n=node: not processes(cluster, n), 60, f"the job's processes on {node} to end")
