@@ -142,12 +142,19 @@ def run(args: argparse.Namespace, alloc: Allocation, workdir: Path) -> int:
         _write_summary(workdir / "summary.json", syncd_url, rc)
         return rc
     except SystemExit:  # SIGTERM/SIGINT: scancel, the time limit, or SLURM ending a job on node failure
+        # SLURM signals every process of the job and the script forwards the TERM too: a second
+        # signal must not cut the report (or the cleanup below) short.
+        _ignore_signals()
         _report_lost_nodes(alloc.nodes)
         raise
     finally:  # also on a timeout, a dead service or SIGTERM/SIGINT (raised as SystemExit)
-        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the cleanup short
-            signal.signal(sig, signal.SIG_IGN)
+        _ignore_signals()
         cluster.stop()
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _wait_trainer(trainer: Proc, services: list[Proc]) -> int:
