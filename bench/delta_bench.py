@@ -2,7 +2,7 @@
 
     python -m bench.delta_bench [--layers 24 --experts 128 --rounds 3 --bucket-mib 1] [--out PATH]
 
-Four trainer ranks (ep 2 x tp 2, bf16) send to one receiver in vLLM's layout (TP 1), each a process
+Four trainer ranks send to one receiver (`bench.four_to_one`), each a process
 of its own, as in `make demo`. Per round, one after another: a full refit (`send_buckets` /
 `recv_buckets`, what syncd runs without delta refits), a delta refit after an RL-like step (a
 fraction `--changed` of the elements move by one bf16 step), and a delta refit after a step that
@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
-from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
+from bench.four_to_one import RECEIVER, SENDERS, add_model_args, moe_plan, run_members
 from syncd.commands import DeltaLinks
 from syncd.member.dataplane import (
     GcPause,
@@ -35,34 +34,6 @@ from syncd.member.dataplane import (
     send_buckets,
 )
 from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
-from syncd.plan import DestMember, SourceMember, make_plan
-
-SENDERS = 4
-RECEIVER = "generator"
-
-
-def _shape(args: argparse.Namespace) -> MoeShape:
-    return MoeShape(
-        layers=args.layers,
-        hidden=128,
-        experts=args.experts,
-        moe_inter=64,
-        heads=4,
-        kv_heads=2,
-        head_dim=32,
-        vocab=512,
-    )
-
-
-def _plan(args: argparse.Namespace):
-    shape = _shape(args)
-    sources = [
-        SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(shape, 2, e, 2, t))
-        for e in range(2)
-        for t in range(2)
-    ]
-    dest = DestMember(RECEIVER, vllm_catalog(shape, 1, 0))
-    return sources, dest, make_plan(sources, [dest], bucket_bytes=int(args.bucket_mib * (1 << 20)))
 
 
 def _step(tensors: dict[str, torch.Tensor], fraction: float, gen: torch.Generator) -> None:
@@ -75,7 +46,7 @@ def _step(tensors: dict[str, torch.Tensor], fraction: float, gen: torch.Generato
 
 def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
     torch.set_num_threads(1)
-    sources, dest, plan = _plan(args)
+    sources, dest, plan = moe_plan(args)
     members = [s.member_id for s in sources] + [RECEIVER]
     ranks = {m: i for i, m in enumerate(members)}
     me = members[rank]
@@ -181,26 +152,13 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--experts", type=int, default=128)
+    add_model_args(parser)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--bucket-mib", type=float, default=1.0)
     parser.add_argument("--changed", type=float, default=0.01)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    _, _, plan = _plan(args)
-    address, store = GlooTransport.create_address("127.0.0.1", SENDERS + 1, 120)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with mp.Manager() as manager:
-        results = manager.dict()
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_member, args=(r, args, address, results)) for r in range(SENDERS + 1)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        results = dict(results)
-    del store
+    _, _, plan = moe_plan(args)
+    results = run_members(_member, args)
     receiver = results[RECEIVER]
     methods = list(dict.fromkeys(r["method"] for r in receiver))
     full = statistics.median(r["seconds"] for r in receiver if r["method"] == "full refit")
