@@ -6,16 +6,17 @@ and `gen1`. Every data-plane byte crosses the lab's links (the interfaces' count
 - Two refits commit, and after each both replicas generate (greedy tokens and logprobs) exactly
   as a fresh vLLM engine on the trainer's export of that step.
 - A replica cut off (its link set down) or killed in the middle of a refit leaves no torn weights:
-  the other replica serves what it served before, or, where syncd re-routes a refit around a lost
-  replica, the new version; the cut-off replica serves what it served before once it is back; and
-  the next refit, with the replica back, commits on both, equal to vLLM's own load of the export.
-  Today's syncd aborts such a refit, naming the lost member.
+  the refit aborts naming the lost member; every replica serves either what it served before or a
+  version syncd committed since (its retry over the survivors, its catch-up of the replica that
+  came back), equal to vLLM's own load of that step's export; and once the replica is back, the
+  trainer's last step is committed on both, again equal to vLLM's own load of its export.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 REPLICAS = 2
 TRAINERS = 4  # ep 2 x tp 2
+# The fault tests' trainer takes a step more than the refits before and during the fault need: its
+# version after the one syncd's retry over the survivors may commit is still to move to both
+# replicas once the lost one is back (a trainer holds only its newest weights).
+FAULT_STEPS = 3
 CRAWL_GBIT = (
     0.002  # a replica's link during a failure test: ~9 s for its 2.24 MB, so the cut lands mid-transfer
 )
@@ -102,8 +107,8 @@ def test_a_replica_cut_off_mid_refit_leaves_no_torn_weights_and_the_next_refit_c
 ):
     stack, lab = lab_stack
     stack.start_syncd(trainers=TRAINERS, generators=REPLICAS, db="link-down.db")
-    before = {r: g.greedy() for r, g in replicas.items()}
-    trainer = stack.train(model, pp=1, ep=2, tp=2, steps=2, export=tmp_path / "export")
+    before = {r: served_now(g) for r, g in replicas.items()}
+    trainer = stack.train(model, pp=1, ep=2, tp=2, steps=FAULT_STEPS, export=tmp_path / "export")
     lab.set_rate("gen1", CRAWL_GBIT)
     try:
         state = refit_with_a_fault(stack, 1, lambda: lab.link_down("gen1"))
@@ -113,9 +118,9 @@ def test_a_replica_cut_off_mid_refit_leaves_no_torn_weights_and_the_next_refit_c
     check_no_torn_weights(  # its lease expired
         state, {0: replicas[0]}, before, tmp_path / "export", lost=("generator-1-0",)
     )
-    # Back on the network, the replica that was cut off serves what it served before.
+    # Back on the network, the replica that was cut off serves a whole version.
     wait_until(lambda: replicas[1].http.get("/healthz").status_code == 200, 120, "gen1 reachable again")
-    assert replicas[1].greedy() == before[1]
+    check_serves_a_whole_version(replicas[1], before[1], tmp_path / "export")  # or syncd caught it up
     after_refit_recovers(stack, replicas, trainer, tmp_path / "export")
 
 
@@ -124,8 +129,8 @@ def test_a_replica_killed_mid_refit_leaves_no_torn_weights_and_the_next_refit_co
 ):
     stack, lab = lab_stack
     stack.start_syncd(trainers=TRAINERS, generators=REPLICAS, db="kill.db")
-    before = {r: g.greedy() for r, g in replicas.items()}
-    trainer = stack.train(model, pp=1, ep=2, tp=2, steps=2, export=tmp_path / "export")
+    before = {r: served_now(g) for r, g in replicas.items()}
+    trainer = stack.train(model, pp=1, ep=2, tp=2, steps=FAULT_STEPS, export=tmp_path / "export")
     lab.set_rate("gen1", CRAWL_GBIT)
     killed = replicas[1].proc
     try:
@@ -158,39 +163,66 @@ def refit_with_a_fault(stack: Stack, version: int, fault) -> dict:
     return stack.wait_refit(refit_id, timeout_s=300)
 
 
+def served_now(generator: Generator) -> tuple[str, dict]:
+    """The version label a replica serves and its greedy completions."""
+    return generator.http.get("/v1/weight_version").json()["version"], generator.greedy()
+
+
 def check_no_torn_weights(
     state: dict, reachable: dict[int, Generator], before: dict, export: Path, lost: tuple[str, ...]
 ) -> None:
-    """Every reachable replica serves a whole version: what it served before, or the refit's
-    version, which syncd commits without the lost member (a re-route, or its retry over the
-    survivors once the lost lease ran out); then it generates as vLLM's own load of that step's
+    """Every reachable replica serves a whole version: what it served before (`before`: label and
+    greedy completions), or a version syncd committed without the lost member (a re-route, or its
+    retry over the survivors once the lost lease ran out: the aborted version or, if the trainer
+    trained on meanwhile, a newer one); then it generates as vLLM's own load of that step's
     export. An abort names the lost member (one of `lost`: its id, or its address)."""
     assert state["state"] in ("ABORTED", "COMMITTED"), state
     if state["state"] == "ABORTED":
         assert any(name in (state.get("error") or "") for name in lost), state
-    new = str(state["weight_version"])
     for r, generator in reachable.items():
-        served = generator.http.get("/v1/weight_version").json()["version"]
-        if served != new:
-            assert generator.greedy() == before[r], f"replica {r} changed, to no committed version"
-            continue
-        got = generator.greedy()
-        generator.load(export / f"step-{new}", version=9000 + int(new))
-        assert got == generator.greedy(), f"replica {r} serves version {new} torn"
+        check_serves_a_whole_version(generator, before[r], export)
+
+
+def check_serves_a_whole_version(generator: Generator, before: tuple[str, dict], export: Path) -> None:
+    """The version it served before, unchanged, or another one equal to vLLM's own load of that
+    step's export."""
+    version, got = served_now(generator)
+    if version == before[0]:
+        assert got == before[1], f"{generator.proc.name} changed under the same version {version}"
+        return
+    generator.load(export / f"step-{version}", version=9000 + int(version))
+    assert got == generator.greedy(), f"{generator.proc.name} serves version {version} torn"
 
 
 def after_refit_recovers(stack: Stack, replicas: dict[int, Generator], trainer, export: Path) -> None:
-    """With every replica back, the trainer's next step refits both; both then generate as vLLM's
-    own load of that step's export."""
-    stack.wait_announced(2, timeout_s=300)
-    # syncd's retry over the survivors (of version 1, or 2 if the trainer announced it by then)
-    # may still run: on a slow machine a trainer rank that trained on refuses the retry's version,
-    # and its peers wait out the stall timeout.
-    stack.wait_idle(timeout_s=300)
-    state = stack.refit(2, timeout_s=300)
-    assert state["state"] == "COMMITTED", state
+    """With every replica back, the trainer's remaining steps are refitted until its last one is
+    served by both; both then generate as vLLM's own load of that step's export.
+
+    syncd may move versions by itself meanwhile: its retry over the survivors (the aborted version,
+    or a newer one if the trainer trained on during the settle time) and its catch-up of the
+    replica that came back. So each round waits until no refit runs, then refits the newest
+    announced version unless every replica serves it already (a 409: syncd started one first)."""
+    last = str(FAULT_STEPS)
+    deadline = time.monotonic() + 900
+
+    def served() -> list[str]:
+        return [g.http.get("/v1/weight_version").json()["version"] for g in replicas.values()]
+
+    while served() != [last] * len(replicas):
+        assert time.monotonic() < deadline, f"replicas serve {served()}, not version {last}"
+        stack.wait_idle(timeout_s=300)
+        announced = stack.http.get("/v1/status").json()["announced_version"]
+        if served() == [str(announced)] * len(replicas):
+            stack.wait_announced(announced + 1, timeout_s=300)
+            continue
+        r = stack.http.post("/v1/refits", json={"weight_version": announced})
+        if r.status_code == 409:
+            continue  # syncd's own refit began first, or the trainer announced a newer version
+        assert r.status_code == 202, r.text
+        state = stack.wait_refit(r.json()["id"], timeout_s=300)
+        assert state["state"] == "COMMITTED", state
     assert trainer.popen.wait(180) == 0, trainer.tail()
-    served = {r: g.greedy() for r, g in replicas.items()}
-    assert served[0] == served[1]
-    replicas[1].load(export / "step-2", version=9002)
-    assert served[1] == replicas[1].greedy()
+    greedy = {r: g.greedy() for r, g in replicas.items()}
+    assert greedy[0] == greedy[1]
+    replicas[1].load(export / f"step-{last}", version=9000 + FAULT_STEPS)
+    assert greedy[1] == replicas[1].greedy()

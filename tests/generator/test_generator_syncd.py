@@ -36,6 +36,8 @@ def syncd(tmp_path_factory: pytest.TempPathFactory):
                 str(http_port),
                 "--db",
                 str(tmp_path / "syncd.db"),
+                "--same-host",  # FakeTrainer speaks plain gloo: no shared-memory links to it
+                "network",
             ],
             cwd=REPO,
             stdout=log,

@@ -29,12 +29,13 @@ FAULTS = [LandingFault.AFTER_CHECKSUM, LandingFault.RACING] * 3  # repeated: the
 
 
 def _syncd(tmp_path: Path) -> tuple[subprocess.Popen, str, httpx.Client]:
-    """syncd with 64 KiB buckets, so a refit of the tiny model is dozens of buckets."""
+    """syncd with 64 KiB buckets, so a refit of the tiny model is dozens of buckets; gloo on every
+    link (FakeTrainer speaks plain gloo, not the shared-memory transport)."""
     grpc_port, http_port = free_port(), free_port()
     args = ["--grpc-port", str(grpc_port), "--http-port", str(http_port), "--db", str(tmp_path / "syncd.db")]
     with open(tmp_path / "syncd.log", "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "syncd", *args, "--bucket-bytes", str(1 << 16)],
+            [sys.executable, "-m", "syncd", *args, "--bucket-bytes", str(1 << 16), "--same-host", "network"],
             cwd=REPO,
             env=engine_env(),
             stdout=log,
