@@ -116,11 +116,11 @@ def test_a_replica_cut_off_mid_refit_leaves_no_torn_weights_and_the_next_refit_c
         lab.link_up("gen1")
         lab.set_rate("gen1", 1.0)
     check_no_torn_weights(  # its lease expired
-        state, {0: replicas[0]}, before, tmp_path / "export", lost=("generator-1-0",)
+        stack, state, {0: replicas[0]}, before, tmp_path / "export", lost=("generator-1-0",)
     )
     # Back on the network, the replica that was cut off serves a whole version.
     wait_until(lambda: replicas[1].http.get("/healthz").status_code == 200, 120, "gen1 reachable again")
-    check_serves_a_whole_version(replicas[1], before[1], tmp_path / "export")  # or syncd caught it up
+    check_serves_a_whole_version(stack, replicas[1], before[1], tmp_path / "export")  # or syncd caught it up
     after_refit_recovers(stack, replicas, trainer, tmp_path / "export")
 
 
@@ -141,7 +141,12 @@ def test_a_replica_killed_mid_refit_leaves_no_torn_weights_and_the_next_refit_co
     stack.cluster.procs.remove(killed)
     # The abort names the lost replica by the address its trainer peers lost (gloo's error).
     check_no_torn_weights(
-        state, {0: replicas[0]}, before, tmp_path / "export", lost=("generator-1-0", lab.address("gen1"))
+        stack,
+        state,
+        {0: replicas[0]},
+        before,
+        tmp_path / "export",
+        lost=("generator-1-0", lab.address("gen1")),
     )
     replicas[1] = start_replica(stack, model, 1)  # back, on the checkpoint it starts from
     after_refit_recovers(stack, replicas, trainer, tmp_path / "export")
@@ -169,7 +174,12 @@ def served_now(generator: Generator) -> tuple[str, dict]:
 
 
 def check_no_torn_weights(
-    state: dict, reachable: dict[int, Generator], before: dict, export: Path, lost: tuple[str, ...]
+    stack: Stack,
+    state: dict,
+    reachable: dict[int, Generator],
+    before: dict,
+    export: Path,
+    lost: tuple[str, ...],
 ) -> None:
     """Every reachable replica serves a whole version: what it served before (`before`: label and
     greedy completions), or a version syncd committed without the lost member (a re-route, or its
@@ -180,16 +190,20 @@ def check_no_torn_weights(
     if state["state"] == "ABORTED":
         assert any(name in (state.get("error") or "") for name in lost), state
     for r, generator in reachable.items():
-        check_serves_a_whole_version(generator, before[r], export)
+        check_serves_a_whole_version(stack, generator, before[r], export)
 
 
-def check_serves_a_whole_version(generator: Generator, before: tuple[str, dict], export: Path) -> None:
-    """The version it served before, unchanged, or another one equal to vLLM's own load of that
-    step's export."""
+def check_serves_a_whole_version(
+    stack: Stack, generator: Generator, before: tuple[str, dict], export: Path
+) -> None:
+    """What it served before, unchanged, or the version this syncd (a fresh store per test)
+    committed since, equal to vLLM's own load of that step's export. (A label alone could be an
+    earlier test's run's, so an unchanged replica is told by its completions.)"""
     version, got = served_now(generator)
-    if version == before[0]:
-        assert got == before[1], f"{generator.proc.name} changed under the same version {version}"
+    if (version, got) == before:
         return
+    committed = stack.http.get("/v1/status").json()["committed_version"]
+    assert version == str(committed), f"{generator.proc.name} serves {version}, neither before nor committed"
     generator.load(export / f"step-{version}", version=9000 + int(version))
     assert got == generator.greedy(), f"{generator.proc.name} serves version {version} torn"
 
@@ -202,17 +216,21 @@ def after_refit_recovers(stack: Stack, replicas: dict[int, Generator], trainer, 
     or a newer one if the trainer trained on during the settle time) and its catch-up of the
     replica that came back. So each round waits until no refit runs, then refits the newest
     announced version unless every replica serves it already (a 409: syncd started one first)."""
-    last = str(FAULT_STEPS)
     deadline = time.monotonic() + 900
 
-    def served() -> list[str]:
-        return [g.http.get("/v1/weight_version").json()["version"] for g in replicas.values()]
+    def committed_everywhere(version: int) -> bool:
+        """This syncd (a fresh store per test) committed `version`, and every replica serves it
+        (a label alone could be an earlier test's run's)."""
+        labels = {g.http.get("/v1/weight_version").json()["version"] for g in replicas.values()}
+        return stack.http.get("/v1/status").json()["committed_version"] == version and labels == {
+            str(version)
+        }
 
-    while served() != [last] * len(replicas):
-        assert time.monotonic() < deadline, f"replicas serve {served()}, not version {last}"
+    while not committed_everywhere(FAULT_STEPS):
+        assert time.monotonic() < deadline, f"version {FAULT_STEPS} not committed on every replica"
         stack.wait_idle(timeout_s=300)
         announced = stack.http.get("/v1/status").json()["announced_version"]
-        if served() == [str(announced)] * len(replicas):
+        if committed_everywhere(announced):
             stack.wait_announced(announced + 1, timeout_s=300)
             continue
         r = stack.http.post("/v1/refits", json={"weight_version": announced})
@@ -224,5 +242,5 @@ def after_refit_recovers(stack: Stack, replicas: dict[int, Generator], trainer, 
     assert trainer.popen.wait(180) == 0, trainer.tail()
     greedy = {r: g.greedy() for r, g in replicas.items()}
     assert greedy[0] == greedy[1]
-    replicas[1].load(export / f"step-{last}", version=9000 + FAULT_STEPS)
+    replicas[1].load(export / f"step-{FAULT_STEPS}", version=9000 + FAULT_STEPS)
     assert greedy[1] == replicas[1].greedy()
