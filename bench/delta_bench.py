@@ -22,14 +22,12 @@ from pathlib import Path
 
 import torch
 
-from bench.four_to_one import RECEIVER, SENDERS, add_model_args, moe_plan, run_members
+from bench.four_to_one import RECEIVER, SENDERS, add_model_args, join_rank, moe_plan, run_members
 from syncd.commands import DeltaLinks
 from syncd.member.dataplane import (
     GcPause,
-    GlooTransport,
     LoopCache,
     LoopOptions,
-    catalog_views,
     recv_buckets,
     send_buckets,
 )
@@ -45,34 +43,14 @@ def _step(tensors: dict[str, torch.Tensor], fraction: float, gen: torch.Generato
 
 
 def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
-    torch.set_num_threads(1)
-    sources, dest, plan = moe_plan(args)
-    members = [s.member_id for s in sources] + [RECEIVER]
-    ranks = {m: i for i, m in enumerate(members)}
-    me = members[rank]
-    sending = rank < SENDERS
-    catalog = sources[rank].catalog if sending else dest.catalog
-    gen = torch.Generator().manual_seed(rank)
-    tensors = {
-        t.name: (torch.randn(t.shape, generator=gen) * 0.02).to(torch.bfloat16) for t in catalog.tensors
-    }
-    views = catalog_views(catalog, tensors)
-    transport = GlooTransport.connect(address, rank, len(members), "delta-bench", 120)
+    r = join_rank(rank, args, address, "delta-bench")
+    me, sending, ranks, views, transport = r.me, r.sending, r.ranks, r.views, r.transport
     mirror = Mirror()
-    mine = plan.for_member(me)
+    mine = r.plan.for_member(me)
     raw = torch.empty(sum(b.nbytes for b in mine), dtype=torch.uint8)
     rows = []
 
-    def barrier() -> None:
-        flag = torch.zeros(1, dtype=torch.uint8)
-        if rank == len(members) - 1:
-            for r in range(SENDERS):
-                transport.irecv(flag, r).wait(120)
-            for r in range(SENDERS):
-                transport.isend(flag, r).wait(120)
-        else:
-            transport.isend(flag, len(members) - 1).wait(120)
-            transport.irecv(flag, len(members) - 1).wait(120)
+    barrier = r.barrier
 
     def timed(name: str, fn) -> None:
         barrier()
@@ -120,7 +98,7 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
         else:
             bufs = {
                 s: torch.empty(sum(b.nbytes for b in mine if b.src == s), dtype=torch.uint8)
-                for s in members[:SENDERS]
+                for s in list(ranks)[:SENDERS]
             }
             for handle in [transport.irecv(buf, ranks[s]) for s, buf in bufs.items()]:
                 handle.wait(120)
@@ -141,10 +119,10 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
         timed("full refit", full)
         timed("full refit, delta refits on (mirror kept)", keep_mirror)
         if sending:
-            _step(tensors, args.changed, gen)
+            _step(views, args.changed, r.gen)
         timed(f"delta refit, RL-like step ({args.changed:.1%} of elements)", delta)
         if sending:
-            _step(tensors, 1.0, gen)
+            _step(views, 1.0, r.gen)
         timed("delta refit, every element changed (dense fallback)", delta)
     results[me] = rows[len(rows) // (args.rounds + 1) :]  # the first round warms up
     transport.close()

@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import torch
 import torch.multiprocessing as mp
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
-from syncd.member.dataplane import GlooTransport
+from syncd.member.dataplane import GlooTransport, catalog_views
 from syncd.plan import DestMember, Plan, SourceMember, make_plan
 
 SENDERS = 4
@@ -65,3 +67,54 @@ def run_members(member: Member, args: argparse.Namespace) -> dict:
         out = dict(results)
     del store  # the rendezvous store lives until every member is done
     return out
+
+
+@dataclass
+class Rank:
+    """One member of the bench as its process sees it: its id, plan, tensors and transport."""
+
+    rank: int
+    me: str
+    sending: bool
+    ranks: dict[str, int]  # member id -> gloo rank
+    plan: Plan
+    views: dict[str, torch.Tensor]  # its catalog's tensors, bf16, random
+    transport: GlooTransport
+    gen: torch.Generator  # what drew the tensors, for the bench's further draws
+
+    def barrier(self) -> None:
+        """Every member waits for all the others (through the receiver, the last rank)."""
+        flag = torch.zeros(1, dtype=torch.uint8)
+        receiver = SENDERS
+        if self.rank == receiver:
+            for r in range(SENDERS):
+                self.transport.irecv(flag, r).wait(120)
+            for r in range(SENDERS):
+                self.transport.isend(flag, r).wait(120)
+        else:
+            self.transport.isend(flag, receiver).wait(120)
+            self.transport.irecv(flag, receiver).wait(120)
+
+
+def join_rank(rank: int, args: argparse.Namespace, address: str, group: str) -> Rank:
+    """In a member's process: its plan and random bf16 tensors, connected to the group."""
+    torch.set_num_threads(1)
+    sources, dest, plan = moe_plan(args)
+    members = [s.member_id for s in sources] + [RECEIVER]
+    sending = rank < SENDERS
+    catalog = sources[rank].catalog if sending else dest.catalog
+    gen = torch.Generator().manual_seed(rank)
+    tensors = {
+        t.name: (torch.randn(t.shape, generator=gen) * 0.02).to(torch.bfloat16) for t in catalog.tensors
+    }
+    transport = GlooTransport.connect(address, rank, len(members), group, 120)
+    return Rank(
+        rank,
+        members[rank],
+        sending,
+        {m: i for i, m in enumerate(members)},
+        plan,
+        catalog_views(catalog, tensors),
+        transport,
+        gen,
+    )

@@ -20,15 +20,11 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
-from bench.four_to_one import RECEIVER, SENDERS, add_model_args, moe_plan, run_members
+from bench.four_to_one import RECEIVER, SENDERS, add_model_args, join_rank, moe_plan, run_members
 from syncd.member.dataplane import (
     GcPause,
-    GlooTransport,
     LoopCache,
     LoopOptions,
-    catalog_views,
     recv_buckets,
     send_buckets,
 )
@@ -39,33 +35,13 @@ CHECK_ALONE = "the landed check alone"
 
 
 def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
-    torch.set_num_threads(1)
-    sources, dest, plan = moe_plan(args)
-    members = [s.member_id for s in sources] + [RECEIVER]
-    ranks = {m: i for i, m in enumerate(members)}
-    me = members[rank]
-    sending = rank < SENDERS
-    catalog = sources[rank].catalog if sending else dest.catalog
-    gen = torch.Generator().manual_seed(rank)
-    tensors = {
-        t.name: (torch.randn(t.shape, generator=gen) * 0.02).to(torch.bfloat16) for t in catalog.tensors
-    }
-    views = catalog_views(catalog, tensors)
-    transport = GlooTransport.connect(address, rank, len(members), "landed-bench", 120)
-    mine = plan.for_member(me)
+    r = join_rank(rank, args, address, "landed-bench")
+    me, sending, ranks, views, transport = r.me, r.sending, r.ranks, r.views, r.transport
+    mine = r.plan.for_member(me)
     cache, pause = LoopCache(), GcPause()
     rows = []
 
-    def barrier() -> None:
-        flag = torch.zeros(1, dtype=torch.uint8)
-        if rank == len(members) - 1:
-            for r in range(SENDERS):
-                transport.irecv(flag, r).wait(120)
-            for r in range(SENDERS):
-                transport.isend(flag, r).wait(120)
-        else:
-            transport.isend(flag, len(members) - 1).wait(120)
-            transport.irecv(flag, len(members) - 1).wait(120)
+    barrier = r.barrier
 
     def refit(method: str) -> None:
         options = LoopOptions(120, gc_pause=pause, verify_landed=method == ON)
