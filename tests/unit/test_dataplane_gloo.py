@@ -276,3 +276,39 @@ def test_gloo_refuses_a_tensor_off_the_host_by_name():
                 call(torch.empty(8, dtype=torch.uint8, device="meta"), 0)
     finally:
         transport.close()
+
+
+def test_closing_a_group_fails_a_peers_pending_send_while_our_handles_live_on():
+    """An aborted receiver closes its group while its failed loop's traceback still holds the
+    handles it posted. Its peer, blocked sending to it, must fail now: gloo's abort alone leaves
+    it waiting out its whole timeout (and the next refit's group waits behind it)."""
+    address, store = GlooTransport.create_address("127.0.0.1", 2, 30)
+    joined, closed, sent = threading.Barrier(2), threading.Event(), threading.Event()
+    outcome = {}
+
+    def sender():
+        transport = GlooTransport.connect(address, 0, 2, "g2", 30, store)
+        joined.wait(30)
+        handle = transport.isend(torch.zeros(5, dtype=torch.uint8), 1)
+        closed.wait(30)
+        try:
+            with pytest.raises(TransferError) as failed:
+                handle.wait(20)
+            outcome["timed_out"] = isinstance(failed.value, TransferTimeout)
+        finally:
+            sent.set()
+            transport.close()
+
+    def receiver():
+        transport = GlooTransport.connect(address, 1, 2, "g2", 30)
+        joined.wait(30)
+        held = transport.irecv(torch.zeros(5, dtype=torch.uint8), 0, tag=7)  # not the send's tag
+        transport.close()
+        closed.set()
+        sent.wait(30)  # the handle stays alive until the sender knows
+        with pytest.raises(TransferError, match="closed"):
+            held.wait(1)
+
+    errors = _run_threads([sender, receiver])
+    assert not errors, errors
+    assert outcome == {"timed_out": False}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -55,11 +57,20 @@ class _GlooHandle:
         self._work, self._what, self._peer = work, what, peer
         self._done = False
 
+    def release(self) -> None:
+        """Drop the gloo work. Each pending work keeps the group's sockets open (it holds gloo's
+        context), and a failed loop's traceback keeps its handles alive until the cyclic garbage
+        collector runs: a peer blocked on us would wait out its whole timeout."""
+        self._work = None
+
     def wait(self, timeout_s: float) -> None:
         if self._done:  # gloo counts completions per buffer: a second wait would wait for another
             return
+        work = self._work
+        if work is None:
+            raise TransferError(f"{self._what} failed: the group was closed", self._peer)
         try:
-            self._work.wait(datetime.timedelta(seconds=timeout_s))
+            work.wait(datetime.timedelta(seconds=timeout_s))
             self._done = True
         except RuntimeError as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
@@ -124,6 +135,8 @@ class GlooTransport:
             )
         else:
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, _bound_options(bind_host, timeout))
+        self._handles: weakref.WeakSet[_GlooHandle] = weakref.WeakSet()  # released by `close`
+        self._handles_lock = threading.Lock()  # `close` comes from an abort, beside the loops
 
     @staticmethod
     def create_address(host: str, world_size: int, timeout_s: float) -> tuple[str, dist.Store]:
@@ -173,14 +186,22 @@ class GlooTransport:
         what = f"send of {buf.numel()} bytes to rank {peer}"
         with _posting(what, peer):
             work = self._group().send([buf], peer, tag)  # type: ignore[attr-defined]  # torch's stub lacks Backend.send
-        return _GlooHandle(work, what, peer)
+        return self._track(_GlooHandle(work, what, peer))
 
     def irecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Handle:
         _require_host(buf, "receive into")
         what = f"receive of {buf.numel()} bytes from rank {peer}"
         with _posting(what, peer):
             work = self._group().recv([buf], peer, tag)  # type: ignore[attr-defined]  # torch's stub lacks Backend.recv
-        return _GlooHandle(work, what, peer)
+        return self._track(_GlooHandle(work, what, peer))
+
+    def _track(self, handle: _GlooHandle) -> _GlooHandle:
+        with self._handles_lock:
+            if self._pg is None:  # closed while this one was posted
+                handle.release()
+            else:
+                self._handles.add(handle)
+        return handle
 
     def abort(self) -> None:
         if self._pg is None:  # closed: nothing left to unblock
@@ -189,6 +210,12 @@ class GlooTransport:
             self._pg.abort()
 
     def close(self) -> None:
-        """Abort and drop the group so its sockets close: peers fail fast instead of timing out."""
+        """Abort and drop the group so its sockets close: peers fail fast instead of timing out.
+        gloo's abort does not unblock a peer's pending send (measured, torch 2.13): only closed
+        sockets do, and they close when the group and every work posted on it are gone."""
         self.abort()
-        self._pg = None
+        with self._handles_lock:
+            for handle in list(self._handles):
+                handle.release()
+            self._handles.clear()
+            self._pg = None
