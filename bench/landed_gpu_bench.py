@@ -7,8 +7,9 @@ on the GPU; the landed check (`syncd.member.dataplane.landed.landed_checksums`: 
 bucket the plan gives it, the same two reductions as the wire checksums) runs over all of them,
 and is compared with `copy_` of one buffer of the same bytes into another (read + write, the
 bound a verifying pass that reads once is held to); and, to show where the check's time goes, the
-same checksum algorithm over each tensor whole (contiguous: no copy first). Medians over
-`--rounds`, after a warm-up.
+torch form of the same checksum (each region copied contiguous, then column and row sums: what
+the check did before `checksum_kernel`) over the same units, and over each tensor whole
+(contiguous: no copy first). Medians over `--rounds`, after a warm-up.
 Issue 36 asks for the check at least half as fast as the copy.
 """
 
@@ -75,7 +76,15 @@ def main() -> None:
             sums.add(name, x.reshape(-1).view(torch.uint8))
         sums.result()
 
+    def torch_form() -> None:  # the check before the in-place kernel: copy, then two reductions
+        sums = Checksums()
+        for u in units:
+            region = views[u.dst_tensor][u.dst_box.slices()]
+            sums.add("x", region.contiguous().reshape(-1).view(torch.uint8))
+        sums.result()
+
     whole_s = _timed(whole_tensors, args.rounds)
+    torch_form_s = _timed(torch_form, args.rounds)
     strided = sum(1 for u in units if not views[u.dst_tensor][u.dst_box.slices()].is_contiguous())
     result = {
         "device": torch.cuda.get_device_name(),
@@ -84,6 +93,8 @@ def main() -> None:
         "landed_check_s": check_s,
         "landed_check_gbps": nbytes / check_s / 1e9,
         "strided_units": strided,
+        "torch_form_check_s": torch_form_s,
+        "torch_form_over_d2d_speed": copy_s / torch_form_s,
         "same_algorithm_whole_tensors_gbps": nbytes / whole_s / 1e9,
         "d2d_copy_s": copy_s,
         "d2d_gbps": nbytes / copy_s / 1e9,

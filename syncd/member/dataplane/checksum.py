@@ -22,8 +22,11 @@ import numpy as np
 import torch
 import xxhash
 
-_COLS = 1024
-_ROW_BYTES = 4 * _COLS
+from syncd.member.dataplane import checksum_kernel
+from syncd.member.dataplane.checksum_kernel import ReducedRegions
+
+_COLS = checksum_kernel.COLS
+_ROW_BYTES = checksum_kernel.ROW_BYTES
 
 
 def _xxh3(region_bytes: torch.Tensor) -> str:
@@ -72,13 +75,25 @@ def reduce_region(
 class DeviceSums:
     """The GPU algorithm (plain torch, so it also runs on CPU tensors in tests): per region, the
     column and row sums are launched at once and kept on the device; `values()` weights and
-    folds them for all regions together."""
+    folds them for all regions together. Regions read in place (`checksum_kernel`) wait in
+    `_pending` until `flush`, which reduces them in one batch."""
 
     def __init__(self) -> None:
         self.numels: list[int] = []
-        self._cols: list[torch.Tensor] = []  # [1024] int32 per region
-        self._rows: list[torch.Tensor] = []  # [rows] int32 per region
-        self._rests: list[torch.Tensor] = []  # the < 4 KiB that is not a full row, raw bytes
+        self._reduced: list[ReducedRegions] = []  # in `add` order, one per region or batch
+        self._pending: list[checksum_kernel.Region] = []
+
+    def add_in_place(self, region: checksum_kernel.Region) -> None:
+        """A region read where it lies by `checksum_kernel`, batched with the others added
+        until `flush` (`values` flushes)."""
+        self._pending.append(region)
+        self.numels.append(region.numel)
+
+    def flush(self) -> None:
+        """Enqueue the pending in-place regions' reductions on the current stream, in one batch."""
+        if self._pending:
+            self._reduced.append(checksum_kernel.reduce_batch(self._pending))
+            self._pending = []
 
     def add(self, region_bytes: torch.Tensor) -> None:
         n = region_bytes.numel()
@@ -89,10 +104,9 @@ class DeviceSums:
     def add_reduced(self, numel: int, cols: torch.Tensor, rows: torch.Tensor, rest: torch.Tensor) -> None:
         """A region of `numel` bytes whose `reduce_region` outputs are already enqueued (by
         `add`, or by a replayed CUDA graph that wrote them)."""
+        self.flush()  # the batch before it keeps its place
         self.numels.append(numel)
-        self._cols.append(cols)
-        self._rows.append(rows)
-        self._rests.append(rest)
+        self._reduced.append(ReducedRegions.one(cols, rows, rest))
 
     def _weighted_row_sums(self, device: torch.device) -> torch.Tensor:
         """Per region k with rows r_k[0..n_k): sum_j (j + 1) * r_k[j], for all regions at once.
@@ -100,12 +114,12 @@ class DeviceSums:
         so the sum is G_k - s_k * R_k with G, R segment sums of g * r and r: one cumulative sum of
         both, read at the region boundaries. (A scatter-add of millions of rows costs a millisecond
         more, and the fold runs after the last bucket, on the refit's critical path.)"""
-        counts = np.array([r.numel() for r in self._rows], dtype=np.int64)
+        counts = np.concatenate([r.row_counts for r in self._reduced])
         total = int(counts.sum())
         if not total:
             return torch.zeros(len(counts), dtype=torch.int64, device=device)
         bounds = np.cumsum(np.concatenate([[0], counts]))  # [starts..., last end]
-        rows = torch.cat(self._rows).to(torch.int64)
+        rows = torch.cat([r.rows for r in self._reduced]).to(torch.int64)
         # One flat scan of [g * r, r] (a 1-D scan; a scan along rows of a 2-row matrix runs on two
         # thread blocks and takes milliseconds), read at both halves' region boundaries.
         flat = torch.cat([rows * _positions(total, device), rows])
@@ -114,37 +128,36 @@ class DeviceSums:
         seg = at[:, 1:] - at[:, :-1]
         return seg[0] - at.new_tensor(bounds[:-1]) * seg[1]
 
+    def _rests(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every region's rest bytes in one host array, with each region's start and count."""
+        sizes = [r.rest.numel() for r in self._reduced]
+        bases = np.cumsum([0, *sizes[:-1]])
+        starts = np.concatenate([r.rest_starts + b for r, b in zip(self._reduced, bases)])
+        counts = np.concatenate([r.rest_counts for r in self._reduced])
+        if not counts.any():
+            return np.zeros(0, np.uint8), starts, counts
+        return torch.cat([r.rest for r in self._reduced]).cpu().numpy(), starts, counts
+
     def values(self) -> list[tuple[int, int, int]]:
         """(weighted column sums, weighted row sums, weighted rest) per region, in `add` order."""
+        self.flush()
         if not self.numels:
             return []
-        device = self._cols[0].device
-        cols = torch.stack(self._cols).to(torch.int64)
+        device = self._reduced[0].cols.device
+        cols = torch.cat([r.cols for r in self._reduced]).to(torch.int64)
         col_sums = (cols * _positions(_COLS, device)).sum(dim=1)
         row_sums = self._weighted_row_sums(device)
-        rest_bytes = (
-            torch.cat(self._rests).cpu().numpy()
-            if any(r.numel() for r in self._rests)
-            else np.zeros(0, np.uint8)
-        )
+        rest_bytes, starts, counts = self._rests()
         col_list, row_list = torch.stack([col_sums, row_sums]).tolist()  # one read-back
-        out, offset = [], 0
-        for col, row, rest in zip(col_list, row_list, self._rests):
-            if not rest.numel():  # the common case; numpy calls per region add up to milliseconds
+        out = []
+        for col, row, start, count in zip(col_list, row_list, starts.tolist(), counts.tolist()):
+            if not count:  # the common case; numpy calls per region add up to milliseconds
                 out.append((col, row, 0))
                 continue
-            tail = rest_bytes[offset : offset + rest.numel()]
-            offset += rest.numel()
+            tail = rest_bytes[start : start + count]
             words = tail[: tail.size - tail.size % 4].view("<i4")
-            out.append(
-                (
-                    col,
-                    row,
-                    _weighted(
-                        np.concatenate([words.astype(np.int64), tail[words.size * 4 :].astype(np.int64)])
-                    ),
-                )
-            )
+            rest = np.concatenate([words.astype(np.int64), tail[words.size * 4 :].astype(np.int64)])
+            out.append((col, row, _weighted(rest)))
         return out
 
 
@@ -176,10 +189,21 @@ class Checksums:
             self._device.add(region_bytes)
 
     def add_region(self, key: str, region: torch.Tensor) -> None:
-        """A region of a tensor, by its bytes in C order, whatever its strides (copied contiguous
-        first when it is not: one C copy beat hashing its contiguous runs one by one from Python,
-        3x on the 24 x 128-expert model's staging)."""
-        self.add(key, region.contiguous().reshape(-1).view(torch.uint8))
+        """A region of a tensor, by its bytes in C order, whatever its strides. On NVIDIA GPUs
+        one kernel reads it where it lies (`checksum_kernel`); otherwise it is copied contiguous
+        first when it is not (on CPU one C copy beat hashing its contiguous runs one by one from
+        Python, 3x on the 24 x 128-expert model's staging)."""
+        described = checksum_kernel.describe(region)
+        if described is not None:
+            self._keys.append(key)
+            self._device.add_in_place(described)
+        else:
+            self.add(key, region.contiguous().reshape(-1).view(torch.uint8))
+
+    def flush(self) -> None:
+        """Enqueue the GPU work of the regions added so far on the current stream (`add_region`
+        batches; `result` flushes what is left)."""
+        self._device.flush()
 
     def add_reduced(
         self, key: str, numel: int, cols: torch.Tensor, rows: torch.Tensor, rest: torch.Tensor

@@ -38,6 +38,7 @@ def add_landed(units: Iterable[TransferUnit], tensors: Mapping[str, torch.Tensor
     by unit key."""
     for u in units:
         sums.add_region(checksum_key(u.canonical, u.canon), tensors[u.dst_tensor][u.dst_box.slices()])
+    sums.flush()  # on GPUs: now, on this stream, behind the writes it checks
 
 
 def landed_checksums(units: Iterable[TransferUnit], tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:

@@ -1,0 +1,93 @@
+"""One GPU: the checksum kernel that reads a region where it lies (`checksum_kernel`) gives the
+torch form's sums (a contiguous copy, then column and row sums) for every element size, for
+strided boxes of 1-, 2- and 3-dimensional tensors, runs shorter and longer than a 4 KiB row,
+regions smaller than a row and regions with bytes after their last full row; and a flipped or
+moved byte changes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu(count=1)
+
+# (tensor shape, box as slices): strided boxes whose runs are shorter than a row, longer than a
+# row, a prefix of rows, a single element, and whole tensors.
+BOXES = [
+    ((7, 9, 300), (slice(1, 6), slice(2, 5), slice(0, 100))),  # 100-element runs, dims wrap in a row
+    ((7, 9, 300), (slice(1, 6), slice(2, 5), slice(None))),  # two dims merge: 900-element runs
+    ((6, 768, 2048), (slice(2, 5), slice(0, 384), slice(None))),  # an expert range of a TP shard
+    ((6, 2048, 768), (slice(0, 6), slice(None), slice(0, 384))),  # the other TP split
+    ((4096, 2049), (slice(5, 3000), slice(1, 2048))),  # long runs at an odd offset
+    ((3, 5), (slice(None), slice(None))),  # smaller than a row: only a rest
+    (((1 << 20) + 7,), (slice(None),)),  # contiguous, with a rest
+    ((2, 3, 4, 5), (slice(None), slice(0, 2), slice(None), slice(None))),  # collapses to 2 dims
+    ((10, 5001), (slice(2, 8), slice(1, 4601))),  # long runs, not word-aligned: read by element
+    ((4, 6, 3001), (slice(1, 3), slice(1, 5), slice(1, 2501))),  # the same, three dimensions
+    ((4, 6, 3000), (slice(1, 3), slice(1, 5), slice(0, 2500))),  # long runs of whole words
+]
+DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn]
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    bits = torch.randint(-(1 << 31), 1 << 31, shape, dtype=torch.int64, device="cuda")
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[torch.empty(0, dtype=dtype).element_size()]
+    return bits.to(torch.int32).to(width).view(dtype)  # every bit pattern, NaNs included
+
+
+def _both(region: torch.Tensor) -> tuple[str, str]:
+    from syncd.member.dataplane.checksum import Checksums
+
+    in_place, copied = Checksums(), Checksums()
+    in_place.add_region("r", region)
+    copied.add("r", region.contiguous().reshape(-1).view(torch.uint8))
+    return in_place.result()["r"], copied.result()["r"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape, box", BOXES, ids=[str(b[0]) for b in BOXES])
+def test_in_place_checksum_equals_the_copy_and_reduce_form(shape, box, dtype):
+    from syncd.member.dataplane import checksum_kernel
+
+    region = _random(shape, dtype)[box]
+    assert checksum_kernel.describe(region) is not None
+    got, want = _both(region)
+    assert got == want
+
+
+def test_many_regions_in_one_batch_and_a_changed_byte_is_seen():
+    from syncd.member.dataplane.checksum import Checksums
+
+    t = _random((600, 64, 128), torch.bfloat16)
+    regions = {f"e{i}": t[i, :, 0:96] for i in range(600)}  # one launch, 600 regions
+    sums = Checksums()
+    for key, region in regions.items():
+        sums.add_region(key, region)
+    before = sums.result()
+    assert len(set(before.values())) == len(regions)
+    assert before == {k: _both(r)[1] for k, r in regions.items()}
+    raw = t.view(torch.int16)
+    raw[7, 3, 5] ^= 1  # one bit
+    raw[9, 0, 0], raw[9, 0, 1] = raw[9, 0, 1].clone(), raw[9, 0, 0].clone()  # two words swapped
+    after = Checksums()
+    for key, region in regions.items():
+        after.add_region(key, region)
+    changed = {k for k, v in after.result().items() if v != before[k]}
+    assert changed == {"e7", "e9"} or (changed == {"e7"} and bool(raw[9, 0, 0] == raw[9, 0, 1]))
+
+
+def test_regions_read_in_place_and_copied_keep_their_order():
+    """`add` (the torch form, as the wire checksums) between regions read in place (batched until
+    `result`) keeps every key on its own region's checksum."""
+    from syncd.member.dataplane.checksum import Checksums
+
+    t = _random((40, 64, 128), torch.bfloat16)
+    mixed, reference = Checksums(), Checksums()
+    for i in range(40):
+        region = t[i, :, 0:96]
+        if i % 3 == 0:
+            mixed.add(f"r{i}", region.contiguous().reshape(-1).view(torch.uint8))
+        else:
+            mixed.add_region(f"r{i}", region)
+        reference.add(f"r{i}", region.contiguous().reshape(-1).view(torch.uint8))
+    assert mixed.result() == reference.result()
