@@ -49,7 +49,7 @@ _ROWS_PER_PROGRAM = 64  # 256 KiB a program: few column-sum atomics, and blocks 
 _NUM_WARPS = 8
 _VEC_BYTES = 16  # the widest load
 _MAX_DIM = 1 << 30  # int32 arithmetic in the kernel: a dimension plus a row stays below 2**31
-_FIELDS = 12  # the table's int64 fields per region, in `_reduce_regions`'s order
+_FIELDS = 12  # the table's int64 fields per region, in the order `_reduce_regions` reads them
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,14 @@ class ReducedRegions:
 
     @classmethod
     def one(cls, cols: torch.Tensor, rows: torch.Tensor, rest: torch.Tensor) -> ReducedRegions:
-        counts = np.array([rows.numel()]), np.array([rest.numel()])
-        return cls(cols.view(1, -1), rows, counts[0], rest, np.zeros(1, np.int64), counts[1])
+        return cls(
+            cols.view(1, -1),
+            rows,
+            np.array([rows.numel()]),
+            rest,
+            np.zeros(1, np.int64),
+            np.array([rest.numel()]),
+        )
 
 
 def collapse(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -113,13 +119,9 @@ def collapse(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[list[int
     return dims or [1], steps or [1]
 
 
-def _on_device(region: torch.Tensor) -> bool:
-    return region.is_cuda  # (a check of the kernel under Triton's CPU interpreter replaces this)
-
-
 def describe(region: torch.Tensor) -> Region | None:
     esize = region.element_size()
-    if triton is None or not _on_device(region) or esize not in (1, 2, 4):
+    if triton is None or not region.is_cuda or esize not in (1, 2, 4):
         return None
     dims, steps = collapse(tuple(region.shape), tuple(region.stride()))
     if len(dims) > 3 or steps[-1] != 1 or max(dims) >= _MAX_DIM:
@@ -185,11 +187,12 @@ if triton is not None:
         BR: tl.constexpr,
         LONG_RUNS: tl.constexpr,
         VEC: tl.constexpr,
+        FIELDS: tl.constexpr,
     ):
         EPR: tl.constexpr = 4096 // ESIZE  # items per 4 KiB row
         PER_WORD: tl.constexpr = 4 // ESIZE
         pid = tl.program_id(0)
-        field = table_ptr + tl.load(owner_ptr + pid) * 12
+        field = table_ptr + tl.load(owner_ptr + pid) * FIELDS
         x_ptr = tl.load(field).to(tl.pointer_type(ITEM))
         cols_ptr = tl.load(field + 1).to(tl.pointer_type(tl.int32))
         rows_ptr = tl.load(field + 2).to(tl.pointer_type(tl.int32))
@@ -292,12 +295,10 @@ def _launch(regions: list[Region], outputs: list[np.ndarray], esize: int, long_r
     assert table.shape[1] == _FIELDS
     owners = np.repeat(np.arange(len(regions), dtype=np.int64), programs)
     values = np.concatenate([table.reshape(-1), owners])
-    device = regions[0].tensor.device
-    # Pinned (torch caches such blocks) and asynchronous: a pageable upload waits for the stream's
-    # work. (Not pinned under Triton's CPU interpreter, which tests the kernel without a GPU.)
-    host = torch.empty(values.size, dtype=torch.int64, pin_memory=device.type == "cuda")
+    # Pinned (torch caches such blocks) and asynchronous: a pageable upload waits for the stream's work.
+    host = torch.empty(values.size, dtype=torch.int64, pin_memory=True)
     host.numpy()[:] = values
-    uploaded = host.to(device, non_blocking=True)
+    uploaded = host.to(regions[0].tensor.device, non_blocking=True)
     _reduce_regions[(owners.size,)](
         uploaded,
         uploaded[table.size :],
@@ -306,5 +307,6 @@ def _launch(regions: list[Region], outputs: list[np.ndarray], esize: int, long_r
         BR=br,
         LONG_RUNS=long_runs,
         VEC=vec,
+        FIELDS=_FIELDS,
         num_warps=_NUM_WARPS,
     )
