@@ -208,6 +208,16 @@ class WeightSyncExtension:
         """This worker's digest of the version it serves (`generator_svc.digest`)."""
         return self._ws_mode.digest(self._ws_member_id)
 
+    def ws_close(self) -> None:
+        """Leave syncd and stop publishing this worker's status (an attached engine detached,
+        `generator_svc.attach`); the engine keeps serving the weights it holds."""
+        if self._ws_member is not None:
+            self._ws_member.close()
+            self._ws_member = None
+        publisher = getattr(self, "_ws_status_publisher", None)
+        if publisher is not None:
+            publisher.stop()
+
     def ws_last_install(self) -> dict[str, Any]:
         """What the last install did on this worker (`InstallReport`), {} before the first."""
         report = self.weight_transfer_engine.last_install
