@@ -8,14 +8,18 @@ syncd (`generator_svc.attach.attach`: its worker registers as replica 0) and gen
 any script would. To have something to sync from, it starts syncd and a one-rank trainer_svc job
 that trains `--steps` steps, exporting each step as an HF checkpoint, and asks syncd for a refit
 of each step (`POST /v1/refits`, what an RL loop's driver or syncd's `--auto-refit` does). After
-each refit it records the LLM's greedy completions. At the end a fresh `LLM` on each step's export
-completes the same prompts; the summary (`--summary-json`) has per step `tokens_equal`,
-`max_abs_logprob_diff` (0.0: the refit put exactly the trainer's bits there) and `changed` (the
-step moved the outputs away from the previous version's).
+each refit it records the LLM's greedy completions, while a thread of its own keeps generating as
+a rollout loop would (refits pause the engine between two steps; no caller cooperates). At the end
+a fresh `LLM` on each step's export completes the same prompts; the summary (`--summary-json`)
+has per step `tokens_equal`, `max_abs_logprob_diff` (0.0: the refit put exactly the trainer's bits
+there) and `changed` (the step moved the outputs away from the previous version's), and
+`background_of_some_version`: every completion of the thread equals what one served version
+generates (never torn weights).
 
 With `--syncd HOST:PORT --model DIR --record F` it only attaches to that syncd as `--replica` and
-appends one JSON line to F per version it serves (0, then 1..steps), whoever triggers the refits
-(`tests/e2e/test_attach_e2e.py`); it starts nothing else and compares nothing.
+appends one JSON line to F per version it serves (0, then 1..steps) and a last one with the
+thread's completions, whoever triggers the refits (`tests/e2e/test_attach_e2e.py`); it starts
+nothing else and compares nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty 
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 3, 250, 7, 81], [(i * 37 + 11) % 512 for i in range(100)]]
 MAX_TOKENS = 8
+ROLLOUT_PAUSE_S = 1.0  # between the background thread's rounds: leave the CPU to the trainer too
 log = logging.getLogger("attach_llm")
 
 
@@ -58,50 +64,94 @@ def make_llm(model: Path, *, weight_sync: bool) -> Any:
 
 
 def greedy(llm: Any) -> list[dict]:
-    """Greedy tokens and their logprobs for every prompt."""
+    """Greedy tokens and their logprobs for every prompt. One prompt at a time, as a server's
+    client sends them: a batch of several could round differently in the last bits (the kernels
+    pick their blocking by batch size), and the comparisons here are bit for bit."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
-    done = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     outputs = []
-    for request in done:
-        out = request.outputs[0]
+    for prompt in PROMPTS:
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0]
         logprobs = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
         outputs.append({"tokens": list(out.token_ids), "logprobs": logprobs})
     return outputs
 
 
+class Rollouts:
+    """The LLM's generation, as a rollout worker runs it: greedy completions of `PROMPTS`, from the
+    main thread and, meanwhile, in a loop on a thread of their own (`background`), while refits come
+    and go. vLLM's `LLM.generate` is for one caller at a time, hence the lock; the refits need no
+    cooperation from the callers."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.background: list[list[dict]] = []  # each loop's outputs, whatever version served them
+        self._one_caller = threading.Lock()
+        self._stop = threading.Event()
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._loop, name="rollouts", daemon=True)
+
+    def greedy(self) -> list[dict]:
+        with self._one_caller:
+            return greedy(self.llm)
+
+    def __enter__(self) -> Rollouts:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError("generating during the refits failed") from self._error
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.wait(ROLLOUT_PAUSE_S):
+                self.background.append(self.greedy())
+        except Exception as e:  # noqa: BLE001 - raised again in the main thread, by __exit__
+            self._error = e
+
+
 def take_refits(
     llm: Any, syncd: str, replica: int, steps: int, refit=None, record: Path | None = None
-) -> dict:
+) -> tuple[dict, list[list[dict]]]:
     """Attach `llm`, and for each version 1..steps (after `refit(version)`, when given) wait until
-    it is served and record the greedy outputs. Returns {version: outputs}, version 0 included."""
+    it is served and record the greedy outputs, while a thread keeps generating. Returns
+    ({version: outputs}, version 0 included; the background thread's outputs)."""
     from generator_svc.attach import attach
 
     handle = attach(llm, syncd=syncd, replica=replica)
     log.info("attached: %s", [w["member_id"] for w in handle.workers])
     seen = {}
     try:
-        for version in range(steps + 1):
-            if version:
-                if refit is not None:
-                    refit(version)
-                handle.wait_version(version)
-            seen[version] = greedy(llm)
-            log.info("version %d: %s", version, [o["tokens"] for o in seen[version]])
-            if record is not None:
-                line = {
-                    "version": version,
-                    "prompts": PROMPTS,
-                    "max_tokens": MAX_TOKENS,
-                    "outputs": seen[version],
-                }
-                with record.open("a") as f:
-                    f.write(json.dumps(line) + "\n")
+        with Rollouts(llm) as rollouts:
+            for version in range(steps + 1):
+                if version:
+                    if refit is not None:
+                        refit(version)
+                    handle.wait_version(version)
+                seen[version] = rollouts.greedy()
+                log.info("version %d: %s", version, [o["tokens"] for o in seen[version]])
+                _record(record, {"version": version, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                                 "outputs": seen[version]})  # fmt: skip
+        _record(record, {"background": rollouts.background})
     finally:
         handle.close()
-    return seen
+    return seen, rollouts.background
+
+
+def _record(record: Path | None, line: dict) -> None:
+    if record is not None:
+        with record.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def of_some_version(background: list[list[dict]], seen: dict) -> bool:
+    """Every background completion equals, prompt by prompt, what some served version generates."""
+    return all(out in [seen[v][i] for v in seen] for outputs in background for i, out in enumerate(outputs))
 
 
 def compare(served: list[dict], fresh: list[dict]) -> dict:
@@ -157,7 +207,9 @@ def run_standalone(args: argparse.Namespace) -> dict:
             state = wait_final(lambda path: http.get(path).json(), r.json()["id"], 120)
             log.info("refit of step %d: %s", version, state["state"])
 
-        seen = take_refits(make_llm(model, weight_sync=True), target, 0, args.steps, refit=refit)
+        llm = make_llm(model, weight_sync=True)
+        seen, background = take_refits(llm, target, 0, args.steps, refit=refit)
+        del llm  # its engine core process ends: the fresh engines below get the cores
         if trainer.popen.wait(300) != 0:
             raise RuntimeError(f"the trainer job failed:\n{trainer.tail(60)}")
         refits = http.get("/v1/refits").json()["refits"]
@@ -170,6 +222,8 @@ def run_standalone(args: argparse.Namespace) -> dict:
         "refits": len(refits),
         "refits_committed": sum(r["state"] == "COMMITTED" for r in refits),
         "steps": steps,
+        "background_completions": len(background),
+        "background_of_some_version": of_some_version(background, seen),
     }
 
 
@@ -194,8 +248,10 @@ def main() -> int:
     print(f"summary: {json.dumps(summary)}")
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2) + "\n")
-    ok = summary["refits_committed"] == args.steps and all(
-        s["tokens_equal"] and s["max_abs_logprob_diff"] == 0.0 for s in summary["steps"]
+    ok = (
+        summary["refits_committed"] == args.steps
+        and summary["background_of_some_version"]
+        and all(s["tokens_equal"] and s["max_abs_logprob_diff"] == 0.0 for s in summary["steps"])
     )
     return 0 if ok else 1
 

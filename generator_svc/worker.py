@@ -84,7 +84,12 @@ class WeightSyncExtension:
         """Build this worker's catalog and its refit mode's object (`worker_modes`: staging in
         staged mode); register with syncd when `syncd` is set, and publish this worker's status
         into `status_dir` when set (`worker_status`). Raises ValueError naming any parameter the
-        catalog cannot cover."""
+        catalog cannot cover, RuntimeError when this worker is a syncd member already (an engine
+        attached twice)."""
+        if (member := getattr(self, "_ws_member", None)) is not None:
+            raise RuntimeError(
+                f"this worker is already syncd member {member.client.member_id} (ws_close first)"
+            )
         model = self._ws_model()
         tp_rank, tp_size = self._ws_tp()
         shapes = allocated_shapes(model)

@@ -35,24 +35,31 @@ Outputs = list[tuple[list[int], list[float]]]  # per prompt: greedy tokens, thei
 class Refitted:
     llm: dict[int, Outputs]  # version -> outputs of the attached in-process LLM
     served: dict[int, Outputs]  # version -> outputs of the attached `vllm serve`
+    background: list[Outputs]  # the attached LLM's completions from a thread, during the refits
     served_url: str
     prompts: list[list[int]]
     max_tokens: int
     export: Path
 
 
-def _start_vllm_serve(stack: Stack, name: str, model: Path, flags: list[str]) -> tuple[Proc, str]:
+def _start_vllm_serve(
+    stack: Stack, name: str, model: Path, flags: list[str], cpus: str | None = None
+) -> tuple[Proc, str]:
+    """`cpus`: the worker's OpenMP binding (VLLM_CPU_OMP_THREADS_BIND; default: vLLM's, core 0)."""
     port = free_port()
     command = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
-    proc = stack.cluster.start(
-        name, [*command, "--dtype", "bfloat16", *GENERATOR_FLAGS, *flags], env={"VLLM_CPU_KVCACHE_SPACE": "1"}
-    )
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **({"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus else {})}
+    proc = stack.cluster.start(name, [*command, "--dtype", "bfloat16", *GENERATOR_FLAGS, *flags], env=env)
     return proc, f"http://127.0.0.1:{port}"
 
 
 def _greedy(url: str, prompts: list[list[int]], max_tokens: int) -> Outputs:
     api = openai_client.client(url)
     return [openai_client.complete(api, "tiny", p, max_tokens=max_tokens, temperature=0) for p in prompts]
+
+
+def _as_outputs(recorded: list[dict]) -> Outputs:
+    return [(o["tokens"], o["logprobs"]) for o in recorded]
 
 
 def _recorded(record: Path, version: int, llm: Proc) -> dict:
@@ -74,7 +81,9 @@ def refitted(stack: Stack, model: Path, tmp_path_factory) -> Refitted:
 
     work = tmp_path_factory.mktemp("attach")
     stack.start_syncd(trainers=1, generators=2)
-    served, served_url = _start_vllm_serve(stack, "served", model, SERVE_FLAGS)
+    # The example's LLM keeps generating on a thread, and its worker (on core 0, vLLM's default)
+    # busy-waits for a second after each step: the served engine's worker gets core 1.
+    served, served_url = _start_vllm_serve(stack, "served", model, SERVE_FLAGS, cpus="1")
     record = work / "llm.jsonl"
     llm = stack.cluster.start(
         "attached-llm",
@@ -98,9 +107,11 @@ def refitted(stack: Stack, model: Path, tmp_path_factory) -> Refitted:
         outputs[version] = _greedy(served_url, prompts, max_tokens)
     assert trainer.popen.wait(180) == 0, trainer.tail()
     assert llm.popen.wait(120) == 0, llm.tail(60)  # it detached (left syncd) and exited
+    background = json.loads(record.read_text().splitlines()[STEPS + 1])["background"]
     return Refitted(
-        llm={v: [(o["tokens"], o["logprobs"]) for o in r["outputs"]] for v, r in recorded.items()},
+        llm={v: _as_outputs(r["outputs"]) for v, r in recorded.items()},
         served=outputs,
+        background=[_as_outputs(b) for b in background],
         served_url=served_url,
         prompts=prompts,
         max_tokens=max_tokens,
@@ -134,6 +145,11 @@ def test_an_attached_llm_and_vllm_serve_take_two_refits_exactly_as_fresh_engines
         # each step moved the weights, and each refit moved what the engines generate
         assert refitted.llm[version] != refitted.llm[version - 1]
     assert refitted.llm[0] == refitted.served[0]  # both started on the same checkpoint
+    # A thread of the example generated all along: each completion is what one version generates.
+    assert refitted.background
+    for outputs in refitted.background:
+        for i, completion in enumerate(outputs):
+            assert completion in [refitted.llm[v][i] for v in refitted.llm], (i, completion)
     status = httpx.get(f"{refitted.served_url}/weightsync/status").json()
     assert (status["version"], status["serving"], status["updating"]) == (str(STEPS), True, False), status
 
