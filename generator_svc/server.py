@@ -110,6 +110,9 @@ def _refitter(request: Request) -> Refitter:
 
 RefitterDep = Annotated[Refitter, Depends(_refitter)]
 router = APIRouter()
+# The routes the tp-0 worker relays syncd's commands to; also served beside an engine a user
+# created (`generator_svc.attach`), so that one definition drives every engine's refits.
+internal_router = APIRouter()
 
 
 # The statuses these routes answer, declared so the OpenAPI document tells clients (and
@@ -267,7 +270,9 @@ def _not_a_worker(refitter: Refitter, request: Request) -> JSONResponse | None:
     )
 
 
-@router.post("/internal/commit", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED, **_LATE})
+@internal_router.post(
+    "/internal/commit", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED, **_LATE}
+)
 async def commit(body: CommitRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
     if (refused := _not_a_worker(refitter, request)) is not None:
         return refused
@@ -277,7 +282,7 @@ async def commit(body: CommitRequest, refitter: RefitterDep, request: Request) -
     )
 
 
-@router.post("/internal/hold", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED})
+@internal_router.post("/internal/hold", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED})
 async def hold(body: HoldRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
     if (refused := _not_a_worker(refitter, request)) is not None:
         return refused
@@ -289,7 +294,7 @@ async def hold(body: HoldRequest, refitter: RefitterDep, request: Request) -> JS
     return await _answer(f"hold for refit {body.refit_id}", held())
 
 
-@router.post("/internal/release", responses={**_INVALID, **_FAILED, **_UNAUTHORIZED})
+@internal_router.post("/internal/release", responses={**_INVALID, **_FAILED, **_UNAUTHORIZED})
 async def release(body: ReleaseRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
     if (refused := _not_a_worker(refitter, request)) is not None:
         return refused
@@ -331,15 +336,24 @@ def _message(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def torn_refusal(refitter: Refitter, path: str) -> JSONResponse | None:
+    """The 503 for a generation request while the weights may be torn (a failed update, until
+    the next complete refit); None when `path` may go to the engine."""
+    if not refitter.serving and path.startswith(_GENERATION_PATHS):
+        return error_response("weights are being repaired after a failed update; retry later", 503)
+    return None
+
+
 def install(app: FastAPI, refitter: Refitter) -> None:
     """Add generator_svc's routes, the weight versions of completions and the torn-weights guard
     to vLLM's app."""
     app.state.refitter = refitter
     app.include_router(router)
+    app.include_router(internal_router)
 
     async def refuse_when_torn(request: Request, call_next):
-        if not refitter.serving and request.url.path.startswith(_GENERATION_PATHS):
-            return error_response("weights are being repaired after a failed update; retry later", 503)
+        if (refused := torn_refusal(refitter, request.url.path)) is not None:
+            return refused
         return await call_next(request)
 
     # vLLM's build_app already built the middleware stack; drop it so Starlette rebuilds it with ours.

@@ -76,7 +76,7 @@ class PauseMode(StrEnum):
 
 # inplace trades the overlap of a second receive buffer for memory: its extra memory is the receive
 # buffers plus the layers being received.
-_IN_FLIGHT_DEFAULT = {RefitMode.STAGED: 2, RefitMode.INPLACE: 1}
+IN_FLIGHT_DEFAULT = {RefitMode.STAGED: 2, RefitMode.INPLACE: 1}
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
         auth_token=args.auth_token,
         data_host=args.data_host,
         in_flight_buckets=(
-            _IN_FLIGHT_DEFAULT[RefitMode(args.refit_mode)]
+            IN_FLIGHT_DEFAULT[RefitMode(args.refit_mode)]
             if args.in_flight_buckets is None
             else args.in_flight_buckets
         ),

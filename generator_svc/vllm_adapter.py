@@ -26,6 +26,7 @@ import contextlib
 import importlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
@@ -134,6 +135,13 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "AsyncLLM": ("vllm.v1.engine.async_llm", "AsyncLLM"),
     "PauseMode": ("vllm.v1.engine", "PauseMode"),
     "AsyncMPClient": ("vllm.v1.engine.core_client", "AsyncMPClient"),
+    # Engines a user created (generator_svc.attach, generator_svc.engine_control)
+    "LLM": ("vllm.entrypoints.llm", "LLM"),
+    "LLMEngine": ("vllm.v1.engine.llm_engine", "LLMEngine"),
+    "SyncMPClient": ("vllm.v1.engine.core_client", "SyncMPClient"),
+    "VllmConfig": ("vllm.config", "VllmConfig"),
+    "ParallelConfig": ("vllm.config", "ParallelConfig"),
+    "WeightTransferConfig": ("vllm.config.weight_transfer", "WeightTransferConfig"),
     # Worker context
     "set_current_vllm_config": ("vllm.config", "set_current_vllm_config"),
     "parallel_state": ("vllm.distributed", "parallel_state"),
@@ -156,6 +164,12 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "AsyncLLM.generate": ("self", "prompt", "sampling_params", "request_id"),
     "AsyncLLM.reset_prefix_cache": ("self", "reset_running_requests"),
     "AsyncMPClient.pause_scheduler_async": ("self", "mode", "clear_cache"),
+    "SyncMPClient.call_utility": ("self", "method", "args"),
+    "SyncMPClient._send_input": ("self", "request_type", "request"),
+    "LLM.collective_rpc": ("self", "method", "timeout", "args", "kwargs"),
+    "LLM.update_weights": ("self", "request"),
+    "LLM.finish_weight_update": ("self", "weight_version"),
+    "LLM.reset_prefix_cache": ("self", "reset_running_requests"),
 }
 
 # Attributes read off vLLM's objects: class -> names (methods, class attributes, dataclass fields,
@@ -176,6 +190,13 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     # pause modes, and the wrapped generate (generator_svc.lifecycle, generator_svc.token_versions)
     "AsyncLLM": ("engine_core", "resume_generation", "generate", "reset_prefix_cache"),
     "WeightTransferEngine": ("model", "device", "vllm_config", "model_config", "reset_weight_update_target"),
+    # engines a user created (generator_svc.attach): the sync LLM's methods the refit drives, its
+    # engine core client, and the engine arguments weight sync needs
+    "LLM": ("llm_engine", "start_weight_update", "update_weight_version"),
+    "LLMEngine": ("engine_core", "vllm_config"),
+    "VllmConfig": ("parallel_config", "weight_transfer_config"),
+    "ParallelConfig": ("worker_extension_cls",),
+    "WeightTransferConfig": ("backend",),
     "Worker": (
         "model_runner",
         "weight_transfer_engine",
@@ -327,6 +348,69 @@ async def pause_scheduler(engine: Any, mode: str) -> None:
     returns, "not required for correctness"): a refit's serving pause should not hold requests for
     it. Returns once the engine core took the pause (`wait`: once running requests finished)."""
     await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
+
+
+# --- engines a user created (generator_svc.attach) ---------------------------------------------
+
+
+def is_sync_llm(engine: Any) -> bool:
+    """`engine` is vLLM's offline `LLM` (else an `AsyncLLM` or another engine client)."""
+    return isinstance(engine, _load("LLM"))
+
+
+def engine_config(engine: Any) -> Any:
+    """The `VllmConfig` an `LLM` or an engine client (`AsyncLLM`) was built with."""
+    return engine.llm_engine.vllm_config if is_sync_llm(engine) else engine.vllm_config
+
+
+def worker_extension_of(vllm_config: Any) -> str:
+    """The `worker_extension_cls` engine argument ("" when none was given)."""
+    return vllm_config.parallel_config.worker_extension_cls or ""
+
+
+def weight_transfer_backend_of(vllm_config: Any) -> str | None:
+    """The `weight_transfer_config` engine argument's backend; None when none was given."""
+    config = vllm_config.weight_transfer_config
+    return None if config is None else config.backend
+
+
+def sync_engine_core(llm: Any) -> Any | None:
+    """The client of an `LLM`'s engine core process; None when the engine core runs in this
+    process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: its steps run in the caller's thread, so nothing
+    else may drive it while the caller generates)."""
+    client = llm.llm_engine.engine_core
+    return client if isinstance(client, _load("SyncMPClient")) else None
+
+
+_SENDS_SERIALIZED = "_generator_svc_sends_serialized"
+
+
+def serialize_sends(client: Any) -> None:
+    """Let a second thread call utilities on a `SyncMPClient` while the `LLM`'s owner generates:
+    the client sends every request through one ZMQ socket and one encoder, neither of which is
+    thread-safe, so this instance's `_send_input` is made to take a lock. Replies need nothing:
+    the client's own output thread hands each utility result to its caller's future."""
+    if getattr(client, _SENDS_SERIALIZED, False):
+        return
+    send, lock = client._send_input, threading.Lock()
+
+    def locked_send(request_type: Any, request: Any) -> None:
+        with lock:
+            send(request_type, request)
+
+    client._send_input = locked_send
+    setattr(client, _SENDS_SERIALIZED, True)
+
+
+def pause_scheduler_sync(client: Any, mode: str) -> None:
+    """`pause_scheduler` for a `SyncMPClient`, as `pause_scheduler` does it for `AsyncLLM`: the
+    engine core holds new requests (and, by `mode`, the running ones) between two steps; an `LLM`
+    owner's `generate` waits for its outputs meanwhile."""
+    client.call_utility("pause_scheduler", mode, False)
+
+
+def resume_scheduler_sync(client: Any) -> None:
+    client.call_utility("resume_scheduler")
 
 
 # --- the CPU MoE fix --------------------------------------------------------------------------

@@ -84,7 +84,12 @@ class WeightSyncExtension:
         """Build this worker's catalog and its refit mode's object (`worker_modes`: staging in
         staged mode); register with syncd when `syncd` is set, and publish this worker's status
         into `status_dir` when set (`worker_status`). Raises ValueError naming any parameter the
-        catalog cannot cover."""
+        catalog cannot cover, RuntimeError when this worker is a syncd member already (an engine
+        attached twice)."""
+        if (member := getattr(self, "_ws_member", None)) is not None:
+            raise RuntimeError(
+                f"this worker is already syncd member {member.client.member_id} (ws_close first)"
+            )
         model = self._ws_model()
         tp_rank, tp_size = self._ws_tp()
         shapes = allocated_shapes(model)
@@ -207,6 +212,16 @@ class WeightSyncExtension:
     def ws_digest(self) -> dict[str, Any]:
         """This worker's digest of the version it serves (`generator_svc.digest`)."""
         return self._ws_mode.digest(self._ws_member_id)
+
+    def ws_close(self) -> None:
+        """Leave syncd and stop publishing this worker's status (an attached engine detached,
+        `generator_svc.attach`); the engine keeps serving the weights it holds."""
+        if self._ws_member is not None:
+            self._ws_member.close()
+            self._ws_member = None
+        publisher = getattr(self, "_ws_status_publisher", None)
+        if publisher is not None:
+            publisher.stop()
 
     def ws_last_install(self) -> dict[str, Any]:
         """What the last install did on this worker (`InstallReport`), {} before the first."""

@@ -1,0 +1,124 @@
+"""Weight sync inside a plain `vllm serve` process: an ASGI middleware vLLM loads by `--middleware`.
+
+    python -m vllm.entrypoints.openai.api_server --model M ... \\
+        --worker-extension-cls generator_svc.worker.WeightSyncExtension \\
+        --weight-transfer-config '{"backend":"syncd_staging"}' \\
+        --middleware generator_svc.attach_serve.WeightSyncMiddleware
+
+vLLM builds its API server as usual; the middleware sits in front of it, in the same process, and
+takes a few paths for itself:
+
+    POST /weightsync/attach  {syncd, replica, refit_mode?, pause_mode?, auth_token?, data_host?, ...}
+                             check the engine's arguments (409 naming what is missing), set up and
+                             register every worker with syncd (`Refitter.setup`); 409 when attached
+    GET  /weightsync/status  {attached, version, serving, updating, workers}
+    POST /internal/commit|hold|release   the tp-0 worker's relays of syncd's commands
+                             (`server.internal_router`, with the worker token): the refit lifecycle
+                             of `generator_svc.refit`, on vLLM's own engine client
+
+and, once attached, answers 503 to generation while the weights may be torn (`server.torn_refusal`).
+Everything else goes to vLLM unchanged. `generator_svc.attach.attach_server` is the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from generator_svc.attach import ATTACH_ROUTE, make_settings, refusals
+from generator_svc.refit import Refitter
+from generator_svc.server import internal_router, torn_refusal
+from generator_svc.settings import PauseMode, RefitMode
+from syncd.error_body import error_response
+
+_OWN_PATHS = ("/weightsync/", "/internal/")
+
+
+class AttachRequest(BaseModel):
+    syncd: str = Field(min_length=1, description="syncd's gRPC address, host:port")
+    replica: int = Field(0, ge=0)
+    refit_mode: RefitMode = RefitMode.STAGED
+    pause_mode: PauseMode = PauseMode.WAIT
+    auth_token: str = ""
+    data_host: str = "127.0.0.1"
+    in_flight_buckets: int | None = Field(None, ge=1)
+    hold_limit_s: float = Field(300.0, gt=0)
+    initial_version: str = "0"
+
+
+def _control_app() -> FastAPI:
+    app = FastAPI(title="weightsync control (vllm serve)")
+    app.state.refitter = None  # set by a successful attach
+    app.state.attaching = asyncio.Lock()
+    app.include_router(internal_router)
+
+    @app.post(ATTACH_ROUTE)
+    async def attach(body: AttachRequest, request: Request) -> JSONResponse:
+        state = request.app.state
+        async with state.attaching:
+            if state.refitter is not None:
+                settings = state.refitter.settings
+                return error_response(
+                    f"already attached as replica {settings.replica} of syncd {settings.syncd}", 409
+                )
+            engine = state.vllm_state.engine_client
+            if problems := refusals(engine.vllm_config):
+                return error_response("cannot attach weight sync to this server: " + "; ".join(problems), 409)
+            options = body.model_dump(exclude={"syncd", "replica"})
+            refitter = Refitter(engine, make_settings(body.syncd, body.replica, **options))
+            port = request.scope["server"][1]
+            workers = await refitter.setup(internal_url=f"http://127.0.0.1:{port}/internal")
+            state.refitter = refitter
+        return JSONResponse({"workers": workers})
+
+    @app.get("/weightsync/status")
+    async def status(request: Request) -> JSONResponse:
+        refitter: Refitter | None = request.app.state.refitter
+        if refitter is None:
+            return JSONResponse({"attached": False})
+        s = refitter.state
+        return JSONResponse(
+            {
+                "attached": True,
+                "version": s.version,
+                "serving": s.serving,
+                "updating": s.updating,
+                "workers": refitter.workers,
+            }
+        )
+
+    return app
+
+
+class WeightSyncMiddleware:
+    """vLLM's app behind the paths of weight sync (see the module docstring)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.control = _control_app()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        refitter = self.control.state.refitter
+        if refitter is None and path.startswith("/internal/"):
+            not_attached = error_response(
+                f"{path}: weight sync is not attached (POST {ATTACH_ROUTE} first)", 409
+            )
+            await not_attached(scope, receive, send)
+            return
+        if path.startswith(_OWN_PATHS):
+            # Starlette put vLLM's app into the scope; its state holds the engine client.
+            self.control.state.vllm_state = scope["app"].state
+            await self.control(scope, receive, send)
+            return
+        if refitter is not None and (refused := torn_refusal(refitter, path)) is not None:
+            await refused(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
