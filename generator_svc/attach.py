@@ -272,14 +272,22 @@ class _ControlThread:
 
 
 def attach_server(
-    url: str, *, syncd: str, replica: int = 0, timeout_s: float = 120.0, **options: Any
+    url: str,
+    *,
+    syncd: str,
+    replica: int = 0,
+    api_key: str | None = None,
+    timeout_s: float = 120.0,
+    **options: Any,
 ) -> dict:
     """Attach the `vllm serve` process at `url` (started with `SERVE_FLAGS`) as replica `replica`
-    of syncd `syncd`; `options` as for `attach`. Returns its answer (`workers`: member ids, tp
-    ranks, catalog hashes). Raises AttachRefused naming what the server lacks."""
+    of syncd `syncd`; `options` as for `attach`; `api_key` where the server has `--api-key`.
+    Returns its answer (`workers`: member ids, tp ranks, catalog hashes). Raises AttachRefused
+    naming what the server lacks."""
     make_settings(syncd, replica, **options)  # bad values fail here, before the server is asked
     body = {"syncd": syncd, "replica": replica, **options}
-    response = httpx.post(f"{url.rstrip('/')}{ATTACH_ROUTE}", json=body, timeout=timeout_s)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.post(f"{url.rstrip('/')}{ATTACH_ROUTE}", json=body, headers=headers, timeout=timeout_s)
     if response.status_code == 404:
         raise AttachRefused(
             f"{url} has no {ATTACH_ROUTE}: start it with --middleware {MIDDLEWARE} "

@@ -17,12 +17,17 @@ takes a few paths for itself:
                              of `generator_svc.refit`, on vLLM's own engine client
 
 and, once attached, answers 503 to generation while the weights may be torn (`server.torn_refusal`).
+A server started with `--api-key` (or `VLLM_API_KEY`) guards `/weightsync/` with the same keys: vLLM
+adds its own check inside the middlewares it registers first, so this one, outside it, checks too.
 Everything else goes to vLLM unchanged. `generator_svc.attach.attach_server` is the client.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
+import secrets
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,6 +41,24 @@ from generator_svc.settings import PauseMode, RefitMode
 from syncd.error_body import error_response
 
 _OWN_PATHS = ("/weightsync/", "/internal/")
+
+
+def _api_keys(vllm_state: Any) -> list[str]:
+    """vLLM's API keys, chosen as vLLM chooses them: `--api-key` first, else `VLLM_API_KEY`."""
+    args = getattr(vllm_state, "args", None)
+    keys = getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY", "")]
+    return [key for key in keys if key]
+
+
+def _has_key(scope: dict, keys: list[str]) -> bool:
+    headers = {name.lower(): value for name, value in scope.get("headers", [])}
+    scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    # Compare digests of equal length, in constant time, against every key (as vLLM does).
+    digest = hashlib.sha256(given.encode()).digest()
+    matches = [secrets.compare_digest(digest, hashlib.sha256(key.encode()).digest()) for key in keys]
+    return any(matches)
 
 
 class AttachRequest(BaseModel):
@@ -115,7 +138,17 @@ class WeightSyncMiddleware:
             return
         if path.startswith(_OWN_PATHS):
             # Starlette put vLLM's app into the scope; its state holds the engine client.
-            self.control.state.vllm_state = scope["app"].state
+            vllm_state = scope["app"].state
+            keys = _api_keys(vllm_state)
+            if path.startswith("/weightsync/") and keys and not _has_key(scope, keys):
+                unauthorized = error_response(
+                    f"{path} needs one of this server's API keys (--api-key)",
+                    401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await unauthorized(scope, receive, send)
+                return
+            self.control.state.vllm_state = vllm_state
             await self.control(scope, receive, send)
             return
         if refitter is not None and (refused := torn_refusal(refitter, path)) is not None:

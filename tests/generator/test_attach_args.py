@@ -146,3 +146,35 @@ def test_the_middleware_passes_vllms_paths_through_and_refuses_relays_before_att
         assert (
             "weight sync is not attached (POST /weightsync/attach first)" in relay.json()["error"]["message"]
         )
+
+
+def test_a_server_with_api_keys_guards_the_attach_route_with_them() -> None:
+    """vLLM checks `--api-key` in a middleware inside ours, so the routes of weight sync check the
+    same keys themselves; vLLM's own paths are left to vLLM."""
+    from argparse import Namespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from generator_svc.attach_serve import WeightSyncMiddleware
+
+    vllm_app = FastAPI()
+    vllm_app.state.args = Namespace(api_key=["first", "second"])
+
+    @vllm_app.get("/health")
+    def health() -> dict:
+        return {"from": "vllm"}
+
+    vllm_app.add_middleware(WeightSyncMiddleware)
+    with TestClient(vllm_app) as client:
+        assert client.get("/health").json() == {"from": "vllm"}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic second"}):
+            refused = client.post("/weightsync/attach", json={"syncd": "127.0.0.1:1"}, headers=headers)
+            assert refused.status_code == 401
+            assert "needs one of this server's API keys" in refused.json()["error"]["message"]
+            assert client.get("/weightsync/status", headers=headers).status_code == 401
+        keyed = {"Authorization": "Bearer second"}
+        assert client.get("/weightsync/status", headers=keyed).json() == {"attached": False}
+        # Past the key check: the body is validated (a replica below 0 is refused).
+        invalid = client.post("/weightsync/attach", json={"syncd": "x:1", "replica": -1}, headers=keyed)
+        assert invalid.status_code == 422
