@@ -18,6 +18,8 @@ The text form starts with the algorithm, so mismatched algorithms can never comp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 import xxhash
@@ -30,7 +32,11 @@ _ROW_BYTES = checksum_kernel.ROW_BYTES
 
 
 def _xxh3(region_bytes: torch.Tensor) -> str:
-    return f"xxh3:{region_bytes.numel():x}:{xxhash.xxh3_64_intdigest(region_bytes.numpy().data):016x}"
+    return _format_xxh3(region_bytes.numel(), xxhash.xxh3_64_intdigest(region_bytes.numpy().data))
+
+
+def _format_xxh3(nbytes: int, digest: int) -> str:
+    return f"xxh3:{nbytes:x}:{digest:016x}"
 
 
 def _positions(n: int, device: torch.device) -> torch.Tensor:
@@ -187,6 +193,17 @@ class Checksums:
         else:
             self._keys.append(key)
             self._device.add(region_bytes)
+
+    def add_pieces(self, key: str, nbytes: int, pieces: Sequence[memoryview]) -> None:
+        """CPU: a region whose bytes in C order are `pieces` (`nbytes` in all), one
+        after another: xxh3 streams, so the value is the one of the bytes side by side."""
+        if len(pieces) == 1:
+            self._done[key] = _format_xxh3(nbytes, xxhash.xxh3_64_intdigest(pieces[0]))
+            return
+        state = xxhash.xxh3_64()
+        for piece in pieces:
+            state.update(piece)
+        self._done[key] = _format_xxh3(nbytes, state.intdigest())
 
     def add_region(self, key: str, region: torch.Tensor) -> None:
         """A region of a tensor, by its bytes in C order, whatever its strides. On NVIDIA GPUs

@@ -98,12 +98,20 @@ class _SideStream:
             ThreadPoolExecutor(1, thread_name_prefix="weightsync-checksum") if self.stream is None else None
         )
         self._pending: list[Future | None] = [None] * slots
+        self._untied: list[Future] = []  # CPU work that reads no slot: waited for by `collect` only
 
-    def run(self, slot: int, fn) -> None:
+    def run(self, slot: int | None, fn) -> None:
+        """`fn` on the side, after the work queued before it; the reuse of staging slot `slot`
+        waits for it. `slot` None (CPU only): work that reads no staging slot (the landed check
+        reads the destinations), so that the next receive into the slot need not wait."""
         if self._worker is not None:
-            self._pending[slot] = self._worker.submit(fn)
+            future = self._worker.submit(fn)
+            if slot is None:
+                self._untied.append(future)
+            else:
+                self._pending[slot] = future
             return
-        assert self.stream is not None  # no CPU worker: a GPU stream
+        assert self.stream is not None and slot is not None  # no CPU worker: a GPU stream
         self.stream.wait_stream(torch.cuda.current_stream())  # the bytes are packed / arrived
         with torch.cuda.stream(self.stream):
             fn()
@@ -128,6 +136,9 @@ class _SideStream:
         if self._worker is not None:
             for slot in range(len(self._pending)):
                 self.before_reuse(slot)
+            for future in self._untied:
+                future.result()  # re-raises a failed checksum here
+            self._untied = []
             return sums.result()
         with torch.cuda.stream(self.stream):
             return sums.result()
@@ -218,10 +229,16 @@ class _Loop:
             program.copy()
 
     def account(
-        self, slot: int, bucket: Bucket, flat: torch.Tensor, program: BucketProgram | PreparedBucket
+        self,
+        slot: int,
+        bucket: Bucket,
+        flat: torch.Tensor,
+        program: BucketProgram | PreparedBucket,
+        checksum: bool = True,
     ) -> None:
-        """Both sides checksum the packed bytes of every unit: the same bytes in the same order."""
-        if self.options.verify:
+        """Both sides checksum the packed bytes of every unit: the same bytes in the same order
+        (a receiver that checksums where they landed instead passes `checksum=False`)."""
+        if self.options.verify and checksum:
             with _step("weightsync.checksum"):
                 self.checksums.run(slot, lambda: program.checksum(self.sums))
         self.stats.bytes += bucket.nbytes
@@ -238,7 +255,17 @@ class _Loop:
     def checks_landed(self) -> bool:
         return self.options.verify and self.options.verify_landed
 
-    def account_landed(self, slot: int, bucket: Bucket) -> None:
+    @property
+    def landed_is_received(self) -> bool:
+        """On CPU a receiver reports its checksums of where each unit landed as the checksums of
+        what it received, and hashes the arrived bytes no more: syncd compares them with the
+        senders' as it does any received checksum, so one xxh3 pass per byte proves the wire and
+        the unpack together (the landed check then costs the receiver only the gathering of
+        strided regions). On GPUs the wire reductions ride in the buckets' captured programs
+        and the two are compared here (`check_landed`)."""
+        return self.checks_landed and self.device.type == "cpu"
+
+    def account_landed(self, slot: int, bucket: Bucket, program: BucketProgram | PreparedBucket) -> None:
         """Once `bucket` is unpacked: checksum its units where they landed, off the loop's path
         like the wire checksums (queued behind them on the same worker or stream), so the check
         overlaps the next buckets' transfers. A sink checksums its destinations itself."""
@@ -247,15 +274,24 @@ class _Loop:
         tensors = self.tensors
         assert isinstance(tensors, Mapping)  # not a sink: the catalog views
         with _step("weightsync.landed"):
-            self.checksums.run(slot, lambda: add_landed(bucket.units, tensors, self.landed_sums))
+            # On CPU the check reads the destinations only: no reuse of the slot waits for it.
+            tied = None if self.device.type == "cpu" else slot
+            if isinstance(program, PreparedBucket):
+                self.checksums.run(tied, lambda: program.landed(self.landed_sums))
+            else:
+                self.checksums.run(tied, lambda: add_landed(bucket.units, tensors, self.landed_sums))
 
     def landed(self, buckets: Sequence[Bucket]) -> None:
         """After a receive: every unit's bytes where they landed must be the bytes that arrived
-        (`syncd.member.dataplane.landed`). A sink checksummed its destinations itself, before it
+        (`syncd.member.dataplane.landed`), or, on CPU, are what is reported as arrived
+        (`landed_is_received`). A sink checksummed its destinations itself, before it
         post-processed them."""
         if not self.checks_landed:
             return
         landed = self.sink.landed() if self.sink is not None else self.checksums.collect(self.landed_sums)
+        if self.landed_is_received:
+            self.stats.checksums = dict(landed)
+            return
         check_landed(buckets, self.stats.checksums, landed)
 
     def check_cancel(self) -> None:
@@ -323,11 +359,11 @@ class _Loop:
             with self.enqueuing():
                 if self.forwarder is not None:
                     self.forwarder.forward(slot, bucket, flat)
-                self.account(slot, bucket, flat, programs[i])
+                self.account(slot, bucket, flat, programs[i], checksum=not self.landed_is_received)
                 if fault is not None and fault.index == i:
                     self.strike(fault.fault, slot, flat)
                 self.unpack(bucket, flat, programs[i])
-                self.account_landed(slot, bucket)
+                self.account_landed(slot, bucket, programs[i])
                 if i + self.in_flight < len(ordered):
                     self.checksums.before_reuse(slot)  # the next receive into the slot waits for the checksum
                     if self.forwarder is not None:

@@ -26,6 +26,7 @@ import torch
 
 from syncd.commands import checksum_key
 from syncd.member.dataplane.checksum import Checksums, reduce_region, region_outputs
+from syncd.member.dataplane.landed import CpuLanded
 from syncd.member.dataplane.pack import Copies, copy_pairs
 from syncd.plan.types import Bucket
 from syncd.vocabulary import Direction
@@ -35,10 +36,26 @@ class PreparedBucket:
     """One bucket's copies and checksum inputs in one staging slice."""
 
     def __init__(
-        self, direction: Direction, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor
+        self,
+        direction: Direction,
+        bucket: Bucket,
+        tensors: Mapping[str, torch.Tensor],
+        flat: torch.Tensor,
+        scratch: torch.Tensor | None = None,
     ) -> None:
+        """`scratch`: for a receive on CPU, memory of the bucket's size where the landed check
+        gathers the destination regions (`landed`)."""
         self._copies = copy_pairs(direction, bucket, tensors, flat)
         self._regions_of(bucket, flat, _direct_bytes(direction, bucket, self._copies))
+        # A receive's destination regions, where the landed check reads them.
+        receiving = direction == Direction.RECV
+        units = zip(self._regions, bucket.units) if receiving else ()
+        self._landed = [(key, tensors[u.dst_tensor][u.dst_box.slices()]) for (key, _), u in units]
+        self._on_cpu = (
+            CpuLanded(bucket, tensors, scratch)
+            if receiving and scratch is not None and self.direct is None
+            else None
+        )
 
     def _regions_of(self, bucket: Bucket, flat: torch.Tensor, direct: torch.Tensor | None) -> None:
         self.bucket = bucket  # held, so that the id in the cache key stays this bucket's
@@ -72,6 +89,21 @@ class PreparedBucket:
         for (key, packed), (cols, rows, rest) in zip(self._regions, self._outputs):
             reduce_region(packed, cols, rows, rest)
             sums.add_reduced(key, packed.numel(), cols, rows, rest)
+
+    def landed(self, sums: Checksums) -> None:
+        """Checksum every unit of a received bucket where it landed into `sums`
+        (`syncd.member.dataplane.landed.add_landed`, with the regions sliced once per plan; on
+        CPU `landed.CpuLanded`). A bucket that arrived straight into its tensor (`direct`) is
+        hashed where it is."""
+        if self.direct is not None:
+            for key, packed in self._regions:
+                sums.add(key, packed)
+        elif self._on_cpu is not None:
+            self._on_cpu.add_to(sums)
+        else:
+            for key, region in self._landed:
+                sums.add_region(key, region)
+            sums.flush()
 
 
 def _direct_bytes(direction: Direction, bucket: Bucket, copies: Copies) -> torch.Tensor | None:
@@ -129,6 +161,16 @@ class PreparedLoop:
         self.direction = direction
         self._buckets: dict[tuple, PreparedBucket] = {}
         self._used: set[tuple] = set()
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # receives on CPU: `PreparedBucket.landed`
+
+    def _scratch_for(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor | None:
+        """The landed check's gathering memory, shared by the loop's buckets: their checks run
+        one after another, on the loop's one checksum worker."""
+        if self.direction != Direction.RECV or flat.device.type != "cpu":
+            return None
+        if self._scratch.numel() < bucket.nbytes:  # buckets prepared before keep the old one alive
+            self._scratch = torch.empty(bucket.nbytes, dtype=torch.uint8)
+        return self._scratch[: bucket.nbytes]
 
     def buckets(
         self, ordered: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], flats: Sequence[torch.Tensor]
@@ -139,7 +181,9 @@ class PreparedLoop:
             key = self._key(bucket, tensors, flat)
             prepared = self._buckets.get(key)
             if prepared is None:
-                prepared = self._buckets[key] = PreparedBucket(self.direction, bucket, tensors, flat)
+                scratch = self._scratch_for(bucket, flat)
+                prepared = PreparedBucket(self.direction, bucket, tensors, flat, scratch)
+                self._buckets[key] = prepared
             self._used.add(key)
             out.append(prepared)
         return out
