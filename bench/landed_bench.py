@@ -7,7 +7,7 @@ of its own, as in `make demo` (`--layers 4 --experts 8` is the demo's model). Ea
 full refit with the landed check and one without (`LoopOptions.verify_landed`), in alternating
 order, in the same processes on the same transport; the wire checksums run in both. Reports the
 receiver's median wall time of each, their ratio, and the check alone on the receiver's tensors
-(`landed_checksums` of every unit it received, timed after the refits). No vLLM: the in-place
+(every bucket's `PreparedBucket.landed`, as the loop runs it, timed after the refits). No vLLM: the in-place
 install checksums each layer as it closes, the same pass over the same bytes.
 """
 
@@ -20,6 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 from bench.four_to_one import RECEIVER, SENDERS, add_model_args, join_rank, moe_plan, run_members
 from syncd.member.dataplane import (
     GcPause,
@@ -28,7 +30,9 @@ from syncd.member.dataplane import (
     recv_buckets,
     send_buckets,
 )
-from syncd.member.dataplane.landed import landed_checksums
+from syncd.member.dataplane.checksum import Checksums
+from syncd.member.dataplane.prepared import PreparedLoop
+from syncd.vocabulary import Direction
 
 ON, OFF = "landed check on", "landed check off"
 CHECK_ALONE = "the landed check alone"
@@ -54,12 +58,16 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
     for round_ in range(args.rounds + 1):
         for method in (ON, OFF) if round_ % 2 else (OFF, ON):
             refit(method)
-    if not sending:  # the check alone, on the receiver's tensors after the last refit
-        units = [u for b in mine for u in b.units]
-        for _ in range(args.rounds):
+    if not sending:  # the check alone, as the loop runs it, on the receiver's tensors after the last refit
+        flat = torch.empty(max(b.nbytes for b in mine), dtype=torch.uint8)
+        prepared = PreparedLoop(Direction.RECV).buckets(mine, views, [flat[: b.nbytes] for b in mine])
+        for round_ in range(args.rounds + 1):
             t0 = time.perf_counter()
-            landed_checksums(units, views)
-            rows.append({"method": CHECK_ALONE, "seconds": time.perf_counter() - t0, "bytes": 0})
+            sums = Checksums()
+            for bucket in prepared:
+                bucket.landed(sums)
+            if round_:  # the first prepares
+                rows.append({"method": CHECK_ALONE, "seconds": time.perf_counter() - t0, "bytes": 0})
     results[me] = rows[2:]  # the first round warms up
     transport.close()
 
@@ -94,7 +102,7 @@ def main() -> None:
         f"{SENDERS} senders -> 1 receiver (gloo, CPU)"
     )
     for m in (ON, OFF, CHECK_ALONE):
-        print(f"{m:<20} {seconds[m]:8.3f} s (median of {args.rounds})")
+        print(f"{m:<24} {seconds[m] * 1e3:8.2f} ms (median of {args.rounds})")
     print(f"ratio on / off: {report['ratio_on_over_off']:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
