@@ -136,8 +136,8 @@ def test_every_changed_byte_aborts_the_refit_and_a_good_refit_then_commits(stack
     for n, fault in enumerate(FAULTS):
         refit = stack.refit(fault)
         assert refit["state"] == "ABORTED", (n, fault, refit, stack.generator.log_tail())
-        # Named by syncd's comparison of the senders' checksums with the receiver's, which on
-        # CPU are of where each unit landed (`executor.landed_is_received`): tensor and region.
+        # Named by syncd's comparison of the senders' checksums with the receiver's, which are
+        # of where each unit landed (`syncd.member.dataplane.landed`): tensor and region.
         error = refit["error"]
         assert "tensor model." in error and "checksum mismatch" in error, (fault, error)
         served = stack.served()

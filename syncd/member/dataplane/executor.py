@@ -36,7 +36,7 @@ from torch.profiler import record_function
 
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.graphs import ENQUEUE_LOCK, BucketProgram, LoopGraphs
-from syncd.member.dataplane.landed import add_landed, check_landed
+from syncd.member.dataplane.landed import add_landed
 from syncd.member.dataplane.landing_fault import FaultAt, LandingFault, flip_bit
 from syncd.member.dataplane.loop_options import LoopCache, LoopOptions
 from syncd.member.dataplane.prepared import PreparedBucket, PreparedLoop, ReceiveSink, SinkBucket
@@ -102,8 +102,8 @@ class _SideStream:
 
     def run(self, slot: int | None, fn) -> None:
         """`fn` on the side, after the work queued before it; the reuse of staging slot `slot`
-        waits for it. `slot` None (CPU only): work that reads no staging slot (the landed check
-        reads the destinations), so that the next receive into the slot need not wait."""
+        waits for it. `slot` None: work that reads no staging slot (the landed check reads the
+        destinations), so that the next receive into the slot need not wait."""
         if self._worker is not None:
             future = self._worker.submit(fn)
             if slot is None:
@@ -111,10 +111,12 @@ class _SideStream:
             else:
                 self._pending[slot] = future
             return
-        assert self.stream is not None and slot is not None  # no CPU worker: a GPU stream
+        assert self.stream is not None  # no CPU worker: a GPU stream
         self.stream.wait_stream(torch.cuda.current_stream())  # the bytes are packed / arrived
         with torch.cuda.stream(self.stream):
             fn()
+        if slot is None:
+            return
         done = self.done[slot]
         if done is None:  # one event per slot, re-recorded: a wait binds the last record
             done = self.done[slot] = torch.cuda.Event()
@@ -255,16 +257,6 @@ class _Loop:
     def checks_landed(self) -> bool:
         return self.options.verify and self.options.verify_landed
 
-    @property
-    def landed_is_received(self) -> bool:
-        """On CPU a receiver reports its checksums of where each unit landed as the checksums of
-        what it received, and hashes the arrived bytes no more: syncd compares them with the
-        senders' as it does any received checksum, so one xxh3 pass per byte proves the wire and
-        the unpack together (the landed check then costs the receiver only the gathering of
-        strided regions). On GPUs the wire reductions ride in the buckets' captured programs
-        and the two are compared here (`check_landed`)."""
-        return self.checks_landed and self.device.type == "cpu"
-
     def account_landed(self, slot: int, bucket: Bucket, program: BucketProgram | PreparedBucket) -> None:
         """Once `bucket` is unpacked: checksum its units where they landed, off the loop's path
         like the wire checksums (queued behind them on the same worker or stream), so the check
@@ -274,25 +266,20 @@ class _Loop:
         tensors = self.tensors
         assert isinstance(tensors, Mapping)  # not a sink: the catalog views
         with _step("weightsync.landed"):
-            # On CPU the check reads the destinations only: no reuse of the slot waits for it.
-            tied = None if self.device.type == "cpu" else slot
+            # The check reads the destinations only: no reuse of the slot waits for it.
             if isinstance(program, PreparedBucket):
-                self.checksums.run(tied, lambda: program.landed(self.landed_sums))
+                self.checksums.run(None, lambda: program.landed(self.landed_sums))
             else:
-                self.checksums.run(tied, lambda: add_landed(bucket.units, tensors, self.landed_sums))
+                self.checksums.run(None, lambda: add_landed(bucket.units, tensors, self.landed_sums))
 
-    def landed(self, buckets: Sequence[Bucket]) -> None:
-        """After a receive: every unit's bytes where they landed must be the bytes that arrived
-        (`syncd.member.dataplane.landed`), or, on CPU, are what is reported as arrived
-        (`landed_is_received`). A sink checksummed its destinations itself, before it
+    def landed(self) -> None:
+        """After a receive with the landed check: the checksums of where the units landed are
+        what the receiver reports as received (`syncd.member.dataplane.landed`); syncd compares
+        them with the senders'. A sink checksummed its destinations itself, before it
         post-processed them."""
-        if not self.checks_landed:
-            return
-        landed = self.sink.landed() if self.sink is not None else self.checksums.collect(self.landed_sums)
-        if self.landed_is_received:
+        if self.checks_landed:
+            landed = self.sink.landed() if self.sink is not None else self.checksums.collect(self.landed_sums)
             self.stats.checksums = dict(landed)
-            return
-        check_landed(buckets, self.stats.checksums, landed)
 
     def check_cancel(self) -> None:
         if self.cancel is not None and self.cancel.is_set():
@@ -359,7 +346,7 @@ class _Loop:
             with self.enqueuing():
                 if self.forwarder is not None:
                     self.forwarder.forward(slot, bucket, flat)
-                self.account(slot, bucket, flat, programs[i], checksum=not self.landed_is_received)
+                self.account(slot, bucket, flat, programs[i], checksum=not self.checks_landed)
                 if fault is not None and fault.index == i:
                     self.strike(fault.fault, slot, flat)
                 self.unpack(bucket, flat, programs[i])
@@ -436,7 +423,7 @@ def _run(
             loop.stats.checksums = side.collect(loop.sums)
             side.join()
             if direction == Direction.RECV:
-                loop.landed(buckets)
+                loop.landed()
         finally:
             side.close()
     program_cache.retain_used()

@@ -1,31 +1,26 @@
 """Verifying what landed, not only what travelled.
 
-The data plane checksums every unit's packed bytes on both sides (`checksum.Checksums`, keyed by
-`syncd.commands.checksum_key`): that proves the wire. Between the receiver's checksum of a bucket
-and the tensor the engine computes with, our own code still runs (the unpack, the in-place
-writes), and the checksum of a bucket runs on a worker thread that races the unpack. So once a
-receive loop has unpacked a bucket, the receiver checksums each of its units again where it
-landed (staging, or a layer's tensors before vLLM post-processes them) with the same algorithm
-and key, on the same checksum worker (or GPU stream) behind the bucket's wire checksum, so it
-overlaps the next buckets' transfers; after the last bucket it requires the two to be equal
-before it reports TRANSFERRED: a unit's packed bytes
-are its destination region's bytes in C order (`pack.copy_pairs` views them so), so the values
-are comparable one to one. The received checksums are what syncd compares with the senders', so
-a landed region equal to them is equal to what the senders packed.
+Senders checksum every unit's packed bytes (`checksum.Checksums`, keyed by
+`syncd.commands.checksum_key`), and syncd compares them with the receivers' before any commit.
+Between the bytes that arrive and the tensor the engine computes with, our own code still runs
+(the unpack, the in-place writes). So a receiver does not checksum the bytes that arrived: once
+a receive loop has unpacked a bucket it checksums each unit where it landed (staging, or a
+layer's tensors before vLLM post-processes them) with the same algorithm and key, on its
+checksum worker (or GPU stream) so that it overlaps the next buckets' transfers, and reports
+those as what it received. A unit's packed bytes are its destination region's bytes in C order
+(`pack.copy_pairs` views them so), so the values compare one to one, and syncd's comparison
+covers the wire and the unpack in one pass per byte. A mismatch aborts the refit naming tensor
+and region (`syncd.daemon.checks`).
 
-On CPU the landed checksums replace the wire ones: the receive loop does not hash the arrived
-bytes, and reports the landed checksums as what it received (`executor._Loop.landed_is_received`),
-so syncd's comparison with the senders' covers the wire and the unpack in one xxh3 pass per byte
-(the prepared loop gathers a bucket's strided destination regions back into its packed layout in
-scratch memory first, `prepared.PreparedBucket.landed`). On GPUs, where the wire reductions are
-part of the buckets' captured programs, both are taken and `check_landed` compares them; the
-landed ones come from `checksum_kernel`, which reads each region where it lies.
+On CPU the check is xxh3, prepared once per plan (`CpuLanded`: long runs hashed where they lie,
+the rest gathered into scratch memory first); on GPUs `checksum_kernel` reads each region where
+it lies, a bucket's regions in one launch.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -78,17 +73,11 @@ def long_runs(region: torch.Tensor, min_bytes: int) -> list[torch.Tensor] | None
         return [region.reshape(-1).view(torch.uint8)]
     if steps[-1] != 1 or dims[-1] * region.element_size() < min_bytes:
         return None
-    base = region.storage_offset()
-    return [
-        region.as_strided((dims[-1],), (1,), base + sum(i * s for i, s in zip(index, steps))).view(
-            torch.uint8
-        )
+    starts = (
+        region.storage_offset() + sum(i * s for i, s in zip(index, steps))
         for index in itertools.product(*(range(d) for d in dims[:-1]))
-    ]
-
-
-class LandedMismatch(RuntimeError):
-    """A unit's bytes in its destination are not the bytes that arrived for it."""
+    )
+    return [region.as_strided((dims[-1],), (1,), start).view(torch.uint8) for start in starts]
 
 
 def add_landed(units: Iterable[TransferUnit], tensors: Mapping[str, torch.Tensor], sums: Checksums) -> None:
@@ -104,25 +93,3 @@ def landed_checksums(units: Iterable[TransferUnit], tensors: Mapping[str, torch.
     sums = Checksums()
     add_landed(units, tensors, sums)
     return sums.result()
-
-
-def check_landed(buckets: Sequence[Bucket], received: Mapping[str, str], landed: Mapping[str, str]) -> None:
-    """Raise `LandedMismatch` naming every unit (tensor and region) whose landed checksum is
-    missing or differs from the checksum of the bytes that arrived for it."""
-    problems = []
-    for b in buckets:
-        for u in b.units:
-            key = checksum_key(u.canonical, u.canon)
-            got, want = landed.get(key), received.get(key)
-            if got is None:
-                problems.append(
-                    f"tensor {u.canonical} region {u.canon} (from {b.src}): not verified where it landed"
-                )
-            elif got != want:
-                problems.append(
-                    f"tensor {u.canonical} region {u.canon} (from {b.src}, into {u.dst_tensor}): "
-                    f"received {want}, landed {got}"
-                )
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise LandedMismatch(f"bytes written differ from bytes received: {shown}")
