@@ -1,7 +1,9 @@
 """The shared-memory transport over a real gloo group (threads of one process stand for the
 members): a plan whose links mix shared memory and gloo is bit-exact with agreeing checksums on
-two refits over one `LoopCache`; a refit's segments leave /dev/shm when it ends; the sweep takes
-only a dead process's segments; a peer killed mid-refit fails the survivor and leaves no segment."""
+two refits over one `LoopCache`, the local buckets unpacked straight from the senders' segments
+(with the landed check) or copied out first; a refit's segments leave /dev/shm when it ends; the
+sweep takes only a dead process's segments; a peer killed mid-refit fails the survivor and leaves
+no segment."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def _segments_of(pid: int) -> list[str]:
     return sorted(p.name for p in SHM_DIR.glob(f"{SHM_PREFIX}{pid}-*"))
 
 
-def _refit(plan, sources, dests, transports, ranks, caches, version: int) -> None:
+def _refit(plan, sources, dests, transports, ranks, caches, version: int, landed: bool = True) -> None:
     rng = np.random.default_rng(version)
     canonical = {c.name: rng.standard_normal(c.shape).astype(np.float32) for c in ALL}
     local = {
@@ -43,7 +45,7 @@ def _refit(plan, sources, dests, transports, ranks, caches, version: int) -> Non
     received = {
         d.member_id: {t.name: torch.full(t.shape, float("nan")) for t in d.catalog.tensors} for d in dests
     }
-    stats, options = {}, LoopOptions(timeout_s=20)
+    stats, options = {}, LoopOptions(timeout_s=20, verify_landed=landed)
 
     def run(m, catalog, tensors, loop) -> None:
         views = catalog_views(catalog, tensors)
@@ -64,7 +66,8 @@ def _refit(plan, sources, dests, transports, ranks, caches, version: int) -> Non
         assert set(stats[d.member_id].checksums.items()) <= set(sent.items()), (version, d.member_id)
 
 
-def test_a_plan_mixing_shared_memory_and_gloo_links_is_bit_exact_and_leaves_no_segments():
+@pytest.mark.parametrize("landed", [True, False], ids=["landed-check", "wire-checksums"])
+def test_a_plan_mixing_shared_memory_and_gloo_links_is_bit_exact_and_leaves_no_segments(landed: bool):
     sources = [
         SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(e, t)) for e in range(2) for t in range(2)
     ]
@@ -91,10 +94,14 @@ def test_a_plan_mixing_shared_memory_and_gloo_links_is_bit_exact_and_leaves_no_s
     assert not _run_threads([lambda m=m: connect(m) for m in members])
     try:
         for version in (1, 2):
-            _refit(plan, sources, dests, transports, ranks, caches, version)
+            _refit(plan, sources, dests, transports, ranks, caches, version, landed)
             assert _segments_of(os.getpid()) == [], "a refit's segments outlive it"
         local_bytes = sum(b.nbytes for b in plan.buckets if host[b.src] == host[b.dst])
         assert sum(t.shared_bytes for t in transports.values()) == 2 * local_bytes
+        # With the landed check nothing reads the arrived bytes after the unpack: unpacked where
+        # they lie. With checksums of the arrived bytes instead they are copied out first.
+        in_place = sum(t.read_in_place_bytes for t in transports.values())
+        assert in_place == (2 * local_bytes if landed else 0)
     finally:
         for t in transports.values():
             t.close()

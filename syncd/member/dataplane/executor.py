@@ -40,6 +40,7 @@ from syncd.member.dataplane.landed import add_landed
 from syncd.member.dataplane.landing_fault import FaultAt, LandingFault, flip_bit
 from syncd.member.dataplane.loop_options import LoopCache, LoopOptions
 from syncd.member.dataplane.prepared import PreparedBucket, PreparedLoop, ReceiveSink, SinkBucket
+from syncd.member.dataplane.shm import SharedRecv, ShmTransport
 from syncd.member.dataplane.transport import Handle, Transport
 from syncd.plan.types import Bucket
 from syncd.vocabulary import Direction
@@ -320,19 +321,51 @@ class _Loop:
                 )  # after isend: the checksum overlaps the transfer
         self.finish(handles)
 
+    def reads_in_place(self, bucket: Bucket) -> bool:
+        """Whether `bucket` is unpacked straight from where its sender packed it (a peer on this
+        host over shared memory, `ShmTransport.irecv_shared`): when nothing reads the arrived bytes
+        after the unpack, i.e. no checksum of them (the landed check replaces it, or none) and no
+        relay forwarding them. Saves the copy into staging, a third of the receiver's work. (Not
+        with the test-only landing fault armed: it flips a received byte, here the sender's.)"""
+        transport = self.transport
+        return (
+            isinstance(transport, ShmTransport)
+            and self.ranks[bucket.src] in transport.local_peers
+            and self.forwarder is None
+            and (self.checks_landed or not self.options.verify)
+            and self.options.landing_fault is None
+        )
+
+    def in_place_program(self, bucket: Bucket, flat: torch.Tensor) -> PreparedBucket:
+        """The unpack (and landed check) of `bucket` from a sender's segment (`reads_in_place`)."""
+        if isinstance(self.tensors, ReceiveSink):
+            return SinkBucket(bucket, flat, self.tensors)
+        assert self.prepared is not None  # shared memory is host memory: no CUDA graphs
+        return self.prepared.bucket(bucket, self.tensors, flat, direct=False)
+
     def recv(self, buckets: Sequence[Bucket]) -> None:
         ordered = sorted(buckets, key=lambda b: (b.src, b.index))
         if self.sink is not None and self.forwarder is None:  # a relay keeps the planned order
             ordered = interleaved(ordered, self.sink.position)
-        bufs = self.buffers(ordered)
-        programs = self.programs(Direction.RECV, ordered, bufs)
+        in_place = [self.reads_in_place(b) for b in ordered]
+        if all(in_place):  # no staging: every bucket is read where its sender packed it
+            bufs: list[torch.Tensor] = []
+            programs: Sequence[BucketProgram | PreparedBucket] = []
+        else:
+            bufs = self.buffers(ordered)
+            programs = self.programs(Direction.RECV, ordered, bufs)
         handles: list[Handle] = []
         fault = FaultAt.of(self.options.landing_fault, len(ordered))
 
         def post(i: int) -> None:
+            peer = self.ranks[ordered[i].src]
+            if in_place[i]:
+                assert isinstance(self.transport, ShmTransport)
+                handles.append(self.transport.irecv_shared(ordered[i].nbytes, peer))
+                return
             flat = _received_into(programs[i], bufs[i % self.in_flight], ordered[i])
             with _step("weightsync.irecv"):  # ordered after the current stream's unpacks
-                handles.append(self.transport.irecv(flat, self.ranks[ordered[i].src]))
+                handles.append(self.transport.irecv(flat, peer))
 
         with self.enqueuing():
             for i in range(min(self.in_flight, len(ordered))):
@@ -341,16 +374,25 @@ class _Loop:
             self.check_cancel()
             self.throttle(handles, i)
             slot = i % self.in_flight
-            flat = _received_into(programs[i], bufs[slot], bucket)
-            handles[i].fence(self.timeout_s)  # what follows reads the bucket once it arrived
+            handle = handles[i]
+            handle.fence(self.timeout_s)  # what follows reads the bucket once it arrived
+            program: BucketProgram | PreparedBucket
+            if isinstance(handle, SharedRecv):
+                flat = handle.view
+                program = self.in_place_program(bucket, flat)
+            else:
+                program = programs[i]
+                flat = _received_into(program, bufs[slot], bucket)
             with self.enqueuing():
                 if self.forwarder is not None:
                     self.forwarder.forward(slot, bucket, flat)
-                self.account(slot, bucket, flat, programs[i], checksum=not self.checks_landed)
+                self.account(slot, bucket, flat, program, checksum=not self.checks_landed)
                 if fault is not None and fault.index == i:
                     self.strike(fault.fault, slot, flat)
-                self.unpack(bucket, flat, programs[i])
-                self.account_landed(slot, bucket, programs[i])
+                self.unpack(bucket, flat, program)
+                if isinstance(handle, SharedRecv):
+                    handle.release()  # unpacked: the sender may pack into its segment again
+                self.account_landed(slot, bucket, program)
                 if i + self.in_flight < len(ordered):
                     self.checksums.before_reuse(slot)  # the next receive into the slot waits for the checksum
                     if self.forwarder is not None:

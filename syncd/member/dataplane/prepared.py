@@ -42,11 +42,13 @@ class PreparedBucket:
         tensors: Mapping[str, torch.Tensor],
         flat: torch.Tensor,
         scratch: torch.Tensor | None = None,
+        direct: bool = True,
     ) -> None:
         """`scratch`: for a receive on CPU, memory of the bucket's size where the landed check
-        gathers the destination regions (`landed`)."""
+        gathers the destination regions (`landed`). `direct` False: always copy between `flat`
+        and the tensors (a receive read where a local sender packed it)."""
         self._copies = copy_pairs(direction, bucket, tensors, flat)
-        self._regions_of(bucket, flat, _direct_bytes(direction, bucket, self._copies))
+        self._regions_of(bucket, flat, _direct_bytes(direction, bucket, self._copies) if direct else None)
         # A receive's destination regions, where the landed check reads them.
         receiving = direction == Direction.RECV
         units = zip(self._regions, bucket.units) if receiving else ()
@@ -176,21 +178,32 @@ class PreparedLoop:
         self, ordered: Sequence[Bucket], tensors: Mapping[str, torch.Tensor], flats: Sequence[torch.Tensor]
     ) -> list[PreparedBucket]:
         """The prepared work of each bucket in its staging slice, preparing those not seen before."""
-        out = []
-        for bucket, flat in zip(ordered, flats):
-            key = self._key(bucket, tensors, flat)
-            prepared = self._buckets.get(key)
-            if prepared is None:
-                scratch = self._scratch_for(bucket, flat)
-                prepared = PreparedBucket(self.direction, bucket, tensors, flat, scratch)
-                self._buckets[key] = prepared
-            self._used.add(key)
-            out.append(prepared)
-        return out
+        return [self.bucket(bucket, tensors, flat) for bucket, flat in zip(ordered, flats)]
 
-    def _key(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor) -> tuple:
+    def bucket(
+        self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor, direct: bool = True
+    ) -> PreparedBucket:
+        """The prepared work of `bucket` in `flat` (`PreparedBucket`'s `direct`), prepared if new."""
+        key = self._key(bucket, tensors, flat, direct)
+        prepared = self._buckets.get(key)
+        if prepared is None:
+            scratch = self._scratch_for(bucket, flat)
+            prepared = PreparedBucket(self.direction, bucket, tensors, flat, scratch, direct)
+            self._buckets[key] = prepared
+        self._used.add(key)
+        return prepared
+
+    def _key(
+        self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], flat: torch.Tensor, direct: bool
+    ) -> tuple:
         names = [u.src_tensor if self.direction == Direction.SEND else u.dst_tensor for u in bucket.units]
-        return (id(bucket), flat.data_ptr(), flat.numel(), tuple(tensors[n].data_ptr() for n in names))
+        return (
+            id(bucket),
+            flat.data_ptr(),
+            flat.numel(),
+            direct,
+            tuple(tensors[n].data_ptr() for n in names),
+        )
 
     def retain_used(self) -> None:
         """Forget the buckets the refit that just ended did not use (an older plan's)."""

@@ -11,7 +11,9 @@ carries only two small notices per bucket, on tags of their own:
   "bucket in segment n at offset, nbytes" (tag 1);
 - the receiver maps the segment (once), copies the bytes out into its buffer (the one copy the
   wire costs) and answers "done" (tag 2). The send's handle completes on that answer, so the
-  loops reuse a staging slot only after the receiver copied it out, as they do over gloo.
+  loops reuse a staging slot only after the receiver copied it out, as they do over gloo;
+- or, with no copy at all (`irecv_shared`), the receive loop unpacks straight from the mapped
+  segment and the receiver answers "done" once it did (`SharedRecv.release`).
 
 Lifetimes. Segments belong to the sender: files under /dev/shm named
 `weightsync-<pid>-<group token>-<n>`, whose names exist only while a refit runs. `end_refit` (the
@@ -181,6 +183,47 @@ class _RecvHandle:
     fence = wait
 
 
+class SharedRecv:
+    """A receive from a local peer read where the sender packed it: `wait` (or `fence`) waits for
+    the sender's notice and maps its segment; `view` is then the bucket's bytes there, valid
+    until `release`, which lets the sender reuse them."""
+
+    def __init__(self, transport: ShmTransport, nbytes: int, peer: int) -> None:
+        self._transport, self._nbytes, self._peer = transport, nbytes, peer
+        self._notice = torch.zeros(_NOTICE, dtype=torch.int64)
+        self._ready = transport.gloo.irecv(self._notice, peer, _READY)
+        self._view: torch.Tensor | None = None
+        self._released = False
+
+    def wait(self, timeout_s: float) -> None:
+        if self._view is not None:
+            return
+        self._ready.wait(timeout_s)
+        pid, number, offset, nbytes, size = (int(x) for x in self._notice.tolist())
+        if nbytes != self._nbytes:
+            raise TransferError(
+                f"rank {self._peer} sent {nbytes} bytes into a receive of {self._nbytes}", self._peer
+            )
+        segment = self._transport.peer_segment(self._peer, pid, number, size)
+        self._view = segment[offset : offset + nbytes]
+        self._transport.read_in_place_bytes += nbytes
+
+    fence = wait
+
+    @property
+    def view(self) -> torch.Tensor:
+        assert self._view is not None and not self._released, (
+            "a shared receive is read between wait and release"
+        )
+        return self._view
+
+    def release(self) -> None:
+        """The bucket was read: the sender may write its segment again."""
+        if not self._released:
+            self._released = True
+            self._transport.acknowledge(self._peer)
+
+
 class ShmTransport:
     """Shared memory to `local_peers` (group ranks on this host), gloo to everyone else."""
 
@@ -197,6 +240,7 @@ class ShmTransport:
         self._acks: list[Handle] = []
         self._one = torch.ones(1, dtype=torch.int64)
         self.shared_bytes = 0  # sent through shared memory, over the transport's life
+        self.read_in_place_bytes = 0  # ... of those received, read in the sender's segment
         self._copies: queue.SimpleQueue[_RecvHandle | None] = queue.SimpleQueue()
         self._copier: threading.Thread | None = None
 
@@ -245,6 +289,13 @@ class ShmTransport:
             self._copier.start()
         self._copies.put(handle)
         return handle
+
+    def irecv_shared(self, nbytes: int, peer: int) -> SharedRecv:
+        """A receive of `nbytes` from local `peer` that the caller reads in the sender's segment
+        (no copy), then releases."""
+        if peer not in self.local_peers:
+            raise ValueError(f"rank {peer} is not on this host: no shared receive from it")
+        return SharedRecv(self, nbytes, peer)
 
     def _copy_loop(self) -> None:
         while (handle := self._copies.get()) is not None:
