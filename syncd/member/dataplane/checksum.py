@@ -194,6 +194,10 @@ class Checksums:
             self._keys.append(key)
             self._device.add(region_bytes)
 
+    def add_xxh3(self, key: str, nbytes: int, digest: int) -> None:
+        """CPU: a region of `nbytes` whose xxh3-64 the caller computed (`fused`)."""
+        self._done[key] = _format_xxh3(nbytes, digest)
+
     def add_pieces(self, key: str, nbytes: int, pieces: Sequence[memoryview]) -> None:
         """CPU: a region whose bytes in C order are `pieces` (`nbytes` in all), one
         after another: xxh3 streams, so the value is the one of the bytes side by side."""

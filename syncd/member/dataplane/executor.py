@@ -219,17 +219,35 @@ class _Loop:
         """Held while this loop enqueues device work (never across a wait), when graphs are on."""
         return ENQUEUE_LOCK if self.graphs is not None else contextlib.nullcontext()
 
+    def fuses(self, program: BucketProgram | PreparedBucket) -> bool:
+        """Whether `program`'s copy also takes its checksums, chunk by chunk from cache
+        (`fused`): on CPU, with checksums on, a bucket copied through staging (a receive only
+        with the landed check, whose checksums are of the destinations)."""
+        return isinstance(program, PreparedBucket) and program.fusable and self.options.verify
+
     def pack(
-        self, bucket: Bucket, buf: torch.Tensor, program: BucketProgram | PreparedBucket
+        self, bucket: Bucket, buf: torch.Tensor, program: BucketProgram | PreparedBucket, fused: bool = False
     ) -> torch.Tensor:
-        """The bytes to send: packed into the staging slice, or the tensor's own bytes (`direct`)."""
+        """The bytes to send: packed into the staging slice (and hashed, `fused`), or the
+        tensor's own bytes (`direct`)."""
         with _step("weightsync.pack"):
-            program.copy()
+            if fused:
+                assert isinstance(program, PreparedBucket)
+                program.copy_and_checksum(self.sums)
+            else:
+                program.copy()
             return buf[: bucket.nbytes] if program.direct is None else program.direct
 
-    def unpack(self, bucket: Bucket, flat: torch.Tensor, program: BucketProgram | PreparedBucket) -> None:
+    def unpack(
+        self, bucket: Bucket, flat: torch.Tensor, program: BucketProgram | PreparedBucket, fused: bool = False
+    ) -> None:
+        """Unpack the bucket; `fused`: with the landed check of what it wrote, chunk by chunk."""
         with _step("weightsync.unpack"):
-            program.copy()
+            if fused:
+                assert isinstance(program, PreparedBucket)
+                program.copy_and_checksum(self.landed_sums)
+            else:
+                program.copy()
 
     def account(
         self,
@@ -313,12 +331,12 @@ class _Loop:
             with self.enqueuing():
                 if i >= self.in_flight:
                     self.checksums.before_reuse(slot)
-                flat = self.pack(bucket, bufs[slot], programs[i])
+                fused = self.fuses(programs[i])
+                flat = self.pack(bucket, bufs[slot], programs[i], fused)
                 with _step("weightsync.isend"):
                     handles.append(self.transport.isend(flat, self.ranks[bucket.dst]))
-                self.account(
-                    slot, bucket, flat, programs[i]
-                )  # after isend: the checksum overlaps the transfer
+                # after isend: the checksum overlaps the transfer
+                self.account(slot, bucket, flat, programs[i], checksum=not fused)
         self.finish(handles)
 
     def reads_in_place(self, bucket: Bucket) -> bool:
@@ -389,10 +407,12 @@ class _Loop:
                 self.account(slot, bucket, flat, program, checksum=not self.checks_landed)
                 if fault is not None and fault.index == i:
                     self.strike(fault.fault, slot, flat)
-                self.unpack(bucket, flat, program)
+                fused = self.checks_landed and self.sink is None and self.fuses(program)
+                self.unpack(bucket, flat, program, fused)
                 if isinstance(handle, SharedRecv):
                     handle.release()  # unpacked: the sender may pack into its segment again
-                self.account_landed(slot, bucket, program)
+                if not fused:
+                    self.account_landed(slot, bucket, program)
                 if i + self.in_flight < len(ordered):
                     self.checksums.before_reuse(slot)  # the next receive into the slot waits for the checksum
                     if self.forwarder is not None:

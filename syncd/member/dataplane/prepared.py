@@ -26,6 +26,7 @@ import torch
 
 from syncd.commands import checksum_key
 from syncd.member.dataplane.checksum import Checksums, reduce_region, region_outputs
+from syncd.member.dataplane.fused import FusedCopies
 from syncd.member.dataplane.landed import CpuLanded
 from syncd.member.dataplane.pack import Copies, copy_pairs
 from syncd.plan.types import Bucket
@@ -49,6 +50,8 @@ class PreparedBucket:
         and the tensors (a receive read where a local sender packed it)."""
         self._copies = copy_pairs(direction, bucket, tensors, flat)
         self._regions_of(bucket, flat, _direct_bytes(direction, bucket, self._copies) if direct else None)
+        self._direction, self._tensors, self._scratch = direction, tensors, scratch
+        self._fused: FusedCopies | None = None  # made on first use
         # A receive's destination regions, where the landed check reads them.
         receiving = direction == Direction.RECV
         units = zip(self._regions, bucket.units) if receiving else ()
@@ -91,6 +94,23 @@ class PreparedBucket:
         for (key, packed), (cols, rows, rest) in zip(self._regions, self._outputs):
             reduce_region(packed, cols, rows, rest)
             sums.add_reduced(key, packed.numel(), cols, rows, rest)
+
+    @property
+    def fusable(self) -> bool:
+        """On CPU, a bucket packed into (or unpacked from) staging can copy and hash in one pass
+        (`copy_and_checksum`); one sent from or received into its tensor as it is cannot."""
+        return self.flat.device.type == "cpu" and self.direct is None and type(self) is PreparedBucket
+
+    def copy_and_checksum(self, sums: Checksums) -> None:
+        """`copy` with the checksums of what it wrote, chunk by chunk from cache (`fused`): a
+        send's packed bytes, or a receive's units where they landed (the landed check)."""
+        if self._fused is None:
+            if self._direction == Direction.SEND:
+                self._fused = FusedCopies.pack(self.bucket, self._tensors, self.flat)
+            else:
+                assert self._scratch is not None  # a receive on CPU has scratch (`PreparedLoop`)
+                self._fused = FusedCopies.unpack(self.bucket, self._tensors, self.flat, self._scratch)
+        self._fused.run(sums)
 
     def landed(self, sums: Checksums) -> None:
         """Checksum every unit of a received bucket where it landed into `sums`
