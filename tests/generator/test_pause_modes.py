@@ -102,13 +102,26 @@ def services(checkpoints, tmp_path_factory) -> Iterator[dict[str, Service]]:
             s.stop()
 
 
-def _refit_during(service: Service, checkpoint: str, version: str, *requests: Stream) -> None:
-    """Stage `checkpoint`, then apply it as `version` once every stream has its first tokens."""
+def _refit_during(
+    service: Service, checkpoint: str, version: str, *requests: Stream, running: int = 0
+) -> None:
+    """Stage `checkpoint`, then apply it as `version` once every stream has its first tokens and
+    the engine runs at least `running` requests (a plain request's progress cannot be seen: on a
+    loaded machine it may reach the engine after the stream's first tokens)."""
     staged = service.http.post("/v1/weights/stage", json={"path": checkpoint, "refit_id": version})
     assert staged.status_code == 200, staged.text
     wait_until(lambda: all(len(s.tokens) >= 4 for s in requests), what="the streams' first tokens")
+    wait_until(lambda: _running(service) >= running, what=f"{running} running requests")
     applied = service.http.post("/v1/weights/apply", json={"version": version, "refit_id": version})
     assert applied.status_code == 200, applied.text
+
+
+def _running(service: Service) -> float:
+    """vLLM's gauge of the requests its engine runs now (one series per engine)."""
+    found = re.findall(
+        r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", service.http.get("/metrics").text, re.M
+    )
+    return sum(float(v) for v in found)
 
 
 def _metric(service: Service, name: str) -> float:
@@ -128,7 +141,7 @@ def test_keep_continues_running_requests_on_the_new_weights_and_says_from_which_
 
     plain = Call(keep, PROMPT, LONG)
     stream = Stream(keep, PROMPT, LONG)
-    _refit_during(keep, str(checkpoints["B"]), "b", stream)
+    _refit_during(keep, str(checkpoints["B"]), "b", stream, running=2)
     answer, last = plain.join(), stream.join()
 
     # The stream: its last chunk carries the spans; tokens before the switch are the old weights'.
@@ -176,7 +189,7 @@ def test_abort_ends_running_requests_with_a_retryable_error_and_nothing_else_fai
     abort = services["abort"]
     plain = Call(abort, PROMPT, LONG)
     stream = Stream(abort, PROMPT, LONG)
-    _refit_during(abort, str(checkpoints["B"]), "b", stream)
+    _refit_during(abort, str(checkpoints["B"]), "b", stream, running=2)
     answer, last = plain.join(), stream.join()
 
     assert answer.status_code == 503, answer.text
