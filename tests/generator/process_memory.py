@@ -27,7 +27,14 @@ def descendants(pid: int) -> list[int]:
 
 def flip_everywhere(pid: int, pattern: bytes) -> int:
     """Flip the lowest bit of the first byte of every copy of `pattern` in the writable memory of
-    process `pid`; return how many copies changed."""
+    process `pid`; return how many copies changed (0 for a process that exited meanwhile)."""
+    try:
+        return _flip_in(pid, pattern)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+
+
+def _flip_in(pid: int, pattern: bytes) -> int:
     flipped = 0
     with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
         for line in maps:
