@@ -21,7 +21,7 @@ from syncd.member.dataplane import (
     send_buckets,
 )
 from syncd.member.dataplane.checksum import Checksums, checksum
-from syncd.member.dataplane.landed import CpuLanded, landed_checksums, long_runs
+from syncd.member.dataplane.landed import LONG_RUN_BYTES, landed_checksums, long_runs
 from syncd.member.dataplane.landing_fault import LandingFault, armed
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.simulate import materialize
@@ -73,12 +73,12 @@ def test_a_strided_region_checksums_as_its_bytes_in_c_order(dtype: torch.dtype) 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def testlong_runs_hash_where_they_lie_as_their_bytes_in_c_order(dtype: torch.dtype) -> None:
-    """`CpuLanded` hashes a region of long runs run after run (xxh3 streams): the value of its
+    """The landed check (`fused`) hashes a region of long runs run after run (xxh3 streams): the value of its
     contiguous bytes; regions of short runs are left to the gather."""
     whole = (torch.randn(4, 8, 1024) * 50).to(dtype)
     hashed_in_place = gathered = 0
     for region in (whole, whole[:, 2:6], whole[1:3, 1:7], whole[:, :, :512], whole[:, 3], whole[:, :, 1:]):
-        runs = long_runs(region, CpuLanded.RUN_BYTES)
+        runs = long_runs(region, LONG_RUN_BYTES)
         if runs is None:
             gathered += 1
             continue

@@ -12,9 +12,9 @@ those as what it received. A unit's packed bytes are its destination region's by
 covers the wire and the unpack in one pass per byte. A mismatch aborts the refit naming tensor
 and region (`syncd.daemon.checks`).
 
-On CPU the check is xxh3, prepared once per plan (`CpuLanded`: long runs hashed where they lie,
-the rest gathered into scratch memory first); on GPUs `checksum_kernel` reads each region where
-it lies, a bucket's regions in one launch.
+On CPU the check is xxh3, taken in the unpack itself (`fused.FusedCopies.unpack`: long runs hashed
+where they lie, the rest gathered into scratch memory first); on GPUs `checksum_kernel` reads each
+region where it lies, a bucket's regions in one launch.
 """
 
 from __future__ import annotations
@@ -27,42 +27,11 @@ import torch
 from syncd.commands import checksum_key
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.checksum_kernel import collapse
-from syncd.member.dataplane.pack import Copies
-from syncd.plan.types import Bucket, TransferUnit
+from syncd.plan.types import TransferUnit
 
-
-class CpuLanded:
-    """The landed check of one received bucket on CPU, prepared once per plan (the regions, the
-    copies and the arrays are fixed between refits; `prepared.PreparedBucket` keeps it). A unit
-    whose region lies in runs of at least `RUN_BYTES` is hashed where it lies, run after run; the
-    others are gathered into `scratch` (the bucket's size, in its packed layout) in one call and
-    hashed there. (Per region, a copy into fresh memory and the tensor calls around it from
-    Python cost about 20 us, and the check of the demo's model, 105 units of 21 KB on average,
-    was host-bound by them; the copy was most of the rest.)"""
-
-    RUN_BYTES = 4096  # a run's hash call costs under a tenth of copying it
-
-    def __init__(self, bucket: Bucket, tensors: Mapping[str, torch.Tensor], scratch: torch.Tensor) -> None:
-        self._gather = Copies()
-        self._pieces: list[tuple[str, int, list[memoryview]]] = []  # key, bytes, what to hash in order
-        offset = 0
-        for u in bucket.units:
-            region = tensors[u.dst_tensor][u.dst_box.slices()]
-            runs = long_runs(region, self.RUN_BYTES)
-            if runs is None:
-                gathered = scratch[offset : offset + u.nbytes]
-                self._gather.dsts.append(gathered.view(region.dtype).view(region.shape))
-                self._gather.srcs.append(region)
-                runs = [gathered]
-            self._pieces.append(
-                (checksum_key(u.canonical, u.canon), u.nbytes, [r.numpy().data for r in runs])
-            )
-            offset += u.nbytes
-
-    def add_to(self, sums: Checksums) -> None:
-        self._gather.run()
-        for key, nbytes, pieces in self._pieces:
-            sums.add_pieces(key, nbytes, pieces)
+LONG_RUN_BYTES = (
+    4096  # a run this long is hashed where it lies: the hash call costs under a tenth of copying it
+)
 
 
 def long_runs(region: torch.Tensor, min_bytes: int) -> list[torch.Tensor] | None:

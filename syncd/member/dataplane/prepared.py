@@ -27,7 +27,6 @@ import torch
 from syncd.commands import checksum_key
 from syncd.member.dataplane.checksum import Checksums, reduce_region, region_outputs
 from syncd.member.dataplane.fused import FusedCopies
-from syncd.member.dataplane.landed import CpuLanded
 from syncd.member.dataplane.pack import Copies, copy_pairs
 from syncd.plan.types import Bucket
 from syncd.vocabulary import Direction
@@ -56,11 +55,6 @@ class PreparedBucket:
         receiving = direction == Direction.RECV
         units = zip(self._regions, bucket.units) if receiving else ()
         self._landed = [(key, tensors[u.dst_tensor][u.dst_box.slices()]) for (key, _), u in units]
-        self._on_cpu = (
-            CpuLanded(bucket, tensors, scratch)
-            if receiving and scratch is not None and self.direct is None
-            else None
-        )
 
     def _regions_of(self, bucket: Bucket, flat: torch.Tensor, direct: torch.Tensor | None) -> None:
         self.bucket = bucket  # held, so that the id in the cache key stays this bucket's
@@ -114,14 +108,12 @@ class PreparedBucket:
 
     def landed(self, sums: Checksums) -> None:
         """Checksum every unit of a received bucket where it landed into `sums`
-        (`syncd.member.dataplane.landed.add_landed`, with the regions sliced once per plan; on
-        CPU `landed.CpuLanded`). A bucket that arrived straight into its tensor (`direct`) is
-        hashed where it is."""
+        (`syncd.member.dataplane.landed.add_landed`, with the regions sliced once per plan): the
+        GPU loops' check, and a CPU bucket that arrived straight into its tensor (`direct`),
+        hashed where it is; CPU buckets through staging check in `copy_and_checksum`."""
         if self.direct is not None:
             for key, packed in self._regions:
                 sums.add(key, packed)
-        elif self._on_cpu is not None:
-            self._on_cpu.add_to(sums)
         else:
             for key, region in self._landed:
                 sums.add_region(key, region)
@@ -183,11 +175,11 @@ class PreparedLoop:
         self.direction = direction
         self._buckets: dict[tuple, PreparedBucket] = {}
         self._used: set[tuple] = set()
-        self._scratch = torch.empty(0, dtype=torch.uint8)  # receives on CPU: `PreparedBucket.landed`
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # receives on CPU: `copy_and_checksum`
 
     def _scratch_for(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor | None:
-        """The landed check's gathering memory, shared by the loop's buckets: their checks run
-        one after another, on the loop's one checksum worker."""
+        """The landed check's gathering memory (`fused`), shared by the loop's buckets: their
+        unpacks run one after another, on the loop's thread."""
         if self.direction != Direction.RECV or flat.device.type != "cpu":
             return None
         if self._scratch.numel() < bucket.nbytes:  # buckets prepared before keep the old one alive
