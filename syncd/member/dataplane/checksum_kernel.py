@@ -20,7 +20,10 @@ out as they are, for the host's fold.
 Where an item lies takes divisions by the region's dimensions. 64-bit integer divisions (about
 a hundred instructions each) once per program only; per row and, for runs shorter than a row, per
 item, the quotients are small, so float32 estimates corrected by one step serve; for runs of a
-row or more, an item's place is one choice between two starts. (Per-row 64-bit divisions, done by
+row or more, an item's place is one choice between two starts; and where every run is whole
+rows (contiguous regions, most expert slices), one start per row: 2.6-2.7 TB/s over 4 GB of
+contiguous regions on an H100, 1.7-1.8 x a device-to-device copy's speed, against 2.4-2.6 with two
+starts (bench/checksum_kernel_probe.py, 2026-11-26). (Per-row 64-bit divisions, done by
 every thread that holds part of the row, made a first version compute-bound at a quarter of the
 memory's speed.)
 
@@ -69,12 +72,14 @@ class Region:
         return self.numel // ROW_BYTES
 
     @property
-    def variant(self) -> tuple[int, bool, int]:
-        """The kernel's compile-time choices: item size, runs of a row or more, vector width."""
+    def variant(self) -> tuple[int, bool, bool, int]:
+        """The kernel's compile-time choices: item size, runs of a row or more, runs of whole
+        rows (every row lies in one run), vector width."""
         items_per_row = ROW_BYTES // self.esize
         vec = _VEC_BYTES // self.esize
         aligned = self.address % _VEC_BYTES == 0 and all(x % vec == 0 for x in (*self.steps, self.dims[2]))
-        return self.esize, self.dims[2] >= items_per_row, vec if aligned else 1
+        long_runs = self.dims[2] >= items_per_row
+        return self.esize, long_runs, long_runs and self.dims[2] % items_per_row == 0, vec if aligned else 1
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,19 @@ if triton is not None:
 
     @triton.jit
     def _offsets(
-        k, j, lane, outer, mid, d1, d2, s0, s1, EPR: tl.constexpr, LONG_RUNS: tl.constexpr, VEC: tl.constexpr
+        k,
+        j,
+        lane,
+        outer,
+        mid,
+        d1,
+        d2,
+        s0,
+        s1,
+        EPR: tl.constexpr,
+        LONG_RUNS: tl.constexpr,
+        WHOLE_ROWS: tl.constexpr,
+        VEC: tl.constexpr,
     ):
         """Where item j of row k lies, in items from the region's start; rows count from the
         program's first, whose first item is item `lane` of the run at (`outer`, `mid`)."""
@@ -162,7 +179,9 @@ if triton is not None:
         a0 = outer + qa
         # ... and each item from there: with runs of a row or more, one choice of two starts;
         # with shorter ones, two small divisions again.
-        if LONG_RUNS:  # a row lies in at most two runs: the one it starts in and the next
+        if WHOLE_ROWS:  # runs of whole rows: a row lies in one run, its items one after another
+            offset = (a0 * s0 + b0.to(tl.int64) * s1 + l0) + j
+        elif LONG_RUNS:  # a row lies in at most two runs: the one it starts in and the next
             left = d2 - l0  # items of the first run in this row
             nb = b0 + 1
             na = a0 + (nb >= d1).to(tl.int64)
@@ -186,6 +205,7 @@ if triton is not None:
         ESIZE: tl.constexpr,
         BR: tl.constexpr,
         LONG_RUNS: tl.constexpr,
+        WHOLE_ROWS: tl.constexpr,
         VEC: tl.constexpr,
         FIELDS: tl.constexpr,
     ):
@@ -217,7 +237,9 @@ if triton is not None:
             k = r + tl.arange(0, BR)[:, None]  # [BR, 1]: rows from the program's first
             rows = first + k
             in_rows = rows < full_rows  # one value per row: the loads stay vectors
-            ptrs = x_ptr + _offsets(k.to(tl.int32), j, lane, outer, mid, d1, d2, s0, s1, EPR, LONG_RUNS, VEC)
+            ptrs = x_ptr + _offsets(
+                k.to(tl.int32), j, lane, outer, mid, d1, d2, s0, s1, EPR, LONG_RUNS, WHOLE_ROWS, VEC
+            )
             if VEC > 1:  # the base came from the table: say its alignment (bytes) too
                 ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, VEC])
             x = tl.load(ptrs, mask=in_rows, other=0)
@@ -232,14 +254,15 @@ if triton is not None:
         if (rest_n > 0) & (first <= full_rows) & (full_rows < first + per_program):
             # The bytes after the last full row (this program's block holds that row): as they are.
             k = (full_rows - first).to(tl.int32) + tl.zeros((1, 1), dtype=tl.int32)
-            offset = _offsets(k, j, lane, outer, mid, d1, d2, s0, s1, EPR, LONG_RUNS, 1)
+            offset = _offsets(k, j, lane, outer, mid, d1, d2, s0, s1, EPR, LONG_RUNS, WHOLE_ROWS, 1)
             x = tl.load(x_ptr + offset, mask=j < rest_n, other=0)
             tl.store(rest_ptr + j, x, mask=j < rest_n)
 
 
-def reduce_batch(regions: list[Region]) -> ReducedRegions:
+def reduce_batch(regions: list[Region], whole_rows: bool = True) -> ReducedRegions:
     """`checksum.reduce_region`'s outputs of every region, enqueued on the current stream: one
-    launch per kernel variant, one upload of the table, no per-region tensor on the host."""
+    launch per kernel variant, one upload of the table, no per-region tensor on the host.
+    `whole_rows` False: runs of whole rows addressed as any long runs (what the probe compares)."""
     device = regions[0].tensor.device
     numels = np.array([r.numel for r in regions], dtype=np.int64)
     row_counts = numels // ROW_BYTES
@@ -259,16 +282,19 @@ def reduce_batch(regions: list[Region]) -> ReducedRegions:
         out.rows.data_ptr() + 4 * rows_starts[:-1],
         out.rest.data_ptr() + rest_starts[:-1],
     )
-    by_variant: dict[tuple[int, bool, int], list[int]] = {}
+    by_variant: dict[tuple[int, bool, bool, int], list[int]] = {}
     for k, region in enumerate(regions):
         if region.numel:
             by_variant.setdefault(region.variant, []).append(k)
-    for (esize, long_runs, vec), members in by_variant.items():
-        _launch([regions[k] for k in members], [a[members] for a in addresses], esize, long_runs, vec)
+    for (esize, long_runs, whole, vec), members in by_variant.items():
+        variant = (esize, long_runs, whole and whole_rows, vec)
+        _launch([regions[k] for k in members], [a[members] for a in addresses], *variant)
     return out
 
 
-def _launch(regions: list[Region], outputs: list[np.ndarray], esize: int, long_runs: bool, vec: int) -> None:
+def _launch(
+    regions: list[Region], outputs: list[np.ndarray], esize: int, long_runs: bool, whole_rows: bool, vec: int
+) -> None:
     """One launch over `regions` (one variant); `outputs`: each region's column sums, row sums and
     rest addresses."""
     br = max(1, _ELEMENTS_PER_TILE * esize // ROW_BYTES)
@@ -306,6 +332,7 @@ def _launch(regions: list[Region], outputs: list[np.ndarray], esize: int, long_r
         ESIZE=esize,
         BR=br,
         LONG_RUNS=long_runs,
+        WHOLE_ROWS=whole_rows,
         VEC=vec,
         FIELDS=_FIELDS,
         num_warps=_NUM_WARPS,
