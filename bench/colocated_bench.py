@@ -9,7 +9,8 @@ the receiver:
   - memcpy_gbps: one thread copying the same number of bytes (torch, one intra-op thread);
   - raw_gloo_gbps: the same bytes over the processes' gloo group, no packing, no checksums;
   - refit_gbps: `send_buckets`/`recv_buckets` over `ShmTransport` (shared memory) with checksums,
-    each refit from fresh segments, as the agent runs it (a refit's segments die with it);
+    ended as the agent ends a refit (`end_refit`: the segments' names go, the mappings a refit
+    used stay for the next, as the loops keep their staging over gloo);
   - refit_gloo_gbps: the same refit over gloo, the path colocated members took before;
   - pack_loop_gbps / unpack_loop_gbps: the sender's or the receiver's loop alone, with checksums,
     over a wire that moves nothing (`bench/loopback_transport.NullTransport`): the refit's ceiling
