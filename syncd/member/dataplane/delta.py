@@ -29,6 +29,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -410,6 +411,23 @@ def _encode(
     return message
 
 
+class LinkForward(Protocol):
+    """A relay's part in a delta refit (`syncd.member.dataplane.relay.DeltaForwarder`): what
+    arrives on one incoming link goes on, as it came, to the successors that receive that link."""
+
+    def header(self, link: Sequence[Bucket], data: torch.Tensor) -> None:
+        """The link's header arrived in `data`: send it on."""
+        ...
+
+    def message(self, link: Sequence[Bucket], data: torch.Tensor) -> None:
+        """The link's sparse message arrived in `data`: send it on."""
+        ...
+
+    def dense(self, dense: Sequence[Bucket], tensors, options: LoopOptions) -> TransferStats:
+        """Receive the link's `dense` buckets into `tensors`, forwarding each."""
+        ...
+
+
 def recv_with_deltas(
     buckets: Sequence[Bucket],
     tensors: Mapping[str, torch.Tensor],
@@ -420,21 +438,33 @@ def recv_with_deltas(
     *,
     cancel: threading.Event | None = None,
     cache: LoopCache | None = None,
+    forward: LinkForward | None = None,
 ) -> DeltaStats:
     """The receiving side of `send_with_deltas`, for a member whose links all go as deltas: applies
-    each delta to `tensors` (which must hold the base version) and checksums every whole region."""
+    each delta to `tensors` (which must hold the base version) and checksums every whole region.
+    `buckets` are those this member receives; `forward`: it relays them (fan-out)."""
     stats, start = DeltaStats(), time.perf_counter()
-    for src, link in _links(buckets, "src").items():
+    for (src, _), link in _origin_links(buckets).items():
         _check(cancel)
         _recv_link(
-            src, link, tensors, transport, ranks[src], links.max_fraction, stats, options, cancel, cache
+            link, tensors, transport, ranks[src], links.max_fraction, stats, options, cancel, cache, forward
         )
     stats.seconds = time.perf_counter() - start
     return stats
 
 
+def _origin_links(buckets: Sequence[Bucket]) -> dict[tuple[str, str], list[Bucket]]:
+    """A receiver's links cut by the sender that packed their bytes: each part is one sender's
+    delta (its header, its message, its dense buckets). A relay's link to its successor carries
+    what it received from each sender, one after another, in the order it received them (the
+    planner numbers relay buckets so), each forwarded as it came."""
+    out: dict[tuple[str, str], list[Bucket]] = defaultdict(list)
+    for b in sorted(buckets, key=lambda b: (b.src, b.index)):
+        out[(b.src, b.origin)].append(b)
+    return out
+
+
 def _recv_link(
-    src: str,
     link: list[Bucket],
     tensors,
     transport: Transport,
@@ -444,9 +474,12 @@ def _recv_link(
     options: LoopOptions,
     cancel: threading.Event | None,
     cache: LoopCache | None,
+    forward: LinkForward | None,
 ) -> None:
     header = torch.empty(sum(len(b.units) for b in link), dtype=torch.int64)
     transport.irecv(header, peer).wait(options.timeout_s)
+    if forward is not None:
+        forward.header(link, header)
     flat_codes = header.tolist()
     dense, sparse, at = [], [], 0
     for bucket in link:
@@ -464,13 +497,18 @@ def _recv_link(
     if sparse:
         message = torch.empty(sum(size for _, _, size in sparse), dtype=torch.uint8)
         transport.irecv(message, peer).wait(options.timeout_s)
+        if forward is not None:
+            forward.message(link, message)
         offset = 0
         for bucket, codes, size in sparse:
             _apply(bucket, codes, message[offset : offset + size], tensors, stats.checksums)
             offset += size
         stats.bytes += message.numel()
         stats.buckets += len(sparse)
-    if dense:
+    if dense and forward is not None:
+        _add(stats, forward.dense(dense, tensors, options))
+    elif dense:
+        src = link[0].src
         _add(
             stats,
             recv_buckets(dense, tensors, transport, {src: peer}, options, cancel=cancel, cache=cache),
