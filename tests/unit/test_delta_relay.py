@@ -13,8 +13,8 @@ import torch
 
 from syncd.commands import DeltaLinks
 from syncd.layout.dtypes import torch_dtype
-from syncd.member.dataplane import GlooTransport, LoopOptions, catalog_views, recv_buckets
-from syncd.member.dataplane.delta import DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.member.dataplane import GlooTransport, LoopOptions, TransferStats, catalog_views, recv_buckets
+from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.member.dataplane.relay import relay_buckets, relay_with_deltas
 from syncd.plan import DestMember, SourceMember
 from syncd.plan.fanout import make_fanout_plan, received_bytes
@@ -45,7 +45,7 @@ class Chain:
             for d in self.dests
         }
 
-    def refit(self, delta: bool) -> dict[str, DeltaStats]:
+    def refit(self, delta: bool) -> dict[str, TransferStats]:
         """One transfer over a fresh gloo group; `delta`: every replica holds version 1, the base."""
         members = [m.member_id for m in self.sources + self.dests]
         ranks = {m: i for i, m in enumerate(members)}

@@ -144,8 +144,17 @@ class DeltaForwarder:
         self.bytes = 0
 
     def _successors(self, link: Sequence[Bucket]) -> list[str]:
+        """The members that get this link's delta: each must get all of it (the header covers the
+        whole link), as fan-out plans give every relayed replica all of its relay's buckets."""
         keys = {b.key for b in link}
-        return sorted({o.dst for o in self._outgoing if o.relay is not None and o.relay.forwards in keys})
+        forwarded: dict[str, set] = defaultdict(set)
+        for o in self._outgoing:
+            if o.relay is not None and o.relay.forwards in keys:
+                forwarded[o.dst].add(o.relay.forwards)
+        partial = sorted(dst for dst, got in forwarded.items() if got != keys)
+        if partial:
+            raise ValueError(f"relay successors {partial[:3]} get part of a delta link from {link[0].src}")
+        return sorted(forwarded)
 
     def header(self, link: Sequence[Bucket], data: torch.Tensor) -> None:
         for dst in self._successors(link):
