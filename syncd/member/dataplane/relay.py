@@ -15,8 +15,8 @@ index order and its successors, which receive from it alone, take them in index 
 cycle: a relay waits only for its successors, the last replica waits for nobody.
 
 Delta refits (`relay_with_deltas`): a relay receives each sender's delta as a delta receiver does
-(`syncd.member.dataplane.delta`) and forwards its parts as they came: the header and the sparse
-message as soon as each arrived, then the dense buckets through a `BucketForwarder` as above. It
+(`syncd.member.dataplane.delta`) and forwards its parts as they came: each link's header and
+sparse message as soon as it arrived, then the dense buckets through a `BucketForwarder` as above. It
 applies the delta to its own copy and checksums whole regions like any receiver, so every replica
 is compared with the sender's checksums. Its successors receive exactly the sender's messages, in
 the sender's order, and apply them in turn: every replica must hold the same base (syncd plans
