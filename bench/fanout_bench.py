@@ -22,13 +22,14 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
-from bench.plain_member import loaded_marker, model_shape
+from bench.plain_member import RlSteps, loaded_marker, model_shape
 from deploy.lab import Lab
 from deploy.local.processes import PYTHON, Proc
 from syncd.refit_wait import wait_final
@@ -36,8 +37,9 @@ from syncd.refit_wait import wait_final
 HTTP_PORT, GRPC_PORT = 8470, 8471
 
 
-def _members(lab: Lab, args, replicas: int, workdir: Path) -> list[Proc]:
-    """syncd, the trainer ranks and `replicas` generators, each started on its lab host."""
+def _members(lab: Lab, args, replicas: int, workdir: Path, steps: Steps) -> list[Proc]:
+    """syncd, the trainer ranks and `replicas` generators, each started on its lab host; `steps`:
+    whether syncd runs delta refits, and which versions the trainers make RL-like steps."""
     syncd_at = f"{lab.address('syncd')}:{GRPC_PORT}"
     procs = [
         lab.spawn(
@@ -46,7 +48,8 @@ def _members(lab: Lab, args, replicas: int, workdir: Path) -> list[Proc]:
              str(GRPC_PORT), "--db", str(workdir / f"syncd-{replicas}.db"), "--bucket-bytes",
              str(args.bucket_mib << 20), "--expected-trainers", str(args.ep * args.tp),
              "--expected-generators", str(replicas), "--backend", "gloo", "--fanout", str(args.fanout),
-             "--transfer-timeout", "300", "--lease-seconds", "10"],
+             "--transfer-timeout", "300", "--lease-seconds", "10",
+             *(["--delta-refits"] if steps.delta else [])],
             name=f"syncd-r{replicas}",
         )
     ]  # fmt: skip
@@ -57,7 +60,8 @@ def _members(lab: Lab, args, replicas: int, workdir: Path) -> list[Proc]:
             "trainer",
             [PYTHON, "-m", "bench.plain_member", "--role", "trainer", *model, "--ep", str(args.ep),
              "--ep-rank", str(e), "--tp", str(args.tp), "--tp-rank", str(t),
-             "--host", lab.address("trainer"), "--announce-file", str(workdir / "version")],
+             "--host", lab.address("trainer"), "--announce-file", str(workdir / "version"),
+             "--rl-changed", str(steps.rl.fraction), "--rl-versions", f"{steps.rl.first},{steps.rl.last}"],
             name=f"trainer-{e}-{t}-r{replicas}",
         )
         for e, t in ranks
@@ -90,58 +94,122 @@ def _wait(http: httpx.Client, procs: list[Proc], predicate, what: str, timeout_s
     raise TimeoutError(f"{what} after {timeout_s:.0f} s")
 
 
-def measure(lab: Lab, args, replicas: int, workdir: Path) -> dict:
+@dataclass(frozen=True)
+class Steps:
+    """One session's refits: `delta`, syncd's delta refits on; `rl`, the versions that are RL-like
+    steps (the others change every element); `kinds`, per measured version (2, 3, ...), the
+    row it counts in."""
+
+    delta: bool
+    rl: RlSteps
+    kinds: tuple[str, ...]
+
+
+def sessions(args) -> list[Steps]:
+    """Without `--delta`, `--reps` full refits. With it, three kinds of rows from two sessions per
+    replica count: full refits with delta refits off; then, with them on, `--reps` RL-like steps
+    (versions 2 .. reps + 1, each a delta of the one before) and `--reps` steps that change every
+    element (each its own random values)."""
+    full = Steps(False, RlSteps(), ("full",) * args.reps)
+    if not args.delta:
+        return [full]
+    rl = RlSteps(args.changed, 2, args.reps + 1)
+    return [full, Steps(True, rl, ("rl-like",) * args.reps + ("everything",) * args.reps)]
+
+
+def measure(lab: Lab, args, replicas: int, workdir: Path, steps: Steps) -> list[dict]:
+    """One session: fresh processes, a warm-up refit (version 1), then a refit per `steps.kinds`;
+    a row per kind."""
     (workdir / "version").write_text("0")
     for old in workdir.glob("version.trainer-*"):
         old.unlink()
     for old in workdir.glob(f"syncd-{replicas}.db*"):  # a fresh syncd: no history, no versions
         old.unlink()
-    procs = _members(lab, args, replicas, workdir)
+    procs = _members(lab, args, replicas, workdir, steps)
     http = httpx.Client(base_url=f"http://{lab.address('syncd')}:{HTTP_PORT}", timeout=30)
     try:
         _wait(http, procs, lambda: http.get("/readyz").status_code == 200, "syncd not ready", 300)
         plan = http.get("/v1/plan").json()
-        times, egress = [], []
-        for version in range(1, args.reps + 2):
-            (workdir / "version").write_text(str(version))
-            markers = [loaded_marker(workdir / "version", f"trainer-{r}") for r in range(args.ep * args.tp)]
-            _wait(
-                http,
-                procs,
-                lambda v=version, ms=markers: all(m.exists() and m.read_text() == str(v) for m in ms),
-                f"version {version} not loaded by every trainer rank",
-                120,
-            )
-            sent = lab.tx_bytes("trainer")
-            r = http.post("/v1/refits", json={"weight_version": version})
-            r.raise_for_status()
-            record = wait_final(lambda path: http.get(path).json(), r.json()["id"], 600, poll_s=0.05)
-            if record["state"] != "COMMITTED":
-                raise RuntimeError(
-                    f"R={replicas}: refit of version {version} {record['state']}: {record['error']}"
-                )
-            seconds = record["finished_at"] - record["created_at"]
-            egress_bytes = lab.tx_bytes("trainer") - sent
-            print(
-                f"R={replicas} v{version}: {seconds:.2f} s, trainer sent {egress_bytes / 1e6:.1f} MB",
-                flush=True,
-            )
+        measured: dict[str, list[tuple[float, int, dict]]] = {}
+        for version in range(1, len(steps.kinds) + 2):
+            seconds, egress_bytes, record = _refit(lab, http, procs, args, workdir, replicas, version)
             if version > 1:  # the first refit negotiates the groups and allocates: a warm-up
-                times.append(seconds)
-                egress.append(egress_bytes)
-        return {
-            "replicas": replicas,
-            "refit_s": round(statistics.median(times), 3),
-            "trainer_egress_bytes": int(statistics.median(egress)),
-            "refit_s_each": [round(t, 3) for t in times],
-            "trainer_egress_bytes_each": egress,
-            "plan_source_bytes": plan["source_bytes"],
-            "plan_relay_bytes": plan["relay_bytes"],
-        }
+                measured.setdefault(steps.kinds[version - 2], []).append((seconds, egress_bytes, record))
+        return [_row(replicas, kind, steps.delta, runs, plan) for kind, runs in measured.items()]
     finally:
         http.close()
         for p in reversed(procs):
             p.stop(grace_s=10)
+
+
+def _refit(lab: Lab, http: httpx.Client, procs, args, workdir: Path, replicas: int, version: int):
+    """Announce `version` on every trainer rank, refit it; (seconds, trainer egress, record)."""
+    (workdir / "version").write_text(str(version))
+    markers = [loaded_marker(workdir / "version", f"trainer-{r}") for r in range(args.ep * args.tp)]
+    _wait(
+        http,
+        procs,
+        lambda: all(m.exists() and m.read_text() == str(version) for m in markers),
+        f"version {version} not loaded by every trainer rank",
+        120,
+    )
+    sent = lab.tx_bytes("trainer")
+    r = http.post("/v1/refits", json={"weight_version": version})
+    r.raise_for_status()
+    record = wait_final(lambda path: http.get(path).json(), r.json()["id"], 600, poll_s=0.05)
+    if record["state"] != "COMMITTED":
+        raise RuntimeError(f"R={replicas}: refit of version {version} {record['state']}: {record['error']}")
+    seconds = record["finished_at"] - record["created_at"]
+    egress_bytes = lab.tx_bytes("trainer") - sent
+    print(
+        f"R={replicas} v{version} ({record['mode']}): {seconds:.2f} s, trainer sent "
+        f"{egress_bytes / 1e6:.1f} MB, generators received {record['bytes'] / 1e6:.1f} MB",
+        flush=True,
+    )
+    return seconds, egress_bytes, record
+
+
+def _row(replicas: int, kind: str, delta: bool, runs: list[tuple[float, int, dict]], plan: dict) -> dict:
+    """Medians of one kind of refit; `mode` is syncd's (delta: some generator received a delta)."""
+    times = [t for t, _, _ in runs]
+    egress = [e for _, e, _ in runs]
+    records = [r for _, _, r in runs]
+    modes = sorted({r["mode"] for r in records})
+    fractions = [r["changed_fraction"] for r in records if r["changed_fraction"] is not None]
+    return {
+        "replicas": replicas,
+        "step": kind,
+        "mode": modes[0] if len(modes) == 1 else "/".join(modes),
+        "delta_enabled": delta,
+        "changed_fraction": round(statistics.median(fractions), 5) if fractions else None,
+        "refit_s": round(statistics.median(times), 3),
+        "trainer_egress_bytes": int(statistics.median(egress)),
+        "received_bytes": int(statistics.median(r["bytes"] for r in records)),
+        "refit_s_each": [round(t, 3) for t in times],
+        "trainer_egress_bytes_each": egress,
+        "plan_source_bytes": plan["source_bytes"],
+        "plan_relay_bytes": plan["relay_bytes"],
+    }
+
+
+def delta_targets(rows: list[dict]) -> list[dict]:
+    """Per replica count, the issue's bounds: an RL-like delta at most 1/3 of a full refit with
+    delta refits off, and a step that changes everything, with them on, at most 1.10 x."""
+    out = []
+    for replicas in sorted({r["replicas"] for r in rows}):
+        by_step = {r["step"]: r for r in rows if r["replicas"] == replicas}
+        full = by_step["full"]["refit_s"]
+        rl, dense = by_step["rl-like"]["refit_s"] / full, by_step["everything"]["refit_s"] / full
+        out.append(
+            {
+                "replicas": replicas,
+                "rl_like_vs_full": round(rl, 3),
+                "rl_like_within_a_third": rl <= 1 / 3,
+                "everything_vs_full": round(dense, 3),
+                "everything_within_1_10": dense <= 1.10,
+            }
+        )
+    return out
 
 
 def main() -> None:
@@ -155,6 +223,12 @@ def main() -> None:
     p.add_argument("--fanout", type=int, default=1, help="syncd --fanout (0: every replica from the trainer)")
     p.add_argument("--reps", type=int, default=3, help="measured refits per R (after one warm-up)")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument(
+        "--delta",
+        action="store_true",
+        help="also delta refits: RL-like steps and steps that change everything",
+    )
+    p.add_argument("--changed", type=float, default=0.025, help="--delta: elements an RL-like step moves")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/fanout-bench"))
     args = p.parse_args()
     counts = [int(r) for r in args.replicas.split(",")]
@@ -163,9 +237,14 @@ def main() -> None:
     model_bytes = sum(c.nbytes for c in shape.canonical())
     hosts = ["syncd", "trainer", *(f"gen{r}" for r in range(max(counts)))]
     with Lab(hosts, rate_gbit=args.rate_gbit, name="fanout", logs=args.workdir / "logs") as lab:
-        rows = [measure(lab, args, replicas, args.workdir) for replicas in counts]
-    base = rows[0]
-    for row in rows:
+        rows = [
+            row
+            for replicas in counts
+            for steps in sessions(args)
+            for row in measure(lab, args, replicas, args.workdir, steps)
+        ]
+    for row in rows:  # against the first replica count's refit of the same kind
+        base = next(r for r in rows if r["step"] == row["step"])
         row["egress_vs_first"] = round(row["trainer_egress_bytes"] / base["trainer_egress_bytes"], 3)
         row["time_vs_first"] = round(row["refit_s"] / base["refit_s"], 3)
     result = {
@@ -174,17 +253,21 @@ def main() -> None:
         "rows": rows,
         "bucket_bytes": args.bucket_mib << 20,
         "fanout": args.fanout,
+        **({"rl_changed": args.changed, "delta_targets": delta_targets(rows)} if args.delta else {}),
         "trainer": {"ep": args.ep, "tp": args.tp},
         "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     print(f"model {model_bytes / 1e6:.1f} MB, links {args.rate_gbit} Gbit/s")
-    print(f"{'R':>3} {'refit s':>8} {'x R=1':>6} {'trainer MB':>11} {'x R=1':>6}")
+    print(f"{'R':>3} {'step':>10} {'mode':>5} {'refit s':>8} {'x R=1':>6} {'trainer MB':>11} {'x R=1':>6}")
     for row in rows:
         print(
-            f"{row['replicas']:>3} {row['refit_s']:>8.2f} {row['time_vs_first']:>6.2f} "
-            f"{row['trainer_egress_bytes'] / 1e6:>11.1f} {row['egress_vs_first']:>6.2f}"
+            f"{row['replicas']:>3} {row['step']:>10} {row['mode']:>5} {row['refit_s']:>8.2f} "
+            f"{row['time_vs_first']:>6.2f} {row['trainer_egress_bytes'] / 1e6:>11.1f} "
+            f"{row['egress_vs_first']:>6.2f}"
         )
+    for target in result.get("delta_targets", []):
+        print(target)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

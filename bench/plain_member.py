@@ -13,6 +13,8 @@ rank's `loaded_marker` before it starts a refit). A generator worker stages
 what it receives and, after each commit, writes the SHA-256 of every local tensor to
 `--digest-file`, so a test can compare every byte with the expected values. `--hold-begin-s S`
 makes a member wait S seconds when a transfer starts (a stuck member, for failure tests).
+`--rl-changed F --rl-versions A,B` makes versions A..B RL-like steps of the version before them
+(a fraction F of the elements move by one bfloat16 step), for delta refits.
 `--lean` generators receive into one set of tensors, without the test endpoint's staging checks
 (benchmarks: the per-replica CPU then is the data plane's).
 """
@@ -27,6 +29,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +67,19 @@ def canonical_values(shape: MoeShape, version: int) -> dict[str, np.ndarray]:
     for c in shape.canonical():
         values = rng.standard_normal(c.shape, dtype=np.float32)
         out[c.name] = convert(values, "float32", c.dtype).view(np.int16) if c.dtype == "bfloat16" else values
+    return out
+
+
+def rl_step(values: dict[str, np.ndarray], fraction: float, version: int) -> dict[str, np.ndarray]:
+    """An RL-like step to `version`: `fraction` of the elements move by one bfloat16 step (their
+    bits change, the rest keep theirs), seeded by `version` so every rank takes the same step."""
+    rng = np.random.default_rng(1_000_000 + version)
+    out = {}
+    for name, bits in values.items():
+        moved = bits.copy()
+        hit = rng.random(bits.shape, dtype=np.float32) < fraction
+        moved[hit] += 1  # int16 bit patterns of bfloat16 values (floats: a tiny change)
+        out[name] = moved
     return out
 
 
@@ -128,6 +144,24 @@ class _LeanGenerator(GeneratorEndpoint):
         pass
 
 
+@dataclass(frozen=True)
+class RlSteps:
+    """Versions `first` .. `last` are RL-like steps (`rl_step`, `fraction` of the elements) of the
+    version before them; every other version is its own random values (everything changes)."""
+
+    fraction: float = 0.0
+    first: int = 0
+    last: int = -1
+
+    def values(self, shape: MoeShape, version: int, previous: dict[str, np.ndarray] | None):
+        """Version `version`'s canonical values; `previous`: version - 1's, if the caller has them."""
+        if not self.first <= version <= self.last:
+            return canonical_values(shape, version)
+        if previous is None:
+            previous = self.values(shape, version - 1, None)
+        return rl_step(previous, self.fraction, version)
+
+
 def loaded_marker(announce_file: Path, member_id: str) -> Path:
     """Where trainer `member_id` writes the version it holds and announced. syncd takes one rank's
     announcement as the version being held (real trainers announce after a step every rank took);
@@ -136,21 +170,27 @@ def loaded_marker(announce_file: Path, member_id: str) -> Path:
 
 
 def _announce_loop(
-    client: MemberClient, endpoint: TrainerEndpoint, shape: MoeShape, path: Path, stop
+    client: MemberClient, endpoint: TrainerEndpoint, shape: MoeShape, path: Path, stop, steps: RlSteps
 ) -> None:
-    announced = 0
+    announced, values = 0, None
     while not stop.is_set():
         try:
             wanted = int(path.read_text().strip() or 0)
         except (FileNotFoundError, ValueError):
             wanted = 0
         if wanted > announced:
-            endpoint.load(canonical_values(shape, wanted))
+            values = steps.values(shape, wanted, values if announced == wanted - 1 else None)
+            endpoint.load(values)
             client.announce_version(wanted)
             loaded_marker(path, client.member_id).write_text(str(wanted))
             announced = wanted
             log.info("announced version %d", wanted)
         stop.wait(0.1)
+
+
+def _rl_steps(args: argparse.Namespace) -> RlSteps:
+    first, last = (int(v) for v in args.rl_versions.split(","))
+    return RlSteps(args.rl_changed, first, last)
 
 
 def main() -> None:
@@ -170,6 +210,12 @@ def main() -> None:
     p.add_argument("--lean", action="store_true", help="generators: no staging copy (benchmarks)")
     p.add_argument("--hold-begin-s", type=float, default=0.0, help="wait this long when a transfer starts")
     p.add_argument("--hold-from-version", type=int, default=0, help="... from this weight version on")
+    p.add_argument("--rl-changed", type=float, default=0.0, help="trainers: elements an RL-like step moves")
+    p.add_argument(
+        "--rl-versions",
+        default="0,-1",
+        help="trainers: FIRST,LAST versions that are RL-like steps (--rl-changed)",
+    )
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role} %(name)s: %(message)s")
     shape = model_shape(args.model, args.mib)
@@ -198,7 +244,7 @@ def main() -> None:
     if args.role == "trainer" and args.announce_file is not None:
         threading.Thread(
             target=_announce_loop,
-            args=(membership.client, endpoint, shape, args.announce_file, stop),
+            args=(membership.client, endpoint, shape, args.announce_file, stop, _rl_steps(args)),
             daemon=True,
         ).start()
     try:

@@ -6,9 +6,11 @@ takes part in a refit that does not commit, or registers anew (restart). Under a
 sender may be asked for regions it did not send last time; it sends those dense (its mirror knows
 which regions it holds). Anything else, a
 generator that missed a version, a new replica, an inplace generator (its live layers are not a
-staging copy it could apply a delta to), a replica in a fan-out chain (it forwards what it receives,
-so its successors would need its base too) or a group that is not gloo, gets a full refit in the
-same plan. The whole-region checksums catch what this bookkeeping cannot see (a flipped bit).
+staging copy it could apply a delta to) or a group that is not gloo, gets a full refit in the same
+plan. Replicas that relay to each other (fan-out) go together: a relay forwards the sender's delta
+as it came and each of its successors applies it to its own copy, so a chain (a relay tree) takes
+deltas only when every replica in it holds the base, and goes full whole otherwise. The
+whole-region checksums catch what this bookkeeping cannot see (a flipped bit).
 """
 
 from __future__ import annotations
@@ -47,19 +49,20 @@ class DeltaBases:
             senders.setdefault(b.dst, set()).add(b.src)
             if b.stage not in gloo_stages:
                 refused.add(b.dst)
-            if b.relay is not None:  # relays forward what they receive: deltas only with a shared base
-                refused.update((b.src, b.dst))
         if full or base is None:
             return DeltaLinks(None, frozenset(), max_fraction)
-        dsts = frozenset(
+        # A relay's senders include its parent replica, so a replica takes deltas only where the
+        # replicas before it hold the base too; `_whole_chains` then drops the chains of the rest.
+        dsts = {
             g
             for g, srcs in senders.items()
             if g not in refused
             and not members[g].receive_by_layer
             and self._holds(members[g], base)
             and all(self._holds(members[s], base) for s in srcs)
-        )
-        return DeltaLinks(base if dsts else None, dsts, max_fraction)
+        }
+        dsts = _whole_chains(plan, dsts)
+        return DeltaLinks(base if dsts else None, frozenset(dsts), max_fraction)
 
     def committed(self, members: Mapping[str, Member], version: WeightVersion) -> None:
         """`members` confirmed the commit of `version`: their delta state holds it."""
@@ -70,3 +73,19 @@ class DeltaBases:
         """A refit these members took part in did not commit: their delta state is between versions."""
         for m in member_ids:
             self._held.pop(m, None)
+
+
+def _whole_chains(plan: Plan, dsts: set[str]) -> set[str]:
+    """`dsts` less every replica that relays to, or from, a replica not in it (transitively): the
+    replicas one relay tree links go all as deltas or all full."""
+    relay_links = {(b.src, b.dst) for b in plan.buckets if b.relay is not None}
+    kept = set(dsts)
+    changed = True
+    while changed:
+        changed = False
+        for src, dst in relay_links:
+            if (src in kept) != (dst in kept):
+                kept.discard(src)
+                kept.discard(dst)
+                changed = True
+    return kept

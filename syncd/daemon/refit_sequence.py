@@ -45,6 +45,7 @@ from syncd.daemon.store import Store, StoreUnavailable
 from syncd.daemon.survivors import stall_timeouts
 from syncd.daemon.versions import Versions, WeightSet
 from syncd.plan import Plan
+from syncd.plan.fanout import received_bytes
 from syncd.states import RefitState
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class RefitSequence:
             raise RefitAborted(f"transfer reports disagree with the plan: {problem}")
         run.transferred(
             # A relay's report counts what it forwarded too (its part of the plan): not received.
-            sum(reports[m].bytes for m in {b.dst for b in plan.buckets}) - plan.relay_bytes,
+            received_bytes(plan, {m: r.bytes for m, r in reports.items()}),
             sum(reports[m].delta_elements for m in run.delta_generators),
             sum(reports[m].changed_elements for m in run.delta_generators),
         )

@@ -46,7 +46,7 @@ from syncd.member.dataplane import (
 from syncd.member.dataplane.delta import DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.member.dataplane.landing_fault import LandingFault, armed, fault_file_from_env
 from syncd.member.dataplane.prepared import ReceiveSink
-from syncd.member.dataplane.relay import relay_buckets
+from syncd.member.dataplane.relay import relay_buckets, relay_with_deltas
 from syncd.member.dataplane.shm import ShmTransport, sweep_orphans
 from syncd.plan.types import Bucket
 from syncd.vocabulary import Backend, LinkTransport
@@ -334,7 +334,20 @@ class MemberAgent:
         )
         cancel, cache, transport = self._cancel, group.cache, group.transport
         try:
-            if relaying:
+            if relaying and delta is not None:  # `_delta_part`: a relay gets delta links as a receiver
+                results[stage] = relay_with_deltas(
+                    buckets,
+                    self.member_id,
+                    tensors,
+                    transport,
+                    ranks,
+                    delta,
+                    options,
+                    cancel=cancel,
+                    cache=cache,
+                    forward_timeout_s=2 * timeout_s,
+                )
+            elif relaying:
                 results[stage] = relay_buckets(
                     buckets,
                     self.member_id,

@@ -21,7 +21,7 @@ place rather than in link order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from syncd.plan.planner import DEFAULT_BUCKET_BYTES, make_plan
 from syncd.plan.types import Bucket, DestMember, Plan, Relay, SourceMember
@@ -116,3 +116,18 @@ def relay_depths(plan: Plan) -> dict[str, int]:
 def _grandparent(members: Sequence[DestMember], position: int, fanout: int) -> str:
     """The member that relays to the parent of member `position` (whose parent is not the head)."""
     return members[relay_parent(relay_parent(position, fanout), fanout)].member_id
+
+
+def received_bytes(plan: Plan, reported: Mapping[str, int]) -> int:
+    """What the destinations of `plan` received, from the bytes each reported: a relay reports
+    what it forwarded too, which is what its successors received (also on delta links, whose
+    bytes it forwards as they came)."""
+    children: dict[str, set[str]] = {}
+    for b in plan.buckets:
+        if b.relay is not None:
+            children.setdefault(b.src, set()).add(b.dst)
+
+    def received(member: str) -> int:
+        return reported[member] - sum(received(c) for c in children.get(member, ()))
+
+    return sum(received(m) for m in {b.dst for b in plan.buckets})

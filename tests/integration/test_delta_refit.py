@@ -158,6 +158,21 @@ def _ready(http: httpx.Client) -> None:
         time.sleep(0.1)
 
 
+def _next_final(http: httpx.Client, seen: set[str]) -> dict:
+    """The first refit not in `seen` to end (syncd's own, such as a catch-up)."""
+    return wait_until(
+        lambda: next(
+            (
+                r
+                for r in http.get("/v1/refits").json()["refits"]
+                if r["id"] not in seen and r["state"] in TERMINAL
+            ),
+            None,
+        ),
+        60,
+    )
+
+
 def _assert_serves(gens: list[StagedGenerator], weights: Weights) -> None:
     expected = weights.arrays()
     for g in gens:
@@ -182,17 +197,7 @@ def test_delta_refits_move_what_changed_and_a_late_generator_gets_a_full_refit_i
     assert first[0].changed and first[0].changed < set(first[0].params)  # the install touches only these
 
     late = add_generator(1, 1)  # a replica that holds no version yet: syncd catches it up
-    catch_up = wait_until(
-        lambda: next(
-            (
-                r
-                for r in http.get("/v1/refits").json()["refits"]
-                if r["id"] not in (r1["id"], r2["id"]) and r["state"] in TERMINAL
-            ),
-            None,
-        ),
-        60,
-    )
+    catch_up = _next_final(http, {r1["id"], r2["id"]})
     assert catch_up["state"] == "COMMITTED" and catch_up["weight_version"] == 2, catch_up
     assert catch_up["delta_generators"] == ["generator-0-0", "generator-0-1"], catch_up  # the late one: full
     # The others changed nothing, but the new plan may have other trainer ranks send them some
@@ -232,3 +237,37 @@ def test_a_flipped_element_of_the_base_aborts_the_delta_and_the_next_refit_goes_
     r3 = _refit(http, announce, trainers, w, 2)
     assert (r3["state"], r3["mode"]) == ("COMMITTED", "full"), r3
     _assert_serves(gens, w)
+
+
+def test_a_delta_goes_through_relays_only_while_every_replica_holds_its_base(cluster):
+    """Two TP-1 replicas relay (fan-out, a chain): version 2 reaches both as the trainers' delta,
+    the first forwarding it. A third replica joins without a version: syncd's catch-up sends the
+    whole chain full (the replicas' bases differ), and version 3 goes as a delta through all three."""
+    http, announce, trainers, add_generator = cluster
+    gens = add_generator(0, 1) + add_generator(1, 1)
+    _ready(http)
+    links = http.get("/v1/plan").json()["links"]
+    assert [(k["src"], k["dst"]) for k in links if k["relay"]] == [("generator-0-0", "generator-1-0")]
+    w = Weights()
+    r1 = _refit(http, announce, trainers, w, 1)
+    assert (r1["state"], r1["mode"]) == ("COMMITTED", "full"), r1
+    w.step(0.01)
+    r2 = _refit(http, announce, trainers, w, 2)
+    assert (r2["state"], r2["mode"]) == ("COMMITTED", "delta"), r2
+    assert r2["delta_generators"] == ["generator-0-0", "generator-1-0"], r2
+    assert 0 < r2["bytes"] < 0.1 * r2["planned_bytes"], r2  # received, the relay's forwards not counted twice
+    _assert_serves(gens, w)
+    assert all(g.changed and g.changed < set(g.params) for g in gens)
+
+    late = add_generator(2, 1)  # the chain's new tail, holding no version
+    catch_up = _next_final(http, {r1["id"], r2["id"]})
+    assert (catch_up["state"], catch_up["weight_version"]) == ("COMMITTED", 2), catch_up
+    assert catch_up["delta_generators"] == [] and catch_up["bytes"] == catch_up["planned_bytes"], catch_up
+    assert all(g.changed is None for g in gens + late)  # every replica took the full copy
+    _assert_serves(gens + late, w)
+
+    w.step(0.01)
+    r3 = _refit(http, announce, trainers, w, 3)
+    assert r3["state"] == "COMMITTED" and len(r3["delta_generators"]) == 3, r3
+    assert r3["bytes"] < 0.1 * r3["planned_bytes"], r3
+    _assert_serves(gens + late, w)

@@ -11,6 +11,7 @@ from syncd.daemon.delta_bases import DeltaBases
 from syncd.daemon.registry import Member
 from syncd.layout import Canon, CanonicalTensor, Catalog, local_tensor
 from syncd.plan import DestMember, SourceMember, make_plan
+from syncd.plan.fanout import make_fanout_plan
 
 W = CanonicalTensor("w", (64, 8), "bfloat16")
 CATALOG = Catalog((W,), (local_tensor("w", "bfloat16", Canon(W.name, W.shape)),))
@@ -54,3 +55,23 @@ def test_a_restart_or_a_refit_that_did_not_commit_loses_the_base():
     assert bases.links(PLAN, trainer_restarted, GLOO, 1, 0.5).dsts == frozenset()  # its mirror is gone
     bases.forget(["g2"])  # took part in an aborted refit: its staging may be torn
     assert bases.links(PLAN, MEMBERS, GLOO, 1, 0.5).dsts == {"g1"}
+
+
+def test_replicas_that_relay_take_deltas_together_or_not_at_all():
+    """A chain t -> r0 -> r1 -> r2 (fan-out) and a replica of another layout, o: the chain takes
+    deltas when all three replicas hold the base; one that does not (a restart) sends the whole
+    chain full, while o, alone, still takes its delta."""
+    other = Catalog((W,), (local_tensor("w", "float32", Canon(W.name, W.shape)),))  # another layout
+    chain = ("r0", "r1", "r2")
+    plan = make_fanout_plan(
+        [SourceMember("t", 0, CATALOG)], [DestMember(g, CATALOG) for g in chain] + [DestMember("o", other)]
+    )
+    assert plan.relay_bytes > 0
+    members = {m: member(m, "trainer" if m == "t" else "generator") for m in ("t", *chain, "o")}
+    gloo = {0: StageGroup(0, "refit-1/stage0", "gloo", tuple(sorted(members)))}
+    bases = DeltaBases()
+    bases.committed(members, 1)
+    assert bases.links(plan, members, gloo, 1, 0.5).dsts == {*chain, "o"}
+    for restarted in chain:  # head, middle or tail of the chain
+        moved = {**members, restarted: replace(members[restarted], session_id=f"{restarted}-s2")}
+        assert bases.links(plan, moved, gloo, 1, 0.5).dsts == {"o"}, restarted

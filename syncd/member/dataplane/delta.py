@@ -29,6 +29,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -410,6 +411,23 @@ def _encode(
     return message
 
 
+class LinkForward(Protocol):
+    """A relay's part in a delta refit (`syncd.member.dataplane.relay.DeltaForwarder`): what
+    arrives on one incoming link goes on, as it came, to the successors that receive that link."""
+
+    def header(self, link: Sequence[Bucket], data: torch.Tensor) -> None:
+        """The link's header arrived in `data`: send it on."""
+        ...
+
+    def message(self, link: Sequence[Bucket], data: torch.Tensor) -> None:
+        """The link's sparse message arrived in `data`: send it on."""
+        ...
+
+    def dense(self, dense: Sequence[Bucket], tensors, options: LoopOptions) -> TransferStats:
+        """Receive the link's `dense` buckets into `tensors`, forwarding each."""
+        ...
+
+
 def recv_with_deltas(
     buckets: Sequence[Bucket],
     tensors: Mapping[str, torch.Tensor],
@@ -420,34 +438,68 @@ def recv_with_deltas(
     *,
     cancel: threading.Event | None = None,
     cache: LoopCache | None = None,
+    forward: LinkForward | None = None,
 ) -> DeltaStats:
     """The receiving side of `send_with_deltas`, for a member whose links all go as deltas: applies
-    each delta to `tensors` (which must hold the base version) and checksums every whole region."""
+    each delta to `tensors` (which must hold the base version) and checksums every whole region.
+    `buckets` are those this member receives; `forward`: it relays them (fan-out).
+
+    Every link's header first, then every sparse message, then one pipelined loop over all the
+    links' dense buckets: each peer's messages still come in its order (header, message, dense
+    buckets), and a relay forwards them in that order, but no link waits for the previous link's
+    last bucket (and a relay for its forwards) before its own start."""
     stats, start = DeltaStats(), time.perf_counter()
-    for src, link in _links(buckets, "src").items():
-        _check(cancel)
-        _recv_link(
-            src, link, tensors, transport, ranks[src], links.max_fraction, stats, options, cancel, cache
-        )
+    parts = list(_origin_links(buckets).values())
+    headers = [torch.empty(sum(len(b.units) for b in link), dtype=torch.int64) for link in parts]
+    posted = [transport.irecv(h, ranks[link[0].src]) for h, link in zip(headers, parts)]
+    dense: list[Bucket] = []
+    sparse: list[tuple[list[Bucket], list[tuple[Bucket, list[int], int]]]] = []
+    for link, header, handle in zip(parts, headers, posted):
+        handle.wait(options.timeout_s)
+        if forward is not None:
+            forward.header(link, header)
+        link_dense, link_sparse = _split(link, header.tolist(), links.max_fraction, stats)
+        dense += link_dense
+        if link_sparse:
+            sparse.append((link, link_sparse))
+    _check(cancel)
+    messages = [torch.empty(sum(size for _, _, size in part), dtype=torch.uint8) for _, part in sparse]
+    posted = [transport.irecv(m, ranks[link[0].src]) for m, (link, _) in zip(messages, sparse)]
+    for (link, part), message, handle in zip(sparse, messages, posted):
+        handle.wait(options.timeout_s)
+        if forward is not None:
+            forward.message(link, message)
+        offset = 0
+        for bucket, codes, size in part:
+            _apply(bucket, codes, message[offset : offset + size], tensors, stats.checksums)
+            offset += size
+        stats.bytes += message.numel()
+        stats.buckets += len(part)
+    _check(cancel)
+    if dense and forward is not None:
+        _add(stats, forward.dense(dense, tensors, options))
+    elif dense:
+        _add(stats, recv_buckets(dense, tensors, transport, ranks, options, cancel=cancel, cache=cache))
     stats.seconds = time.perf_counter() - start
     return stats
 
 
-def _recv_link(
-    src: str,
-    link: list[Bucket],
-    tensors,
-    transport: Transport,
-    peer: int,
-    max_fraction: float,
-    stats: DeltaStats,
-    options: LoopOptions,
-    cancel: threading.Event | None,
-    cache: LoopCache | None,
-) -> None:
-    header = torch.empty(sum(len(b.units) for b in link), dtype=torch.int64)
-    transport.irecv(header, peer).wait(options.timeout_s)
-    flat_codes = header.tolist()
+def _origin_links(buckets: Sequence[Bucket]) -> dict[tuple[str, str], list[Bucket]]:
+    """A receiver's links cut by the sender that packed their bytes: each part is one sender's
+    delta (its header, its message, its dense buckets). A relay's link to its successor carries
+    what it received from each sender, in the order it received them (the planner numbers relay
+    buckets so), each forwarded as it came."""
+    out: dict[tuple[str, str], list[Bucket]] = defaultdict(list)
+    for b in sorted(buckets, key=lambda b: (b.src, b.index)):
+        out[(b.src, b.origin)].append(b)
+    return out
+
+
+def _split(
+    link: list[Bucket], flat_codes: list[int], max_fraction: float, stats: DeltaStats
+) -> tuple[list[Bucket], list[tuple[Bucket, list[int], int]]]:
+    """A link's buckets by how its header says they travel: dense ones, and sparse ones with their
+    codes and their bytes in the link's message."""
     dense, sparse, at = [], [], 0
     for bucket in link:
         codes = flat_codes[at : at + len(bucket.units)]
@@ -460,21 +512,7 @@ def _recv_link(
         else:
             sparse.append((bucket, codes, sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units))))
             stats.touched.update(u.dst_tensor for u, c in zip(bucket.units, codes) if c)
-    _check(cancel)
-    if sparse:
-        message = torch.empty(sum(size for _, _, size in sparse), dtype=torch.uint8)
-        transport.irecv(message, peer).wait(options.timeout_s)
-        offset = 0
-        for bucket, codes, size in sparse:
-            _apply(bucket, codes, message[offset : offset + size], tensors, stats.checksums)
-            offset += size
-        stats.bytes += message.numel()
-        stats.buckets += len(sparse)
-    if dense:
-        _add(
-            stats,
-            recv_buckets(dense, tensors, transport, {src: peer}, options, cancel=cancel, cache=cache),
-        )
+    return dense, sparse
 
 
 def _apply(bucket: Bucket, codes: list[int], message: torch.Tensor, tensors, checksums: dict) -> None:

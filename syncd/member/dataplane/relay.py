@@ -14,6 +14,14 @@ relay buckets in exactly that order of their sender's received buckets, so a rel
 index order and its successors, which receive from it alone, take them in index order too. No
 cycle: a relay waits only for its successors, the last replica waits for nobody.
 
+Delta refits (`relay_with_deltas`): a relay receives each sender's delta as a delta receiver does
+(`syncd.member.dataplane.delta`) and forwards its parts as they came: each link's header and
+sparse message as soon as it arrived, then the dense buckets through a `BucketForwarder` as above. It
+applies the delta to its own copy and checksums whole regions like any receiver, so every replica
+is compared with the sender's checksums. Its successors receive exactly the sender's messages, in
+the sender's order, and apply them in turn: every replica must hold the same base (syncd plans
+delta links through a chain only then, `syncd.daemon.delta_bases`).
+
 Works through the `Transport` interface alone: gloo (tested) and NCCL, where `fence` orders the
 next receive into a slot after its sends on the device instead of blocking the host.
 """
@@ -27,6 +35,8 @@ from dataclasses import replace
 
 import torch
 
+from syncd.commands import DeltaLinks
+from syncd.member.dataplane.delta import DeltaStats, recv_with_deltas
 from syncd.member.dataplane.executor import TransferStats, _run
 from syncd.member.dataplane.loop_options import LoopCache, LoopOptions
 from syncd.member.dataplane.transport import Handle, Transport
@@ -110,5 +120,109 @@ def relay_buckets(
     # link as busy as a plain receiver's.
     relay_options = replace(options, in_flight=2 * options.in_flight)
     stats = _run(Direction.RECV, incoming, tensors, transport, ranks, relay_options, cancel, cache, forwarder)
+    stats.bytes += forwarder.bytes
+    return stats
+
+
+class DeltaForwarder:
+    """A relay's `LinkForward` in a delta refit: sends each part of an incoming link's delta on to
+    the successors whose relay buckets forward that link's buckets."""
+
+    def __init__(
+        self,
+        outgoing: Sequence[Bucket],
+        transport: Transport,
+        ranks: Mapping[str, int],
+        timeout_s: float,
+        cancel: threading.Event | None,
+        cache: LoopCache | None,
+    ) -> None:
+        self._outgoing = tuple(outgoing)
+        self._transport, self._ranks, self._timeout_s = transport, ranks, timeout_s
+        self._cancel, self._cache = cancel, cache
+        self._pending: list[tuple[Handle, torch.Tensor]] = []  # sends in flight, with their buffers
+        self.bytes = 0
+
+    def _successors(self, link: Sequence[Bucket]) -> list[str]:
+        """The members that get this link's delta: each must get all of it (the header covers the
+        whole link), as fan-out plans give every relayed replica all of its relay's buckets."""
+        keys = {b.key for b in link}
+        forwarded: dict[str, set] = defaultdict(set)
+        for o in self._outgoing:
+            if o.relay is not None and o.relay.forwards in keys:
+                forwarded[o.dst].add(o.relay.forwards)
+        partial = sorted(dst for dst, got in forwarded.items() if got != keys)
+        if partial:
+            raise ValueError(f"relay successors {partial[:3]} get part of a delta link from {link[0].src}")
+        return sorted(forwarded)
+
+    def header(self, link: Sequence[Bucket], data: torch.Tensor) -> None:
+        for dst in self._successors(link):
+            self._pending.append((self._transport.isend(data, self._ranks[dst]), data))
+
+    def message(self, link: Sequence[Bucket], data: torch.Tensor) -> None:
+        successors = self._successors(link)
+        for dst in successors:
+            self._pending.append((self._transport.isend(data, self._ranks[dst]), data))
+        self.bytes += data.numel() * len(successors)  # counted as a delta receiver counts it
+
+    def dense(self, dense: Sequence[Bucket], tensors, options: LoopOptions) -> TransferStats:
+        """The relay loop over `dense`, forwarding each bucket to the successors that get it."""
+        keys = {b.key for b in dense}
+        outgoing = [o for o in self._outgoing if o.relay is not None and o.relay.forwards in keys]
+        forwarder = BucketForwarder(outgoing, self._transport, self._ranks, self._timeout_s)
+        relay_options = replace(options, in_flight=2 * options.in_flight)  # as `relay_buckets`
+        stats = _run(
+            Direction.RECV,
+            dense,
+            tensors,
+            self._transport,
+            self._ranks,
+            relay_options,
+            self._cancel,
+            self._cache,
+            forwarder,
+        )
+        self.bytes += forwarder.bytes
+        return stats
+
+    def finish(self) -> None:
+        """Wait for the header and message sends."""
+        for handle, _ in self._pending:
+            handle.wait(self._timeout_s)
+        self._pending.clear()
+
+
+def relay_with_deltas(
+    buckets: Sequence[Bucket],
+    member_id: str,
+    tensors: Mapping[str, torch.Tensor],
+    transport: Transport,
+    ranks: Mapping[str, int],
+    links: DeltaLinks,
+    options: LoopOptions,
+    *,
+    cancel: threading.Event | None = None,
+    cache: LoopCache | None = None,
+    forward_timeout_s: float | None = None,
+) -> DeltaStats:
+    """`relay_buckets` for a relay whose links go as deltas (it and its successors in `links.dsts`):
+    receives and applies each sender's delta (`recv_with_deltas`) and forwards it as it came. The
+    stats count the bytes received and forwarded, and the received checksums."""
+    incoming = [b for b in buckets if b.dst == member_id]
+    outgoing = [b for b in buckets if b.src == member_id]
+    BucketForwarder(outgoing, transport, ranks, options.timeout_s).expects(incoming)
+    forwarder = DeltaForwarder(
+        outgoing,
+        transport,
+        ranks,
+        forward_timeout_s if forward_timeout_s is not None else options.timeout_s,
+        cancel,
+        cache,
+    )
+    stats = recv_with_deltas(
+        incoming, tensors, transport, ranks, links, options, cancel=cancel, cache=cache, forward=forwarder
+    )
+    forwarder.finish()
     stats.bytes += forwarder.bytes
     return stats
