@@ -29,6 +29,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -410,9 +411,24 @@ def _encode(
     return message
 
 
+class Undo(Protocol):
+    """Keeps what a delta overwrites, so a failed refit can put it back (`generator_svc.undo_log`)."""
+
+    def save(self, region: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Called before the delta writes `region` at flat positions `index` (all of it: None)."""
+        ...
+
+
+class DeltaSink(Protocol):
+    """A receiver that applies deltas to its live tensors (the generator's in-place install):
+    the tensors holding the base version, and the undo log to save into before each write."""
+
+    def delta_targets(self) -> tuple[Mapping[str, torch.Tensor], Undo]: ...
+
+
 def recv_with_deltas(
     buckets: Sequence[Bucket],
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor] | DeltaSink,
     transport: Transport,
     ranks: Mapping[str, int],
     links: DeltaLinks,
@@ -422,12 +438,16 @@ def recv_with_deltas(
     cache: LoopCache | None = None,
 ) -> DeltaStats:
     """The receiving side of `send_with_deltas`, for a member whose links all go as deltas: applies
-    each delta to `tensors` (which must hold the base version) and checksums every whole region."""
+    each delta to `tensors` (which must hold the base version) and checksums every whole region.
+    A `DeltaSink` names its tensors and an undo log that saves what each write overwrites."""
     stats, start = DeltaStats(), time.perf_counter()
+    undo: Undo | None = None
+    if not isinstance(tensors, Mapping):
+        tensors, undo = tensors.delta_targets()
     for src, link in _links(buckets, "src").items():
         _check(cancel)
         _recv_link(
-            src, link, tensors, transport, ranks[src], links.max_fraction, stats, options, cancel, cache
+            src, link, tensors, transport, ranks[src], links.max_fraction, stats, options, cancel, cache, undo
         )
     stats.seconds = time.perf_counter() - start
     return stats
@@ -444,6 +464,7 @@ def _recv_link(
     options: LoopOptions,
     cancel: threading.Event | None,
     cache: LoopCache | None,
+    undo: Undo | None = None,
 ) -> None:
     header = torch.empty(sum(len(b.units) for b in link), dtype=torch.int64)
     transport.irecv(header, peer).wait(options.timeout_s)
@@ -466,18 +487,28 @@ def _recv_link(
         transport.irecv(message, peer).wait(options.timeout_s)
         offset = 0
         for bucket, codes, size in sparse:
-            _apply(bucket, codes, message[offset : offset + size], tensors, stats.checksums)
+            _apply(bucket, codes, message[offset : offset + size], tensors, stats.checksums, undo)
             offset += size
         stats.bytes += message.numel()
         stats.buckets += len(sparse)
     if dense:
+        if undo is not None:  # the executor overwrites these units whole
+            for u in [u for b in dense for u in b.units]:
+                undo.save(tensors[u.dst_tensor][u.dst_box.slices()])
         _add(
             stats,
             recv_buckets(dense, tensors, transport, {src: peer}, options, cancel=cancel, cache=cache),
         )
 
 
-def _apply(bucket: Bucket, codes: list[int], message: torch.Tensor, tensors, checksums: dict) -> None:
+def _apply(
+    bucket: Bucket,
+    codes: list[int],
+    message: torch.Tensor,
+    tensors,
+    checksums: dict,
+    undo: Undo | None = None,
+) -> None:
     sums, offset = Checksums(), 0
     for u, code in zip(bucket.units, codes):
         dst = tensors[u.dst_tensor][u.dst_box.slices()]
@@ -485,11 +516,15 @@ def _apply(bucket: Bucket, codes: list[int], message: torch.Tensor, tensors, che
         part = message[offset : offset + size]
         offset += size
         if code < 0:
+            if undo is not None:
+                undo.save(dst)
             dst.copy_(part[: u.nbytes].view(dst.dtype).view(dst.shape))
         elif code:
             index_bytes = _aligned(code * _INDEX.itemsize)
             index = part[: code * _INDEX.itemsize].view(_INDEX)
             values = part[index_bytes : index_bytes + code * dst.element_size()].view(dst.dtype)
+            if undo is not None:
+                undo.save(dst, index)
             _scatter(dst, index, values)
         sums.add(checksum_key(u.canonical, u.canon), dst.reshape(-1).view(torch.uint8))
     checksums.update(sums.result())
