@@ -37,6 +37,7 @@ class UndoLog:
         self._saved: list[_Saved] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.rolled_back = False
 
     def save(self, region: torch.Tensor, index: torch.Tensor | None = None) -> None:
         """Keep the values of `region` that a delta is about to overwrite: those at `index` (flat
@@ -64,11 +65,16 @@ class UndoLog:
                 for s in self._saved
             )
 
+    def close(self) -> None:
+        """Save nothing more (a writer still running fails on its next save)."""
+        with self._lock:
+            self._closed = True
+
     def rollback(self) -> int:
         """Write every saved value back, newest first (so a position written twice gets its
         oldest value), and close the log; returns how many saves were undone."""
         with self._lock:
-            self._closed = True
+            self._closed = self.rolled_back = True
             undone = len(self._saved)
             for s in reversed(self._saved):
                 if s.index is None:

@@ -4,11 +4,13 @@ both ends hold the same base: a sender's mirror (what it last sent) and a genera
 A member holds a base from the commit of a refit it took part in (confirmed, same session) until it
 takes part in a refit that does not commit, or registers anew (restart). Under another plan a
 sender may be asked for regions it did not send last time; it sends those dense (its mirror knows
-which regions it holds). Anything else, a
-generator that missed a version, a new replica, an inplace generator (its live layers are not a
-staging copy it could apply a delta to), a replica in a fan-out chain (it forwards what it receives,
-so its successors would need its base too) or a group that is not gloo, gets a full refit in the
-same plan. The whole-region checksums catch what this bookkeeping cannot see (a flipped bit).
+which regions it holds). An inplace generator (`receive_by_layer`) holds a base only under
+`--delta-inplace`, which requires it to keep a checkpoint-format copy of its processed layers
+(generator `--inplace-delta-base`); it applies the delta to its live layers with an undo log.
+Anything else, a generator that missed a version, a new replica, an inplace generator without
+`--delta-inplace`, a replica in a fan-out chain (it forwards what it receives, so its successors
+would need its base too) or a group that is not gloo, gets a full refit in the same plan. The
+whole-region checksums catch what this bookkeeping cannot see (a flipped bit).
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ class DeltaBases:
         base: WeightVersion | None,
         max_fraction: float,
         full: bool = False,
+        inplace: bool = False,
     ) -> DeltaLinks:
         """The delta links of a refit from `base` (the committed version; None before the first):
-        every generator whose senders and itself hold it, unless `full` forces a full refit."""
+        every generator whose senders and itself hold it, unless `full` forces a full refit;
+        inplace generators only when `inplace` (syncd's `--delta-inplace`)."""
         senders: dict[str, set[str]] = {}
         gloo_stages = {s for s, g in groups.items() if g.backend == Backend.GLOO}
         refused: set[str] = set()
@@ -55,7 +59,7 @@ class DeltaBases:
             g
             for g, srcs in senders.items()
             if g not in refused
-            and not members[g].receive_by_layer
+            and (inplace or not members[g].receive_by_layer)
             and self._holds(members[g], base)
             and all(self._holds(members[s], base) for s in srcs)
         )
