@@ -324,8 +324,14 @@ class InplaceReceiver:
         if self._undo.rolled_back:
             return
         nbytes = self._undo.nbytes
-        undone = self._undo.rollback()
-        log.warning("in-place delta rolled back (%s): %d writes, %d bytes restored", why, undone, nbytes)
+        undone, overwritten = self._undo.rollback()
+        log.warning(
+            "in-place delta rolled back (%s): %d writes undone, %d of them had changed bits; %d bytes",
+            why,
+            undone,
+            overwritten,
+            nbytes,
+        )
 
     def _target(self, layer: _Layer, name: str) -> torch.Tensor:
         target = layer.targets.get(name)

@@ -49,11 +49,7 @@ class UndoLog:
                 self._saved.append(_Saved(region, None, region.clone()))
                 return
             index = index.to(torch.int64)  # its own copy: the received message is reused
-            if region.is_contiguous():
-                old = region.view(-1).index_select(0, index)
-            else:
-                old = region[_unravel(index, tuple(region.shape))]
-            self._saved.append(_Saved(region, index, old))
+            self._saved.append(_Saved(region, index, _gather(region, index)))
 
     @property
     def nbytes(self) -> int:
@@ -70,22 +66,36 @@ class UndoLog:
         with self._lock:
             self._closed = True
 
-    def rollback(self) -> int:
+    def rollback(self) -> tuple[int, int]:
         """Write every saved value back, newest first (so a position written twice gets its
-        oldest value), and close the log; returns how many saves were undone."""
+        oldest value), and close the log. Returns (saves undone, how many of them had been
+        overwritten with other bits: the writes that actually changed something)."""
         with self._lock:
             self._closed = self.rolled_back = True
-            undone = len(self._saved)
+            undone, overwritten = len(self._saved), 0
             for s in reversed(self._saved):
                 if s.index is None:
+                    overwritten += not _same_bits(s.region, s.old)
                     s.region.copy_(s.old)
                 else:
+                    overwritten += not _same_bits(_gather(s.region, s.index), s.old)
                     _scatter(s.region, s.index, s.old)
             self._saved.clear()
-            return undone
+            return undone, overwritten
 
     def discard(self) -> None:
         """The refit committed: forget the old values (their memory is freed) and close the log."""
         with self._lock:
             self._closed = True
             self._saved.clear()
+
+
+def _gather(region: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """region.flatten()[index], without copying a region that is not contiguous."""
+    if region.is_contiguous():
+        return region.view(-1).index_select(0, index)
+    return region[_unravel(index, tuple(region.shape))]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
