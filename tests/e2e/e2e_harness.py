@@ -81,6 +81,7 @@ class Stack:
         generators: int = 1,
         delta: bool = False,
         delta_inplace: bool = False,
+        lease_seconds: float = 4,
     ) -> None:
         """syncd for `trainers` trainer ranks and `generators` generator workers (a TP-2 generator
         has two); `delta`: with delta refits on; `delta_inplace`: to inplace generators too."""
@@ -110,7 +111,7 @@ class Stack:
                     "--bucket-bytes",
                     str(bucket_bytes),
                     "--lease-seconds",
-                    "4",
+                    str(lease_seconds),
                     "--transfer-timeout",
                     "60",
                     *(["--delta-refits"] if delta else []),

@@ -165,7 +165,10 @@ def test_inplace_deltas_commit_exactly_and_a_failed_one_leaves_the_previous_vers
     sender is killed after the first sender's link was written: rolled back, version 4 serves on."""
     if os.geteuid() != 0:
         pytest.skip("changing another process's memory needs root")
-    stack.start_syncd(trainers=2, db="delta-inplace.db", bucket_bytes=512, delta=True, delta_inplace=True)
+    # A lease longer than the time the test holds a trainer rank stopped (SIGSTOP) mid-transfer.
+    stack.start_syncd(
+        trainers=2, db="delta-inplace.db", bucket_bytes=512, delta=True, delta_inplace=True, lease_seconds=30
+    )
     generator = stack.start_generator(
         model, name="generator-delta-inplace", refit_mode="inplace", inplace_delta_base=True
     )
