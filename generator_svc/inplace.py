@@ -283,6 +283,7 @@ class InplaceReceiver:
             if self._closed or self._undo is None:
                 raise InstallClosed("no in-place delta is open to install")
             self._undo.discard()
+            self._undo = None  # committed: nothing to roll back, even if post-processing fails
             for layer in self._layers.values():
                 if self._touched.isdisjoint(layer.shapes):
                     close_plain(layer.module, layer.info)
