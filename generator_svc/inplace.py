@@ -22,11 +22,24 @@ requires every element of every parameter to have arrived, so every layer was po
 Failure after the first layer was installed leaves mixed weights (new layers, old layers). The API
 server then never resumes generation: it answers 503 until a complete refit succeeds
 (`Refitter.release`). A failure before any layer was installed leaves the engine as it was.
+
+Delta refits (syncd `--delta-inplace`, generator `--inplace-delta-base`): the data plane applies
+the changed elements (`syncd.member.dataplane.delta`) to the tensors `delta_targets` names, which
+hold the committed version in checkpoint format: a plain layer's live kernel tensors, and for a
+processed layer the checkpoint-format copy this receiver kept when the layer was last installed
+(`bases`: vLLM CPU repacks linear and MoE weights, so their live tensors cannot take checkpoint
+bytes). Every write first saves what it overwrites into an undo log (`generator_svc.undo_log`).
+Nothing is post-processed while bytes arrive; at the commit (`install_delta`) each processed
+layer the delta changed is post-processed once from its copy, every other layer keeps its kernel
+tensors. A delta refit that fails before its commit (a sender lost mid-transfer, a whole-region
+checksum that differs because the base was not the sender's) is rolled back: the engine holds the
+committed version again, bit for bit, and serves on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,10 +57,17 @@ from generator_svc.install import (
     uncovered_tensors,
 )
 from generator_svc.staging import covered_elements
+from generator_svc.undo_log import UndoLog
 from syncd.commands import checksum_key
 from syncd.layout import Catalog
 from syncd.member.dataplane.checksum import Checksums
 from syncd.plan import Bucket, landing_order
+
+log = logging.getLogger("generator_svc.inplace")
+
+# How long a rollback waits for the transfer that writes under the undo log to end (its peers'
+# abort closes the groups, so it ends within moments; past this, the weights count as torn).
+_ROLLBACK_WAIT_S = 30.0
 
 
 class InstallClosed(RuntimeError):
@@ -73,8 +93,16 @@ class InplaceReceiver:
     stage's receive runs on its own thread; `close` may come from any thread."""
 
     def __init__(
-        self, model: torch.nn.Module, catalog: Catalog, device: torch.device, vllm_config=None
+        self,
+        model: torch.nn.Module,
+        catalog: Catalog,
+        device: torch.device,
+        vllm_config=None,
+        bases: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        """`bases`: the checkpoint-format copies of processed layers' tensors, by catalog name,
+        that this receiver refreshes as it installs layers and applies deltas to (None: none kept,
+        so no delta can be received)."""
         from generator_svc.vllm_adapter import layerwise_info
 
         # Where the weights live (the model's own parameters are on the meta device by now).
@@ -83,8 +111,15 @@ class InplaceReceiver:
         self.open_bytes = 0
         self.peak_open_bytes = 0
         self._vllm_config = vllm_config
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._closed = False
+        self._bases = bases
+        self._transferring = False  # the data plane may be writing (begin..end of a transfer)
+        self._delta: dict[str, torch.Tensor] | None = None  # a delta refit's targets, once asked
+        self._undo: UndoLog | None = None
+        self._delta_received = False  # every delta link arrived and was applied
+        self._touched: frozenset[str] = frozenset()  # tensors the delta changed
+        self._torn = False  # a delta wrote and could not be rolled back
         self._landed: dict[str, str] = {}
         modules = dict(model.named_modules())
         by_name = {t.name: t for t in catalog.tensors}
@@ -120,6 +155,15 @@ class InplaceReceiver:
     @property
     def installed_layers(self) -> int:
         return sum(layer.closed for layer in self._layers.values())
+
+    @property
+    def is_delta(self) -> bool:
+        return self._delta is not None
+
+    def changed_layers(self) -> int:
+        """Layers that no longer hold the committed version: those installed, or every layer
+        when a delta could not be rolled back (0 after a clean rollback)."""
+        return len(self._layers) if self._torn else self.installed_layers
 
     def unpack(self, bucket: Bucket, flat: torch.Tensor) -> None:
         """Write the bucket's units into their layers; post-process every layer it completes."""
@@ -162,6 +206,10 @@ class InplaceReceiver:
         ]
 
     def require_complete(self) -> None:
+        if self._delta is not None:
+            if not self._delta_received:
+                raise ValueError("in-place delta incomplete: its transfer did not finish")
+            return
         missing = self.missing()
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -169,12 +217,122 @@ class InplaceReceiver:
 
     def close(self) -> None:
         """Accept no more bytes (the refit was released); open layers' tensors are dropped, and
-        `finalize_layerwise_reload` puts their previous kernel tensors back."""
+        `finalize_layerwise_reload` puts their previous kernel tensors back. A delta is rolled
+        back once its transfer has ended (`transfer_ended`)."""
         with self._lock:
             self._closed = True
             for layer in self._layers.values():
                 layer.targets.clear()
                 layer.written.clear()
+            if self._undo is not None:
+                self._undo.close()  # a stage thread still receiving fails on its next write
+                if self._lock.wait_for(lambda: not self._transferring, _ROLLBACK_WAIT_S):
+                    self._roll_back("the refit was released")
+                elif not self._undo.rolled_back:
+                    self._torn = True
+                    log.error(
+                        "in-place delta: the transfer did not end within %.0f s of the release; "
+                        "the weights count as torn",
+                        _ROLLBACK_WAIT_S,
+                    )
+
+    # A delta refit (module docstring): the data plane applies it to `delta_targets`.
+
+    def transfer_started(self) -> None:
+        with self._lock:
+            self._transferring = True
+
+    def transfer_ended(self, ok: bool) -> None:
+        """The data plane wrote its last byte: a delta that failed is rolled back at once."""
+        with self._lock:
+            self._transferring = False
+            self._lock.notify_all()
+            if self._undo is None:
+                return
+            if ok and not self._closed:
+                self._delta_received = True
+            else:
+                self._roll_back("its transfer failed")
+
+    def delta_targets(self) -> tuple[dict[str, torch.Tensor], UndoLog]:
+        """The tensors a delta applies to (`DeltaSink`): they hold the committed version in
+        checkpoint format; the same for every stage of the transfer."""
+        with self._lock:
+            if self._closed:
+                raise InstallClosed("the in-place install was released; not applying a delta")
+            if self._delta is None:
+                self._delta = {
+                    name: self._delta_target(layer, name)
+                    for layer in self._layers.values()
+                    for name in layer.shapes
+                }
+                self._undo = UndoLog()
+            assert self._undo is not None  # made with the targets
+            return self._delta, self._undo
+
+    def touch(self, changed: frozenset[str]) -> None:
+        """The tensors the delta changed (the rest still hold the committed version)."""
+        self._touched = changed
+
+    def install_delta(self) -> InstallReport:
+        """At the commit: post-process once each processed layer the delta changed, from its
+        copy; every other layer gets its kernel tensors back as they are (plain layers took the
+        delta in them already). The undo log is dropped: the new version is live."""
+        t0 = time.perf_counter()
+        with self._lock, self._config():
+            if self._closed or self._undo is None:
+                raise InstallClosed("no in-place delta is open to install")
+            self._undo.discard()
+            self._undo = None  # committed: nothing to roll back, even if post-processing fails
+            for layer in self._layers.values():
+                if self._touched.isdisjoint(layer.shapes):
+                    close_plain(layer.module, layer.info)
+                    self.report.layers_kept += 1
+                elif is_plain(layer.module):  # the delta went into its kernel tensors
+                    close_plain(layer.module, layer.info)
+                else:
+                    self._process_from_bases(layer)
+                layer.closed = True
+            self._closed = True
+        self.report.total_s = time.perf_counter() - t0
+        return self.report
+
+    def _delta_target(self, layer: _Layer, name: str) -> torch.Tensor:
+        if is_plain(layer.module):
+            return _receive_view(plain_targets(layer.info)[_param(name)], layer.shapes[name], name)
+        base = None if self._bases is None else self._bases.get(name)
+        if base is None:
+            raise ValueError(
+                f"{name}: this in-place generator keeps no checkpoint-format copy to apply a delta to; "
+                "start it with --inplace-delta-base, or run syncd without --delta-inplace"
+            )
+        return base
+
+    def _process_from_bases(self, layer: _Layer) -> None:
+        assert self._bases is not None  # `_delta_target` required them
+        open_processed(layer.module, layer.info)
+        t0 = time.perf_counter()
+        for name, shape in layer.shapes.items():
+            live = getattr(layer.module, _param(name)).data
+            _receive_view(live, shape, name).copy_(self._bases[name])
+            self.report.params_copied += 1
+            self.report.bytes_copied += live.numel() * live.element_size()
+        self.report.copy_s += time.perf_counter() - t0
+        close_processed(layer.module, layer.info, self.report)
+
+    def _roll_back(self, why: str) -> None:
+        assert self._undo is not None  # a delta was applied
+        if self._undo.rolled_back:
+            return
+        nbytes = self._undo.nbytes
+        undone, overwritten = self._undo.rollback()
+        log.warning(
+            "in-place delta rolled back (%s): %d writes undone, %d of them had changed bits; %d bytes",
+            why,
+            undone,
+            overwritten,
+            nbytes,
+        )
 
     def _target(self, layer: _Layer, name: str) -> torch.Tensor:
         target = layer.targets.get(name)
@@ -206,10 +364,23 @@ class InplaceReceiver:
         if is_plain(layer.module):
             close_plain(layer.module, layer.info)
         else:
+            self._keep_bases(layer)
             close_processed(layer.module, layer.info, self.report)
         layer.targets.clear()
         layer.closed = True
         self._opened(-layer.open_bytes)
+
+    def _keep_bases(self, layer: _Layer) -> None:
+        """Keep the layer's checkpoint-format tensors before post-processing transforms them: what
+        the next delta applies to (only where the worker keeps delta bases)."""
+        if self._bases is None:
+            return
+        for name, target in layer.targets.items():
+            base = self._bases.get(name)
+            if base is None or base.shape != target.shape or base.dtype != target.dtype:
+                self._bases[name] = target.clone()
+            else:
+                base.copy_(target)
 
     def _opened(self, nbytes: int) -> None:
         self.open_bytes += nbytes

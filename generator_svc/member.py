@@ -15,7 +15,8 @@ per refit mode. Runs inside the worker process, on the MemberClient's threads.
     Abort       the agent cancels the transfer and       the receiver takes no more bytes; tp rank 0
                 closes the groups; staging is dropped,   releases the hold (`/internal/release`):
                 the engine keeps serving the committed   the engine serves on if nothing was
-                version                                  installed yet, else answers 503 until a
+                version                                  installed yet (or a delta was rolled
+                                                         back), else answers 503 until a
                                                          complete refit
 """
 
@@ -196,6 +197,7 @@ class InplaceEndpoint(_CommitRelay):
         receiver.receive_buffers(
             max((b.nbytes for b in buckets if b.dst == self.member_id), default=0), self.in_flight
         )
+        receiver.transfer_started()
         return receiver
 
     def held(self, refit_id: str, receiver: InplaceReceiver) -> None:
@@ -210,7 +212,18 @@ class InplaceEndpoint(_CommitRelay):
             self._receiver = None
 
     def end(self, refit_id: str, ok: bool) -> None:
-        """Nothing to record: the receiver counted every arrived element."""
+        """The receiver counted every arrived element; a delta that failed is rolled back now."""
+        with self._held:
+            held = self._receiver
+        if held is not None and held[0] == refit_id:
+            held[1].transfer_ended(ok)
+
+    def received_delta(self, refit_id: str, changed: frozenset[str]) -> None:
+        """A delta was applied in place: the commit post-processes only the layers of `changed`."""
+        with self._held:
+            held = self._receiver
+        if held is not None and held[0] == refit_id:
+            held[1].touch(changed)
 
     def verify(self, refit_id: str) -> None:
         with self._held:

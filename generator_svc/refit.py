@@ -66,6 +66,7 @@ class Refitter:
                 "internal_url": internal_url,
                 "refit_mode": self.settings.refit_mode.value,
                 "hold_limit_s": self.settings.hold_limit_s,
+                "keep_delta_base": self.settings.inplace_delta_base,
                 "commit_token": self.commit_token,
                 "data_host": self.settings.data_host,
                 "in_flight": self.settings.in_flight_buckets,

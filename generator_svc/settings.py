@@ -18,6 +18,9 @@ Our flags sit on top of vLLM's own server flags (every `vllm serve` flag works, 
                           at once with a retryable 503 (generator_svc/README.md, "Pause modes")
     --hold-limit-s S      inplace: a refit that neither commits nor aborts within S seconds of
                           holding generation is released as failed (default 300)
+    --inplace-delta-base  inplace: keep a checkpoint-format copy of the layers vLLM post-processes
+                          (on CPU every linear and MoE layer), so syncd can send deltas
+                          (`--delta-refits --delta-inplace`) and a failed delta is rolled back
     --initial-version V   version label of the checkpoint the engine starts on (default "0"); a label
                           only: the workers tell syncd they serve no trainer version until a Commit
     --auth-token          bearer token for syncd (env GENERATOR_AUTH_TOKEN)
@@ -90,6 +93,7 @@ class Settings:
     in_flight_buckets: int = 2
     pause_mode: PauseMode = PauseMode.WAIT
     hold_limit_s: float = 300.0
+    inplace_delta_base: bool = False
     max_request_bytes: int = 4 << 20
     max_n: int = 16
     max_prompts: int = 64
@@ -110,6 +114,11 @@ class Settings:
                 f"pause_mode must be one of {[m.value for m in PauseMode]}, got {self.pause_mode!r}"
             )
         object.__setattr__(self, "pause_mode", PauseMode(self.pause_mode))
+        if self.inplace_delta_base and self.refit_mode is not RefitMode.INPLACE:
+            raise ValueError(
+                f"inplace_delta_base is for --refit-mode inplace, not {self.refit_mode.value} "
+                "(staging is the delta base of a staged generator)"
+            )
         if not self.hold_limit_s > 0:
             raise ValueError(f"hold_limit_s must be > 0, got {self.hold_limit_s}")
         if self.in_flight_buckets < 1:
@@ -135,6 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-host", default=os.environ.get(ENV_DATA_HOST, "127.0.0.1"))
     group.add_argument("--in-flight-buckets", type=int, default=None)
     group.add_argument("--hold-limit-s", type=float, default=300.0)
+    group.add_argument("--inplace-delta-base", action="store_true")
     group.add_argument("--max-request-bytes", type=int, default=Settings.max_request_bytes)
     group.add_argument("--max-n", type=int, default=Settings.max_n)
     group.add_argument("--max-prompts", type=int, default=Settings.max_prompts)
@@ -177,6 +187,7 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
         ),
         pause_mode=PauseMode(args.pause_mode),
         hold_limit_s=args.hold_limit_s,
+        inplace_delta_base=args.inplace_delta_base,
         max_request_bytes=args.max_request_bytes,
         max_n=args.max_n,
         max_prompts=args.max_prompts,

@@ -80,6 +80,7 @@ class WeightSyncExtension:
         status_dir: str = "",
         refit_mode: str = "staged",
         hold_limit_s: float = 300.0,
+        keep_delta_base: bool = False,
     ) -> dict[str, Any]:
         """Build this worker's catalog and its refit mode's object (`worker_modes`: staging in
         staged mode); register with syncd when `syncd` is set, and publish this worker's status
@@ -108,6 +109,7 @@ class WeightSyncExtension:
             token=commit_token,
             hold_limit_s=hold_limit_s,
             in_flight=in_flight,
+            keep_delta_base=keep_delta_base,
         )
         engine.target = self._ws_mode
         self._ws_member = None

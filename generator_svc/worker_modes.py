@@ -144,10 +144,14 @@ class InplaceWorker:
         token: str,
         hold_limit_s: float,
         in_flight: int,
+        keep_delta_base: bool = False,
     ) -> None:
         self.catalog = catalog
         self.endpoint = InplaceEndpoint(member_id, relay, token, hold_limit_s, in_flight)
         self.receiver: InplaceReceiver | None = None  # from the lifecycle's start to its end
+        # `--inplace-delta-base`: checkpoint-format copies of the processed layers, by catalog
+        # tensor, that deltas apply to (`generator_svc.inplace`); None: no delta refits.
+        self.bases: dict[str, torch.Tensor] | None = {} if keep_delta_base else None
 
     def stage_file(self, path: str, refit_id: str) -> dict[str, int]:
         raise StagingInputError(
@@ -182,7 +186,7 @@ class InplaceWorker:
             return 0
         receiver.close()
         self.endpoint.released()
-        return receiver.installed_layers
+        return receiver.changed_layers()
 
     def recover(self) -> None:
         if self.receiver is not None:
@@ -196,13 +200,16 @@ class InplaceWorker:
         """Nothing to check: the bytes arrive after the reload begins."""
 
     def after_reload(self, model: torch.nn.Module, device: torch.device, vllm_config: Any) -> None:
-        self.receiver = InplaceReceiver(model, self.catalog, device, vllm_config)
+        self.receiver = InplaceReceiver(model, self.catalog, device, vllm_config, self.bases)
 
     def install(self, model: torch.nn.Module, version: str) -> install.InstallReport:
-        """The receiver installed every layer as it arrived; only its completeness is checked."""
+        """The receiver installed every layer as it arrived (a full refit: only its completeness
+        is checked), or applied a delta that the layers it changed are post-processed from now."""
         if self.receiver is None:
             raise RuntimeError(f"version {version}: no in-place install is open")
         self.receiver.require_complete()
+        if self.receiver.is_delta:
+            return self.receiver.install_delta()
         return self.receiver.report
 
     def finish(self) -> None:
@@ -219,8 +226,9 @@ def worker_mode(
     token: str,
     hold_limit_s: float,
     in_flight: int,
+    keep_delta_base: bool = False,
 ) -> WorkerMode:
     """This worker's object for `mode` (chosen once, at `ws_setup`)."""
     if mode is RefitMode.INPLACE:
-        return InplaceWorker(catalog, member_id, relay, token, hold_limit_s, in_flight)
+        return InplaceWorker(catalog, member_id, relay, token, hold_limit_s, in_flight, keep_delta_base)
     return StagedWorker(catalog, device, member_id, relay, token)

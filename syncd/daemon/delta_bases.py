@@ -4,12 +4,14 @@ both ends hold the same base: a sender's mirror (what it last sent) and a genera
 A member holds a base from the commit of a refit it took part in (confirmed, same session) until it
 takes part in a refit that does not commit, or registers anew (restart). Under another plan a
 sender may be asked for regions it did not send last time; it sends those dense (its mirror knows
-which regions it holds). Anything else, a
-generator that missed a version, a new replica, an inplace generator (its live layers are not a
-staging copy it could apply a delta to) or a group that is not gloo, gets a full refit in the same
-plan. Replicas that relay to each other (fan-out) go together: a relay forwards the sender's delta
-as it came and each of its successors applies it to its own copy, so a chain (a relay tree) takes
-deltas only when every replica in it holds the base, and goes full whole otherwise. The
+which regions it holds). An inplace generator (`receive_by_layer`) holds a base only under
+`--delta-inplace`, which requires it to keep a checkpoint-format copy of its processed layers
+(generator `--inplace-delta-base`); it applies the delta to its live layers with an undo log.
+Anything else, a generator that missed a version, a new replica, an inplace generator without
+`--delta-inplace` or a group that is not gloo, gets a full refit in the same plan. Replicas that
+relay to each other (fan-out) go together: a relay forwards the sender's delta as it came and each
+of its successors applies it to its own copy, so a chain (a relay tree) takes deltas only when
+every replica in it holds the base, and goes full whole otherwise. The
 whole-region checksums catch what this bookkeeping cannot see (a flipped bit).
 """
 
@@ -39,9 +41,11 @@ class DeltaBases:
         base: WeightVersion | None,
         max_fraction: float,
         full: bool = False,
+        inplace: bool = False,
     ) -> DeltaLinks:
         """The delta links of a refit from `base` (the committed version; None before the first):
-        every generator whose senders and itself hold it, unless `full` forces a full refit."""
+        every generator whose senders and itself hold it, unless `full` forces a full refit;
+        inplace generators only when `inplace` (syncd's `--delta-inplace`)."""
         senders: dict[str, set[str]] = {}
         gloo_stages = {s for s, g in groups.items() if g.backend == Backend.GLOO}
         refused: set[str] = set()
@@ -57,7 +61,7 @@ class DeltaBases:
             g
             for g, srcs in senders.items()
             if g not in refused
-            and not members[g].receive_by_layer
+            and (inplace or not members[g].receive_by_layer)
             and self._holds(members[g], base)
             and all(self._holds(members[s], base) for s in srcs)
         }

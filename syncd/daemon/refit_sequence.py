@@ -155,7 +155,13 @@ class RefitSequence:
         if not all(m in members for m in plan_members(plan)):
             raise RefitAborted("a member of the plan left before the transfer")
         return self._delta_bases.links(
-            plan, members, groups, base, self._settings.delta_max_fraction, run.full
+            plan,
+            members,
+            groups,
+            base,
+            self._settings.delta_max_fraction,
+            run.full,
+            inplace=self._settings.delta_inplace,
         )
 
     def _verify(

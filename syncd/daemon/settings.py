@@ -103,6 +103,12 @@ class Settings:
         "send generators that hold the committed version only the elements that changed (trainer ranks "
         "then keep a copy of what they sent, in the generators' dtype; off by default for that memory)",
     )
+    delta_inplace: bool = _setting(
+        False,
+        "SYNCD_DELTA_INPLACE",
+        "with delta refits on, send deltas to inplace generators too (each must run with "
+        "--inplace-delta-base: a checkpoint-format copy of the layers vLLM post-processes)",
+    )
     delta_max_fraction: float = _setting(
         0.5,
         "SYNCD_DELTA_MAX_FRACTION",

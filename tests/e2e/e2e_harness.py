@@ -80,9 +80,11 @@ class Stack:
         bucket_bytes: int = 1 << 20,
         generators: int = 1,
         delta: bool = False,
+        delta_inplace: bool = False,
+        lease_seconds: float = 4,
     ) -> None:
         """syncd for `trainers` trainer ranks and `generators` generator workers (a TP-2 generator
-        has two); `delta`: with delta refits on."""
+        has two); `delta`: with delta refits on; `delta_inplace`: to inplace generators too."""
         self.stop_syncd()
         self.syncd = self.cluster.start(
             "syncd",
@@ -109,10 +111,11 @@ class Stack:
                     "--bucket-bytes",
                     str(bucket_bytes),
                     "--lease-seconds",
-                    "4",
+                    str(lease_seconds),
                     "--transfer-timeout",
                     "60",
                     *(["--delta-refits"] if delta else []),
+                    *(["--delta-inplace"] if delta_inplace else []),
                 ],
             ),
         )
@@ -134,9 +137,11 @@ class Stack:
         dtype: str = "bfloat16",
         refit_mode: str = "staged",
         cpus: str | None = None,
+        inplace_delta_base: bool = False,
     ) -> Generator:
         """Replica `replica` (on host `gen<replica>` of a lab); `cpus`: its workers' OpenMP
-        binding (VLLM_CPU_OMP_THREADS_BIND; a TP-N engine defaults to one core per worker)."""
+        binding (VLLM_CPU_OMP_THREADS_BIND; a TP-N engine defaults to one core per worker);
+        `inplace_delta_base`: an inplace generator that takes delta refits."""
         port, host = free_port(), generator_host(replica)
         env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
         flags = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
@@ -162,6 +167,7 @@ class Stack:
                     str(replica),
                     "--refit-mode",
                     refit_mode,
+                    *(["--inplace-delta-base"] if inplace_delta_base else []),
                     *(["--syncd", self.target, "--data-host", self.where.address(host)] if syncd else []),
                 ],
             ),

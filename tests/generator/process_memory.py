@@ -34,15 +34,34 @@ def flip_everywhere(pid: int, pattern: bytes) -> int:
         return 0
 
 
-def _flip_in(pid: int, pattern: bytes) -> int:
-    flipped = 0
-    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+def count_everywhere(pid: int, pattern: bytes) -> int:
+    """How many copies of `pattern` the writable memory of process `pid` holds (0 for a process
+    that exited meanwhile)."""
+    try:
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            return sum(len(_found(mem, start, end, pattern)) for start, end in _writable(pid))
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+
+
+def _writable(pid: int) -> list[tuple[int, int]]:
+    """[start, end) of every writable mapping of process `pid` that is memory."""
+    spans = []
+    with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
             fields = line.split()
             perms, name = fields[1], fields[5] if len(fields) > 5 else ""
             if not perms.startswith("rw") or name.startswith("[v"):  # [vvar], [vsyscall]: not memory
                 continue
             start, end = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((start, end))
+    return spans
+
+
+def _flip_in(pid: int, pattern: bytes) -> int:
+    flipped = 0
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+        for start, end in _writable(pid):
             for at in _found(mem, start, end, pattern):
                 mem.seek(at)
                 first = mem.read(1)

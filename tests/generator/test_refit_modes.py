@@ -236,6 +236,8 @@ def test_the_refit_mode_is_one_of_the_enum_and_named_when_not() -> None:
     assert Settings("", 0, "inplace", "0", "", "h").refit_mode is RefitMode.INPLACE  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"refit_mode must be one of \['staged', 'inplace'\], got 'swap'"):
         Settings("", 0, "swap", "0", "", "h")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="inplace_delta_base is for --refit-mode inplace, not staged"):
+        Settings("", 0, RefitMode.STAGED, "0", "", "h", inplace_delta_base=True)
 
 
 def test_no_lock_is_held_between_requests(inplace) -> None:

@@ -40,6 +40,7 @@ def test_only_generators_holding_the_base_with_their_senders_get_deltas():
     bases.committed({m: MEMBERS[m] for m in ("t", "g1", "gi")}, 1)  # g2 did not confirm version 1
     links = bases.links(PLAN, MEMBERS, GLOO, 1, 0.5)
     assert links.dsts == {"g1"} and links.base == 1  # g2 missed it; gi installs in place
+    assert bases.links(PLAN, MEMBERS, GLOO, 1, 0.5, inplace=True).dsts == {"g1", "gi"}  # --delta-inplace
     assert bases.links(PLAN, MEMBERS, GLOO, 1, 0.5, full=True).dsts == frozenset()  # an operator's full refit
     assert bases.links(PLAN, MEMBERS, GLOO, 2, 0.5).dsts == frozenset()  # the base is another version
     nccl = {0: replace(GLOO[0], backend="nccl")}

@@ -428,9 +428,24 @@ class LinkForward(Protocol):
         ...
 
 
+class Undo(Protocol):
+    """Keeps what a delta overwrites, so a failed refit can put it back (`generator_svc.undo_log`)."""
+
+    def save(self, region: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Called before the delta writes `region` at flat positions `index` (all of it: None)."""
+        ...
+
+
+class DeltaSink(Protocol):
+    """A receiver that applies deltas to its live tensors (the generator's in-place install):
+    the tensors holding the base version, and the undo log to save into before each write."""
+
+    def delta_targets(self) -> tuple[Mapping[str, torch.Tensor], Undo]: ...
+
+
 def recv_with_deltas(
     buckets: Sequence[Bucket],
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor] | DeltaSink,
     transport: Transport,
     ranks: Mapping[str, int],
     links: DeltaLinks,
@@ -442,13 +457,17 @@ def recv_with_deltas(
 ) -> DeltaStats:
     """The receiving side of `send_with_deltas`, for a member whose links all go as deltas: applies
     each delta to `tensors` (which must hold the base version) and checksums every whole region.
-    `buckets` are those this member receives; `forward`: it relays them (fan-out).
+    `buckets` are those this member receives; `forward`: it relays them (fan-out). A `DeltaSink`
+    names its tensors and an undo log that saves what each write overwrites.
 
     Every link's header first, then every sparse message, then one pipelined loop over all the
     links' dense buckets: each peer's messages still come in its order (header, message, dense
     buckets), and a relay forwards them in that order, but no link waits for the previous link's
     last bucket (and a relay for its forwards) before its own start."""
     stats, start = DeltaStats(), time.perf_counter()
+    undo: Undo | None = None
+    if not isinstance(tensors, Mapping):
+        tensors, undo = tensors.delta_targets()
     parts = list(_origin_links(buckets).values())
     headers = [torch.empty(sum(len(b.units) for b in link), dtype=torch.int64) for link in parts]
     posted = [transport.irecv(h, ranks[link[0].src]) for h, link in zip(headers, parts)]
@@ -471,11 +490,14 @@ def recv_with_deltas(
             forward.message(link, message)
         offset = 0
         for bucket, codes, size in part:
-            _apply(bucket, codes, message[offset : offset + size], tensors, stats.checksums)
+            _apply(bucket, codes, message[offset : offset + size], tensors, stats.checksums, undo)
             offset += size
         stats.bytes += message.numel()
         stats.buckets += len(part)
     _check(cancel)
+    if dense and undo is not None:  # the executor overwrites these units whole
+        for u in [u for b in dense for u in b.units]:
+            undo.save(tensors[u.dst_tensor][u.dst_box.slices()])
     if dense and forward is not None:
         _add(stats, forward.dense(dense, tensors, options))
     elif dense:
@@ -515,7 +537,14 @@ def _split(
     return dense, sparse
 
 
-def _apply(bucket: Bucket, codes: list[int], message: torch.Tensor, tensors, checksums: dict) -> None:
+def _apply(
+    bucket: Bucket,
+    codes: list[int],
+    message: torch.Tensor,
+    tensors,
+    checksums: dict,
+    undo: Undo | None = None,
+) -> None:
     sums, offset = Checksums(), 0
     for u, code in zip(bucket.units, codes):
         dst = tensors[u.dst_tensor][u.dst_box.slices()]
@@ -523,11 +552,15 @@ def _apply(bucket: Bucket, codes: list[int], message: torch.Tensor, tensors, che
         part = message[offset : offset + size]
         offset += size
         if code < 0:
+            if undo is not None:
+                undo.save(dst)
             dst.copy_(part[: u.nbytes].view(dst.dtype).view(dst.shape))
         elif code:
             index_bytes = _aligned(code * _INDEX.itemsize)
             index = part[: code * _INDEX.itemsize].view(_INDEX)
             values = part[index_bytes : index_bytes + code * dst.element_size()].view(dst.dtype)
+            if undo is not None:
+                undo.save(dst, index)
             _scatter(dst, index, values)
         sums.add(checksum_key(u.canonical, u.canon), dst.reshape(-1).view(torch.uint8))
     checksums.update(sums.result())
