@@ -460,40 +460,37 @@ def recv_with_deltas(
     `buckets` are those this member receives; `forward`: it relays them (fan-out). A `DeltaSink`
     names its tensors and an undo log that saves what each write overwrites.
 
-    Every link's header first, then every sparse message, then one pipelined loop over all the
-    links' dense buckets: each peer's messages still come in its order (header, message, dense
-    buckets), and a relay forwards them in that order, but no link waits for the previous link's
-    last bucket (and a relay for its forwards) before its own start."""
+    Link by link its header, then its sparse message (applied at once), then one pipelined loop
+    over all the links' dense buckets: each peer's messages come in its order (header, message,
+    dense buckets), and a relay forwards them in the order it takes them, which its successors take
+    them in; no link waits for the previous link's dense buckets (and a relay for its forwards),
+    and a link's changes are in place while a later sender is still comparing."""
     stats, start = DeltaStats(), time.perf_counter()
     undo: Undo | None = None
     if not isinstance(tensors, Mapping):
         tensors, undo = tensors.delta_targets()
-    parts = list(_origin_links(buckets).values())
-    headers = [torch.empty(sum(len(b.units) for b in link), dtype=torch.int64) for link in parts]
-    posted = [transport.irecv(h, ranks[link[0].src]) for h, link in zip(headers, parts)]
     dense: list[Bucket] = []
-    sparse: list[tuple[list[Bucket], list[tuple[Bucket, list[int], int]]]] = []
-    for link, header, handle in zip(parts, headers, posted):
-        handle.wait(options.timeout_s)
+    for link in _origin_links(buckets).values():
+        _check(cancel)
+        peer = ranks[link[0].src]
+        header = torch.empty(sum(len(b.units) for b in link), dtype=torch.int64)
+        transport.irecv(header, peer).wait(options.timeout_s)
         if forward is not None:
             forward.header(link, header)
-        link_dense, link_sparse = _split(link, header.tolist(), links.max_fraction, stats)
+        link_dense, sparse = _split(link, header.tolist(), links.max_fraction, stats)
         dense += link_dense
-        if link_sparse:
-            sparse.append((link, link_sparse))
-    _check(cancel)
-    messages = [torch.empty(sum(size for _, _, size in part), dtype=torch.uint8) for _, part in sparse]
-    posted = [transport.irecv(m, ranks[link[0].src]) for m, (link, _) in zip(messages, sparse)]
-    for (link, part), message, handle in zip(sparse, messages, posted):
-        handle.wait(options.timeout_s)
+        if not sparse:
+            continue
+        message = torch.empty(sum(size for _, _, size in sparse), dtype=torch.uint8)
+        transport.irecv(message, peer).wait(options.timeout_s)
         if forward is not None:
             forward.message(link, message)
         offset = 0
-        for bucket, codes, size in part:
+        for bucket, codes, size in sparse:
             _apply(bucket, codes, message[offset : offset + size], tensors, stats.checksums, undo)
             offset += size
         stats.bytes += message.numel()
-        stats.buckets += len(part)
+        stats.buckets += len(sparse)
     _check(cancel)
     if dense and undo is not None:  # the executor overwrites these units whole
         for u in [u for b in dense for u in b.units]:
