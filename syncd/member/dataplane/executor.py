@@ -23,6 +23,7 @@ worker thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import threading
 import time
@@ -73,8 +74,9 @@ class Forwarder(Protocol):
         ...
 
 
-# Called by a send loop with each bucket and its packed bytes, once handed to the transport; the
-# bytes stay valid until it returns (a delta sender's mirror takes them, `delta.Diffs.packed`).
+# Called by a send loop with each bucket and its packed bytes, once handed to the transport, on the
+# checksums' side stream or thread (`_SideStream`); the bytes stay valid until it returns (a delta
+# sender's mirror takes them, `delta.Diffs.packed`).
 OnPacked = Callable[[Bucket, torch.Tensor], None]
 
 
@@ -103,7 +105,7 @@ class _SideStream:
         self._worker = (
             ThreadPoolExecutor(1, thread_name_prefix="weightsync-checksum") if self.stream is None else None
         )
-        self._pending: list[Future | None] = [None] * slots
+        self._pending: list[list[Future]] = [[] for _ in range(slots)]  # per slot, in order
         self._untied: list[Future] = []  # CPU work that reads no slot: waited for by `collect` only
 
     def run(self, slot: int | None, fn) -> None:
@@ -115,7 +117,7 @@ class _SideStream:
             if slot is None:
                 self._untied.append(future)
             else:
-                self._pending[slot] = future
+                self._pending[slot].append(future)
             return
         assert self.stream is not None  # no CPU worker: a GPU stream
         self.stream.wait_stream(torch.cuda.current_stream())  # the bytes are packed / arrived
@@ -130,9 +132,9 @@ class _SideStream:
 
     def before_reuse(self, slot: int) -> None:
         if self._worker is not None:
-            pending = self._pending[slot]
-            if pending is not None:
+            for pending in self._pending[slot]:
                 pending.result()  # re-raises a failed checksum here
+            self._pending[slot] = []
             return
         done = self.done[slot]
         if done is not None:
@@ -343,8 +345,8 @@ class _Loop:
                     handles.append(self.transport.isend(flat, self.ranks[bucket.dst]))
                 # after isend: the checksum overlaps the transfer
                 self.account(slot, bucket, flat, programs[i], checksum=not fused)
-                if self.on_packed is not None:
-                    self.on_packed(bucket, flat)
+                if self.on_packed is not None:  # on the side too, before the slot's reuse
+                    self.checksums.run(slot, functools.partial(self.on_packed, bucket, flat))
         self.finish(handles)
 
     def reads_in_place(self, bucket: Bucket) -> bool:
