@@ -8,7 +8,9 @@ of its own, as in `make demo`. Per round, one after another: a full refit (`send
 fraction `--changed` of the elements move by one bf16 step), and a delta refit after a step that
 changes everything (every bucket goes dense); plus raw gloo: the same bytes as one buffer per
 sender. Reports medians of the receiver's wall time per method, the bytes on the wire, and the
-receiver's and each sender's seconds. No vLLM: `bench/apply_bench.py` measures the install.
+receiver's and each sender's seconds, the CPU seconds of all members, and the bound of issue 30:
+the dense delta refit over the full refit with delta refits off (`dense_vs_full`, also by round
+and in CPU seconds). No vLLM: `bench/apply_bench.py` measures the install.
 """
 
 from __future__ import annotations
