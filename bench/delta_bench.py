@@ -8,7 +8,9 @@ of its own, as in `make demo`. Per round, one after another: a full refit (`send
 fraction `--changed` of the elements move by one bf16 step), and a delta refit after a step that
 changes everything (every bucket goes dense); plus raw gloo: the same bytes as one buffer per
 sender. Reports medians of the receiver's wall time per method, the bytes on the wire, and the
-receiver's and each sender's seconds. No vLLM: `bench/apply_bench.py` measures the install.
+receiver's and each sender's seconds, the CPU seconds of all members, and the bound of issue 30:
+the dense delta refit over the full refit with delta refits off (`dense_vs_full`, also by round
+and in CPU seconds). No vLLM: `bench/apply_bench.py` measures the install.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from syncd.member.dataplane import (
 )
 from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
 
+DENSE = "delta refit, every element changed (dense fallback)"
+
 
 def _step(tensors: dict[str, torch.Tensor], fraction: float, gen: torch.Generator) -> None:
     """Move `fraction` of the elements by one bf16 step (their bits change, the rest keep theirs)."""
@@ -54,12 +58,13 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
 
     def timed(name: str, fn) -> None:
         barrier()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         stats = fn()
         rows.append(
             {
                 "method": name,
                 "seconds": time.perf_counter() - t0,
+                "cpu_seconds": time.process_time() - cpu0,  # all the process's threads (gloo's too)
                 "bytes": getattr(stats, "bytes", raw.numel()),
                 "changed": getattr(stats, "changed", None),
                 "elements": getattr(stats, "elements", None),
@@ -123,9 +128,22 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
         timed(f"delta refit, RL-like step ({args.changed:.1%} of elements)", delta)
         if sending:
             _step(views, 1.0, r.gen)
-        timed("delta refit, every element changed (dense fallback)", delta)
+        timed(DENSE, delta)
     results[me] = rows[len(rows) // (args.rounds + 1) :]  # the first round warms up
     transport.close()
+
+
+def _by_round(rows: list[dict], method: str, baseline: str, key: str) -> list[float]:
+    """`method`'s `key` over `baseline`'s, round by round (each method runs once per round)."""
+    mine = [r[key] for r in rows if r["method"] == method]
+    base = [r[key] for r in rows if r["method"] == baseline]
+    return [a / b for a, b in zip(mine, base)]
+
+
+def _cpu_by_round(results: dict, method: str) -> list[float]:
+    """Per round, the CPU seconds of all members together for `method`."""
+    per_member = [[r["cpu_seconds"] for r in rows if r["method"] == method] for rows in results.values()]
+    return [sum(round_) for round_ in zip(*per_member)]
 
 
 def main() -> None:
@@ -155,7 +173,7 @@ def main() -> None:
         f"{plan.total_bytes / 1e6:.1f} MB, {len(plan.buckets)} buckets, "
         f"{SENDERS} senders -> 1 receiver (gloo, CPU)"
     )
-    print(f"{'method':<58} {'seconds':>8} {'vs full':>8} {'MB':>8} {'senders s (max)':>16}")
+    print(f"{'method':<58} {'seconds':>8} {'vs full':>8} {'MB':>8} {'senders s (max)':>16} {'CPU s':>6}")
     for m in methods:
         mine = [r for r in receiver if r["method"] == m]
         seconds = statistics.median(r["seconds"] for r in mine)
@@ -171,10 +189,27 @@ def main() -> None:
             "vs_full": seconds / full,
             "bytes": mine[0]["bytes"],
             "senders_max_seconds": senders,
+            "cpu_seconds": statistics.median(_cpu_by_round(results, m)),
             "changed_fraction": (mine[0]["changed"] / mine[0]["elements"]) if mine[0]["elements"] else None,
         }
         report["methods"][m] = row
-        print(f"{m:<58} {seconds:>8.3f} {seconds / full:>8.2f} {row['bytes'] / 1e6:>8.2f} {senders:>16.3f}")
+        print(
+            f"{m:<58} {seconds:>8.3f} {seconds / full:>8.2f} {row['bytes'] / 1e6:>8.2f} {senders:>16.3f} "
+            f"{row['cpu_seconds']:>6.3f}"
+        )
+    # The bound of the dense case: a step that changes everything, with delta refits on, against a
+    # full refit with them off (issue 30: at most 1.10); also round by round (the two run seconds
+    # apart, so a neighbour's load shifts both), and in CPU seconds of all members together.
+    report["dense_vs_full"] = report["methods"][DENSE]["vs_full"]
+    report["dense_vs_full_by_round"] = _by_round(receiver, DENSE, "full refit", "seconds")
+    report["dense_vs_full_cpu"] = (
+        report["methods"][DENSE]["cpu_seconds"] / report["methods"]["full refit"]["cpu_seconds"]
+    )
+    print(
+        f"dense with delta refits on / full refit with them off: {report['dense_vs_full']:.2f} "
+        f"(medians), {statistics.median(report['dense_vs_full_by_round']):.2f} (median of rounds), "
+        f"{report['dense_vs_full_cpu']:.2f} (CPU seconds)"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

@@ -25,7 +25,15 @@ from syncd.layout import (
 )
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import GlooTransport, LoopOptions, catalog_views, recv_buckets
-from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.member.dataplane.delta import (
+    _SAMPLE,
+    Diffs,
+    Mirror,
+    _changed_positions,
+    _sample_mostly_changed,
+    recv_with_deltas,
+    send_with_deltas,
+)
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.simulate import materialize
 from tests.unit.test_dataplane_gloo import _run_threads
@@ -35,6 +43,7 @@ GATE = CanonicalTensor("m.experts.gate_proj.weight", (E, I, H), "float32")
 UP = CanonicalTensor("m.experts.up_proj.weight", (E, I, H), "float32")
 NORM = CanonicalTensor("m.norm.weight", (H,), "float32")
 ALL = (GATE, UP, NORM)
+DELTA_ALL = {"gen-a", "gen-b0", "gen-b1"}
 _GROUPS = itertools.count()
 
 
@@ -135,6 +144,31 @@ class Refits:
         assert not errors, errors
         return stats
 
+    def assert_exact(self) -> None:
+        """Every generator holds exactly the current version."""
+        for d in self.dests:
+            expected = self.expected(d.member_id)
+            for name, t in self.received[d.member_id].items():
+                assert torch.equal(t, expected[name]), (d.member_id, name)
+
+    def assert_mirrors_hold_the_new_version(self) -> None:
+        """Each sender's mirror, where it says it holds what it sent (whole tensors, regions),
+        equals its tensors of the current version in the generators' dtype."""
+        checked = 0
+        for s in self.sources:
+            mirror = self.mirrors[s.member_id]
+            new = {
+                k: torch.from_numpy(v).to(torch_dtype(self.dtype))
+                for k, v in materialize(s.catalog, self.canonical).items()
+            }
+            for name, dtype in mirror.whole:
+                assert torch.equal(mirror.tensor(name, dtype, new[name]), new[name]), (s.member_id, name)
+                checked += 1
+            for name, box, dtype in mirror.held:
+                held = mirror.tensor(name, dtype, new[name])[box.slices()]
+                assert torch.equal(held, new[name][box.slices()]), (s.member_id, name, box)
+        assert checked >= len(self.sources)  # each sent its expert tensor whole to gen-a
+
     def checksums_agree(self, stats) -> bool:
         sent = {k: v for s in self.sources for k, v in stats[s.member_id].checksums.items()}
         return all(sent[k] == v for d in self.dests for k, v in stats[d.member_id].checksums.items())
@@ -180,17 +214,51 @@ def test_delta_refit_equals_full_and_moves_few_bytes(dtype, fraction):
 
 
 def test_a_step_that_changes_everything_goes_dense_and_stays_exact():
+    """Every bucket goes dense (the expert tensors found changed from a sample of them); the
+    mirrors take the dense bytes as they are sent and equal the new version, so the next RL-like
+    step's delta is exact and small."""
     r = Refits("bfloat16")
     first = r.refit(set())
     r.step(1.0, size=0.05)
-    second = r.refit({"gen-a", "gen-b0", "gen-b1"}, base=1)
+    second = r.refit(DELTA_ALL, base=1)
     assert r.checksums_agree(second)
     for d in r.dests:
         assert (
             second[d.member_id].bytes == first[d.member_id].bytes
         )  # every bucket dense: no header bytes counted
-        for name, t in r.received[d.member_id].items():
-            assert torch.equal(t, r.expected(d.member_id)[name])
+    r.assert_exact()
+    r.assert_mirrors_hold_the_new_version()
+    r.step(0.01, size=0.05)
+    third = r.refit(DELTA_ALL, base=2)
+    assert r.checksums_agree(third)
+    r.assert_exact()
+    assert all(third[m].bytes < 0.06 * first[m].bytes for m in DELTA_ALL)
+
+
+def test_a_tensor_whose_sample_looks_changed_goes_dense_and_the_next_delta_is_exact():
+    """Only the elements `_sample_mostly_changed` looks at change in trainer-0's w13 (a sixth of
+    them, where the exact comparison would send a delta): it goes dense on the sample's word,
+    every generator ends exact, and the delta after it is exact."""
+    r = Refits("float32")
+    r.refit(set())
+    trainer = r.sources[0]
+    before = materialize(trainer.catalog, r.canonical)["w13"]
+    shape = before.shape  # (E / ep, 2, I, H / tp): trainer-0 holds experts [0, E/2), columns [0, H/2)
+    stride = before.size // _SAMPLE
+    for p in range(stride // 2, before.size, stride):
+        e, part, i, h = np.unravel_index(p, shape)
+        r.canonical[(GATE, UP)[part].name][e, i, h] += np.float32(0.05)
+    old, new = torch.from_numpy(before), torch.from_numpy(materialize(trainer.catalog, r.canonical)["w13"])
+    assert _sample_mostly_changed(new, old) and _changed_positions(new, old, give_up=True) is not None
+    second = r.refit(DELTA_ALL, base=1)
+    assert r.checksums_agree(second)
+    assert second[trainer.member_id].changed > 0.9 * second[trainer.member_id].elements  # went dense
+    r.assert_exact()
+    r.assert_mirrors_hold_the_new_version()
+    r.step(0.01, size=0.05)
+    third = r.refit(DELTA_ALL, base=2)
+    assert r.checksums_agree(third)
+    r.assert_exact()
 
 
 def test_a_receiver_on_another_base_fails_the_whole_region_checksum():

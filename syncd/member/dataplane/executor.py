@@ -23,10 +23,11 @@ worker thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -73,6 +74,12 @@ class Forwarder(Protocol):
         ...
 
 
+# Called by a send loop with each bucket and its packed bytes, once handed to the transport, on the
+# checksums' side stream or thread (`_SideStream`); the bytes stay valid until it returns (a delta
+# sender's mirror takes them, `delta.Diffs.packed`).
+OnPacked = Callable[[Bucket, torch.Tensor], None]
+
+
 class TransferAborted(RuntimeError):
     pass
 
@@ -98,7 +105,7 @@ class _SideStream:
         self._worker = (
             ThreadPoolExecutor(1, thread_name_prefix="weightsync-checksum") if self.stream is None else None
         )
-        self._pending: list[Future | None] = [None] * slots
+        self._pending: list[list[Future]] = [[] for _ in range(slots)]  # per slot, in order
         self._untied: list[Future] = []  # CPU work that reads no slot: waited for by `collect` only
 
     def run(self, slot: int | None, fn) -> None:
@@ -110,7 +117,7 @@ class _SideStream:
             if slot is None:
                 self._untied.append(future)
             else:
-                self._pending[slot] = future
+                self._pending[slot].append(future)
             return
         assert self.stream is not None  # no CPU worker: a GPU stream
         self.stream.wait_stream(torch.cuda.current_stream())  # the bytes are packed / arrived
@@ -125,9 +132,9 @@ class _SideStream:
 
     def before_reuse(self, slot: int) -> None:
         if self._worker is not None:
-            pending = self._pending[slot]
-            if pending is not None:
+            for pending in self._pending[slot]:
                 pending.result()  # re-raises a failed checksum here
+            self._pending[slot] = []
             return
         done = self.done[slot]
         if done is not None:
@@ -171,6 +178,7 @@ class _Loop:
     graphs: LoopGraphs | None = None
     prepared: PreparedLoop | None = None
     forwarder: Forwarder | None = None  # a relay's receive loop (`syncd.member.dataplane.relay`)
+    on_packed: OnPacked | None = None  # a send loop's: see `send_buckets`
 
     @property
     def checksums(self) -> _SideStream:
@@ -337,6 +345,8 @@ class _Loop:
                     handles.append(self.transport.isend(flat, self.ranks[bucket.dst]))
                 # after isend: the checksum overlaps the transfer
                 self.account(slot, bucket, flat, programs[i], checksum=not fused)
+                if self.on_packed is not None:  # on the side too, before the slot's reuse
+                    self.checksums.run(slot, functools.partial(self.on_packed, bucket, flat))
         self.finish(handles)
 
     def reads_in_place(self, bucket: Bucket) -> bool:
@@ -466,9 +476,10 @@ def _run(
     cancel: threading.Event | None,
     cache: LoopCache | None,
     forwarder: Forwarder | None = None,
+    on_packed: OnPacked | None = None,
 ) -> TransferStats:
     cache = cache if cache is not None else LoopCache()
-    loop = _Loop(tensors, transport, ranks, options, cancel, cache, forwarder=forwarder)
+    loop = _Loop(tensors, transport, ranks, options, cancel, cache, forwarder=forwarder, on_packed=on_packed)
     if not buckets:
         return loop.stats
     program_cache: LoopGraphs | PreparedLoop
@@ -502,11 +513,15 @@ def send_buckets(
     *,
     cancel: threading.Event | None = None,
     cache: LoopCache | None = None,
+    on_packed: OnPacked | None = None,
 ) -> TransferStats:
     """Send `buckets` (this member is their src), reading from `tensors` (catalog views), as
     `options` say. `cancel`, once set, stops the loop (`TransferAborted`); `cache` is what the
-    loops over `transport` keep between refits (pass the same one on every call over it)."""
-    return _run(Direction.SEND, buckets, tensors, transport, ranks, options, cancel, cache)
+    loops over `transport` keep between refits (pass the same one on every call over it);
+    `on_packed`, called with each bucket and its bytes on the wire, while the transfer runs."""
+    return _run(
+        Direction.SEND, buckets, tensors, transport, ranks, options, cancel, cache, on_packed=on_packed
+    )
 
 
 def recv_buckets(
