@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-# The delta's own write (`_scatter`, flat C-order positions into a region that may not be
+# The delta's own write (`scatter_flat`, flat C-order positions into a region that may not be
 # contiguous) and its coordinates: the rollback writes back exactly where the delta wrote.
-from syncd.member.dataplane.delta import _scatter, _unravel
+from syncd.member.dataplane.delta import scatter_flat, unravel_flat
 
 
 class UndoClosed(RuntimeError):
@@ -79,7 +79,7 @@ class UndoLog:
                     s.region.copy_(s.old)
                 else:
                     overwritten += not _same_bits(_gather(s.region, s.index), s.old)
-                    _scatter(s.region, s.index, s.old)
+                    scatter_flat(s.region, s.index, s.old)
             self._saved.clear()
             return undone, overwritten
 
@@ -94,7 +94,7 @@ def _gather(region: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """region.flatten()[index], without copying a region that is not contiguous."""
     if region.is_contiguous():
         return region.view(-1).index_select(0, index)
-    return region[_unravel(index, tuple(region.shape))]
+    return region[unravel_flat(index, tuple(region.shape))]
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

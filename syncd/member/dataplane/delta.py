@@ -201,7 +201,7 @@ class Diffs:
                 dense[key] = u
             elif change.changed and key not in dense:
                 assert change.index is not None and change.values is not None  # sparse
-                _scatter(self.mirror.region(u, tensors[u.src_tensor]), change.index, change.values)
+                scatter_flat(self.mirror.region(u, tensors[u.src_tensor]), change.index, change.values)
         for u in dense.values():  # one copy, converting as the packing copy does
             self.mirror.region(u, tensors[u.src_tensor]).copy_(tensors[u.src_tensor][u.src_box.slices()])
         self.mirror.held = frozenset(self.changes) | frozenset(self.absorbed)
@@ -626,20 +626,20 @@ def _apply(
             values = part[index_bytes : index_bytes + code * dst.element_size()].view(dst.dtype)
             if undo is not None:
                 undo.save(dst, index)
-            _scatter(dst, index, values)
+            scatter_flat(dst, index, values)
         sums.add(checksum_key(u.canonical, u.canon), dst.reshape(-1).view(torch.uint8))
     checksums.update(sums.result())
 
 
-def _scatter(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+def scatter_flat(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """dst.flatten()[index] = values, in place, also for a region that is not contiguous."""
     if dst.is_contiguous():
         dst.view(-1).index_copy_(0, index.long(), values)
     else:
-        dst.index_put_(_unravel(index.long(), dst.shape), values)
+        dst.index_put_(unravel_flat(index.long(), dst.shape), values)
 
 
-def _unravel(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+def unravel_flat(flat: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
     """Coordinates of C-order flat positions (torch.unravel_index imports sympy on first use,
     a third of a second inside the first refit)."""
     coords = []
