@@ -14,49 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from bench.landed_gpu_bench import gpu_timed, landed_model
 from syncd.member.dataplane import checksum_kernel
 from syncd.member.dataplane.checksum import reduce_region, region_outputs
-
-
-def _timed(fn, rounds: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    seconds = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds)
+from syncd.member.dataplane.landed import landed_checksums
 
 
 def _model_units(rounds: int) -> dict[str, object]:
     """Where the landed check's time goes on `landed_gpu_bench`'s model: the kernels alone per
     variant, all regions in one batch, and the whole check with its fold and read-back."""
-    from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
-    from syncd.member.dataplane import catalog_views
-    from syncd.member.dataplane.landed import landed_checksums
-    from syncd.plan import DestMember, SourceMember, make_plan
-
-    shape = MoeShape(layers=8, hidden=2048, experts=64, moe_inter=768, heads=16)
-    sources = [
-        SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(shape, 2, e, 2, t))
-        for e in range(2)
-        for t in range(2)
-    ]
-    dest = DestMember("generator", vllm_catalog(shape, 1, 0))
-    plan = make_plan(sources, [dest], bucket_bytes=512 << 20)
-    units = [u for b in plan.for_member("generator") for u in b.units]
-    tensors = {
-        t.name: torch.randn(t.shape, device="cuda", dtype=torch.bfloat16) for t in dest.catalog.tensors
-    }
-    views = catalog_views(dest.catalog, tensors)
+    units, _, views = landed_model(8, 64, 512)
     maybe = [checksum_kernel.describe(views[u.dst_tensor][u.dst_box.slices()]) for u in units]
     regions = [r for r in maybe if r is not None]
     assert len(regions) == len(units)
@@ -67,12 +39,12 @@ def _model_units(rounds: int) -> dict[str, object]:
         by_variant.setdefault(r.variant, []).append(r)
     for variant, members in by_variant.items():
         n = sum(r.numel for r in members)
-        s = _timed(lambda members=members: checksum_kernel.reduce_batch(members), rounds)
+        s = gpu_timed(lambda members=members: checksum_kernel.reduce_batch(members), rounds)
         dims = sorted({r.dims for r in members})[:4]
         out[str(variant)] = {"regions": len(members), "bytes": n, "gbps": round(n / s / 1e9, 1), "dims": dims}
-    s = _timed(lambda: checksum_kernel.reduce_batch(regions), rounds)
+    s = gpu_timed(lambda: checksum_kernel.reduce_batch(regions), rounds)
     out["kernels_gbps"] = round(total / s / 1e9, 1)
-    s = _timed(lambda: landed_checksums(units, views), rounds)
+    s = gpu_timed(lambda: landed_checksums(units, views), rounds)
     out["landed_check_gbps"] = round(total / s / 1e9, 1)
     return out
 
@@ -91,7 +63,7 @@ def main() -> None:
     described = [r for r in regions if r is not None]
     assert len(described) == len(regions)
     result: dict[str, object] = {"device": torch.cuda.get_device_name(), "bytes": nbytes}
-    copy_s = _timed(lambda: dst.copy_(src), args.rounds)
+    copy_s = gpu_timed(lambda: dst.copy_(src), args.rounds)
     result["d2d_gbps"] = round(nbytes / copy_s / 1e9, 1)
     reference = checksum_kernel.reduce_batch(described)
     for whole_rows in (False, True):
@@ -103,7 +75,7 @@ def main() -> None:
 
             out = run()
             same = torch.equal(out.cols, reference.cols) and torch.equal(out.rows, reference.rows)
-            s = _timed(run, args.rounds)
+            s = gpu_timed(run, args.rounds)
             key = f"kernel_{'whole_rows' if whole_rows else 'long_runs'}_{per_program}rows"
             result[key + "_gbps"] = round(nbytes / s / 1e9, 1)
             result[key + "_over_d2d_speed"] = round(copy_s / s, 3)
@@ -113,7 +85,7 @@ def main() -> None:
         for i in range(0, nbytes, step):
             reduce_region(src[i : i + step], *region_outputs(step, src.device))
 
-    s = _timed(torch_form, args.rounds)
+    s = gpu_timed(torch_form, args.rounds)
     result["torch_form_gbps"] = round(nbytes / s / 1e9, 1)
     checksum_kernel._ROWS_PER_PROGRAM = 64
     result["model_units"] = _model_units(args.rounds)

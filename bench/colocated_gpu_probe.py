@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
+from bench.landed_gpu_bench import gpu_timed
 from bench.refit_bench import shape_for
 from bench.synthetic_moe import trainer_catalog, vllm_catalog
 from syncd.commands import checksum_key
@@ -97,27 +98,16 @@ def member(rank: int, port: int, args: argparse.Namespace) -> None:
         for d, s in pairs:
             d.copy_(s)
 
-    def timed(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        seconds = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - t0)
-        return statistics.median(seconds)
-
     flat_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     flat_b = torch.empty_like(flat_a)
-    d2d_s = timed(lambda: flat_b.copy_(flat_a))
-    copies_s = timed(copies)
+    d2d_s = gpu_timed(lambda: flat_b.copy_(flat_a), args.reps)
+    copies_s = gpu_timed(copies, args.reps)
 
     def copies_and_landed_check() -> None:
         copies()
         landed_checksums(units, mine)
 
-    copies_landed_s = timed(copies_and_landed_check)
+    copies_landed_s = gpu_timed(copies_and_landed_check, args.reps)
     refits, agree, exact = [], True, False
     for r in range(args.reps + 2):
         torch.cuda.synchronize()

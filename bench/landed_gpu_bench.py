@@ -30,7 +30,8 @@ from syncd.member.dataplane.landed import landed_checksums
 from syncd.plan import DestMember, SourceMember, make_plan
 
 
-def _timed(fn, rounds: int) -> float:
+def gpu_timed(fn, rounds: int) -> float:
+    """Median seconds of `fn` and the GPU work it queued, over `rounds`, after a warm-up."""
     fn()  # warm-up
     torch.cuda.synchronize()
     seconds = []
@@ -42,6 +43,24 @@ def _timed(fn, rounds: int) -> float:
     return statistics.median(seconds)
 
 
+def landed_model(layers: int, experts: int, bucket_mib: float):
+    """The receiver of this benchmark (vLLM's layout, TP 1, bf16 on the GPU, from ep 2 x tp 2
+    senders): its units, its tensors by name and their catalog views."""
+    shape = MoeShape(layers=layers, hidden=2048, experts=experts, moe_inter=768, heads=16)
+    sources = [
+        SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(shape, 2, e, 2, t))
+        for e in range(2)
+        for t in range(2)
+    ]
+    dest = DestMember("generator", vllm_catalog(shape, 1, 0))
+    plan = make_plan(sources, [dest], bucket_bytes=int(bucket_mib * (1 << 20)))
+    units = [u for b in plan.for_member("generator") for u in b.units]
+    tensors = {
+        t.name: torch.randn(t.shape, device="cuda", dtype=torch.bfloat16) * 0.02 for t in dest.catalog.tensors
+    }
+    return units, tensors, catalog_views(dest.catalog, tensors)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -50,25 +69,13 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=float, default=512)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
-    shape = MoeShape(layers=args.layers, hidden=2048, experts=args.experts, moe_inter=768, heads=16)
-    sources = [
-        SourceMember(f"trainer-{e * 2 + t}", 0, trainer_catalog(shape, 2, e, 2, t))
-        for e in range(2)
-        for t in range(2)
-    ]
-    dest = DestMember("generator", vllm_catalog(shape, 1, 0))
-    plan = make_plan(sources, [dest], bucket_bytes=int(args.bucket_mib * (1 << 20)))
-    units = [u for b in plan.for_member("generator") for u in b.units]
-    tensors = {
-        t.name: torch.randn(t.shape, device="cuda", dtype=torch.bfloat16) * 0.02 for t in dest.catalog.tensors
-    }
-    views = catalog_views(dest.catalog, tensors)
+    units, tensors, views = landed_model(args.layers, args.experts, args.bucket_mib)
     nbytes = sum(x.numel() * x.element_size() for x in tensors.values())
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
 
-    check_s = _timed(lambda: landed_checksums(units, views), args.rounds)
-    copy_s = _timed(lambda: dst.copy_(src), args.rounds)
+    check_s = gpu_timed(lambda: landed_checksums(units, views), args.rounds)
+    copy_s = gpu_timed(lambda: dst.copy_(src), args.rounds)
 
     def whole_tensors() -> None:  # where the check's time goes: the algorithm, no copy first
         sums = Checksums()
@@ -83,8 +90,8 @@ def main() -> None:
             sums.add("x", region.contiguous().reshape(-1).view(torch.uint8))
         sums.result()
 
-    whole_s = _timed(whole_tensors, args.rounds)
-    torch_form_s = _timed(torch_form, args.rounds)
+    whole_s = gpu_timed(whole_tensors, args.rounds)
+    torch_form_s = gpu_timed(torch_form, args.rounds)
     strided = sum(1 for u in units if not views[u.dst_tensor][u.dst_box.slices()].is_contiguous())
     result = {
         "device": torch.cuda.get_device_name(),
