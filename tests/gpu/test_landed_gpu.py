@@ -2,7 +2,8 @@
 torch form's sums (a contiguous copy, then column and row sums) for every element size, for
 strided boxes of 1-, 2- and 3-dimensional tensors, runs shorter and longer than a 4 KiB row,
 regions smaller than a row and regions with bytes after their last full row; and a flipped or
-moved byte changes it."""
+moved byte changes it. The same kernel copying a region into another of other strides
+(`Checksums.add_copy`) writes exactly the source's bytes and gives the same checksum."""
 
 from __future__ import annotations
 
@@ -91,3 +92,32 @@ def test_regions_read_in_place_and_copied_keep_their_order():
             mixed.add_region(f"r{i}", region)
         reference.add(f"r{i}", region.contiguous().reshape(-1).view(torch.uint8))
     assert mixed.result() == reference.result()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape, box", BOXES, ids=[str(b[0]) for b in BOXES])
+def test_a_copy_in_the_checksum_pass_writes_the_bytes_and_sums_them(shape, box, dtype):
+    """A strided box copied into the same shape inside a wider tensor (other strides) and such a
+    region copied out into a contiguous one: each destination holds its source's bits, nothing
+    around it changed, and the sums are the source's."""
+    from syncd.member.dataplane import checksum_kernel
+    from syncd.member.dataplane.checksum import Checksums
+
+    src = _random(shape, dtype)[box]
+    n = src.shape[-1]
+    wide = _random((*src.shape[:-1], n + 8), dtype)
+    expected = wide.clone()
+    into_wide, out_of_wide, from_wide = wide[..., 4 : 4 + n], torch.empty_like(src), expected[..., 2 : 2 + n]
+    assert checksum_kernel.describe_copy(into_wide, src) is not None
+    sums = Checksums()
+    sums.add_copy("into wide", into_wide, src)
+    sums.add_copy("out of wide", out_of_wide, from_wide)
+    got = sums.result()
+    assert got == {"into wide": _both(src)[1], "out of wide": _both(from_wide.clone())[1]}
+    assert torch.equal(_bits(out_of_wide), _bits(from_wide))
+    expected[..., 4 : 4 + n] = src
+    assert torch.equal(_bits(wide), _bits(expected))

@@ -107,6 +107,12 @@ class DeviceSums:
         reduce_region(region_bytes, cols, rows, rest)
         self.add_reduced(n, cols, rows, rest)
 
+    def add_batch(self, batch: checksum_kernel.Batch) -> None:
+        """A prepared batch's regions, launched now on the current stream."""
+        self.flush()  # the batch before it keeps its place
+        self.numels.extend(r.numel for r in batch.regions)
+        self._reduced.append(batch.launch())
+
     def add_reduced(self, numel: int, cols: torch.Tensor, rows: torch.Tensor, rest: torch.Tensor) -> None:
         """A region of `numel` bytes whose `reduce_region` outputs are already enqueued (by
         `add`, or by a replayed CUDA graph that wrote them)."""
@@ -114,18 +120,33 @@ class DeviceSums:
         self.numels.append(numel)
         self._reduced.append(ReducedRegions.one(cols, rows, rest))
 
-    def _weighted_row_sums(self, device: torch.device) -> torch.Tensor:
+    def _row_values(self, device: torch.device) -> torch.Tensor:
+        """Each region's weighted row sum: the kernel's own, or folded here from stored row sums."""
+        stored = [r for r in self._reduced if r.weighted_rows is None]
+        folded = self._weighted_row_sums(stored, device) if stored else None
+        parts, at = [], 0
+        for r in self._reduced:
+            if r.weighted_rows is not None:
+                parts.append(r.weighted_rows)
+            else:
+                assert folded is not None
+                parts.append(folded[at : at + len(r.row_counts)])
+                at += len(r.row_counts)
+        return torch.cat(parts)
+
+    @staticmethod
+    def _weighted_row_sums(reduced: list[ReducedRegions], device: torch.device) -> torch.Tensor:
         """Per region k with rows r_k[0..n_k): sum_j (j + 1) * r_k[j], for all regions at once.
         With g the global row number (1-based) and s_k the rows before region k, (j + 1) = g - s_k,
         so the sum is G_k - s_k * R_k with G, R segment sums of g * r and r: one cumulative sum of
         both, read at the region boundaries. (A scatter-add of millions of rows costs a millisecond
         more, and the fold runs after the last bucket, on the refit's critical path.)"""
-        counts = np.concatenate([r.row_counts for r in self._reduced])
+        counts = np.concatenate([r.row_counts for r in reduced])
         total = int(counts.sum())
         if not total:
             return torch.zeros(len(counts), dtype=torch.int64, device=device)
         bounds = np.cumsum(np.concatenate([[0], counts]))  # [starts..., last end]
-        rows = torch.cat([r.rows for r in self._reduced]).to(torch.int64)
+        rows = torch.cat([r.rows for r in reduced]).to(torch.int64)
         # One flat scan of [g * r, r] (a 1-D scan; a scan along rows of a 2-row matrix runs on two
         # thread blocks and takes milliseconds), read at both halves' region boundaries.
         flat = torch.cat([rows * _positions(total, device), rows])
@@ -152,7 +173,7 @@ class DeviceSums:
         device = self._reduced[0].cols.device
         cols = torch.cat([r.cols for r in self._reduced]).to(torch.int64)
         col_sums = (cols * _positions(_COLS, device)).sum(dim=1)
-        row_sums = self._weighted_row_sums(device)
+        row_sums = self._row_values(device)
         rest_bytes, starts, counts = self._rests()
         col_list, row_list = torch.stack([col_sums, row_sums]).tolist()  # one read-back
         out = []
@@ -220,6 +241,26 @@ class Checksums:
             self._device.add_in_place(described)
         else:
             self.add(key, region.contiguous().reshape(-1).view(torch.uint8))
+
+    def add_copy(self, key: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy `src` into `dst` (same shape and dtype, no overlap) and add the checksum of the
+        bytes written, by their C order. On NVIDIA GPUs both in one pass that reads `src` once
+        (`checksum_kernel.describe_copy`), batched like `add_region`: the copy is enqueued by
+        `flush` (or `result`), so read `dst` only after that. Elsewhere the copy, then
+        `add_region` of `dst`."""
+        described = checksum_kernel.describe_copy(dst, src)
+        if described is not None:
+            self._keys.append(key)
+            self._device.add_in_place(described)
+        else:
+            dst.copy_(src)
+            self.add_region(key, dst)
+
+    def add_batch(self, keys: Sequence[str], batch: checksum_kernel.Batch) -> None:
+        """The regions of a prepared `checksum_kernel.Batch` (keyed `keys`, in its order): the
+        work of `add_region`/`add_copy` for regions whose places do not change, launched now."""
+        self._keys.extend(keys)
+        self._device.add_batch(batch)
 
     def flush(self) -> None:
         """Enqueue the GPU work of the regions added so far on the current stream (`add_region`

@@ -12,10 +12,14 @@ A region is the int32 matrix [rows, 1024] of its bytes in C order, as in `checks
 turns a region into numbers (address, dimensions collapsed to at most three, steps, element size:
 whole aligned 32-bit words where the runs allow, else 1-, 2- or 4-byte elements); `reduce_batch`
 uploads a table of them and launches one program per block of rows of every region. A program
-computes where each element lies, shifts its bits to their place in its word and sums: row sums
-are stored, column sums are added atomically to the region's [1024] (wrapping int32 addition is
-exact and order-free, so the sums equal torch's). The bytes after the last full row are copied
-out as they are, for the host's fold.
+computes where each element lies, shifts its bits to their place in its word and sums: each row's
+sum, weighted by its number, into the region's int64 (a row lies in one program, so one atomic add
+a program; int64 wraps as the host's fold does), column sums atomically into the region's [1024]
+(wrapping int32 addition is exact and order-free, so the sums equal torch's). The bytes after the
+last full row are copied out as they are, for the host's fold. A copy variant (`describe_copy`)
+also writes each item it read to a destination of other strides, so a copy costs one read and
+one write with its checksum. `Batch` keeps a list of regions' launches ready for refits whose
+regions do not move.
 
 Where an item lies takes divisions by the region's dimensions. 64-bit integer divisions (about
 a hundred instructions each) once per program only; per row and, for runs shorter than a row, per
@@ -48,11 +52,15 @@ except ImportError:  # CPU-only installs: the torch form serves
 COLS = 1024  # 32-bit words per row: `checksum._COLS`
 ROW_BYTES = 4 * COLS
 _ELEMENTS_PER_TILE = 8192  # a program's tile is [rows, row elements] of this many (registers)
+# A copy's tile: a quarter, so that its destination addresses fit beside the source's (on an H100,
+# 4 GB of the colocated probe's units: 1,272-1,289 GB/s against 1,093 at 8192, 0.87-0.88 of a
+# device-to-device copy; `bench/checksum_kernel_probe.py --copy-sweep`, 2026-11-26).
+_COPY_ELEMENTS_PER_TILE = 2048
 _ROWS_PER_PROGRAM = 64  # 256 KiB a program: few column-sum atomics, and blocks enough to fill SMs
 _NUM_WARPS = 8
 _VEC_BYTES = 16  # the widest load
 _MAX_DIM = 1 << 30  # int32 arithmetic in the kernel: a dimension plus a row stays below 2**31
-_FIELDS = 12  # the table's int64 fields per region, in the order `_reduce_regions` reads them
+_FIELDS = 15  # the table's int64 fields per region, in the order `_reduce_regions` reads them
 
 
 @dataclass(frozen=True)
@@ -66,27 +74,36 @@ class Region:
     steps: tuple[int, int]
     esize: int
     numel: int
+    # A copy (`describe_copy`): the kernel also writes each item it read here, in the same
+    # place of the same dims, at these steps.
+    dst: torch.Tensor | None = None
+    dst_address: int = 0
+    dst_steps: tuple[int, int] = (0, 0)
 
     @property
     def full_rows(self) -> int:
         return self.numel // ROW_BYTES
 
     @property
-    def variant(self) -> tuple[int, bool, bool, int]:
+    def variant(self) -> tuple[int, bool, bool, bool, int]:
         """The kernel's compile-time choices: item size, runs of a row or more, runs of whole
-        rows (every row lies in one run), vector width."""
+        rows (every row lies in one run), a copy, vector width."""
         items_per_row = ROW_BYTES // self.esize
         vec = _VEC_BYTES // self.esize
-        aligned = self.address % _VEC_BYTES == 0 and all(x % vec == 0 for x in (*self.steps, self.dims[2]))
+        steps = (*self.steps, *self.dst_steps, self.dims[2])
+        aligned = self.address % _VEC_BYTES == 0 and self.dst_address % _VEC_BYTES == 0
+        aligned = aligned and all(x % vec == 0 for x in steps)
         long_runs = self.dims[2] >= items_per_row
-        return self.esize, long_runs, long_runs and self.dims[2] % items_per_row == 0, vec if aligned else 1
+        whole_rows = long_runs and self.dims[2] % items_per_row == 0
+        return self.esize, long_runs, whole_rows, self.dst is not None, vec if aligned else 1
 
 
 @dataclass(frozen=True)
 class ReducedRegions:
     """`checksum.reduce_region`'s outputs for regions one after another: column sums [k, 1024];
     row sums of all, region by region (`row_counts` each); rest bytes, region i's `rest_counts[i]`
-    of them at `rest_starts[i]`."""
+    of them at `rest_starts[i]`. The kernel weighs the row sums itself: `weighted_rows` [k] int64,
+    each region's sum of (row number + 1) x row sum, and `rows` is then empty."""
 
     cols: torch.Tensor
     rows: torch.Tensor
@@ -94,6 +111,7 @@ class ReducedRegions:
     rest: torch.Tensor
     rest_starts: np.ndarray
     rest_counts: np.ndarray
+    weighted_rows: torch.Tensor | None = None
 
     @classmethod
     def one(cls, cols: torch.Tensor, rows: torch.Tensor, rest: torch.Tensor) -> ReducedRegions:
@@ -110,32 +128,74 @@ class ReducedRegions:
 def collapse(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[list[int], list[int]]:
     """The fewest dimensions that address the same elements in the same C order: size-1
     dimensions dropped, and a dimension merged into the next when it steps over it exactly."""
+    dims, (steps,) = collapse_together(shape, strides)
+    return dims, steps
+
+
+def collapse_together(shape: tuple[int, ...], *strides: tuple[int, ...]) -> tuple[list[int], list[list[int]]]:
+    """`collapse` of several tensors of one shape at once: a dimension is merged into the next only
+    where it steps over it exactly in every one, so the same dims address each."""
     dims: list[int] = []
-    steps: list[int] = []
-    for size, stride in zip(shape, strides):
+    steps: list[list[int]] = [[] for _ in strides]
+    for i, size in enumerate(shape):
         if size == 1:
             continue
-        if dims and steps[-1] == stride * size:
+        if dims and all(st[-1] == tensor[i] * size for st, tensor in zip(steps, strides)):
             dims[-1] *= size
-            steps[-1] = stride
+            for st, tensor in zip(steps, strides):
+                st[-1] = tensor[i]
         else:
             dims.append(size)
-            steps.append(stride)
-    return dims or [1], steps or [1]
+            for st, tensor in zip(steps, strides):
+                st.append(tensor[i])
+    return dims or [1], [st or [1] for st in steps]
 
 
 def describe(region: torch.Tensor) -> Region | None:
+    return _describe(region, None)
+
+
+def describe_copy(dst: torch.Tensor, src: torch.Tensor) -> Region | None:
+    """`src` as the kernel reads it, and written to `dst` (same shape and dtype, no overlap) by
+    the same pass: the checksum is then of the bytes copied, taken as they were written. None
+    where `describe` would be None for either, or they cannot share dims."""
+    if dst.shape != src.shape or dst.dtype != src.dtype or dst.device != src.device:
+        return None
+    return _describe(src, dst)
+
+
+def _describe(region: torch.Tensor, dst: torch.Tensor | None) -> Region | None:
     esize = region.element_size()
     if triton is None or not region.is_cuda or esize not in (1, 2, 4):
         return None
-    dims, steps = collapse(tuple(region.shape), tuple(region.stride()))
-    if len(dims) > 3 or steps[-1] != 1 or max(dims) >= _MAX_DIM:
+    tensors = (region,) if dst is None else (region, dst)
+    dims, all_steps = collapse_together(tuple(region.shape), *(tuple(t.stride()) for t in tensors))
+    if len(dims) > 3 or any(st[-1] != 1 for st in all_steps) or max(dims) >= _MAX_DIM:
         return None
-    dims, steps = [1] * (3 - len(dims)) + dims, [0] * (3 - len(steps)) + steps
-    address, ratio = region.data_ptr(), 4 // esize
-    if ratio > 1 and address % 4 == 0 and all(x % ratio == 0 for x in (dims[2], steps[0], steps[1])):
-        dims[2], steps, esize = dims[2] // ratio, [s // ratio for s in steps], 4  # whole words
-    return Region(region, address, (dims[0], dims[1], dims[2]), (steps[0], steps[1]), esize, region.nbytes)
+    dims = [1] * (3 - len(dims)) + dims
+    all_steps = [[0] * (3 - len(st)) + st for st in all_steps]
+    addresses, ratio = [t.data_ptr() for t in tensors], 4 // esize
+    words = all(a % 4 == 0 for a in addresses) and all(
+        x % ratio == 0 for x in (dims[2], *(s for st in all_steps for s in st[:2]))
+    )
+    if ratio > 1 and words:
+        dims[2], esize = dims[2] // ratio, 4  # whole words
+        all_steps = [[s // ratio for s in st] for st in all_steps]
+    steps = (all_steps[0][0], all_steps[0][1])
+    if dst is None:
+        return Region(region, addresses[0], (dims[0], dims[1], dims[2]), steps, esize, region.nbytes)
+    dst_steps = (all_steps[1][0], all_steps[1][1])
+    return Region(
+        region,
+        addresses[0],
+        (dims[0], dims[1], dims[2]),
+        steps,
+        esize,
+        region.nbytes,
+        dst,
+        addresses[1],
+        dst_steps,
+    )
 
 
 if triton is not None:
@@ -206,6 +266,7 @@ if triton is not None:
         BR: tl.constexpr,
         LONG_RUNS: tl.constexpr,
         WHOLE_ROWS: tl.constexpr,
+        COPY: tl.constexpr,
         VEC: tl.constexpr,
         FIELDS: tl.constexpr,
     ):
@@ -215,7 +276,7 @@ if triton is not None:
         field = table_ptr + tl.load(owner_ptr + pid) * FIELDS
         x_ptr = tl.load(field).to(tl.pointer_type(ITEM))
         cols_ptr = tl.load(field + 1).to(tl.pointer_type(tl.int32))
-        rows_ptr = tl.load(field + 2).to(tl.pointer_type(tl.int32))
+        wrows_ptr = tl.load(field + 2).to(tl.pointer_type(tl.int64))
         rest_ptr = tl.load(field + 3).to(tl.pointer_type(ITEM))
         full_rows = tl.load(field + 4)
         rest_n = tl.load(field + 5)
@@ -224,6 +285,9 @@ if triton is not None:
         s0 = tl.load(field + 8)
         s1 = tl.load(field + 9)
         per_program = tl.load(field + 11)
+        y_ptr = tl.load(field + 12).to(tl.pointer_type(ITEM))  # a copy's destination
+        t0 = tl.load(field + 13)
+        t1 = tl.load(field + 14)
         first = (pid - tl.load(field + 10)) * per_program  # this program's first row
         # Its first item, split by the region's dimensions: the kernel's only 64-bit divisions.
         runs = first * EPR // d2
@@ -233,6 +297,10 @@ if triton is not None:
         j = tl.arange(0, EPR)[None, :]
         shift = ((j * ESIZE) % 4) * 8
         acc = tl.zeros((BR, 1024), dtype=tl.int32)  # column sums, folded across rows at the end
+        # Each row's sum times its number (+1), wrapping as the host's int64 fold does: a row lies
+        # in one program, so the weighted sum is one atomic add per program (a fold of millions of
+        # stored row sums after the kernel cost 0.45 ms of a 4 GB check on an H100).
+        weighted = tl.zeros((BR,), dtype=tl.int64)
         for r in range(0, per_program, BR):
             k = r + tl.arange(0, BR)[:, None]  # [BR, 1]: rows from the program's first
             rows = first + k
@@ -243,97 +311,158 @@ if triton is not None:
             if VEC > 1:  # the base came from the table: say its alignment (bytes) too
                 ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, VEC])
             x = tl.load(ptrs, mask=in_rows, other=0)
+            if COPY:  # the same items, at the same places of the destination's steps
+                dptrs = y_ptr + _offsets(
+                    k.to(tl.int32), j, lane, outer, mid, d1, d2, t0, t1, EPR, LONG_RUNS, WHOLE_ROWS, VEC
+                )
+                if VEC > 1:
+                    dptrs = tl.max_contiguous(tl.multiple_of(dptrs, [1, 16]), [1, VEC])
+                tl.store(dptrs, x, mask=in_rows)
             if ESIZE == 4:
                 words = x.to(tl.int32)
             else:  # each item's bits at their place in its word: the sum is the word
                 v = (x.to(tl.int32) & ((1 << (8 * ESIZE)) - 1)) << shift
                 words = tl.sum(tl.reshape(v, (BR, 1024, PER_WORD)), axis=2)
-            tl.store(rows_ptr + rows, tl.sum(words, axis=1)[:, None], mask=in_rows)
+            number = first + r + tl.arange(0, BR)  # masked rows loaded zeros: their sums are 0
+            weighted += tl.sum(words, axis=1).to(tl.int64) * (number + 1)
             acc += words
         tl.atomic_add(cols_ptr + tl.arange(0, 1024), tl.sum(acc, axis=0))
+        tl.atomic_add(wrows_ptr, tl.sum(weighted, axis=0))
         if (rest_n > 0) & (first <= full_rows) & (full_rows < first + per_program):
             # The bytes after the last full row (this program's block holds that row): as they are.
             k = (full_rows - first).to(tl.int32) + tl.zeros((1, 1), dtype=tl.int32)
             offset = _offsets(k, j, lane, outer, mid, d1, d2, s0, s1, EPR, LONG_RUNS, WHOLE_ROWS, 1)
             x = tl.load(x_ptr + offset, mask=j < rest_n, other=0)
             tl.store(rest_ptr + j, x, mask=j < rest_n)
+            if COPY:
+                offset = _offsets(k, j, lane, outer, mid, d1, d2, t0, t1, EPR, LONG_RUNS, WHOLE_ROWS, 1)
+                tl.store(y_ptr + offset, x, mask=j < rest_n)
 
 
 def reduce_batch(regions: list[Region], whole_rows: bool = True) -> ReducedRegions:
     """`checksum.reduce_region`'s outputs of every region, enqueued on the current stream: one
     launch per kernel variant, one upload of the table, no per-region tensor on the host.
     `whole_rows` False: runs of whole rows addressed as any long runs (what the probe compares)."""
-    device = regions[0].tensor.device
-    numels = np.array([r.numel for r in regions], dtype=np.int64)
-    row_counts = numels // ROW_BYTES
-    rest_counts = numels - row_counts * ROW_BYTES
-    rest_starts = np.concatenate([[0], np.cumsum((rest_counts + 3) // 4 * 4)])  # 4-byte aligned
-    rows_starts = np.concatenate([[0], np.cumsum(row_counts)])
-    out = ReducedRegions(
-        torch.zeros(len(regions), COLS, dtype=torch.int32, device=device),
-        torch.empty(int(rows_starts[-1]), dtype=torch.int32, device=device),
-        row_counts,
-        torch.empty(int(rest_starts[-1]), dtype=torch.uint8, device=device),
-        rest_starts[:-1],
-        rest_counts,
-    )
-    addresses = (
-        out.cols.data_ptr() + 4 * COLS * np.arange(len(regions), dtype=np.int64),
-        out.rows.data_ptr() + 4 * rows_starts[:-1],
-        out.rest.data_ptr() + rest_starts[:-1],
-    )
-    by_variant: dict[tuple[int, bool, bool, int], list[int]] = {}
-    for k, region in enumerate(regions):
-        if region.numel:
-            by_variant.setdefault(region.variant, []).append(k)
-    for (esize, long_runs, whole, vec), members in by_variant.items():
-        variant = (esize, long_runs, whole and whole_rows, vec)
-        _launch([regions[k] for k in members], [a[members] for a in addresses], *variant)
-    return out
+    return Batch(regions, whole_rows).launch()
 
 
-def _launch(
-    regions: list[Region], outputs: list[np.ndarray], esize: int, long_runs: bool, whole_rows: bool, vec: int
-) -> None:
-    """One launch over `regions` (one variant); `outputs`: each region's column sums, row sums and
-    rest addresses."""
-    br = max(1, _ELEMENTS_PER_TILE * esize // ROW_BYTES)
-    per_program = br * triton.cdiv(_ROWS_PER_PROGRAM, br)
-    full_rows = np.array([r.full_rows for r in regions], dtype=np.int64)
-    rest_n = np.array([r.numel for r in regions], dtype=np.int64) % ROW_BYTES // esize
-    programs = -(-(full_rows + (rest_n > 0)) // per_program)  # the rest is a last, partial row
-    first_program = np.concatenate([[0], np.cumsum(programs)[:-1]])
-    table = np.stack(
-        [
-            np.array([r.address for r in regions], dtype=np.int64),
-            *outputs,
-            full_rows,
-            rest_n,
-            np.array([r.dims[1] for r in regions], dtype=np.int64),
-            np.array([r.dims[2] for r in regions], dtype=np.int64),
-            np.array([r.steps[0] for r in regions], dtype=np.int64),
-            np.array([r.steps[1] for r in regions], dtype=np.int64),
-            first_program,
-            np.full(len(regions), per_program, dtype=np.int64),
-        ],
-        axis=1,
-    )
-    assert table.shape[1] == _FIELDS
-    owners = np.repeat(np.arange(len(regions), dtype=np.int64), programs)
-    values = np.concatenate([table.reshape(-1), owners])
-    # Pinned (torch caches such blocks) and asynchronous: a pageable upload waits for the stream's work.
-    host = torch.empty(values.size, dtype=torch.int64, pin_memory=True)
-    host.numpy()[:] = values
-    uploaded = host.to(regions[0].tensor.device, non_blocking=True)
-    _reduce_regions[(owners.size,)](
-        uploaded,
-        uploaded[table.size :],
-        ITEM={1: tl.uint8, 2: tl.int16, 4: tl.int32}[esize],
-        ESIZE=esize,
-        BR=br,
-        LONG_RUNS=long_runs,
-        WHOLE_ROWS=whole_rows,
-        VEC=vec,
-        FIELDS=_FIELDS,
-        num_warps=_NUM_WARPS,
-    )
+class Batch:
+    """`reduce_batch` of a fixed list of regions, ready to launch again: the tables are built and
+    uploaded and the outputs allocated once, so a `launch` costs the host one kernel launch per
+    variant (building them for the 39 regions of a 4 GB model took 1-2 ms of host time a refit on
+    an H100 machine, as long as the kernels' own work). The regions' bytes may change between
+    launches, not where they lie; each launch overwrites the outputs of the one before, so read
+    them (`DeviceSums.values`) before launching again."""
+
+    def __init__(self, regions: list[Region], whole_rows: bool = True) -> None:
+        self.regions = regions  # kept: the kernels read (and a copy writes) their tensors
+        device = regions[0].tensor.device
+        numels = np.array([r.numel for r in regions], dtype=np.int64)
+        row_counts = numels // ROW_BYTES
+        rest_counts = numels - row_counts * ROW_BYTES
+        rest_starts = np.concatenate([[0], np.cumsum((rest_counts + 3) // 4 * 4)])  # 4-byte aligned
+        self._weighted = torch.zeros(len(regions), dtype=torch.int64, device=device)
+        self.out = ReducedRegions(
+            torch.zeros(len(regions), COLS, dtype=torch.int32, device=device),
+            torch.empty(0, dtype=torch.int32, device=device),
+            row_counts,
+            torch.empty(int(rest_starts[-1]), dtype=torch.uint8, device=device),
+            rest_starts[:-1],
+            rest_counts,
+            self._weighted,
+        )
+        index = np.arange(len(regions), dtype=np.int64)
+        addresses = (
+            self.out.cols.data_ptr() + 4 * COLS * index,
+            self._weighted.data_ptr() + 8 * index,
+            self.out.rest.data_ptr() + rest_starts[:-1],
+        )
+        by_variant: dict[tuple[int, bool, bool, bool, int], list[int]] = {}
+        for k, region in enumerate(regions):
+            if region.numel:
+                by_variant.setdefault(region.variant, []).append(k)
+        self._launches = [
+            _Launch(
+                [regions[k] for k in members],
+                [a[members] for a in addresses],
+                esize,
+                long_runs,
+                whole and whole_rows,
+                copy,
+                vec,
+            )
+            for (esize, long_runs, whole, copy, vec), members in by_variant.items()
+        ]
+        self._fresh = True  # the sums are zero
+
+    def launch(self) -> ReducedRegions:
+        if not self._fresh:  # the atomic adds accumulate
+            self.out.cols.zero_()
+            self._weighted.zero_()
+        self._fresh = False
+        for launch in self._launches:
+            launch.run()
+        return self.out
+
+
+class _Launch:
+    """One kernel variant's launch over its regions: the table uploaded (`outputs`: each region's
+    column sums, row sums and rest addresses), the launch's compile-time choices kept."""
+
+    def __init__(
+        self,
+        regions: list[Region],
+        outputs: list[np.ndarray],
+        esize: int,
+        long_runs: bool,
+        whole_rows: bool,
+        copy: bool,
+        vec: int,
+    ) -> None:
+        br = max(1, (_COPY_ELEMENTS_PER_TILE if copy else _ELEMENTS_PER_TILE) * esize // ROW_BYTES)
+        per_program = br * triton.cdiv(_ROWS_PER_PROGRAM, br)
+        full_rows = np.array([r.full_rows for r in regions], dtype=np.int64)
+        rest_n = np.array([r.numel for r in regions], dtype=np.int64) % ROW_BYTES // esize
+        programs = -(-(full_rows + (rest_n > 0)) // per_program)  # the rest is a last, partial row
+        first_program = np.concatenate([[0], np.cumsum(programs)[:-1]])
+        table = np.stack(
+            [
+                np.array([r.address for r in regions], dtype=np.int64),
+                *outputs,
+                full_rows,
+                rest_n,
+                np.array([r.dims[1] for r in regions], dtype=np.int64),
+                np.array([r.dims[2] for r in regions], dtype=np.int64),
+                np.array([r.steps[0] for r in regions], dtype=np.int64),
+                np.array([r.steps[1] for r in regions], dtype=np.int64),
+                first_program,
+                np.full(len(regions), per_program, dtype=np.int64),
+                np.array([r.dst_address for r in regions], dtype=np.int64),
+                np.array([r.dst_steps[0] for r in regions], dtype=np.int64),
+                np.array([r.dst_steps[1] for r in regions], dtype=np.int64),
+            ],
+            axis=1,
+        )
+        assert table.shape[1] == _FIELDS
+        owners = np.repeat(np.arange(len(regions), dtype=np.int64), programs)
+        values = np.concatenate([table.reshape(-1), owners])
+        # Pinned (torch caches such blocks) and asynchronous: a pageable upload waits for the stream's work.
+        host = torch.empty(values.size, dtype=torch.int64, pin_memory=True)
+        host.numpy()[:] = values
+        self._table = host.to(regions[0].tensor.device, non_blocking=True)
+        self._owners = self._table[table.size :]
+        self._programs = int(owners.size)
+        self._options = {
+            "ITEM": {1: tl.uint8, 2: tl.int16, 4: tl.int32}[esize],
+            "ESIZE": esize,
+            "BR": br,
+            "LONG_RUNS": long_runs,
+            "WHOLE_ROWS": whole_rows,
+            "COPY": copy,
+            "VEC": vec,
+            "FIELDS": _FIELDS,
+            "num_warps": _NUM_WARPS,
+        }
+
+    def run(self) -> None:
+        _reduce_regions[(self._programs,)](self._table, self._owners, **self._options)
