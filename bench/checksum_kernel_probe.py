@@ -25,6 +25,10 @@ from syncd.member.dataplane.checksum import reduce_region, region_outputs
 from syncd.member.dataplane.landed import landed_checksums
 
 
+def _same_sums(a: checksum_kernel.ReducedRegions, b: checksum_kernel.ReducedRegions) -> bool:
+    return torch.equal(a.cols, b.cols) and torch.equal(a.weighted_rows, b.weighted_rows)
+
+
 def _model_units(rounds: int) -> dict[str, object]:
     """Where the landed check's time goes on `landed_gpu_bench`'s model: the kernels alone per
     variant, all regions in one batch, and the whole check with its fold and read-back."""
@@ -49,11 +53,45 @@ def _model_units(rounds: int) -> dict[str, object]:
     return out
 
 
+def _copy_sweep(src: torch.Tensor, dst: torch.Tensor, step: int, rounds: int) -> dict[str, object]:
+    """The copy in the checksum kernel's pass (`describe_copy`) by tile, warps and rows per
+    program, on contiguous 512 MiB regions and on the colocated probe's units (trainer layout
+    into vLLM's, strided where they differ); the sums checked against the in-place kernel's."""
+    from bench.colocated_gpu_probe import unit_pairs
+
+    pairs = unit_pairs(4)
+    nbytes = src.numel()
+    contiguous = [(dst[i : i + step], src[i : i + step]) for i in range(0, nbytes, step)]
+    out: dict[str, object] = {"model_bytes": sum(d.nbytes for d, _ in pairs), "model_units": len(pairs)}
+    for name, cases in (("contiguous", contiguous), ("model", pairs)):
+        total = sum(d.nbytes for d, _ in cases)
+        reference = checksum_kernel.reduce_batch([checksum_kernel.describe(s) for _, s in cases])
+        out[f"{name}_variants"] = sorted({str(checksum_kernel.describe_copy(d, s).variant) for d, s in cases})
+        for tile in (2048, 4096):
+            for warps in (4, 8):
+                for per_program in (16, 32, 64, 128):
+                    checksum_kernel._COPY_ELEMENTS_PER_TILE = tile
+                    checksum_kernel._NUM_WARPS = warps
+                    checksum_kernel._ROWS_PER_PROGRAM = per_program
+                    regions = [checksum_kernel.describe_copy(d, s) for d, s in cases]
+                    for d, _ in cases:
+                        d.fill_(0)
+                    got = checksum_kernel.reduce_batch(regions)
+                    same = _same_sums(got, reference)
+                    same = same and all(torch.equal(d, s) for d, s in cases)
+                    s = gpu_timed(lambda regions=regions: checksum_kernel.reduce_batch(regions), rounds)
+                    out[f"{name}_t{tile}_w{warps}_r{per_program}"] = [round(total / s / 1e9, 1), same]
+    checksum_kernel._COPY_ELEMENTS_PER_TILE, checksum_kernel._NUM_WARPS = 4096, 8
+    checksum_kernel._ROWS_PER_PROGRAM = 64
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=4)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--json", default="")
+    ap.add_argument("--copy-sweep", action="store_true", help="only the copy variant's sweep")
     args = ap.parse_args()
     nbytes = int(args.gib * (1 << 30)) // (1 << 20) * (1 << 20)
     src = torch.randint(-128, 127, (nbytes,), dtype=torch.int8, device="cuda").view(torch.uint8)
@@ -65,6 +103,12 @@ def main() -> None:
     result: dict[str, object] = {"device": torch.cuda.get_device_name(), "bytes": nbytes}
     copy_s = gpu_timed(lambda: dst.copy_(src), args.rounds)
     result["d2d_gbps"] = round(nbytes / copy_s / 1e9, 1)
+    if args.copy_sweep:
+        result["copy_sweep"] = _copy_sweep(src, dst, step, args.rounds)
+        print(json.dumps(result, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        return
     reference = checksum_kernel.reduce_batch(described)
     for whole_rows in (False, True):
         for per_program in (64, 256, 1024):
@@ -74,7 +118,7 @@ def main() -> None:
                 return checksum_kernel.reduce_batch(described, whole_rows)
 
             out = run()
-            same = torch.equal(out.cols, reference.cols) and torch.equal(out.rows, reference.rows)
+            same = _same_sums(out, reference)
             s = gpu_timed(run, args.rounds)
             key = f"kernel_{'whole_rows' if whole_rows else 'long_runs'}_{per_program}rows"
             result[key + "_gbps"] = round(nbytes / s / 1e9, 1)

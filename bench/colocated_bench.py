@@ -200,6 +200,13 @@ def member_main(rank: int, port: int, args: argparse.Namespace) -> None:
     store = dist.TCPStore(
         "127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=_TIMEOUT_S)
     )
+    if args.device == "cuda":
+        from bench.colocated_cuda import cuda_member
+
+        result = cuda_member(rank, store, args)
+        if result is not None:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return
     m = _Member(rank, store, args)
     total = m.plan.total_bytes
     # The receiver copies alone while the sender waits at the barrier.
@@ -251,12 +258,14 @@ def member_main(rank: int, port: int, args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, help="where the result goes")
-    ap.add_argument("--gib", type=float, default=0.3, help="model size (default 0.3 GiB, over 256 MB)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: both members on GPU 0")
+    ap.add_argument("--gib", type=float, help="model size (default 0.3 GiB on CPU, over 256 MB; 4 on cuda)")
     ap.add_argument("--bucket-mib", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # a member process
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.gib = args.gib or (4.0 if args.device == "cuda" else 0.3)
     if args.rank is not None:
         member_main(args.rank, args.port, args)
         return
@@ -270,6 +279,8 @@ def main() -> None:
         args.json,
         "--gib",
         str(args.gib),
+        "--device",
+        args.device,
         "--port",
         str(port),
     ]

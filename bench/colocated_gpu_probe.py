@@ -32,50 +32,48 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
+from bench.colocated_cuda import plan_units, source_tensors
 from bench.landed_gpu_bench import gpu_timed
-from bench.refit_bench import shape_for
-from bench.synthetic_moe import trainer_catalog, vllm_catalog
 from syncd.commands import checksum_key
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import catalog_views
 from syncd.member.dataplane.checksum import Checksums
+from syncd.member.dataplane.cuda_ipc import source_checksums
 from syncd.member.dataplane.landed import landed_checksums
 from syncd.net import free_port
-from syncd.plan import DestMember, SourceMember, make_plan
 
 _WAIT = datetime.timedelta(seconds=120)
 
 
-def _source_checksums(units, views) -> dict[str, str]:
-    """The sender's checksums of its units' regions, where they lie (keyed as a refit's)."""
-    sums = Checksums()
+def unit_pairs(gib: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """In one process: (destination region, source region in its shape) of every unit of the
+    colocated model, source random, destination zero (for kernel sweeps without IPC)."""
+    src_cat, dst_cat, units = plan_units(gib)
+    src = catalog_views(src_cat, source_tensors(gib))
+    dst = catalog_views(
+        dst_cat,
+        {t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device="cuda") for t in dst_cat.tensors},
+    )
+    pairs = []
     for u in units:
-        sums.add_region(checksum_key(u.canonical, u.canon), views[u.src_tensor][u.src_box.slices()])
-    sums.flush()
-    return sums.result()
+        d = dst[u.dst_tensor][u.dst_box.slices()]
+        pairs.append((d, src[u.src_tensor][u.src_box.slices()].view(d.shape)))
+    return pairs
 
 
 def member(rank: int, port: int, args: argparse.Namespace) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=_WAIT)
-    shape = shape_for(args.gib)
-    src_cat, dst_cat = trainer_catalog(shape, 1, 0, 1, 0), vllm_catalog(shape, 1, 0)
-    plan = make_plan(
-        [SourceMember("trainer", 0, src_cat)], [DestMember("generator", dst_cat)], bucket_bytes=512 << 20
-    )
-    units = [u for b in plan.buckets for u in b.units]
+    src_cat, dst_cat, units = plan_units(args.gib)
     if rank == 0:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        own = {
-            t.name: torch.randn(t.shape, generator=gen, device="cuda").to(torch_dtype(t.dtype))
-            for t in src_cat.tensors
-        }
+        own = source_tensors(args.gib)
         store.set("handles", pickle.dumps({k: reduce_tensor(v)[1] for k, v in own.items()}).hex())
         views = catalog_views(src_cat, own)
         for r in range(args.reps + 2):
-            store.wait([f"start/{r}"], _WAIT)
-            sums = _source_checksums(units, views)
-            store.set(f"ready/{r}", json.dumps(sums))
-            store.wait([f"done/{r}"], _WAIT)
+            for name in ("refit", "fused"):
+                store.wait([f"start/{r}/{name}"], _WAIT)
+                sums = source_checksums(units, views).result()
+                store.set(f"ready/{r}/{name}", json.dumps(sums))
+                store.wait([f"done/{r}/{name}"], _WAIT)
         return
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -98,32 +96,47 @@ def member(rank: int, port: int, args: argparse.Namespace) -> None:
         for d, s in pairs:
             d.copy_(s)
 
+    def copies_then_landed_check() -> dict[str, str]:
+        copies()
+        return landed_checksums(units, mine)
+
     flat_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     flat_b = torch.empty_like(flat_a)
     d2d_s = gpu_timed(lambda: flat_b.copy_(flat_a), args.reps)
     copies_s = gpu_timed(copies, args.reps)
 
-    def copies_and_landed_check() -> None:
-        copies()
-        landed_checksums(units, mine)
+    copies_landed_s = gpu_timed(copies_then_landed_check, args.reps)
+    keys = [checksum_key(u.canonical, u.canon) for u in units]
 
-    copies_landed_s = gpu_timed(copies_and_landed_check, args.reps)
-    refits, agree, exact = [], True, False
+    def copies_checksummed() -> dict[str, str]:
+        """Each unit copied with the checksum of what it wrote, in one pass (`add_copy`)."""
+        sums = Checksums()
+        for key, (d, s) in zip(keys, pairs):
+            sums.add_copy(key, d, s)
+        return sums.result()
+
+    fused_s = gpu_timed(copies_checksummed, args.reps)
+    receivers = {"refit": copies_then_landed_check, "fused": copies_checksummed}
+    refits: dict[str, list[float]] = {name: [] for name in receivers}
+    agree, exact = True, False
     for r in range(args.reps + 2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        store.set(f"start/{r}", "1")
-        store.wait([f"ready/{r}"], _WAIT)
-        copies()
-        landed = landed_checksums(units, mine)  # reads back: the copies are done
-        seconds = time.perf_counter() - t0
-        agree = agree and landed == json.loads(store.get(f"ready/{r}"))
-        if r == args.reps + 1:  # before the sender may leave: its memory is read here
-            exact = all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in pairs)
-        store.set(f"done/{r}", "1")
-        if r >= 2:
-            refits.append(seconds)
-    refit_s = statistics.median(refits)
+        for name, receive in receivers.items():
+            for t in mine.values():
+                t.view(torch.uint8).fill_(0xFF)  # NaNs: what a round did not write stays wrong
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            store.set(f"start/{r}/{name}", "1")
+            store.wait([f"ready/{r}/{name}"], _WAIT)
+            landed = receive()  # reads the sums back: the copies are done
+            seconds = time.perf_counter() - t0
+            agree = agree and landed == json.loads(store.get(f"ready/{r}/{name}"))
+            if r == args.reps + 1:  # before the sender may leave: its memory is read here
+                same = all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in pairs)
+                exact = same if name == "refit" else exact and same
+            store.set(f"done/{r}/{name}", "1")
+            if r >= 2:
+                refits[name].append(seconds)
+    refit_s, fused_refit_s = (statistics.median(refits[name]) for name in receivers)
     gbps = lambda s: round(nbytes / s / 1e9, 1)  # noqa: E731 - a local shorthand
     result = {
         "device": torch.cuda.get_device_name(),
@@ -134,6 +147,9 @@ def member(rank: int, port: int, args: argparse.Namespace) -> None:
         "refit_over_d2d": round(d2d_s / refit_s, 3),
         "copies_only_gbps": gbps(copies_s),
         "copies_and_landed_check_gbps": gbps(copies_landed_s),
+        "fused_refit_gbps": gbps(fused_refit_s),
+        "fused_refit_over_d2d": round(d2d_s / fused_refit_s, 3),
+        "copies_checksummed_in_one_pass_gbps": gbps(fused_s),
         "checksums": agree,
         "bit_exact": exact,
         "reps": args.reps,
