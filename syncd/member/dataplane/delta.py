@@ -48,7 +48,7 @@ from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
 from syncd.member.dataplane.loop_options import LoopCache, LoopOptions
-from syncd.member.dataplane.transport import Handle, Transport
+from syncd.member.dataplane.transport import Handle, TransferError, Transport
 from syncd.plan.types import Bucket, TransferUnit
 from syncd.weight_version import WeightVersion
 
@@ -243,6 +243,7 @@ _MOSTLY_CHANGED = 0.5
 # each: small enough that the comparison, the wire, each hop of a chain and the receivers' apply
 # overlap, large enough that a hop is not one wake-up per bucket (2.5 % changed: ~1.2 MB pieces).
 _GROUP_BYTES = 16 << 20
+_TRAILER = 8  # a piece ends with its byte count (int64), a header with its code count: `_received`
 _FEW_RUNS = 64  # `_unit_change` takes a unit's changes run by run up to this many runs
 _CHUNK = 1 << 18  # elements `_changed_positions` compares at a time on CPU (its mask stays in cache)
 
@@ -473,7 +474,8 @@ def _send_link(
         _check(cancel)
         changes = [[diffs.of(u, tensors, dst) for u in b.units] for b in group]
         codes = [[_header_code(c) for c in cs] for cs in changes]
-        header = torch.tensor([c for cs in codes for c in cs], dtype=torch.int64)
+        flat_codes = [c for cs in codes for c in cs]
+        header = torch.tensor([*flat_codes, len(flat_codes)], dtype=torch.int64)  # trailer: `_received`
         sent.append((transport.isend(header, peer), header))
         parts = []
         for bucket, cs, bucket_codes in zip(group, changes, codes):
@@ -483,10 +485,10 @@ def _send_link(
                 dense.append(bucket)
             else:
                 parts.append(_encode(bucket, cs, bucket_codes, tensors, stats.checksums))
-        piece = (
-            torch.cat(parts) if len(parts) > 1 else parts[0] if parts else torch.empty(0, dtype=torch.uint8)
-        )
-        if piece.numel():  # nothing changed: the header says so, the receiver only checksums
+        size = sum(p.numel() for p in parts)
+        piece = torch.empty(0, dtype=torch.uint8)
+        if size:  # nothing changed: the header says so, the receiver only checksums
+            piece = torch.cat([*parts, torch.tensor([size], dtype=torch.int64).view(torch.uint8)])
             sent.append((transport.isend(piece, peer), piece))
         stats.bytes += piece.numel()
         stats.buckets += len(parts)
@@ -642,11 +644,11 @@ def _recv_group(
     deltas, each forwarded as it arrived (before it is applied); the piece applied bucket by
     bucket and whole regions checksummed. Returns the group's dense buckets (received later, with
     the others)."""
-    header = torch.empty(sum(len(b.units) for b in group), dtype=torch.int64)
-    transport.irecv(header, peer).wait(options.timeout_s)
+    header = torch.empty(sum(len(b.units) for b in group) + 1, dtype=torch.int64)
+    _received(header, transport, peer, options, group)
     if forward is not None:
         forward.header(link, header)
-    flat_codes, at = header.tolist(), 0
+    flat_codes, at = header[:-1].tolist(), 0
     dense, sparse = [], []
     for bucket in group:
         codes = flat_codes[at : at + len(bucket.units)]
@@ -660,9 +662,10 @@ def _recv_group(
         else:
             sparse.append((bucket, codes, sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units))))
             stats.touched.update(u.dst_tensor for u, c in zip(bucket.units, codes) if c)
-    piece = torch.empty(sum(size for _, _, size in sparse), dtype=torch.uint8)
-    if piece.numel():
-        transport.irecv(piece, peer).wait(options.timeout_s)
+    size = sum(size for _, _, size in sparse)
+    piece = torch.empty(size + _TRAILER if size else 0, dtype=torch.uint8)
+    if size:
+        _received(piece, transport, peer, options, group)
         if forward is not None:
             forward.message(link, piece)
     offset = 0
@@ -672,6 +675,25 @@ def _recv_group(
     stats.bytes += piece.numel()
     stats.buckets += len(sparse)
     return dense
+
+
+def _received(
+    buf: torch.Tensor, transport: Transport, peer: int, options: LoopOptions, group: Sequence[Bucket]
+) -> None:
+    """Receive a header (int64) or piece (uint8) into `buf`, whose last 8 bytes, its trailer, the
+    sender set to the count of the codes (header) or bytes (piece) before it. Gloo takes a message
+    shorter than the buffer without a word: a truncated one leaves the sentinel put there first."""
+    what = "header" if buf.dtype == torch.int64 else "piece"
+    words = buf.view(torch.int64)
+    expected = (words.numel() - 1) * (1 if what == "header" else 8)
+    words[-1] = -1
+    transport.irecv(buf, peer).wait(options.timeout_s)
+    if int(words[-1]) != expected:
+        raise TransferError(
+            f"delta {what} of the group from bucket {group[0].key} arrived truncated or corrupt: its "
+            f"trailer says {int(words[-1])}, {expected} expected",
+            peer,
+        )
 
 
 def _check_codes(bucket: Bucket, codes: list[int]) -> None:
