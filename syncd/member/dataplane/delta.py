@@ -5,18 +5,22 @@ The sender (a trainer rank) keeps a `Mirror`: the bytes it last sent, per local 
 destination dtype, after the conversion (a delta is taken in the generator's dtype, bit for bit).
 Per delta link, in the plan's order:
 
-1. The sender compares every unit's new values with its mirror (once per tensor per refit: links
-   that move the same region share the result, `Diffs`) and sends one header: per unit, how many
-   elements changed and whether the unit goes dense. A tensor whose sample of 1024 elements is
-   mostly changed goes dense without the exact comparison (a step that changes everything is
-   seen in a fraction of it).
+1. Group by group of buckets (3.), the sender compares every unit's new values with its mirror
+   (once per tensor per refit: links that move the same region share the result, `Diffs`) and
+   sends the group's header: per unit, how many elements changed and whether the unit goes dense.
+   A tensor whose sample of 1024 elements is mostly changed goes dense without the exact
+   comparison (a step that changes everything is seen in a fraction of it).
 2. A unit whose (index, value) pairs would cost as much as its dense bytes goes dense. A bucket
    whose encoding would not save `max_fraction` of its bytes goes dense whole, through the
    executor's own pipelined loop (`send_buckets` / `recv_buckets`), and the mirror takes its bytes
    as they were packed (`Diffs.packed`): a step that changes nearly everything costs a full refit
    plus one write of the mirror. Delta units enter the mirror when the transfer succeeded.
-3. The other buckets travel together in one message: per unit, int32 positions (C order of the
-   unit's region) and their values, or the unit's dense bytes; each part 8-byte aligned.
+3. The link goes in groups of buckets (`_groups`): each group's header, then the encodings of its
+   other buckets, one piece: per unit, int32 positions (C order
+   of the unit's region) and their values, or the unit's dense bytes; each part 8-byte aligned.
+   The receiver sizes the piece from the header, forwards it on (a relay) as it arrived and
+   applies it at once, so comparing, the wire, every hop of a chain and applying overlap group
+   by group (one message for the link would cross each hop whole before the next hop began).
 
 Verification covers whole regions, not the delta: the sender checksums each unit's full new values
 and the receiver its full destination region after applying the delta, under the same keys as a
@@ -35,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from syncd.commands import DeltaLinks, checksum_key
@@ -43,7 +48,7 @@ from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.executor import TransferAborted, TransferStats, recv_buckets, send_buckets
 from syncd.member.dataplane.loop_options import LoopCache, LoopOptions
-from syncd.member.dataplane.transport import Transport
+from syncd.member.dataplane.transport import Handle, TransferError, Transport
 from syncd.plan.types import Bucket, TransferUnit
 from syncd.weight_version import WeightVersion
 
@@ -230,9 +235,17 @@ def _new_values(u: TransferUnit, tensors: Mapping[str, torch.Tensor]) -> torch.T
     return src.to(torch_dtype(u.dtype)).reshape(-1)
 
 
-# Above this fraction of changed 8-byte words, a tensor's units all go dense: listing the
-# positions would cost more than sending the bytes (a delta element costs 4 + itemsize bytes).
+# Above this fraction of changed elements (8-byte words on an accelerator), a tensor's units all
+# go dense: listing the positions would cost more than sending the bytes (a delta element costs
+# 4 + itemsize bytes).
 _MOSTLY_CHANGED = 0.5
+# A delta link travels in groups of buckets of at most this many (dense) bytes, a header and a piece
+# each: small enough that the comparison, the wire, each hop of a chain and the receivers' apply
+# overlap, large enough that a hop is not one wake-up per bucket (2.5 % changed: ~1.2 MB pieces).
+_GROUP_BYTES = 16 << 20
+_TRAILER = 8  # a piece ends with its byte count (int64), a header with its code count: `_received`
+_FEW_RUNS = 64  # `_unit_change` takes a unit's changes run by run up to this many runs
+_CHUNK = 1 << 18  # elements `_changed_positions` compares at a time on CPU (its mask stays in cache)
 
 
 # Elements `_sample_mostly_changed` compares per tensor (its estimate's standard error is 0.016 at
@@ -260,10 +273,30 @@ def _sample_mostly_changed(source: torch.Tensor, old: torch.Tensor) -> bool:
 
 def _changed_positions(source: torch.Tensor, old: torch.Tensor, give_up: bool) -> torch.Tensor | None:
     """Ascending flat positions where `source`, in the mirror's dtype, differs bitwise from the
-    mirror `old`; None when most of it does and `give_up`. Compared 8 bytes at a time where the
-    bytes allow it (a quarter of the comparisons for bfloat16), then element by element within
-    changed words."""
+    mirror `old`; None when most of its elements do and `give_up` (found while comparing, so a
+    mostly changed tensor stops early and never lists its positions)."""
     new = source.to(old.dtype)
+    if new.device.type != "cpu":
+        return _changed_positions_on_device(new, old, give_up)
+    # On CPU, numpy's comparison and flatnonzero, a cache-sized chunk at a time: a third of the time
+    # of torch's (whose nonzero is slow on large masks), one pass over both tensors.
+    a, b = _bits(new.reshape(-1)).numpy(), _bits(old.reshape(-1)).numpy()
+    limit = _MOSTLY_CHANGED * a.size if give_up else math.inf
+    parts, found = [], 0
+    for start in range(0, a.size, _CHUNK):
+        part = np.flatnonzero(a[start : start + _CHUNK] != b[start : start + _CHUNK])
+        found += part.size
+        if found > limit:
+            return None
+        parts.append(part + start if start else part)
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0])
+
+
+def _changed_positions_on_device(new: torch.Tensor, old: torch.Tensor, give_up: bool) -> torch.Tensor | None:
+    """`_changed_positions` on an accelerator: compared 8 bytes at a time where the bytes allow it
+    (a quarter of the comparisons for bfloat16), then element by element within changed words."""
     if new.is_contiguous() and (new.numel() * new.element_size()) % 8 == 0:
         words = new.view(-1).view(torch.int64) != old.view(-1).view(torch.int64)
         changed = int(torch.count_nonzero(words))
@@ -304,7 +337,20 @@ def _unit_change(u: TransferUnit, source: torch.Tensor, positions: torch.Tensor)
     first = torch.searchsorted(positions, starts)
     counts = torch.searchsorted(positions, starts + run) - first
     change = Change(int(counts.sum()), u.canon.numel)
-    if _sparse_bytes(change.changed, u.nbytes // u.canon.numel) < u.nbytes:
+    if _sparse_bytes(change.changed, u.nbytes // u.canon.numel) >= u.nbytes:
+        return change
+    if len(starts) <= _FEW_RUNS:  # a whole tensor, or experts' halves: each run's changes are a slice
+        lows, ns, shifts = (
+            first.tolist(),
+            counts.tolist(),
+            (starts - torch.arange(len(starts)) * run).tolist(),
+        )
+        slices = [positions[lo : lo + n] for lo, n in zip(lows, ns)]
+        chosen = torch.cat(slices) if len(slices) > 1 else slices[0]
+        index = [part - shift for part, shift in zip(slices, shifts)]
+        change.index = (torch.cat(index) if len(index) > 1 else index[0]).to(_INDEX)
+        change.values = source.reshape(-1).index_select(0, chosen).to(torch_dtype(u.dtype))
+    else:
         which = torch.repeat_interleave(torch.arange(len(starts)), counts)  # the run of each change
         rank = torch.arange(change.changed) - (torch.cumsum(counts, 0) - counts)[which]
         chosen = positions[first[which] + rank]
@@ -418,26 +464,35 @@ def _send_link(
     cancel: threading.Event | None,
     cache: LoopCache | None,
 ) -> None:
-    """Two messages, whatever the number of buckets (a round trip per bucket would cost more than
-    the bytes on a fast link): the header, then every sparse bucket's encoding back to back."""
-    changes = [[diffs.of(u, tensors, dst) for u in b.units] for b in link]
-    codes = [[_header_code(c) for c in cs] for cs in changes]
-    header = torch.tensor([c for cs in codes for c in cs], dtype=torch.int64)
-    sent = [transport.isend(header, peer)]
-    dense, parts = [], []
-    for bucket, cs, bucket_codes in zip(link, changes, codes):
-        stats.elements += sum(c.numel for c in cs)
-        stats.changed += sum(c.changed for c in cs)
-        if _dense_bucket(bucket_codes, bucket, max_fraction):
-            dense.append(bucket)
-        else:
-            parts.append(_encode(bucket, cs, bucket_codes, tensors, stats.checksums))
-    _check(cancel)
-    if parts:
-        message = torch.cat(parts)
-        sent.append(transport.isend(message, peer))
-        stats.bytes += message.numel()
+    """Group by group (`_groups`), in link order, the group's header (`_header_code` per unit),
+    then the encodings (`_encode`) of its buckets that go as deltas, one piece: comparing group
+    k + 1 overlaps the wire (and every relay and receiver down the chain) taking group k. Then
+    the dense buckets."""
+    dense: list[Bucket] = []
+    sent: list[tuple[Handle, torch.Tensor]] = []  # with their buffers, alive until sent
+    for group in _groups(link):
+        _check(cancel)
+        changes = [[diffs.of(u, tensors, dst) for u in b.units] for b in group]
+        codes = [[_header_code(c) for c in cs] for cs in changes]
+        flat_codes = [c for cs in codes for c in cs]
+        header = torch.tensor([*flat_codes, len(flat_codes)], dtype=torch.int64)  # trailer: `_received`
+        sent.append((transport.isend(header, peer), header))
+        parts = []
+        for bucket, cs, bucket_codes in zip(group, changes, codes):
+            stats.elements += sum(c.numel for c in cs)
+            stats.changed += sum(c.changed for c in cs)
+            if _dense_bucket(bucket_codes, bucket, max_fraction):
+                dense.append(bucket)
+            else:
+                parts.append(_encode(bucket, cs, bucket_codes, tensors, stats.checksums))
+        size = sum(p.numel() for p in parts)
+        piece = torch.empty(0, dtype=torch.uint8)
+        if size:  # nothing changed: the header says so, the receiver only checksums
+            piece = torch.cat([*parts, torch.tensor([size], dtype=torch.int64).view(torch.uint8)])
+            sent.append((transport.isend(piece, peer), piece))
+        stats.bytes += piece.numel()
         stats.buckets += len(parts)
+    _check(cancel)
     if dense:
         on_packed = functools.partial(diffs.packed, tensors=tensors)
         _add(
@@ -453,7 +508,7 @@ def _send_link(
                 on_packed=on_packed,
             ),
         )
-    for handle in sent:
+    for handle, _ in sent:
         handle.wait(options.timeout_s)
 
 
@@ -484,11 +539,11 @@ class LinkForward(Protocol):
     arrives on one incoming link goes on, as it came, to the successors that receive that link."""
 
     def header(self, link: Sequence[Bucket], data: torch.Tensor) -> None:
-        """The link's header arrived in `data`: send it on."""
+        """A group's header arrived in `data`: send it on."""
         ...
 
     def message(self, link: Sequence[Bucket], data: torch.Tensor) -> None:
-        """The link's sparse message arrived in `data`: send it on."""
+        """A group's piece (its buckets' delta encodings) arrived in `data`: send it on."""
         ...
 
     def dense(self, dense: Sequence[Bucket], tensors, options: LoopOptions) -> TransferStats:
@@ -528,37 +583,24 @@ def recv_with_deltas(
     `buckets` are those this member receives; `forward`: it relays them (fan-out). A `DeltaSink`
     names its tensors and an undo log that saves what each write overwrites.
 
-    Link by link its header, then its sparse message (applied at once), then one pipelined loop
-    over all the links' dense buckets: each peer's messages come in its order (header, message,
-    dense buckets), and a relay forwards them in the order it takes them, which its successors take
-    them in; no link waits for the previous link's dense buckets (and a relay for its forwards),
-    and a link's changes are in place while a later sender is still comparing."""
+    Link by link, group by group, its header, then its piece (applied at once), then one
+    pipelined loop over all the links' dense buckets: each peer's messages come in its order
+    (headers and pieces, dense buckets), and a relay forwards them in the order it takes them,
+    which its successors take them in; no link waits for the previous link's dense buckets (and a
+    relay for its forwards), and a link's changes are in place while a later sender is still
+    comparing."""
     stats, start = DeltaStats(), time.perf_counter()
     undo: Undo | None = None
     if not isinstance(tensors, Mapping):
         tensors, undo = tensors.delta_targets()
     dense: list[Bucket] = []
     for link in _origin_links(buckets).values():
-        _check(cancel)
         peer = ranks[link[0].src]
-        header = torch.empty(sum(len(b.units) for b in link), dtype=torch.int64)
-        transport.irecv(header, peer).wait(options.timeout_s)
-        if forward is not None:
-            forward.header(link, header)
-        link_dense, sparse = _split(link, header.tolist(), links.max_fraction, stats)
-        dense += link_dense
-        if not sparse:
-            continue
-        message = torch.empty(sum(size for _, _, size in sparse), dtype=torch.uint8)
-        transport.irecv(message, peer).wait(options.timeout_s)
-        if forward is not None:
-            forward.message(link, message)
-        offset = 0
-        for bucket, codes, size in sparse:
-            _apply(bucket, codes, message[offset : offset + size], tensors, stats.checksums, undo)
-            offset += size
-        stats.bytes += message.numel()
-        stats.buckets += len(sparse)
+        for group in _groups(link):
+            _check(cancel)
+            dense += _recv_group(
+                group, link, peer, tensors, transport, links.max_fraction, options, stats, undo, forward
+            )
     _check(cancel)
     if dense and undo is not None:  # the executor overwrites these units whole
         for u in [u for b in dense for u in b.units]:
@@ -571,6 +613,101 @@ def recv_with_deltas(
     return stats
 
 
+def _groups(link: Sequence[Bucket]) -> list[list[Bucket]]:
+    """A link's buckets cut, in order, into groups of at most `_GROUP_BYTES` (at least one bucket):
+    each group is one header and one piece. Sender and receivers cut alike, from the plan alone."""
+    groups: list[list[Bucket]] = []
+    size = 0
+    for bucket in link:
+        if groups and size + bucket.nbytes <= _GROUP_BYTES:
+            groups[-1].append(bucket)
+            size += bucket.nbytes
+        else:
+            groups.append([bucket])
+            size = bucket.nbytes
+    return groups
+
+
+def _recv_group(
+    group: list[Bucket],
+    link: Sequence[Bucket],
+    peer: int,
+    tensors: Mapping[str, torch.Tensor],
+    transport: Transport,
+    max_fraction: float,
+    options: LoopOptions,
+    stats: DeltaStats,
+    undo: Undo | None,
+    forward: LinkForward | None,
+) -> list[Bucket]:
+    """One group of a delta link (`_groups`): its header, then the piece of its buckets that go as
+    deltas, each forwarded as it arrived (before it is applied); the piece applied bucket by
+    bucket and whole regions checksummed. Returns the group's dense buckets (received later, with
+    the others)."""
+    header = torch.empty(sum(len(b.units) for b in group) + 1, dtype=torch.int64)
+    _received(header, transport, peer, options, group)
+    if forward is not None:
+        forward.header(link, header)
+    flat_codes, at = header[:-1].tolist(), 0
+    dense, sparse = [], []
+    for bucket in group:
+        codes = flat_codes[at : at + len(bucket.units)]
+        at += len(bucket.units)
+        _check_codes(bucket, codes)
+        stats.elements += sum(u.canon.numel for u in bucket.units)
+        stats.changed += sum(c if c >= 0 else -1 - c for c in codes)
+        if _dense_bucket(codes, bucket, max_fraction):
+            dense.append(bucket)
+            stats.touched.update(u.dst_tensor for u in bucket.units)
+        else:
+            sparse.append((bucket, codes, sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units))))
+            stats.touched.update(u.dst_tensor for u, c in zip(bucket.units, codes) if c)
+    size = sum(size for _, _, size in sparse)
+    piece = torch.empty(size + _TRAILER if size else 0, dtype=torch.uint8)
+    if size:
+        _received(piece, transport, peer, options, group)
+        if forward is not None:
+            forward.message(link, piece)
+    offset = 0
+    for bucket, codes, size in sparse:
+        _apply(bucket, codes, piece[offset : offset + size], tensors, stats.checksums, undo)
+        offset += size
+    stats.bytes += piece.numel()
+    stats.buckets += len(sparse)
+    return dense
+
+
+def _received(
+    buf: torch.Tensor, transport: Transport, peer: int, options: LoopOptions, group: Sequence[Bucket]
+) -> None:
+    """Receive a header (int64) or piece (uint8) into `buf`, whose last 8 bytes, its trailer, the
+    sender set to the count of the codes (header) or bytes (piece) before it. Gloo takes a message
+    shorter than the buffer without a word: a truncated one leaves the sentinel put there first."""
+    what = "header" if buf.dtype == torch.int64 else "piece"
+    words = buf.view(torch.int64)
+    expected = (words.numel() - 1) * (1 if what == "header" else 8)
+    words[-1] = -1
+    transport.irecv(buf, peer).wait(options.timeout_s)
+    if int(words[-1]) != expected:
+        raise TransferError(
+            f"delta {what} of the group from bucket {group[0].key} arrived truncated or corrupt: its "
+            f"trailer says {int(words[-1])}, {expected} expected",
+            peer,
+        )
+
+
+def _check_codes(bucket: Bucket, codes: list[int]) -> None:
+    """A header's codes must describe the bucket's units (a corrupt one would size the piece
+    wrong and leave the link waiting for bytes that never come)."""
+    for u, code in zip(bucket.units, codes):
+        changed = code if code >= 0 else -1 - code
+        if changed > u.canon.numel:
+            raise ValueError(
+                f"delta header of bucket {bucket.key}: unit {u.canonical} has {u.canon.numel} "
+                f"elements, the header says {changed} changed (code {code})"
+            )
+
+
 def _origin_links(buckets: Sequence[Bucket]) -> dict[tuple[str, str], list[Bucket]]:
     """A receiver's links cut by the sender that packed their bytes: each part is one sender's
     delta (its header, its message, its dense buckets). A relay's link to its successor carries
@@ -580,26 +717,6 @@ def _origin_links(buckets: Sequence[Bucket]) -> dict[tuple[str, str], list[Bucke
     for b in sorted(buckets, key=lambda b: (b.src, b.index)):
         out[(b.src, b.origin)].append(b)
     return out
-
-
-def _split(
-    link: list[Bucket], flat_codes: list[int], max_fraction: float, stats: DeltaStats
-) -> tuple[list[Bucket], list[tuple[Bucket, list[int], int]]]:
-    """A link's buckets by how its header says they travel: dense ones, and sparse ones with their
-    codes and their bytes in the link's message."""
-    dense, sparse, at = [], [], 0
-    for bucket in link:
-        codes = flat_codes[at : at + len(bucket.units)]
-        at += len(bucket.units)
-        stats.elements += sum(u.canon.numel for u in bucket.units)
-        stats.changed += sum(c if c >= 0 else -1 - c for c in codes)
-        if _dense_bucket(codes, bucket, max_fraction):
-            dense.append(bucket)
-            stats.touched.update(u.dst_tensor for u in bucket.units)
-        else:
-            sparse.append((bucket, codes, sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units))))
-            stats.touched.update(u.dst_tensor for u, c in zip(bucket.units, codes) if c)
-    return dense, sparse
 
 
 def _apply(
@@ -624,11 +741,30 @@ def _apply(
             index_bytes = _aligned(code * _INDEX.itemsize)
             index = part[: code * _INDEX.itemsize].view(_INDEX)
             values = part[index_bytes : index_bytes + code * dst.element_size()].view(dst.dtype)
+            if int(index.min()) < 0 or int(index.max()) >= u.canon.numel:
+                raise ValueError(
+                    f"delta piece of bucket {bucket.key}: unit {u.canonical} has {u.canon.numel} elements, "
+                    f"its positions run from {int(index.min())} to {int(index.max())}"
+                )
             if undo is not None:
                 undo.save(dst, index)
-            scatter_flat(dst, index, values)
+            _scatter_box(tensors[u.dst_tensor], u.dst_box, dst, index, values)
         sums.add(checksum_key(u.canonical, u.canon), dst.reshape(-1).view(torch.uint8))
     checksums.update(sums.result())
+
+
+def _scatter_box(
+    parent: torch.Tensor, box: Box, dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor
+) -> None:
+    """`scatter_flat(dst, index, values)` for `dst`, `box` of the contiguous `parent`: positions in
+    the box's C order become the parent's flat positions through the box's runs, one `index_copy_`
+    (a third of the time of `index_put_` with unravelled coordinates)."""
+    if dst.is_contiguous() or not parent.is_contiguous():
+        scatter_flat(dst, index, values)
+        return
+    starts, run = _box_runs(tuple(parent.shape), box)
+    at = index.long()
+    parent.view(-1).index_copy_(0, starts[at // run] + at % run, values)
 
 
 def scatter_flat(dst: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:

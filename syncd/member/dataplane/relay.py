@@ -15,10 +15,11 @@ index order and its successors, which receive from it alone, take them in index 
 cycle: a relay waits only for its successors, the last replica waits for nobody.
 
 Delta refits (`relay_with_deltas`): a relay receives each sender's delta as a delta receiver does
-(`syncd.member.dataplane.delta`) and forwards its parts as they came: each link's header and
-sparse message as soon as it arrived, then the dense buckets through a `BucketForwarder` as above. It
-applies the delta to its own copy and checksums whole regions like any receiver, so every replica
-is compared with the sender's checksums. Its successors receive exactly the sender's messages, in
+(`syncd.member.dataplane.delta`) and forwards its parts as they came: each group's header and
+piece as soon as it arrived (before the relay applies it, so the chain pipelines group by
+group), then the dense buckets through a `BucketForwarder` as above. It applies the delta to
+its own copy and checksums whole regions like any receiver, so every replica is compared with
+the sender's checksums. Its successors receive exactly the sender's messages, in
 the sender's order, and apply them in turn: every replica must hold the same base (syncd plans
 delta links through a chain only then, `syncd.daemon.delta_bases`).
 
@@ -141,11 +142,14 @@ class DeltaForwarder:
         self._transport, self._ranks, self._timeout_s = transport, ranks, timeout_s
         self._cancel, self._cache = cancel, cache
         self._pending: list[tuple[Handle, torch.Tensor]] = []  # sends in flight, with their buffers
+        self._successors_of: dict[tuple, list[str]] = {}  # by the link's first bucket
         self.bytes = 0
 
     def _successors(self, link: Sequence[Bucket]) -> list[str]:
         """The members that get this link's delta: each must get all of it (the header covers the
         whole link), as fan-out plans give every relayed replica all of its relay's buckets."""
+        if link[0].key in self._successors_of:
+            return self._successors_of[link[0].key]
         keys = {b.key for b in link}
         forwarded: dict[str, set] = defaultdict(set)
         for o in self._outgoing:
@@ -154,13 +158,15 @@ class DeltaForwarder:
         partial = sorted(dst for dst, got in forwarded.items() if got != keys)
         if partial:
             raise ValueError(f"relay successors {partial[:3]} get part of a delta link from {link[0].src}")
-        return sorted(forwarded)
+        self._successors_of[link[0].key] = sorted(forwarded)
+        return self._successors_of[link[0].key]
 
     def header(self, link: Sequence[Bucket], data: torch.Tensor) -> None:
         for dst in self._successors(link):
             self._pending.append((self._transport.isend(data, self._ranks[dst]), data))
 
     def message(self, link: Sequence[Bucket], data: torch.Tensor) -> None:
+        """One group's piece: forwarded as it arrived, before the relay applies it."""
         successors = self._successors(link)
         for dst in successors:
             self._pending.append((self._transport.isend(data, self._ranks[dst]), data))
