@@ -15,12 +15,14 @@ refit every destination region holds the source's bits (the destination is fille
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime
 import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +39,18 @@ _TIMEOUT_S = 120.0
 # COLOCATED_PROFILE=DIR: each member's host time in the phases rounds' offer / open and copy
 # (cProfile), written to DIR/member-RANK.prof.
 _PROFILE = cProfile.Profile() if os.environ.get("COLOCATED_PROFILE") else None
+
+
+@contextlib.contextmanager
+def _profiled() -> Iterator[None]:
+    """The host work inside, profiled when COLOCATED_PROFILE is set."""
+    if _PROFILE:
+        _PROFILE.enable()
+    try:
+        yield
+    finally:
+        if _PROFILE:
+            _PROFILE.disable()
 
 
 def plan_units(gib: float):
@@ -73,11 +87,8 @@ def _sender(store: Any, args: argparse.Namespace, rounds: int) -> None:
         name = f"phases-{r}"
         channel.take(f"{name}/start", _TIMEOUT_S)
         marks = {"started": time.perf_counter()}
-        if _PROFILE:
-            _PROFILE.enable()
-        pending = sender.offer(units, channel, name)
-        if _PROFILE:
-            _PROFILE.disable()
+        with _profiled():
+            pending = sender.offer(units, channel, name)
         marks["offered"] = time.perf_counter()
         pending.result()
         marks["checksummed"] = time.perf_counter()
@@ -157,13 +168,10 @@ def _receiver_phases(
     channel.post(f"{name}/start", b"")
     offer = channel.take(f"{name}/ready", _TIMEOUT_S)
     marks["receiver_took_offer"] = time.perf_counter()
-    if _PROFILE:
-        _PROFILE.enable()
-    theirs = receiver.open(offer)
-    marks["receiver_opened"] = time.perf_counter()
-    sums = receiver.copy(units, views, theirs)
-    if _PROFILE:
-        _PROFILE.disable()
+    with _profiled():
+        theirs = receiver.open(offer)
+        marks["receiver_opened"] = time.perf_counter()
+        sums = receiver.copy(units, views, theirs)
     marks["receiver_enqueued"] = time.perf_counter()
     sums.result()
     marks["receiver_has_sums"] = time.perf_counter()
