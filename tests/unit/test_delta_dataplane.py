@@ -27,10 +27,12 @@ from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import GlooTransport, LoopOptions, catalog_views, recv_buckets
 from syncd.member.dataplane.delta import (
     _SAMPLE,
+    _SAMPLE_RUN,
     Diffs,
     Mirror,
     _changed_positions,
     _sample_mostly_changed,
+    _sample_runs,
     recv_with_deltas,
     send_with_deltas,
 )
@@ -269,8 +271,8 @@ def test_a_tensor_whose_sample_looks_changed_goes_dense_and_the_next_delta_is_ex
     trainer = r.sources[0]
     before = materialize(trainer.catalog, r.canonical)["w13"]
     shape = before.shape  # (E / ep, 2, I, H / tp): trainer-0 holds experts [0, E/2), columns [0, H/2)
-    stride = before.size // _SAMPLE
-    for p in range(stride // 2, before.size, stride):
+    first, step = _sample_runs(before.size)
+    for p in (first + run * step + k for run in range(_SAMPLE // _SAMPLE_RUN) for k in range(_SAMPLE_RUN)):
         e, part, i, h = np.unravel_index(p, shape)
         r.canonical[(GATE, UP)[part].name][e, i, h] += np.float32(0.05)
     old, new = torch.from_numpy(before), torch.from_numpy(materialize(trainer.catalog, r.canonical)["w13"])

@@ -243,12 +243,31 @@ _MOSTLY_CHANGED = 0.5
 # Elements `_sample_mostly_changed` compares per tensor (its estimate's standard error is 0.016 at
 # half changed); a tensor near the line costs about the same bytes either way.
 _SAMPLE = 1024
+# Taken in runs of adjacent elements (32 bfloat16 elements are one cache line): a link's samples
+# cost memory latency, one line per run, not one per element (3 ms per trainer rank of the
+# benchmark's model when they were evenly spaced elements, before its header could go).
+_SAMPLE_RUN = 32
 # Smaller tensors are only compared exactly (at 8192 elements that costs 3 samples, 90 us here).
 _SAMPLED_ABOVE = 4 * _SAMPLE
 
 
+def _sample_runs(numel: int) -> tuple[int, int]:
+    """Where a tensor of `numel` (> `_SAMPLED_ABOVE`) elements is sampled: `_SAMPLE // _SAMPLE_RUN`
+    runs of `_SAMPLE_RUN` flat positions, the r-th from `first + r * step`."""
+    step = numel // (_SAMPLE // _SAMPLE_RUN)
+    return (step - _SAMPLE_RUN) // 2, step
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s sampled elements (`_sample_runs`), a [runs, `_SAMPLE_RUN`] view of `t` in C order."""
+    flat = t.reshape(-1)
+    first, step = _sample_runs(flat.numel())
+    return flat.as_strided((_SAMPLE // _SAMPLE_RUN, _SAMPLE_RUN), (step, 1), flat.storage_offset() + first)
+
+
 def _sample_mostly_changed(source: torch.Tensor, old: torch.Tensor) -> bool:
-    """Whether more than `_MOSTLY_CHANGED` of `_SAMPLE` evenly spaced elements of `source`, in the
+    """Whether more than `_MOSTLY_CHANGED` of `_SAMPLE` elements of `source` (evenly spaced runs of
+    adjacent ones, `_sample_runs`), in the
     mirror's dtype, differ from the mirror `old`: a step that changes most of a tensor is seen here
     in a fraction of the exact comparison. A word differs where any of its elements does, so a
     tensor found mostly changed here would be by `_changed_positions` too, but for sampling error,
@@ -258,26 +277,16 @@ def _sample_mostly_changed(source: torch.Tensor, old: torch.Tensor) -> bool:
 
 def _samples_mostly_changed(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
     """`_sample_mostly_changed` of each (source, mirror) pair (each more than `_SAMPLED_ABOVE`
-    elements), in a few operations per mirror dtype: the samples side by side, compared at once,
-    counted per tensor from one running sum."""
+    elements), in a few operations per mirror dtype: the samples stacked, compared at once."""
     out = [False] * len(pairs)
     by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
     for i, (_, old) in enumerate(pairs):
         by_dtype[old.dtype].append(i)
     for dtype, which in by_dtype.items():
-        news, olds = [], []
-        for i in which:
-            source, old = pairs[i]
-            numel = source.numel()
-            stride = numel // _SAMPLE
-            at = slice(stride // 2, numel, stride)
-            news.append(source.reshape(-1)[at].to(dtype))
-            olds.append(old.view(-1)[at])
-        sizes = torch.tensor([n.numel() for n in news])
-        running = torch.ne(_bits(torch.cat(news)), _bits(torch.cat(olds))).cumsum(0)
-        totals = running[sizes.cumsum(0) - 1]
-        differs = torch.diff(totals, prepend=totals.new_zeros(1))
-        for i, mostly in zip(which, (differs > _MOSTLY_CHANGED * sizes).tolist()):
+        new = torch.stack([_sample(pairs[i][0]) for i in which]).to(dtype)
+        old = torch.stack([_sample(pairs[i][1]) for i in which])
+        differs = torch.ne(_bits(new), _bits(old)).sum(dim=(1, 2))
+        for i, mostly in zip(which, (differs > _MOSTLY_CHANGED * _SAMPLE).tolist()):
             out[i] = mostly
     return out
 
