@@ -7,8 +7,11 @@ of its own, as in `make demo`. Per round, one after another: a full refit (`send
 `recv_buckets`, what syncd runs without delta refits), a delta refit after an RL-like step (a
 fraction `--changed` of the elements move by one bf16 step), and a delta refit after a step that
 changes everything (every bucket goes dense); plus raw gloo: the same bytes as one buffer per
-sender. Reports medians of the receiver's wall time per method, the bytes on the wire, and the
-receiver's and each sender's seconds, the CPU seconds of all members, and the bound of issue 30:
+sender. After each transfer, once every member is done (a barrier, as syncd's Verify follows
+every member's transfer), the senders' mirrors take what they sent, untimed, as a member's agent
+does on Verify (`commit s`: the slowest sender's copy). Reports medians of the receiver's wall
+time per method, the bytes on the wire, and the receiver's and each sender's seconds, the CPU
+seconds of all members' transfers, and the bound of issue 30:
 the dense delta refit over the full refit with delta refits off (`dense_vs_full`, also by round
 and in CPU seconds). No vLLM: `bench/apply_bench.py` measures the install.
 """
@@ -55,16 +58,30 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
     rows = []
 
     barrier = r.barrier
+    diffs: Diffs | None = None  # a sender's comparisons in the method running, committed after it
 
     def timed(name: str, fn) -> None:
+        """`fn`'s transfer, then (untimed) a sender's mirror commit once every member's transfer is
+        done, as a member's agent does on syncd's Verify while the trainer's step waits."""
+        nonlocal diffs
         barrier()
         t0, cpu0 = time.perf_counter(), time.process_time()
         stats = fn()
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        commit_s = commit_cpu = 0.0
+        barrier()  # every member's transfer is done: syncd's Verify
+        if sending and diffs is not None:
+            c0, ccpu0 = time.perf_counter(), time.process_time()
+            diffs.commit(views)
+            commit_s, commit_cpu = time.perf_counter() - c0, time.process_time() - ccpu0
+            diffs = None
         rows.append(
             {
                 "method": name,
-                "seconds": time.perf_counter() - t0,
-                "cpu_seconds": time.process_time() - cpu0,  # all the process's threads (gloo's too)
+                "seconds": seconds,
+                "cpu_seconds": cpu,  # all the process's threads (gloo's too)
+                "commit_seconds": commit_s,  # the mirror's copy after the transfer (senders)
+                "commit_cpu_seconds": commit_cpu,
                 "bytes": getattr(stats, "bytes", raw.numel()),
                 "changed": getattr(stats, "changed", None),
                 "elements": getattr(stats, "elements", None),
@@ -79,9 +96,10 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
         return run(mine, views, transport, ranks, options, cache=cache)
 
     def delta():
+        nonlocal diffs
         if sending:
             diffs = Diffs(mirror)
-            stats = send_with_deltas(
+            return send_with_deltas(
                 mine,
                 views,
                 transport,
@@ -91,8 +109,6 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
                 options,
                 cache=cache,
             )
-            diffs.commit(views)
-            return stats
         return recv_with_deltas(
             mine, views, transport, ranks, DeltaLinks(1, frozenset({RECEIVER}), 0.5), options, cache=cache
         )
@@ -109,14 +125,13 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
                 handle.wait(120)
 
     def keep_mirror():  # a full refit with delta refits on: the senders' mirrors take what they sent
+        nonlocal diffs
         if sending:
             diffs = Diffs(mirror)
-            stats = send_with_deltas(
+            mirror.version = 1  # the base of the bench's deltas
+            return send_with_deltas(
                 mine, views, transport, ranks, DeltaLinks(None, frozenset(), 0.5), diffs, options, cache=cache
             )
-            diffs.commit(views)
-            mirror.version = 1
-            return stats
         return recv_buckets(mine, views, transport, ranks, options, cache=cache)
 
     for _ in range(args.rounds + 1):
@@ -173,7 +188,10 @@ def main() -> None:
         f"{plan.total_bytes / 1e6:.1f} MB, {len(plan.buckets)} buckets, "
         f"{SENDERS} senders -> 1 receiver (gloo, CPU)"
     )
-    print(f"{'method':<58} {'seconds':>8} {'vs full':>8} {'MB':>8} {'senders s (max)':>16} {'CPU s':>6}")
+    print(
+        f"{'method':<58} {'seconds':>8} {'vs full':>8} {'MB':>8} {'senders s (max)':>16} {'CPU s':>6} "
+        f"{'commit s':>8}"
+    )
     for m in methods:
         mine = [r for r in receiver if r["method"] == m]
         seconds = statistics.median(r["seconds"] for r in mine)
@@ -189,13 +207,19 @@ def main() -> None:
             "vs_full": seconds / full,
             "bytes": mine[0]["bytes"],
             "senders_max_seconds": senders,
+            # the senders' mirror commit after the transfer (untimed above: the trainer's step waits)
+            "senders_max_commit_seconds": max(
+                statistics.median(r["commit_seconds"] for r in results[s] if r["method"] == m)
+                for s in results
+                if s != RECEIVER
+            ),
             "cpu_seconds": statistics.median(_cpu_by_round(results, m)),
             "changed_fraction": (mine[0]["changed"] / mine[0]["elements"]) if mine[0]["elements"] else None,
         }
         report["methods"][m] = row
         print(
             f"{m:<58} {seconds:>8.3f} {seconds / full:>8.2f} {row['bytes'] / 1e6:>8.2f} {senders:>16.3f} "
-            f"{row['cpu_seconds']:>6.3f}"
+            f"{row['cpu_seconds']:>6.3f} {row['senders_max_commit_seconds']:>8.3f}"
         )
     # The bound of the dense case: a step that changes everything, with delta refits on, against a
     # full refit with them off (issue 30: at most 1.10); also round by round (the two run seconds

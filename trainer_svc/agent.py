@@ -7,7 +7,8 @@ new weight version; `close` leaves syncd and tears down the data-plane groups.
 
 The data plane reads the parameters in place (`LocalShards`, no copy) through `TrainerEndpoint`,
 which holds the trainer's lock from the start to the end of this rank's transfer, so no optimizer
-step changes them mid-transfer. A rank whose weights are no longer the requested version refuses:
+step changes them mid-transfer (with delta refits on, until syncd's Verify, once the rank's mirror
+took what it sent: `syncd.member.agent`). A rank whose weights are no longer the requested version refuses:
 the refit aborts rather than give generators a model torn between two versions. With
 `sync_refit`, a rank waits after announcing each step until a refit of it commits or aborts.
 """

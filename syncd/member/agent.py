@@ -67,7 +67,8 @@ class Endpoint(Protocol):
 
     def end(self, refit_id: str, ok: bool) -> None:
         """This member's transfer is over: all its buckets moved (`ok`) or it failed. A trainer may
-        step again; a generator knows what it staged."""
+        step again; a generator knows what it staged. A sender with delta refits on hears it on
+        Verify (or the refit's abort), once its mirror took what it sent (`_update_mirror`)."""
         ...
 
     def verify(self, refit_id: str) -> None: ...
@@ -119,6 +120,18 @@ class AgentSettings:
     landing_fault_file: Path | None = field(default_factory=fault_file_from_env)
 
 
+@dataclass(frozen=True)
+class _MirrorUpdate:
+    """A sender's transfer that succeeded, whose mirror takes what it sent (`Diffs.commit`) once
+    every member's transfer is done (syncd's Verify): until then its endpoint's transfer has not
+    ended, so the weights stay as they were sent (the trainer's optimizer step waits)."""
+
+    refit_id: str
+    version: WeightVersion
+    diffs: Diffs
+    tensors: Mapping[str, torch.Tensor]
+
+
 @dataclass
 class _Group:
     group_id: str
@@ -145,6 +158,7 @@ class MemberAgent:
         self._lock = threading.Lock()
         self._gc_pause = GcPause() if settings.pause_gc else None
         self.mirror: Mirror | None = None  # senders, while delta refits are on: what they last sent
+        self._mirror_update: _MirrorUpdate | None = None  # a sender's, from its transfer to Verify
 
     @property
     def member_id(self) -> str:
@@ -158,6 +172,7 @@ class MemberAgent:
         elif isinstance(command, Verify):
             self._endpoint.verify(command.refit_id)
             self._client.report(command.refit_id, Phase.VERIFIED)
+            self._update_mirror(command.refit_id)
         elif isinstance(command, Commit):
             self._endpoint.commit(command.refit_id, command.weight_version, command.timeout_s)
             self._client.report(command.refit_id, Phase.COMMITTED)
@@ -210,15 +225,50 @@ class MemberAgent:
         )
 
     def _execute(self, cmd: ExecutePlan) -> None:
+        self._drop_mirror_update()  # an earlier refit's that got no Verify (it failed elsewhere)
         self._cancel.clear()
         tensors = self._endpoint.begin(cmd.refit_id, cmd.weight_version, cmd.buckets)
+        update: _MirrorUpdate | None = None
         ok = False
         try:
-            self._transfer(cmd, tensors)
+            update = self._transfer(cmd, tensors)
             ok = True
         finally:
             self._end_shared_memory()
-            self._endpoint.end(cmd.refit_id, ok)
+            if update is None:
+                self._endpoint.end(cmd.refit_id, ok)
+        if update is not None:  # the weights stay held until the mirror took them, on Verify
+            with self._lock:
+                self._mirror_update = update
+            if self._cancel.is_set():  # aborted since the report: `_abort` may have looked already
+                self._drop_mirror_update()
+
+    def _update_mirror(self, refit_id: str) -> None:
+        """Verify: every member's transfer is done, so the mirror's copy (a write of every dense
+        byte) no longer competes with the transfer for the memory and cores; it overlaps the
+        generators' verification and install instead. This thread runs it, so this member's
+        Commit confirmation, and the next refit's comparisons, come after it; then the weights are
+        released (`Endpoint.end`). A failure leaves the mirror's `version` None: no delta from it
+        until a full refit refills it."""
+        with self._lock:
+            update, self._mirror_update = self._mirror_update, None
+        if update is None:
+            return
+        try:
+            if update.refit_id == refit_id:
+                update.diffs.commit(update.tensors)
+                update.diffs.mirror.version = update.version
+        finally:
+            self._endpoint.end(update.refit_id, True)
+
+    def _drop_mirror_update(self) -> None:
+        """The refit failed after this sender's transfer: its mirror keeps the base (nothing was
+        written into it), still marked between versions (`version` None), and the weights are
+        released."""
+        with self._lock:
+            update, self._mirror_update = self._mirror_update, None
+        if update is not None:
+            self._endpoint.end(update.refit_id, True)
 
     def _end_shared_memory(self) -> None:
         """The transfer ended: no segment name of this refit stays in /dev/shm, ours or those of a
@@ -250,7 +300,11 @@ class MemberAgent:
         self.mirror.version = None  # until this transfer completes, the mirror is between versions
         return d, Diffs(self.mirror)
 
-    def _transfer(self, cmd: ExecutePlan, tensors: Mapping[str, torch.Tensor] | ReceiveSink) -> None:
+    def _transfer(
+        self, cmd: ExecutePlan, tensors: Mapping[str, torch.Tensor] | ReceiveSink
+    ) -> _MirrorUpdate | None:
+        """Runs this member's part of the plan and reports it; a sender with delta refits on
+        returns its mirror's update, for Verify."""
         delta, diffs = self._delta_part(cmd)
         fault = armed(self._settings.landing_fault_file)
         if fault is not None:
@@ -291,11 +345,7 @@ class MemberAgent:
                 elements, changed = elements + stats.elements, changed + stats.changed
                 touched |= stats.touched
         timings["transfer_s"] = max(timings.values(), default=0.0)
-        if diffs is not None:
-            assert isinstance(tensors, Mapping)  # diffs are a sender's, and a sender names its tensors
-            diffs.commit(tensors)
-            diffs.mirror.version = cmd.weight_version
-        elif delta is not None and hasattr(self._endpoint, "received_delta"):
+        if diffs is None and delta is not None and hasattr(self._endpoint, "received_delta"):
             self._endpoint.received_delta(cmd.refit_id, frozenset(touched))
         self._client.report(
             cmd.refit_id,
@@ -306,6 +356,10 @@ class MemberAgent:
             delta_elements=elements,
             changed_elements=changed,
         )
+        if diffs is None:
+            return None
+        assert isinstance(tensors, Mapping)  # diffs are a sender's, and a sender names its tensors
+        return _MirrorUpdate(cmd.refit_id, cmd.weight_version, diffs, tensors)
 
     def _run_stage(
         self,
@@ -382,6 +436,7 @@ class MemberAgent:
         for stage in list(self._groups):
             self._close_group(stage)
         sweep_orphans()  # a local peer killed mid-refit left its segments' names
+        self._drop_mirror_update()
         self._endpoint.abort()
         self._client.report(cmd.refit_id, Phase.ABORTED)
 
@@ -392,5 +447,6 @@ class MemberAgent:
             group.transport.close()
 
     def close(self) -> None:
+        self._drop_mirror_update()
         for stage in list(self._groups):
             self._close_group(stage)

@@ -72,6 +72,20 @@ class StagedGenerator(GeneratorEndpoint):
         pass  # staging may be torn: syncd plans a full refit next
 
 
+class HeldTrainer(TrainerEndpoint):
+    """A trainer rank whose transfer ends (its optimizer may step again, `end`) only once its
+    agent's mirror took what it sent: each `end` records the version the mirror then holds."""
+
+    def __init__(self, catalog):
+        super().__init__(catalog)
+        self.agent = None  # set once joined
+        self.mirror_at_end: list = []
+
+    def end(self, refit_id, ok):
+        mirror = self.agent.mirror if self.agent is not None else None
+        self.mirror_at_end.append(mirror.version if mirror is not None else None)
+
+
 @pytest.fixture
 def cluster(tmp_path: Path):
     running: list = []
@@ -96,12 +110,14 @@ def cluster(tmp_path: Path):
     running.append(daemon)
     target = f"127.0.0.1:{daemon.grpc_port}"
     trainers = [
-        TrainerEndpoint(trainer_catalog.build_catalog(ARGS, DIMS, c, "bfloat16")) for c in DIMS.all_coords()
+        HeldTrainer(trainer_catalog.build_catalog(ARGS, DIMS, c, "bfloat16")) for c in DIMS.all_coords()
     ]
 
     def join_as(member_id: str, coords: dict, role: Role, holder) -> MemberClient:
         member = join(target, holder, role=role, member_id=member_id, coords=coords, catalog=holder.catalog)
         running.append(member)
+        if isinstance(holder, HeldTrainer):
+            holder.agent = member.agent
         return member.client
 
     clients = [
@@ -194,6 +210,8 @@ def test_delta_refits_move_what_changed_and_a_late_generator_gets_a_full_refit_i
     assert r2["bytes"] < 0.1 * r2["planned_bytes"] and r2["saved_bytes"] == r2["planned_bytes"] - r2["bytes"]
     assert 0.002 < r2["changed_fraction"] < 0.03, r2
     _assert_serves(first, w)
+    # The mirror takes what was sent after the transfer, while the rank still holds its weights.
+    assert all(t.mirror_at_end[-2:] == [1, 2] for t in trainers), [t.mirror_at_end for t in trainers]
     assert first[0].changed and first[0].changed < set(first[0].params)  # the install touches only these
 
     late = add_generator(1, 1)  # a replica that holds no version yet: syncd catches it up

@@ -27,10 +27,12 @@ from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import GlooTransport, LoopOptions, catalog_views, recv_buckets
 from syncd.member.dataplane.delta import (
     _SAMPLE,
+    _SAMPLE_RUN,
     Diffs,
     Mirror,
     _changed_positions,
     _sample_mostly_changed,
+    _sample_runs,
     recv_with_deltas,
     send_with_deltas,
 )
@@ -100,7 +102,11 @@ class Refits:
             for k, v in materialize(d.catalog, self.canonical).items()
         }
 
-    def refit(self, delta_dsts: set[str], base: int | None = None, max_fraction: float = 0.5):
+    def refit(
+        self, delta_dsts: set[str], base: int | None = None, max_fraction: float = 0.5, commit: bool = True
+    ):
+        """`commit` False: the senders' transfers succeed but their agents never commit the
+        mirrors (the refit failed before, as when a receiver or another stage fails)."""
         members = [m.member_id for m in self.sources + self.dests]
         ranks = {m: i for i, m in enumerate(members)}
         address, store = GlooTransport.create_address("127.0.0.1", len(members), 30)
@@ -126,7 +132,8 @@ class Refits:
                     stats[m] = send_with_deltas(
                         self.plan.for_member(m), views, transport, ranks, links, diffs, LoopOptions(30)
                     )
-                    diffs.commit(views)  # as the agent does once all its stages succeeded
+                    if commit:
+                        diffs.commit(views)  # as the agent does once all its stages succeeded
                 elif m in delta_dsts:
                     links = DeltaLinks(base, frozenset(delta_dsts), max_fraction)
                     stats[m] = recv_with_deltas(
@@ -151,15 +158,15 @@ class Refits:
             for name, t in self.received[d.member_id].items():
                 assert torch.equal(t, expected[name]), (d.member_id, name)
 
-    def assert_mirrors_hold_the_new_version(self) -> None:
+    def assert_mirrors_hold_the_new_version(self, canonical: dict[str, np.ndarray] | None = None) -> None:
         """Each sender's mirror, where it says it holds what it sent (whole tensors, regions),
-        equals its tensors of the current version in the generators' dtype."""
+        equals its tensors of the current version (or of `canonical`) in the generators' dtype."""
         checked = 0
         for s in self.sources:
             mirror = self.mirrors[s.member_id]
             new = {
                 k: torch.from_numpy(v).to(torch_dtype(self.dtype))
-                for k, v in materialize(s.catalog, self.canonical).items()
+                for k, v in materialize(s.catalog, canonical or self.canonical).items()
             }
             for name, dtype in mirror.whole:
                 assert torch.equal(mirror.tensor(name, dtype, new[name]), new[name]), (s.member_id, name)
@@ -215,8 +222,8 @@ def test_delta_refit_equals_full_and_moves_few_bytes(dtype, fraction):
 
 def test_a_step_that_changes_everything_goes_dense_and_stays_exact():
     """Every bucket goes dense (the expert tensors found changed from a sample of them); the
-    mirrors take the dense bytes as they are sent and equal the new version, so the next RL-like
-    step's delta is exact and small."""
+    mirrors take the dense regions after the transfer and equal the new version, so the next
+    RL-like step's delta is exact and small."""
     r = Refits("bfloat16")
     first = r.refit(set())
     r.step(1.0, size=0.05)
@@ -235,6 +242,26 @@ def test_a_step_that_changes_everything_goes_dense_and_stays_exact():
     assert all(third[m].bytes < 0.06 * first[m].bytes for m in DELTA_ALL)
 
 
+def test_a_dense_refit_that_fails_leaves_the_mirrors_on_the_base():
+    """A step that changes everything goes dense, but the refit fails after the transfers (the
+    senders never commit): the mirrors still hold version 1 bit for bit (nothing was written into
+    them during the transfer), so a delta on base 1 after it is exact."""
+    r = Refits("bfloat16")
+    r.refit(set())
+    base = {k: v.copy() for k, v in r.canonical.items()}
+    r.step(1.0, size=0.05)
+    r.refit(DELTA_ALL, base=1, commit=False)
+    r.assert_mirrors_hold_the_new_version(base)
+    for d in r.dests:  # the generators drop what they staged and keep version 1
+        r.received[d.member_id].update(
+            {k: torch.from_numpy(v).to(torch_dtype(r.dtype)) for k, v in materialize(d.catalog, base).items()}
+        )
+    second = r.refit(DELTA_ALL, base=1)
+    assert r.checksums_agree(second)
+    r.assert_exact()
+    r.assert_mirrors_hold_the_new_version()
+
+
 def test_a_tensor_whose_sample_looks_changed_goes_dense_and_the_next_delta_is_exact():
     """Only the elements `_sample_mostly_changed` looks at change in trainer-0's w13 (a sixth of
     them, where the exact comparison would send a delta): it goes dense on the sample's word,
@@ -244,8 +271,8 @@ def test_a_tensor_whose_sample_looks_changed_goes_dense_and_the_next_delta_is_ex
     trainer = r.sources[0]
     before = materialize(trainer.catalog, r.canonical)["w13"]
     shape = before.shape  # (E / ep, 2, I, H / tp): trainer-0 holds experts [0, E/2), columns [0, H/2)
-    stride = before.size // _SAMPLE
-    for p in range(stride // 2, before.size, stride):
+    first, step = _sample_runs(before.size)
+    for p in (first + run * step + k for run in range(_SAMPLE // _SAMPLE_RUN) for k in range(_SAMPLE_RUN)):
         e, part, i, h = np.unravel_index(p, shape)
         r.canonical[(GATE, UP)[part].name][e, i, h] += np.float32(0.05)
     old, new = torch.from_numpy(before), torch.from_numpy(materialize(trainer.catalog, r.canonical)["w13"])

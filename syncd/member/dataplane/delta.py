@@ -12,9 +12,13 @@ Per delta link, in the plan's order:
    comparison (a step that changes everything is seen in a fraction of it).
 2. A unit whose (index, value) pairs would cost as much as its dense bytes goes dense. A bucket
    whose encoding would not save `max_fraction` of its bytes goes dense whole, through the
-   executor's own pipelined loop (`send_buckets` / `recv_buckets`), and the mirror takes its bytes
-   as they were packed (`Diffs.packed`): a step that changes nearly everything costs a full refit
-   plus one write of the mirror. Delta units enter the mirror when the transfer succeeded.
+   executor's own pipelined loop (`send_buckets` / `recv_buckets`), exactly as a full refit
+   sends it. The mirror takes what was sent after the transfer (`Diffs.commit`: the changed
+   positions of delta units, the whole regions of dense ones, from the sender's tensors), off the
+   refit's path: a member's agent commits after it reported the transfer, still holding the
+   trainer's weights, so the trainer's next optimizer step waits for the copy
+   (`syncd.member.agent`). A step that changes nearly everything so costs a full refit on the
+   refit's path, plus one copy of the weights into the mirror beside it.
 3. The link goes in groups of buckets (`_groups`): each group's header, then the encodings of its
    other buckets, one piece: per unit, int32 positions (C order
    of the unit's region) and their values, or the unit's dense bytes; each part 8-byte aligned.
@@ -30,7 +34,6 @@ sender's mirror (a restart, a torn refit, a flipped bit) fails it and the refit 
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import time
@@ -131,10 +134,7 @@ class Diffs:
     sent: dict[tuple[str, str, str], set[tuple]] = field(default_factory=dict)  # (dst, tensor, dtype) -> keys
     # (tensor, dtype) -> the flat positions where it changed, or None when most of it did
     positions: dict[tuple[str, str], torch.Tensor | None] = field(default_factory=dict)
-    mirrored: set[tuple] = field(default_factory=set)  # regions the mirror took while they were sent
-    # No link of this refit goes as a delta: nothing compares with the base, the mirror takes every
-    # region as it is sent (`send_with_deltas` sets it).
-    compares: bool = True
+    sampled: set[tuple[str, str]] = field(default_factory=set)  # (tensor, dtype): its sample said "compare"
 
     def of(self, u: TransferUnit, tensors: Mapping[str, torch.Tensor], dst: str) -> Change:
         """The unit's change from the base; all of it (dense) where the mirror does not hold the
@@ -154,6 +154,27 @@ class Diffs:
                 self.changes[key] = (u, change)
             return self.changes[key][1]
 
+    def presample(self, units: Sequence[TransferUnit], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Before a link's comparisons, the samples of all its tensors at once
+        (`_samples_mostly_changed`): the mostly changed ones go dense without their exact
+        comparison. One tensor at a time costs ~0.1 ms of Python per tensor, and every receiver
+        waits for every sender's header (its comparisons) before any dense bucket moves."""
+        with self.lock:
+            todo: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+            for u in units:
+                key = (u.src_tensor, u.dtype)
+                if u.quantized or key in todo or key in self.positions or key in self.sampled:
+                    continue
+                source = tensors[u.src_tensor]
+                # Only tensors the mirror holds whole (see `_positions`), and big enough to sample.
+                if key in self.mirror.whole and source.numel() > _SAMPLED_ABOVE:
+                    todo[key] = (source, self.mirror.tensor(u.src_tensor, u.dtype, source))
+            for key, mostly in zip(todo, _samples_mostly_changed(list(todo.values()))):
+                if mostly:
+                    self.positions[key] = None
+                else:
+                    self.sampled.add(key)
+
     def _positions(self, u: TransferUnit, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         """Where the unit's local tensor changed: compared once per refit, whole (its units are
         regions of it, often not contiguous ones)."""
@@ -165,7 +186,7 @@ class Diffs:
             old, whole = self.mirror.tensor(u.src_tensor, u.dtype, source), key in self.mirror.whole
             self.positions[key] = (
                 None
-                if whole and _sample_mostly_changed(source, old)
+                if whole and key not in self.sampled and _sample_mostly_changed(source, old)
                 else _changed_positions(source, old, whole)
             )
         return self.positions[key]
@@ -178,30 +199,14 @@ class Diffs:
             self.sent.setdefault((dst, u.src_tensor, u.dtype), set()).add(_key(u))
             self.absorbed[_key(u)] = u
 
-    def packed(self, bucket: Bucket, flat: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
-        """`bucket` goes whole, as `flat` (its units' new values in their dtype, packed): the mirror
-        takes them now, from the bytes just packed (a copy less than `commit`'s from the tensors).
-        Only regions of tensors already compared (or when nothing compares): a link compares a
-        whole tensor with the base once, and regions of one tensor may overlap across links. A
-        transfer that then fails leaves the mirror between versions, which `version` None says."""
-        offset = 0
-        for u in bucket.units:
-            packed, offset = flat[offset : offset + u.nbytes], offset + u.nbytes
-            with self.lock:  # stages send at once: the first makes a mirror tensor, alone
-                if u.quantized or (self.compares and (u.src_tensor, u.dtype) not in self.positions):
-                    continue
-                self.mirrored.add(_key(u))
-                region = self.mirror.region(u, tensors[u.src_tensor])
-            region.copy_(packed.view(region.dtype).view(region.shape))
-
     def commit(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """The transfer succeeded: the mirror takes the new values it did not take while they were
-        sent (`packed`): the changed positions of delta units, whole regions of dense ones, from
-        `tensors`, still held as they were sent."""
-        dense = {k: u for k, u in self.absorbed.items() if k not in self.mirrored}
+        """The transfer succeeded: the mirror takes what it sent, the changed positions of delta
+        units and the whole regions of dense ones, from `tensors`, which must still hold what was
+        sent (the caller holds them still until this returns: the trainer's optimizer step waits).
+        Until it returns the mirror is between versions (its `version` None, which the caller
+        sets after it)."""
+        dense = dict(self.absorbed)
         for key, (u, change) in self.changes.items():
-            if key in self.mirrored:
-                continue
             if not change.sparse:
                 dense[key] = u
             elif change.changed and key not in dense:
@@ -220,7 +225,7 @@ class Diffs:
         self.absorbed.clear()
         self.sent.clear()
         self.positions.clear()
-        self.mirrored.clear()
+        self.sampled.clear()
 
 
 def _key(u: TransferUnit) -> tuple:
@@ -251,24 +256,52 @@ _CHUNK = 1 << 18  # elements `_changed_positions` compares at a time on CPU (its
 # Elements `_sample_mostly_changed` compares per tensor (its estimate's standard error is 0.016 at
 # half changed); a tensor near the line costs about the same bytes either way.
 _SAMPLE = 1024
+# Taken in runs of adjacent elements (32 bfloat16 elements are one cache line): a link's samples
+# cost memory latency, one line per run, not one per element (3 ms per trainer rank of the
+# benchmark's model when they were evenly spaced elements, before its header could go).
+_SAMPLE_RUN = 32
 # Smaller tensors are only compared exactly (at 8192 elements that costs 3 samples, 90 us here).
 _SAMPLED_ABOVE = 4 * _SAMPLE
 
 
+def _sample_runs(numel: int) -> tuple[int, int]:
+    """Where a tensor of `numel` (> `_SAMPLED_ABOVE`) elements is sampled: `_SAMPLE // _SAMPLE_RUN`
+    runs of `_SAMPLE_RUN` flat positions, the r-th from `first + r * step`."""
+    step = numel // (_SAMPLE // _SAMPLE_RUN)
+    return (step - _SAMPLE_RUN) // 2, step
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s sampled elements (`_sample_runs`), a [runs, `_SAMPLE_RUN`] view of `t` in C order."""
+    flat = t.reshape(-1)
+    first, step = _sample_runs(flat.numel())
+    return flat.as_strided((_SAMPLE // _SAMPLE_RUN, _SAMPLE_RUN), (step, 1), flat.storage_offset() + first)
+
+
 def _sample_mostly_changed(source: torch.Tensor, old: torch.Tensor) -> bool:
-    """Whether more than `_MOSTLY_CHANGED` of `_SAMPLE` evenly spaced elements of `source`, in the
+    """Whether more than `_MOSTLY_CHANGED` of `_SAMPLE` elements of `source` (evenly spaced runs of
+    adjacent ones, `_sample_runs`), in the
     mirror's dtype, differ from the mirror `old`: a step that changes most of a tensor is seen here
     in a fraction of the exact comparison. A word differs where any of its elements does, so a
     tensor found mostly changed here would be by `_changed_positions` too, but for sampling error,
     which costs bytes (its units go dense), never exactness."""
-    numel = source.numel()
-    if numel <= _SAMPLED_ABOVE:
-        return False
-    stride = numel // _SAMPLE
-    at = slice(stride // 2, numel, stride)
-    new = source.reshape(-1)[at].to(old.dtype)
-    differs = int(torch.ne(_bits(new), _bits(old.view(-1)[at])).sum())
-    return differs > _MOSTLY_CHANGED * new.numel()
+    return source.numel() > _SAMPLED_ABOVE and _samples_mostly_changed([(source, old)])[0]
+
+
+def _samples_mostly_changed(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """`_sample_mostly_changed` of each (source, mirror) pair (each more than `_SAMPLED_ABOVE`
+    elements), in a few operations per mirror dtype: the samples stacked, compared at once."""
+    out = [False] * len(pairs)
+    by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+    for i, (_, old) in enumerate(pairs):
+        by_dtype[old.dtype].append(i)
+    for dtype, which in by_dtype.items():
+        new = torch.stack([_sample(pairs[i][0]) for i in which]).to(dtype)
+        old = torch.stack([_sample(pairs[i][1]) for i in which])
+        differs = torch.ne(_bits(new), _bits(old)).sum(dim=(1, 2))
+        for i, mostly in zip(which, (differs > _MOSTLY_CHANGED * _SAMPLE).tolist()):
+            out[i] = mostly
+    return out
 
 
 def _changed_positions(source: torch.Tensor, old: torch.Tensor, give_up: bool) -> torch.Tensor | None:
@@ -419,17 +452,10 @@ def send_with_deltas(
     described in the module docstring. Links go one after another in destination order (what the
     receivers' source order expects)."""
     stats, start = DeltaStats(), time.perf_counter()
-    diffs.compares = bool(links.dsts)
     for dst, link in _links(buckets, "dst").items():
         _check(cancel)
         if dst not in links.dsts:
-            on_packed = functools.partial(diffs.packed, tensors=tensors)
-            _add(
-                stats,
-                send_buckets(
-                    link, tensors, transport, ranks, options, cancel=cancel, cache=cache, on_packed=on_packed
-                ),
-            )
+            _add(stats, send_buckets(link, tensors, transport, ranks, options, cancel=cancel, cache=cache))
             for b in link:
                 for u in b.units:
                     diffs.absorb(u, dst)
@@ -472,6 +498,7 @@ def _send_link(
     sent: list[tuple[Handle, torch.Tensor]] = []  # with their buffers, alive until sent
     for group in _groups(link):
         _check(cancel)
+        diffs.presample([u for b in group for u in b.units], tensors)
         changes = [[diffs.of(u, tensors, dst) for u in b.units] for b in group]
         codes = [[_header_code(c) for c in cs] for cs in changes]
         flat_codes = [c for cs in codes for c in cs]
@@ -494,20 +521,7 @@ def _send_link(
         stats.buckets += len(parts)
     _check(cancel)
     if dense:
-        on_packed = functools.partial(diffs.packed, tensors=tensors)
-        _add(
-            stats,
-            send_buckets(
-                dense,
-                tensors,
-                transport,
-                {dst: peer},
-                options,
-                cancel=cancel,
-                cache=cache,
-                on_packed=on_packed,
-            ),
-        )
+        _add(stats, send_buckets(dense, tensors, transport, {dst: peer}, options, cancel=cancel, cache=cache))
     for handle, _ in sent:
         handle.wait(options.timeout_s)
 

@@ -23,11 +23,10 @@ worker thread.
 from __future__ import annotations
 
 import contextlib
-import functools
 import heapq
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -72,12 +71,6 @@ class Forwarder(Protocol):
     def finish(self) -> None:
         """After the last bucket: every forward done."""
         ...
-
-
-# Called by a send loop with each bucket and its packed bytes, once handed to the transport, on the
-# checksums' side stream or thread (`_SideStream`); the bytes stay valid until it returns (a delta
-# sender's mirror takes them, `delta.Diffs.packed`).
-OnPacked = Callable[[Bucket, torch.Tensor], None]
 
 
 class TransferAborted(RuntimeError):
@@ -178,7 +171,6 @@ class _Loop:
     graphs: LoopGraphs | None = None
     prepared: PreparedLoop | None = None
     forwarder: Forwarder | None = None  # a relay's receive loop (`syncd.member.dataplane.relay`)
-    on_packed: OnPacked | None = None  # a send loop's: see `send_buckets`
 
     @property
     def checksums(self) -> _SideStream:
@@ -345,8 +337,6 @@ class _Loop:
                     handles.append(self.transport.isend(flat, self.ranks[bucket.dst]))
                 # after isend: the checksum overlaps the transfer
                 self.account(slot, bucket, flat, programs[i], checksum=not fused)
-                if self.on_packed is not None:  # on the side too, before the slot's reuse
-                    self.checksums.run(slot, functools.partial(self.on_packed, bucket, flat))
         self.finish(handles)
 
     def reads_in_place(self, bucket: Bucket) -> bool:
@@ -476,10 +466,9 @@ def _run(
     cancel: threading.Event | None,
     cache: LoopCache | None,
     forwarder: Forwarder | None = None,
-    on_packed: OnPacked | None = None,
 ) -> TransferStats:
     cache = cache if cache is not None else LoopCache()
-    loop = _Loop(tensors, transport, ranks, options, cancel, cache, forwarder=forwarder, on_packed=on_packed)
+    loop = _Loop(tensors, transport, ranks, options, cancel, cache, forwarder=forwarder)
     if not buckets:
         return loop.stats
     program_cache: LoopGraphs | PreparedLoop
@@ -513,15 +502,11 @@ def send_buckets(
     *,
     cancel: threading.Event | None = None,
     cache: LoopCache | None = None,
-    on_packed: OnPacked | None = None,
 ) -> TransferStats:
     """Send `buckets` (this member is their src), reading from `tensors` (catalog views), as
     `options` say. `cancel`, once set, stops the loop (`TransferAborted`); `cache` is what the
-    loops over `transport` keep between refits (pass the same one on every call over it);
-    `on_packed`, called with each bucket and its bytes on the wire, while the transfer runs."""
-    return _run(
-        Direction.SEND, buckets, tensors, transport, ranks, options, cancel, cache, on_packed=on_packed
-    )
+    loops over `transport` keep between refits (pass the same one on every call over it)."""
+    return _run(Direction.SEND, buckets, tensors, transport, ranks, options, cancel, cache)
 
 
 def recv_buckets(
