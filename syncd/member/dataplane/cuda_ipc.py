@@ -3,9 +3,9 @@ opened through CUDA IPC, with the checksum of what it wrote taken in the same pa
 
 No staging and no packing on either side: a unit costs one read of the sender's bytes and one
 write of the receiver's (`Checksums.add_copy`: on NVIDIA GPUs the checksum kernel writes each item
-it reads), and the sender checksums its regions where they lie, on its own stream while the
-receiver copies. Both report their checksums to syncd as every link does, so the comparison stays
-end to end: what the sender holds against what landed.
+it reads), and the sender checksums its regions where they lie, on its own stream, just before
+the receiver's copies (which wait for them on the GPU). Both report their checksums to syncd as
+every link does, so the comparison stays end to end: what the sender holds against what landed.
 
 The handshake of one refit (`IpcSender.send` / `IpcReceiver.receive`), over a `Channel`
 (`local_channel`):
@@ -24,8 +24,8 @@ page-table work) and unmaps an allocation when an offer no longer names it, and 
 `close`, which every end of a refit that is not a commit calls (abort, failure) and the group's
 end. The sender holds nothing for the receiver: it frees its weights as any memory, and the driver
 frees an allocation once no process maps it, a killed process's mappings included. A peer killed
-mid-refit leaves the other waiting at most `timeout_s` (`TransferTimeout`) or failing to map
-(`TransferError`).
+mid-refit fails the other at once where the channel sees its end (`TransferError`: a Unix socket
+does), else after `timeout_s` (`TransferTimeout`), or when mapping its memory (`TransferError`).
 
 Not for every unit: the copy moves bytes as they are, so a unit whose sender converts or quantizes
 (`src_dtype`, `quantized`) cannot take it (`ipc_units_error` names the first); memory of expandable
