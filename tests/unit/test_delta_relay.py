@@ -96,6 +96,16 @@ class Chain:
             for k, v in materialize(self.dests[0].catalog, self.canonical).items()
         }
 
+    def differing(self) -> list[tuple[str, str]]:
+        """(replica, tensor) of every received tensor whose bits are not the export's."""
+        expected = self.expected()
+        return [
+            (d.member_id, name)
+            for d in self.dests
+            for name, t in self.received[d.member_id].items()
+            if not torch.equal(t, expected[name])
+        ]
+
     def mismatched(self, stats) -> dict[str, list[str]]:
         """Per replica, the checksum keys that differ from the trainers'."""
         sent = {k: v for s in self.sources for k, v in stats[s.member_id].checksums.items()}
@@ -122,10 +132,7 @@ def test_a_delta_through_a_chain_of_relays_leaves_every_replica_bit_exact():
     c.step(0.01, heavy=(GATE.name,))
     delta = c.refit(delta=True)
     assert not any(c.mismatched(delta).values()), c.mismatched(delta)
-    expected = c.expected()
-    for d in c.dests:
-        for name, t in c.received[d.member_id].items():
-            assert torch.equal(t, expected[name]), (d.member_id, name)
+    assert not c.differing(), c.differing()
     # Every replica received the same delta: the heavy half dense, the rest sparse.
     last = c.dests[-1].member_id
     reported = {d.member_id: delta[d.member_id].bytes for d in c.dests}
