@@ -108,6 +108,9 @@ class ExecutePlan:
     timeout_s: float
     delta: DeltaLinks | None = None
     stall_timeout_s: float = 0.0
+    # (stage, src, dst) of the links whose buckets go through CUDA IPC (`syncd.plan.transports`);
+    # every other link goes through its group's backend.
+    ipc_links: frozenset[tuple[int, str, str]] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -27,3 +27,16 @@ def host_identity() -> str:
     except OSError:
         return socket.gethostname()
     return f"{boot}/net:{netns}"
+
+
+def gpu_identity(device: str) -> str:
+    """The UUID of the GPU `device` ("cuda:N", numbered as this process sees them) names, the same
+    in every process whatever its CUDA_VISIBLE_DEVICES; "" for a device that is not a GPU. Two
+    members of one host with the same one can map each other's GPU memory (CUDA IPC)."""
+    if not device.startswith("cuda"):
+        return ""
+    import torch  # only members on GPUs pay for it
+
+    index = torch.device(device).index
+    uuid = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).uuid
+    return f"GPU-{uuid}"

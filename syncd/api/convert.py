@@ -197,6 +197,7 @@ def command_to_pb(cmd: commands.Command) -> pb.Command:
                     timeout_s=cmd.timeout_s,
                     delta=_delta_to_pb(cmd.delta),
                     stall_timeout_s=cmd.stall_timeout_s,
+                    ipc_links=[pb.LinkRef(stage=k[0], src=k[1], dst=k[2]) for k in sorted(cmd.ipc_links)],
                 )
             )
         case commands.Verify():
@@ -263,6 +264,7 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
             m.timeout_s,
             _delta_from_pb(m),
             m.stall_timeout_s,
+            frozenset((k.stage, k.src, k.dst) for k in m.ipc_links),
         )
     if kind == "verify":
         v = msg.verify

@@ -140,7 +140,7 @@ class Bucket(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., index: _Optional[int] = ..., units: _Optional[_Iterable[_Union[TransferUnit, _Mapping]]] = ..., nbytes: _Optional[int] = ..., relay: _Optional[_Union[Relay, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "member_id", "coords", "device", "data_address", "catalog_hash", "catalog", "run_id", "weight_version", "receive_by_layer", "host_id")
+    __slots__ = ("role", "member_id", "coords", "device", "data_address", "catalog_hash", "catalog", "run_id", "weight_version", "receive_by_layer", "host_id", "gpu_id")
     class CoordsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class RegisterRequest(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_BY_LAYER_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_ID_FIELD_NUMBER: _ClassVar[int]
     role: Role
     member_id: str
     coords: _containers.ScalarMap[str, int]
@@ -170,7 +171,8 @@ class RegisterRequest(_message.Message):
     weight_version: int
     receive_by_layer: bool
     host_id: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., member_id: _Optional[str] = ..., coords: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., data_address: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., catalog: _Optional[_Union[Catalog, _Mapping]] = ..., run_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., receive_by_layer: _Optional[bool] = ..., host_id: _Optional[str] = ...) -> None: ...
+    gpu_id: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., member_id: _Optional[str] = ..., coords: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., data_address: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., catalog: _Optional[_Union[Catalog, _Mapping]] = ..., run_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., receive_by_layer: _Optional[bool] = ..., host_id: _Optional[str] = ..., gpu_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("catalog_required", "session_id", "lease_seconds", "committed_version")
@@ -245,7 +247,7 @@ class JoinGroup(_message.Message):
     def __init__(self, refit_id: _Optional[str] = ..., group_id: _Optional[str] = ..., stage: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., links: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExecutePlan(_message.Message):
-    __slots__ = ("refit_id", "weight_version", "buckets", "groups", "timeout_s", "delta", "stall_timeout_s")
+    __slots__ = ("refit_id", "weight_version", "buckets", "groups", "timeout_s", "delta", "stall_timeout_s", "ipc_links")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +255,7 @@ class ExecutePlan(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     STALL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    IPC_LINKS_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     weight_version: int
     buckets: _containers.RepeatedCompositeFieldContainer[Bucket]
@@ -260,7 +263,18 @@ class ExecutePlan(_message.Message):
     timeout_s: float
     delta: DeltaLinks
     stall_timeout_s: float
-    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[StageGroup, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., delta: _Optional[_Union[DeltaLinks, _Mapping]] = ..., stall_timeout_s: _Optional[float] = ...) -> None: ...
+    ipc_links: _containers.RepeatedCompositeFieldContainer[LinkRef]
+    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[StageGroup, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., delta: _Optional[_Union[DeltaLinks, _Mapping]] = ..., stall_timeout_s: _Optional[float] = ..., ipc_links: _Optional[_Iterable[_Union[LinkRef, _Mapping]]] = ...) -> None: ...
+
+class LinkRef(_message.Message):
+    __slots__ = ("stage", "src", "dst")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    src: str
+    dst: str
+    def __init__(self, stage: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ...) -> None: ...
 
 class DeltaLinks(_message.Message):
     __slots__ = ("base", "dsts", "max_fraction")

@@ -24,18 +24,18 @@ from syncd.daemon.digests import Digests
 from syncd.daemon.errors import FailedPrecondition, Unavailable
 from syncd.daemon.journal import Journal
 from syncd.daemon.metrics import Metrics
-from syncd.daemon.plan_cache import PlanCache, stage_membership
+from syncd.daemon.plan_cache import PlanCache
 from syncd.daemon.readiness import Readiness
 from syncd.daemon.refit_run import Run
 from syncd.daemon.refit_sequence import RefitSequence
 from syncd.daemon.registry import Member, Registry
 from syncd.daemon.settings import Settings
+from syncd.daemon.stage_groups import link_transports
 from syncd.daemon.store import RefitRecord, Store
 from syncd.daemon.survivors import wait_for_lost
 from syncd.daemon.versions import Versions
 from syncd.layout import Catalog
 from syncd.plan import Plan
-from syncd.plan.transports import plan_transports
 from syncd.states import RefitState
 from syncd.vocabulary import LinkTransport
 from syncd.weight_version import WeightVersion
@@ -84,14 +84,8 @@ class Coordinator:
 
     def link_transports(self, plan: Plan) -> dict[tuple[int, str, str], LinkTransport]:
         """What carries each link of `plan` among the registered members (`syncd.plan.transports`)."""
-        members = self._registry.members()
-        return plan_transports(
-            plan,
-            stage_membership(plan),
-            {m.member_id: m.host_id for m in members},
-            {m.member_id: m.device for m in members},
-            self._settings.backend,
-            self._settings.same_host,
+        return link_transports(
+            plan, self._registry.members(), self._settings.backend, self._settings.same_host
         )
 
     def current(self) -> RefitRecord | None:

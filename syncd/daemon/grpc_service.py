@@ -108,6 +108,7 @@ class SyncdServicer(pb_grpc.SyncdServicer):
             weight_version=request.weight_version if request.HasField("weight_version") else None,
             receive_by_layer=request.receive_by_layer,
             host_id=request.host_id,
+            gpu_id=request.gpu_id,
         )
         if result.catalog_required:
             return pb.RegisterResponse(catalog_required=True)

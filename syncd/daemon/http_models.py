@@ -35,6 +35,7 @@ class MemberOut(BaseModel):
     role: str
     coords: dict[str, int]
     device: str
+    gpu_id: str = Field(default="", description="the UUID of the member's GPU; empty: none or unknown")
     data_address: str
     catalog_hash: str
     registered_at: float
@@ -46,6 +47,7 @@ class MemberOut(BaseModel):
             role=m.role,
             coords=dict(m.coords),
             device=m.device,
+            gpu_id=m.gpu_id,
             data_address=m.data_address,
             catalog_hash=m.catalog_hash,
             registered_at=m.registered_at,
@@ -71,7 +73,9 @@ class LinkOut(BaseModel):
     units: int
     relay: bool = Field(default=False, description="src is a generator forwarding what it received (fan-out)")
     transport: str = Field(
-        default="", description="what carries the link: shm (same host), gloo or nccl (syncd.plan.transports)"
+        default="",
+        description="what carries the link: shm (same host), cuda_ipc (same GPU), gloo or nccl "
+        "(syncd.plan.transports)",
     )
 
 

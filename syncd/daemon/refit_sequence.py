@@ -40,13 +40,14 @@ from syncd.daemon.plan_cache import PlanCache, plan_members
 from syncd.daemon.refit_run import RefitAborted, Run, seconds_left
 from syncd.daemon.registry import Registry
 from syncd.daemon.settings import Settings
-from syncd.daemon.stage_groups import StageGroups
+from syncd.daemon.stage_groups import StageGroups, link_transports
 from syncd.daemon.store import Store, StoreUnavailable
 from syncd.daemon.survivors import stall_timeouts
 from syncd.daemon.versions import Versions, WeightSet
 from syncd.plan import Plan
 from syncd.plan.fanout import received_bytes
 from syncd.states import RefitState
+from syncd.vocabulary import LinkTransport
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +124,21 @@ class RefitSequence:
         deadline = self._enter(run, RefitState.TRANSFERRING, self._settings.transfer_timeout)
         ids = plan_members(plan)
         stalls = stall_timeouts(plan, self._settings.stall_timeout)
+        ipc = self._ipc_links(plan)
         for m in ids:
             mine = tuple(g for g in groups.values() if m in g.members)
             self._send(
                 run,
                 m,
                 ExecutePlan(
-                    run.id, run.version, plan.for_member(m), mine, seconds_left(deadline), delta, stalls[m]
+                    run.id,
+                    run.version,
+                    plan.for_member(m),
+                    mine,
+                    seconds_left(deadline),
+                    delta,
+                    stalls[m],
+                    frozenset(k for k in ipc if m in k[1:]),
                 ),
             )
         reports = run.wait_for(Phase.TRANSFERRED, ids, deadline)
@@ -143,6 +152,13 @@ class RefitSequence:
             sum(reports[m].changed_elements for m in run.delta_generators),
         )
         return reports
+
+    def _ipc_links(self, plan: Plan) -> frozenset[tuple[int, str, str]]:
+        """The links of `plan` that go through CUDA IPC (`syncd.plan.transports`)."""
+        transports = link_transports(
+            plan, self._registry.members(), self._settings.backend, self._settings.same_host
+        )
+        return frozenset(k for k, t in transports.items() if t == LinkTransport.CUDA_IPC)
 
     def _delta_links(self, run: Run, plan: Plan, groups: dict[int, StageGroup]) -> DeltaLinks | None:
         """None while delta refits are off; else which generators get deltas against the committed

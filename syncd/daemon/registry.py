@@ -56,6 +56,7 @@ class Member:
     weight_version: WeightVersion | None = None  # what it held or served when it registered
     receive_by_layer: bool = False  # generators installing while they receive (see the proto)
     host_id: str = ""  # where it runs (`syncd.net.host_identity`); empty: unknown
+    gpu_id: str = ""  # the UUID of its GPU (`syncd.net.gpu_identity`); empty: none or unknown
 
     @property
     def stage(self) -> int:
@@ -122,6 +123,7 @@ class Registry:
         weight_version: int | None = None,
         receive_by_layer: bool = False,
         host_id: str = "",
+        gpu_id: str = "",
     ) -> Registration:
         """Validate and open a session; raises InvalidArgument / AlreadyExists and changes nothing."""
         if role not in ROLES:
@@ -167,6 +169,7 @@ class Registry:
                 weight_version,
                 receive_by_layer,
                 host_id,
+                gpu_id,
             )
             old = self._sessions.get(member_id)
             self._sessions[member_id] = _Session(member, time.monotonic() + self.lease_seconds)

@@ -10,16 +10,35 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from syncd.commands import Command, JoinGroup, Phase, StageGroup
 from syncd.daemon.plan_cache import stage_membership
 from syncd.daemon.refit_run import RefitAborted, Run, seconds_left
 from syncd.daemon.registry import Member
 from syncd.plan import Plan
-from syncd.plan.transports import group_backend, link_transport
+from syncd.plan.transports import Place, group_backend, link_transport, nccl_group_problem, plan_transports
+from syncd.vocabulary import Backend, LinkTransport
 
 log = logging.getLogger(__name__)
+
+
+def link_transports(
+    plan: Plan, members: Iterable[Member], backend: str, same_host: str
+) -> dict[tuple[int, str, str], LinkTransport]:
+    """What carries each link of `plan` among `members` (`syncd.plan.transports`): what
+    `syncctl plan` shows and what ExecutePlan tells the members (`ipc_links`)."""
+    members = list(members)
+    return plan_transports(
+        plan,
+        stage_membership(plan),
+        {m.member_id: Place(m.host_id, m.gpu_id) for m in members},
+        {m.member_id: m.device for m in members},
+        backend,
+        same_host,
+        frozenset(m.member_id for m in members if m.receive_by_layer),
+    )
+
 
 # Sends a command to a member of the run, raising RefitAborted if it cannot.
 Send = Callable[[Run, str, Command], None]
@@ -50,7 +69,11 @@ class StageGroups:
             else:
                 backend = group_backend(self._backend_setting, [members[i].device for i in ids])
                 group = StageGroup(stage, f"{run.id}/stage{stage}", backend, ids)
-                self._negotiate(run, group, {i: members[i].host_id for i in ids}, deadline)
+                places = {i: Place(members[i].host_id, members[i].gpu_id) for i in ids}
+                problem = nccl_group_problem(places, self._same_host) if backend == Backend.NCCL else None
+                if problem is not None:
+                    raise RefitAborted(f"stage {stage}: {problem}")
+                self._negotiate(run, group, places, deadline)
             with self._lock:
                 self._groups[stage] = (key, group)
             groups[stage] = group
@@ -61,7 +84,7 @@ class StageGroups:
         with self._lock:
             self._groups.clear()
 
-    def _negotiate(self, run: Run, group: StageGroup, hosts: Mapping[str, str], deadline: float) -> None:
+    def _negotiate(self, run: Run, group: StageGroup, places: Mapping[str, Place], deadline: float) -> None:
         """Rank 0 creates the address and reports it before blocking in init; syncd relays it.
         Groups are negotiated one after another: a generator in several groups then never waits
         in one group's init while its peers wait in another's."""
@@ -78,7 +101,7 @@ class StageGroups:
                 members=group.members,
                 timeout_s=seconds_left(deadline),
                 links=tuple(
-                    link_transport(group.backend, self._same_host, hosts[group.members[rank]], hosts[m])
+                    link_transport(group.backend, self._same_host, places[group.members[rank]], places[m])
                     for m in group.members
                 ),
             )

@@ -142,6 +142,8 @@ def make_member(
     run_id: str = "",
     weight_version: int | None = None,
     host_id: str | None = None,
+    device: str = "",
+    gpu_id: str = "",
     **behaviour: object,
 ) -> FakeMember:
     role, coords, catalog = MEMBERS[member_id]
@@ -149,7 +151,13 @@ def make_member(
     # regression test fails there).
     optional = {
         k: v
-        for k, v in (("run_id", run_id), ("weight_version", weight_version), ("host_id", host_id))
+        for k, v in (
+            ("run_id", run_id),
+            ("weight_version", weight_version),
+            ("host_id", host_id),
+            ("device", device),
+            ("gpu_id", gpu_id),
+        )
         if v not in ("", None)
     }
     client = MemberClient(
@@ -201,6 +209,8 @@ class Cluster:
         run_id: str = "",
         weight_version: int | None = None,
         host_id: str | None = None,
+        device: str = "",
+        gpu_id: str = "",
         **behaviour: object,
     ) -> FakeMember:
         m = make_member(
@@ -210,6 +220,8 @@ class Cluster:
             run_id=run_id,
             weight_version=weight_version,
             host_id=host_id,
+            device=device,
+            gpu_id=gpu_id,
             **behaviour,
         )
         m.client.start(m.handle)

@@ -41,6 +41,9 @@ def test_catalog_and_commands_round_trip() -> None:
     for cmd in (
         JoinGroup("refit-1", "refit-1/stage1", 1, 0, 2, "gloo", "", group.members, 45.0),
         ExecutePlan("refit-1", 4, (bucket,), (group,), 30.5),
+        ExecutePlan(
+            "refit-1", 4, (bucket,), (group,), 30.5, ipc_links=frozenset({(1, "trainer-1", "generator-0-0")})
+        ),
         Verify("refit-1", 4, 60.0),
         Commit("refit-1", 4, 12.25),
         Abort("refit-1", "checksum mismatch"),

@@ -28,7 +28,7 @@ mid-refit fails the other at once where the channel sees its end (`TransferError
 does), else after `timeout_s` (`TransferTimeout`), or when mapping its memory (`TransferError`).
 
 Not for every unit: the copy moves bytes as they are, so a unit whose sender converts or quantizes
-(`src_dtype`, `quantized`) cannot take it (`ipc_units_error` names the first); memory of expandable
+(`src_dtype`, `quantized`) cannot take it (`ipc_units_refusal` names the first); memory of expandable
 segments cannot be exported through these handles (the driver refuses; `IpcSender` says so).
 """
 
@@ -44,17 +44,8 @@ from syncd.member.dataplane import checksum_kernel, ipc_handles
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.local_channel import Channel
 from syncd.member.dataplane.transport import TransferError
+from syncd.plan.transports import ipc_units_refusal
 from syncd.plan.types import TransferUnit
-
-
-def ipc_units_error(units: Iterable[TransferUnit]) -> str | None:
-    """Why `units` cannot go through CUDA IPC (the first unit whose bytes change on the way), or None."""
-    for u in units:
-        if u.src_dtype is not None or u.quantized is not None:
-            what = "converts" if u.src_dtype is not None else "quantizes"
-            key = checksum_key(u.canonical, u.canon)
-            return f"unit {key}: the sender {what} it; a CUDA IPC copy moves bytes as they are"
-    return None
 
 
 def source_checksums(units: Sequence[TransferUnit], views: Mapping[str, torch.Tensor]) -> Checksums:
@@ -168,7 +159,7 @@ class IpcSender:
         of the weights, record the interprocess event behind them, and post the exports with the
         event. Returns the checksums (`result()` reads them back; report them at once: the
         receiver does not need them)."""
-        error = ipc_units_error(units)
+        error = ipc_units_refusal(units)
         if error:
             raise ValueError(error)
         names = sorted({u.src_tensor for u in units})
