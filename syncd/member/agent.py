@@ -40,14 +40,17 @@ from syncd.member.dataplane import (
     TransferStats,
     TransferTimeout,
     Transport,
+    ipc_links,
     recv_buckets,
     send_buckets,
 )
 from syncd.member.dataplane.delta import DeltaStats, Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.member.dataplane.ipc_links import IpcLinks
 from syncd.member.dataplane.landing_fault import LandingFault, armed, fault_file_from_env
 from syncd.member.dataplane.prepared import ReceiveSink
 from syncd.member.dataplane.relay import relay_buckets, relay_with_deltas
 from syncd.member.dataplane.shm import ShmTransport, sweep_orphans
+from syncd.plan.transports import ipc_refusal
 from syncd.plan.types import Bucket
 from syncd.vocabulary import Backend, LinkTransport
 from syncd.weight_version import WeightVersion
@@ -136,8 +139,25 @@ class _MirrorUpdate:
 class _Group:
     group_id: str
     members: tuple[str, ...]
-    transport: Transport
+    # None: the group's members all share one GPU, so it has no NCCL communicator (`ipc_links`).
+    transport: Transport | None
     cache: LoopCache  # what the loops over `transport` keep between refits; dropped with it
+    ipc: IpcLinks | None = None  # the links to members on this GPU (CUDA IPC)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if self.ipc is not None:
+            self.ipc.close()
+
+
+def _merged(stats: TransferStats, more: TransferStats) -> TransferStats:
+    """One stage's network part (`stats`, of the loops' type) with its CUDA IPC part added."""
+    stats.bytes += more.bytes
+    stats.buckets += more.buckets
+    stats.checksums.update(more.checksums)
+    stats.seconds += more.seconds
+    return stats
 
 
 def _naming_peer(error: BaseException, members: Sequence[str]) -> BaseException:
@@ -183,16 +203,33 @@ class MemberAgent:
         self._close_group(cmd.stage)
         timeout = cmd.timeout_s
         t0 = time.perf_counter()
-        transport: Transport
+        transport: Transport | None
+        ipc: IpcLinks | None = None
         if cmd.backend == Backend.NCCL:
             from syncd.member.dataplane.nccl import NcclTransport
 
-            address = NcclTransport.create_address() if cmd.rank == 0 else cmd.address
+            device = torch.device(self._settings.device)
+            on_my_gpu = [
+                r for r, link in enumerate(cmd.links) if link == LinkTransport.CUDA_IPC and r != cmd.rank
+            ]
+            all_local = bool(on_my_gpu) and len(on_my_gpu) == cmd.world_size - 1
+            create = ipc_links.create_address if all_local else NcclTransport.create_address
+            address = create() if cmd.rank == 0 else cmd.address
             if cmd.rank == 0:
                 self._client.report(cmd.refit_id, Phase.GROUP_ADDRESS, address=address)
-            transport = NcclTransport.connect(
-                address, cmd.rank, cmd.world_size, torch.device(self._settings.device), timeout
+            transport = (
+                None
+                if all_local
+                else NcclTransport.connect(address, cmd.rank, cmd.world_size, device, timeout)
             )
+            if on_my_gpu:
+                try:
+                    left = timeout - (time.perf_counter() - t0)
+                    ipc = IpcLinks(ipc_links.meet(address, cmd.rank, on_my_gpu, left), device)
+                except BaseException:
+                    if transport is not None:
+                        transport.close()
+                    raise
         elif cmd.backend == Backend.GLOO:
             store = None
             address = cmd.address
@@ -212,16 +249,17 @@ class MemberAgent:
         with self._lock:
             # Over shared memory the loops' staging is the transport's: sends from it copy nothing.
             allocate = transport.allocate if isinstance(transport, ShmTransport) else None
-            self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport, LoopCache(allocate))
+            self._groups[cmd.stage] = _Group(cmd.group_id, cmd.members, transport, LoopCache(allocate), ipc)
         self._client.report(cmd.refit_id, Phase.JOINED, timings={"join_s": time.perf_counter() - t0})
         shm = sorted(transport.local_peers) if isinstance(transport, ShmTransport) else []
         log.info(
-            "%s joined %s as rank %d/%d%s",
+            "%s joined %s as rank %d/%d%s%s",
             self.member_id,
             cmd.group_id,
             cmd.rank,
             cmd.world_size,
             f", shared memory to ranks {shm}" if shm else "",
+            f", CUDA IPC to ranks {sorted(ipc.peers)}" if ipc is not None else "",
         )
 
     def _execute(self, cmd: ExecutePlan) -> None:
@@ -324,7 +362,7 @@ class MemberAgent:
             timeout_s = min(cmd.timeout_s, cmd.stall_timeout_s) if cmd.stall_timeout_s > 0 else cmd.timeout_s
             t = threading.Thread(
                 target=self._run_stage,
-                args=(group, buckets, tensors, results, stage, timeout_s, delta, diffs, fault),
+                args=(cmd, group, buckets, tensors, results, stage, timeout_s, delta, diffs, fault),
                 name=f"{self.member_id}-stage{stage}",
             )
             t.start()
@@ -363,6 +401,7 @@ class MemberAgent:
 
     def _run_stage(
         self,
+        cmd: ExecutePlan,
         group: _Group,
         buckets: list[Bucket],
         tensors,
@@ -387,9 +426,22 @@ class MemberAgent:
             landing_fault=fault,
         )
         cancel, cache, transport = self._cancel, group.cache, group.transport
+        over_ipc = [b for b in buckets if (b.stage, b.src, b.dst) in cmd.ipc_links]
+        buckets = [b for b in buckets if (b.stage, b.src, b.dst) not in cmd.ipc_links]
         try:
-            if relaying and delta is not None:  # `_delta_part`: a relay gets delta links as a receiver
-                results[stage] = relay_with_deltas(
+            ipc_stats = self._run_ipc(cmd, group, over_ipc, tensors, ranks, sending, timeout_s)
+            stats: TransferStats
+            if not buckets:
+                stats = TransferStats()
+            elif transport is None:
+                links = sorted({f"{b.src} -> {b.dst}" for b in buckets})
+                raise TransferError(
+                    f"links {', '.join(links)} cannot go through CUDA IPC "
+                    f"({ipc_refusal(buckets) or 'not chosen by syncd'}), and group {group.group_id} has no "
+                    "NCCL communicator: all its members share one GPU"
+                )
+            elif relaying and delta is not None:  # `_delta_part`: a relay gets delta links as a receiver
+                stats = relay_with_deltas(
                     buckets,
                     self.member_id,
                     tensors,
@@ -402,7 +454,7 @@ class MemberAgent:
                     forward_timeout_s=2 * timeout_s,
                 )
             elif relaying:
-                results[stage] = relay_buckets(
+                stats = relay_buckets(
                     buckets,
                     self.member_id,
                     tensors,
@@ -415,20 +467,43 @@ class MemberAgent:
                 )
             elif delta is None:
                 loop = send_buckets if sending else recv_buckets
-                results[stage] = loop(buckets, tensors, transport, ranks, options, cancel=cancel, cache=cache)
+                stats = loop(buckets, tensors, transport, ranks, options, cancel=cancel, cache=cache)
             elif sending:
                 assert diffs is not None  # `_delta_part` gives every sender its comparisons
-                results[stage] = send_with_deltas(
+                stats = send_with_deltas(
                     buckets, tensors, transport, ranks, delta, diffs, options, cancel=cancel, cache=cache
                 )
             else:
-                results[stage] = recv_with_deltas(
+                stats = recv_with_deltas(
                     buckets, tensors, transport, ranks, delta, options, cancel=cancel, cache=cache
                 )
+            results[stage] = stats if ipc_stats is None else _merged(stats, ipc_stats)
         except BaseException as e:  # noqa: BLE001 - a stage thread's failure goes to `results`, read after join
             log.warning("%s: stage %d transfer failed: %s", self.member_id, stage, e)
             self._close_group(stage)  # unblock our peers: they fail fast instead of timing out
             results[stage] = _naming_peer(e, group.members)
+
+    def _run_ipc(
+        self,
+        cmd: ExecutePlan,
+        group: _Group,
+        buckets: list[Bucket],
+        tensors,
+        ranks: Mapping[str, int],
+        sending: bool,
+        timeout_s: float,
+    ) -> TransferStats | None:
+        """This member's buckets over CUDA IPC (syncd's `ipc_links`), before any over the network:
+        every member of a group runs its IPC part first, so none waits on a peer busy elsewhere."""
+        if not buckets:
+            return None
+        if group.ipc is None:
+            raise TransferError(f"syncd sent CUDA IPC links, but {self.member_id} has no peer on its GPU")
+        if not isinstance(tensors, Mapping):
+            raise TransferError(f"{self.member_id} installs as buckets arrive; CUDA IPC copies into staging")
+        if sending:
+            return group.ipc.send(buckets, tensors, ranks, cmd.refit_id, 2 * timeout_s)
+        return group.ipc.receive(buckets, tensors, ranks, cmd.refit_id, timeout_s)
 
     def _abort(self, cmd: Abort) -> None:
         log.warning("%s: abort %s: %s", self.member_id, cmd.refit_id, cmd.reason)
@@ -444,7 +519,7 @@ class MemberAgent:
         with self._lock:
             group = self._groups.pop(stage, None)
         if group is not None:
-            group.transport.close()
+            group.close()
 
     def close(self) -> None:
         self._drop_mirror_update()

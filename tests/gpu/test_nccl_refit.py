@@ -18,11 +18,13 @@ pytestmark = pytest.mark.gpu(count=2)
 
 
 def _worker(rank: int, port: int, result_dir: str) -> None:
-    from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
+    from bench.synthetic_moe import trainer_catalog, vllm_catalog
     from syncd.member.dataplane import LoopOptions, catalog_views, recv_buckets, send_buckets
     from syncd.member.dataplane.nccl import NcclTransport
     from syncd.plan import DestMember, SourceMember, make_plan
     from syncd.plan.simulate import materialize
+    from tests.gpu.ipc_member import SMALL_MOE
+    from tests.gpu.ipc_member import canonical as small_moe_weights
 
     torch.cuda.set_device(rank)
     device = torch.device(f"cuda:{rank}")
@@ -33,23 +35,11 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
         world_size=2,
         timeout=datetime.timedelta(seconds=120),
     )
-    shape = MoeShape(
-        layers=2,
-        hidden=256,
-        experts=8,
-        moe_inter=96,
-        heads=8,
-        kv_heads=2,
-        head_dim=32,
-        vocab=1024,
-        dtype="float32",
-    )
-    src_cat, dst_cat = trainer_catalog(shape, 1, 0, 1, 0), vllm_catalog(shape, 2, 1)
+    src_cat, dst_cat = trainer_catalog(SMALL_MOE, 1, 0, 1, 0), vllm_catalog(SMALL_MOE, 2, 1)
     plan = make_plan(
         [SourceMember("trainer-0", 0, src_cat)], [DestMember("generator-0-1", dst_cat)], bucket_bytes=1 << 20
     )
-    rng = np.random.default_rng(7)
-    canonical = {c.name: rng.standard_normal(c.shape).astype(np.float32) for c in shape.canonical()}
+    canonical = small_moe_weights(7)
     catalog = src_cat if rank == 0 else dst_cat
     if rank == 0:
         owned = {k: torch.from_numpy(v).to(device) for k, v in materialize(src_cat, canonical).items()}

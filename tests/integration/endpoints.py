@@ -17,9 +17,11 @@ UNWRITTEN = 0xFF  # every byte of a staged element before it arrives: NaN in eve
 class TrainerEndpoint:
     """A trainer rank's weights in its catalog's local tensors, in the catalog's dtypes."""
 
-    def __init__(self, catalog: Catalog):
+    def __init__(self, catalog: Catalog, device: str = "cpu"):
         self.catalog = catalog
-        self.params = {t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype)) for t in catalog.tensors}
+        self.params = {
+            t.name: torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=device) for t in catalog.tensors
+        }
 
     def load(self, canonical: dict[str, np.ndarray]) -> None:
         """Canonical values as NumPy arrays of the catalog's dtype, or of its bits (int16 for
@@ -48,8 +50,8 @@ class GeneratorEndpoint(TrainerEndpoint):
     """Receives into staging; only a commit makes staged weights live (`params`). Verify fails
     while any staged element was not written."""
 
-    def __init__(self, catalog: Catalog):
-        super().__init__(catalog)
+    def __init__(self, catalog: Catalog, device: str = "cpu"):
+        super().__init__(catalog, device)
         self.version = 0
         self.staging: dict[str, torch.Tensor] | None = None
 

@@ -1,0 +1,80 @@
+"""One GPU, a real syncd and two member processes on it (a trainer rank and a vLLM-shaped
+generator worker, `ipc_member.py`): both report the same GPU, so syncd carries their link through
+CUDA IPC, shows it in the plan, and two refits commit with every byte checked end to end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from syncd.daemon.service import Daemon
+from syncd.daemon.settings import Settings
+from syncd.net import free_port
+from syncd.refit_wait import wait_final
+
+pytestmark = pytest.mark.gpu(count=1)
+
+MEMBER = Path(__file__).with_name("ipc_member.py")
+
+
+def _ask(proc: subprocess.Popen, line: str) -> str:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+def test_syncd_carries_a_one_gpu_link_through_cuda_ipc_and_commits(tmp_path):
+    settings = Settings(
+        host="127.0.0.1",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        db=str(tmp_path / "syncd.db"),
+        lease_seconds=5,
+        expected_trainers=1,
+        expected_generators=1,
+        bucket_bytes=1 << 20,
+    )
+    daemon = Daemon(settings)
+    daemon.start()
+    procs = {
+        role: subprocess.Popen(
+            [sys.executable, str(MEMBER), role, f"127.0.0.1:{daemon.grpc_port}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for role in ("trainer", "generator")
+    }
+    http = httpx.Client(base_url=f"http://127.0.0.1:{settings.http_port}", timeout=30)
+    try:
+        deadline = time.monotonic() + 120
+        while not http.get("/readyz").json()["ready"]:
+            assert time.monotonic() < deadline, http.get("/readyz").json()
+            time.sleep(0.2)
+        links = http.get("/v1/plan").json()["links"]
+        assert links and {k["transport"] for k in links} == {"cuda_ipc"}, links
+
+        for version in (1, 2):
+            assert _ask(procs["trainer"], f"load {version}") == f"loaded {version}"
+            r = http.post("/v1/refits", json={"weight_version": version})
+            assert r.status_code == 202, r.text
+            final = wait_final(lambda path: http.get(path).json(), r.json()["id"], 120, poll_s=0.1)
+            assert final["state"] == "COMMITTED", final
+            assert _ask(procs["generator"], f"check {version}") == f"ok {version}"
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                _ask(proc, "quit")
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        http.close()
+        daemon.stop()
