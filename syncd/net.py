@@ -37,6 +37,28 @@ def gpu_identity(device: str) -> str:
         return ""
     import torch  # only members on GPUs pay for it
 
+    return _uuid(torch, _index(torch, device))
+
+
+def peer_gpu_identities(device: str) -> tuple[str, ...]:
+    """The UUIDs of the other GPUs this process sees that the GPU `device` names reads directly
+    (peer access); () for a device that is not a GPU."""
+    if not device.startswith("cuda"):
+        return ()
+    import torch
+
+    mine = _index(torch, device)
+    return tuple(
+        _uuid(torch, i)
+        for i in range(torch.cuda.device_count())
+        if i != mine and torch.cuda.can_device_access_peer(mine, i)
+    )
+
+
+def _index(torch, device: str) -> int:
     index = torch.device(device).index
-    uuid = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).uuid
-    return f"GPU-{uuid}"
+    return torch.cuda.current_device() if index is None else index
+
+
+def _uuid(torch, index: int) -> str:
+    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"

@@ -42,8 +42,8 @@ class Fp8Part(StrEnum):
 
 class LinkTransport(StrEnum):
     """What carries one link (sender -> receiver) of a plan: the stage group's backend, or, between
-    members that reported the same host, shared memory (gloo groups) or, on the same GPU, CUDA IPC
-    (NCCL groups) (`syncd.plan.transports`)."""
+    members that reported the same host, shared memory (gloo groups) or CUDA IPC (NCCL groups whose
+    members all share memory) (`syncd.plan.transports`)."""
 
     SHM = "shm"
     CUDA_IPC = "cuda_ipc"
@@ -53,7 +53,7 @@ class LinkTransport(StrEnum):
 
 class SameHost(StrEnum):
     """syncd's choice for members of one host (`SYNCD_SAME_HOST`): shared memory (and CUDA IPC
-    between members on the same GPU), or the network backend as between hosts."""
+    between members that share GPU memory), or the network backend as between hosts."""
 
     SHM = "shm"
     NETWORK = "network"

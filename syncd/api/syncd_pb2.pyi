@@ -140,7 +140,7 @@ class Bucket(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., index: _Optional[int] = ..., units: _Optional[_Iterable[_Union[TransferUnit, _Mapping]]] = ..., nbytes: _Optional[int] = ..., relay: _Optional[_Union[Relay, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "member_id", "coords", "device", "data_address", "catalog_hash", "catalog", "run_id", "weight_version", "receive_by_layer", "host_id", "gpu_id")
+    __slots__ = ("role", "member_id", "coords", "device", "data_address", "catalog_hash", "catalog", "run_id", "weight_version", "receive_by_layer", "host_id", "gpu_id", "gpu_peers")
     class CoordsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class RegisterRequest(_message.Message):
     RECEIVE_BY_LAYER_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_PEERS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     member_id: str
     coords: _containers.ScalarMap[str, int]
@@ -172,7 +173,8 @@ class RegisterRequest(_message.Message):
     receive_by_layer: bool
     host_id: str
     gpu_id: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., member_id: _Optional[str] = ..., coords: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., data_address: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., catalog: _Optional[_Union[Catalog, _Mapping]] = ..., run_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., receive_by_layer: _Optional[bool] = ..., host_id: _Optional[str] = ..., gpu_id: _Optional[str] = ...) -> None: ...
+    gpu_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., member_id: _Optional[str] = ..., coords: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., data_address: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., catalog: _Optional[_Union[Catalog, _Mapping]] = ..., run_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., receive_by_layer: _Optional[bool] = ..., host_id: _Optional[str] = ..., gpu_id: _Optional[str] = ..., gpu_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("catalog_required", "session_id", "lease_seconds", "committed_version")

@@ -109,6 +109,7 @@ class SyncdServicer(pb_grpc.SyncdServicer):
             receive_by_layer=request.receive_by_layer,
             host_id=request.host_id,
             gpu_id=request.gpu_id,
+            gpu_peers=tuple(request.gpu_peers),
         )
         if result.catalog_required:
             return pb.RegisterResponse(catalog_required=True)

@@ -74,7 +74,7 @@ class LinkOut(BaseModel):
     relay: bool = Field(default=False, description="src is a generator forwarding what it received (fan-out)")
     transport: str = Field(
         default="",
-        description="what carries the link: shm (same host), cuda_ipc (same GPU), gloo or nccl "
+        description="what carries the link: shm (same host), cuda_ipc (shared GPU memory), gloo or nccl "
         "(syncd.plan.transports)",
     )
 

@@ -57,6 +57,7 @@ class Member:
     receive_by_layer: bool = False  # generators installing while they receive (see the proto)
     host_id: str = ""  # where it runs (`syncd.net.host_identity`); empty: unknown
     gpu_id: str = ""  # the UUID of its GPU (`syncd.net.gpu_identity`); empty: none or unknown
+    gpu_peers: tuple[str, ...] = ()  # the GPUs its GPU reads directly (`syncd.net.peer_gpu_identities`)
 
     @property
     def stage(self) -> int:
@@ -124,6 +125,7 @@ class Registry:
         receive_by_layer: bool = False,
         host_id: str = "",
         gpu_id: str = "",
+        gpu_peers: tuple[str, ...] = (),
     ) -> Registration:
         """Validate and open a session; raises InvalidArgument / AlreadyExists and changes nothing."""
         if role not in ROLES:
@@ -170,6 +172,7 @@ class Registry:
                 receive_by_layer,
                 host_id,
                 gpu_id,
+                tuple(gpu_peers),
             )
             old = self._sessions.get(member_id)
             self._sessions[member_id] = _Session(member, time.monotonic() + self.lease_seconds)

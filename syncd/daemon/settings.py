@@ -71,8 +71,8 @@ class Settings:
     same_host: str = _setting(
         "shm",
         "SYNCD_SAME_HOST",
-        "links between members that report the same host: shm (shared memory in gloo groups, "
-        "CUDA IPC between members on the same GPU in NCCL groups) or network (the group's "
+        "links between members that report the same host: shm (shared memory in gloo groups; "
+        "CUDA IPC in NCCL groups whose members all share memory) or network (the group's "
         "backend, as between hosts)",
     )
     backend: str = _setting(

@@ -17,10 +17,22 @@ from syncd.daemon.plan_cache import stage_membership
 from syncd.daemon.refit_run import RefitAborted, Run, seconds_left
 from syncd.daemon.registry import Member
 from syncd.plan import Plan
-from syncd.plan.transports import Place, group_backend, link_transport, nccl_group_problem, plan_transports
+from syncd.plan.transports import (
+    Place,
+    group_backend,
+    ipc_group,
+    link_transport,
+    nccl_group_problem,
+    plan_transports,
+)
 from syncd.vocabulary import Backend, LinkTransport
 
 log = logging.getLogger(__name__)
+
+
+def place_of(member: Member) -> Place:
+    """Where `member` runs, as the transport choice reads it (`syncd.plan.transports`)."""
+    return Place(member.host_id, member.gpu_id, frozenset(member.gpu_peers))
 
 
 def link_transports(
@@ -32,7 +44,7 @@ def link_transports(
     return plan_transports(
         plan,
         stage_membership(plan),
-        {m.member_id: Place(m.host_id, m.gpu_id) for m in members},
+        {m.member_id: place_of(m) for m in members},
         {m.member_id: m.device for m in members},
         backend,
         same_host,
@@ -69,7 +81,7 @@ class StageGroups:
             else:
                 backend = group_backend(self._backend_setting, [members[i].device for i in ids])
                 group = StageGroup(stage, f"{run.id}/stage{stage}", backend, ids)
-                places = {i: Place(members[i].host_id, members[i].gpu_id) for i in ids}
+                places = {i: place_of(members[i]) for i in ids}
                 problem = nccl_group_problem(places, self._same_host) if backend == Backend.NCCL else None
                 if problem is not None:
                     raise RefitAborted(f"stage {stage}: {problem}")
@@ -89,6 +101,8 @@ class StageGroups:
         Groups are negotiated one after another: a generator in several groups then never waits
         in one group's init while its peers wait in another's."""
 
+        ipc = ipc_group(group.backend, self._same_host, list(places.values()))
+
         def join(rank: int, address: str) -> JoinGroup:
             return JoinGroup(
                 refit_id=run.id,
@@ -101,7 +115,9 @@ class StageGroups:
                 members=group.members,
                 timeout_s=seconds_left(deadline),
                 links=tuple(
-                    link_transport(group.backend, self._same_host, places[group.members[rank]], places[m])
+                    link_transport(
+                        group.backend, self._same_host, places[group.members[rank]], places[m], ipc
+                    )
                     for m in group.members
                 ),
             )

@@ -139,10 +139,10 @@ class _MirrorUpdate:
 class _Group:
     group_id: str
     members: tuple[str, ...]
-    # None: the group's members all share one GPU, so it has no NCCL communicator (`ipc_links`).
+    # None: a CUDA IPC group (its members all share memory), without NCCL (`ipc_links`).
     transport: Transport | None
     cache: LoopCache  # what the loops over `transport` keep between refits; dropped with it
-    ipc: IpcLinks | None = None  # the links to members on this GPU (CUDA IPC)
+    ipc: IpcLinks | None = None  # the links to members this member shares memory with (CUDA IPC)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -209,10 +209,10 @@ class MemberAgent:
             from syncd.member.dataplane.nccl import NcclTransport
 
             device = torch.device(self._settings.device)
-            on_my_gpu = [
+            sharing = [
                 r for r, link in enumerate(cmd.links) if link == LinkTransport.CUDA_IPC and r != cmd.rank
             ]
-            all_local = bool(on_my_gpu) and len(on_my_gpu) == cmd.world_size - 1
+            all_local = bool(sharing) and len(sharing) == cmd.world_size - 1
             create = ipc_links.create_address if all_local else NcclTransport.create_address
             address = create() if cmd.rank == 0 else cmd.address
             if cmd.rank == 0:
@@ -222,10 +222,10 @@ class MemberAgent:
                 if all_local
                 else NcclTransport.connect(address, cmd.rank, cmd.world_size, device, timeout)
             )
-            if on_my_gpu:
+            if sharing:
                 try:
                     left = timeout - (time.perf_counter() - t0)
-                    ipc = IpcLinks(ipc_links.meet(address, cmd.rank, on_my_gpu, left), device)
+                    ipc = IpcLinks(ipc_links.meet(address, cmd.rank, sharing, left), device)
                 except BaseException:
                     if transport is not None:
                         transport.close()
@@ -438,7 +438,7 @@ class MemberAgent:
                 raise TransferError(
                     f"links {', '.join(links)} cannot go through CUDA IPC "
                     f"({ipc_refusal(buckets) or 'not chosen by syncd'}), and group {group.group_id} has no "
-                    "NCCL communicator: all its members share one GPU"
+                    "NCCL communicator: it is a CUDA IPC group"
                 )
             elif relaying and delta is not None:  # `_delta_part`: a relay gets delta links as a receiver
                 stats = relay_with_deltas(
@@ -498,7 +498,7 @@ class MemberAgent:
         if not buckets:
             return None
         if group.ipc is None:
-            raise TransferError(f"syncd sent CUDA IPC links, but {self.member_id} has no peer on its GPU")
+            raise TransferError(f"syncd sent CUDA IPC links, but {self.member_id} has no CUDA IPC peer")
         if not isinstance(tensors, Mapping):
             raise TransferError(f"{self.member_id} installs as buckets arrive; CUDA IPC copies into staging")
         if sending:

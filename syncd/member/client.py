@@ -36,7 +36,7 @@ from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
 from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, MemberReport, Phase, Verify
 from syncd.layout import Catalog
-from syncd.net import gpu_identity, host_identity
+from syncd.net import gpu_identity, host_identity, peer_gpu_identities
 from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion
 
@@ -71,6 +71,7 @@ class MemberClient:
         receive_by_layer: bool = False,
         host_id: str | None = None,
         gpu_id: str | None = None,
+        gpu_peers: tuple[str, ...] | None = None,
     ) -> None:
         convert.role_to_pb(role)  # fail here, not in a background thread
         self.target = target
@@ -87,6 +88,7 @@ class MemberClient:
         self.host_id = host_identity() if host_id is None else host_id
         # Which GPU it runs on, if any; members on the same one exchange bytes through CUDA IPC.
         self.gpu_id = gpu_identity(device) if gpu_id is None else gpu_id
+        self.gpu_peers = peer_gpu_identities(device) if gpu_peers is None else gpu_peers  # read directly
         self._commit_versions: dict[str, WeightVersion] = {}  # refit id -> version of its Commit
         self.committed_version: WeightVersion | None = None  # syncd's, as of the last Register or Heartbeat
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
@@ -219,6 +221,7 @@ class MemberClient:
             receive_by_layer=self.receive_by_layer,
             host_id=self.host_id,
             gpu_id=self.gpu_id,
+            gpu_peers=list(self.gpu_peers),
         )
         response = self._stub.Register(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
         if response.catalog_required:

@@ -5,15 +5,21 @@ A stage group has one backend (NCCL when all its members are on GPUs, gloo other
 `SYNCD_BACKEND` pins one). With `SYNCD_SAME_HOST=shm` (the default), members that reported the
 same host identity (`syncd.net.host_identity`) skip the network:
 - in a gloo group, through shared memory (`syncd.member.dataplane.shm`);
-- in an NCCL group, members on the same GPU (the same reported UUID, `syncd.net.gpu_identity`)
-  through CUDA IPC (`syncd.member.dataplane.cuda_ipc`): the receiver copies straight out of the
-  sender's tensors. A CUDA IPC copy moves bytes as they are, so a link whose units the sender
-  converts or quantizes, or one a relay forwards (fan-out), keeps NCCL (`ipc_refusal`).
+- an NCCL group whose members all share memory (one host and one GPU, the same reported UUID,
+  `syncd.net.gpu_identity`, or GPUs that each reported the other's as read directly, peer access,
+  `syncd.net.peer_gpu_identities`) is a CUDA IPC group (`ipc_group`): it has no NCCL
+  communicator, and the receiver of every link copies straight out of the sender's tensors
+  (`syncd.member.dataplane.cuda_ipc`). The decision is the group's, not each pair's: NCCL refuses
+  two ranks on one GPU, and every member must know whether the group has a communicator. A CUDA
+  IPC copy moves bytes as they are, so a link whose units the sender converts or quantizes, or
+  one into a receiver that relays (fan-out) or installs by layer, cannot go that way: it keeps
+  the backend's name in the plan and fails the refit by name (`ipc_refusal`).
 Every other link goes through the group's backend, so one plan, even one group, mixes them.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -23,11 +29,19 @@ from syncd.vocabulary import Backend, LinkTransport, SameHost
 
 
 class Place(NamedTuple):
-    """Where a member runs, as it reported: its host identity and its GPU's UUID; "" is unknown
-    (or no GPU) and never matches."""
+    """Where a member runs, as it reported: its host identity, its GPU's UUID and those of the
+    GPUs its GPU reads directly; "" is unknown (or no GPU) and never matches."""
 
     host: str
     gpu: str = ""
+    gpu_peers: frozenset[str] = frozenset()
+
+    def shares_memory_with(self, other: Place) -> bool:
+        """On one GPU, or on two that read each other's memory (both ways: both ends of a pair
+        decide alike whether they meet)."""
+        if not (self.gpu and other.gpu and self.host and self.host == other.host):
+            return False
+        return self.gpu == other.gpu or (other.gpu in self.gpu_peers and self.gpu in other.gpu_peers)
 
 
 _UNKNOWN = Place("")
@@ -40,24 +54,32 @@ def group_backend(setting: str, devices: Sequence[str]) -> Backend:
     return Backend.NCCL if all(d.startswith("cuda") for d in devices) else Backend.GLOO
 
 
-def link_transport(backend: str, same_host: str, src: Place, dst: Place) -> LinkTransport:
-    """The transport between two members of a group on `backend`, whatever they move (see
-    `ipc_refusal` for what CUDA IPC cannot carry)."""
-    if same_host == SameHost.SHM and src.host and src.host == dst.host:
-        if backend == Backend.GLOO:
-            return LinkTransport.SHM
-        if backend == Backend.NCCL and src.gpu and src.gpu == dst.gpu:
-            return LinkTransport.CUDA_IPC
+def ipc_group(backend: str, same_host: str, places: Collection[Place]) -> bool:
+    """Whether a group on `backend` whose members run at `places` is a CUDA IPC group: NCCL, local
+    transports on, and every pair of members sharing memory."""
+    return (
+        backend == Backend.NCCL
+        and same_host == SameHost.SHM
+        and all(a.shares_memory_with(b) for a, b in itertools.combinations(places, 2))
+    )
+
+
+def link_transport(
+    backend: str, same_host: str, src: Place, dst: Place, in_ipc_group: bool = False
+) -> LinkTransport:
+    """The transport between two members of a group on `backend` (`in_ipc_group`: `ipc_group`
+    holds for it), whatever they move (see `ipc_refusal` for what CUDA IPC cannot carry)."""
+    if in_ipc_group:
+        return LinkTransport.CUDA_IPC
+    if backend == Backend.GLOO and same_host == SameHost.SHM and src.host and src.host == dst.host:
+        return LinkTransport.SHM
     return LinkTransport(backend)
 
 
 def nccl_group_problem(members: Mapping[str, Place], same_host: str) -> str | None:
     """Why an NCCL group of `members` cannot form, or None. NCCL refuses two ranks on one GPU; a
-    group whose members all share one GPU needs no NCCL communicator (every link is CUDA IPC)."""
-    first = next(iter(members.values()), _UNKNOWN)
-    if all(
-        link_transport(Backend.NCCL, same_host, first, p) == LinkTransport.CUDA_IPC for p in members.values()
-    ):
+    CUDA IPC group (`ipc_group`) needs no NCCL communicator."""
+    if ipc_group(Backend.NCCL, same_host, list(members.values())):
         return None
     on_gpu: dict[str, list[str]] = {}
     for member, place in members.items():
@@ -67,9 +89,10 @@ def nccl_group_problem(members: Mapping[str, Place], same_host: str) -> str | No
     if shared is None:
         return None
     return (
-        f"{' and '.join(shared)} run on one GPU ({members[shared[0]].gpu}) in an NCCL group whose other "
-        "members do not, and NCCL refuses two ranks on one GPU: put all of a stage's members on one GPU "
-        "(CUDA IPC, with SYNCD_SAME_HOST=shm) or each on its own"
+        f"{' and '.join(shared)} run on one GPU ({members[shared[0]].gpu}) in an NCCL group whose "
+        "members do not all share memory, and NCCL refuses two ranks on one GPU: put a stage's members "
+        "on one GPU or on GPUs that read each other's memory (CUDA IPC, with SYNCD_SAME_HOST=shm), or "
+        "each on a GPU of its own"
     )
 
 
@@ -112,6 +135,10 @@ def plan_transports(
     backends = {
         s: group_backend(backend_setting, [devices.get(m, "") for m in ids]) for s, ids in groups.items()
     }
+    ipc_groups = {
+        s: ipc_group(backends[s], same_host, [places.get(m, _UNKNOWN) for m in ids])
+        for s, ids in groups.items()
+    }
     relays = {b.src for b in plan.buckets if b.relay is not None}
     by_link: dict[tuple[int, str, str], list[Bucket]] = {}
     for b in plan.buckets:
@@ -119,7 +146,7 @@ def plan_transports(
     out = {}
     for (stage, src, dst), buckets in by_link.items():
         src_place, dst_place = places.get(src, _UNKNOWN), places.get(dst, _UNKNOWN)
-        transport = link_transport(backends[stage], same_host, src_place, dst_place)
+        transport = link_transport(backends[stage], same_host, src_place, dst_place, ipc_groups[stage])
         if transport == LinkTransport.CUDA_IPC and (
             dst in relays or dst in installs_by_layer or ipc_refusal(buckets) is not None
         ):

@@ -144,6 +144,7 @@ def make_member(
     host_id: str | None = None,
     device: str = "",
     gpu_id: str = "",
+    gpu_peers: tuple[str, ...] = (),
     **behaviour: object,
 ) -> FakeMember:
     role, coords, catalog = MEMBERS[member_id]
@@ -157,8 +158,9 @@ def make_member(
             ("host_id", host_id),
             ("device", device),
             ("gpu_id", gpu_id),
+            ("gpu_peers", gpu_peers),
         )
-        if v not in ("", None)
+        if v not in ("", None, ())
     }
     client = MemberClient(
         target, role=role, member_id=member_id, coords=coords, catalog=catalog(), auth_token=token, **optional
@@ -211,6 +213,7 @@ class Cluster:
         host_id: str | None = None,
         device: str = "",
         gpu_id: str = "",
+        gpu_peers: tuple[str, ...] = (),
         **behaviour: object,
     ) -> FakeMember:
         m = make_member(
@@ -222,6 +225,7 @@ class Cluster:
             host_id=host_id,
             device=device,
             gpu_id=gpu_id,
+            gpu_peers=gpu_peers,
             **behaviour,
         )
         m.client.start(m.handle)

@@ -1,5 +1,6 @@
-"""One-GPU colocated data plane: the receiver copies every unit straight out of the sender's tensors,
-opened through CUDA IPC, with the checksum of what it wrote taken in the same pass.
+"""Colocated data plane on GPUs: the receiver copies every unit straight out of the sender's tensors,
+opened through CUDA IPC (on its own GPU, or on one it reads directly: peer access), with the
+checksum of what it wrote taken in the same pass.
 
 No staging and no packing on either side: a unit costs one read of the sender's bytes and one
 write of the receiver's (`Checksums.add_copy`: on NVIDIA GPUs the checksum kernel writes each item

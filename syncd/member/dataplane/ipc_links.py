@@ -1,20 +1,18 @@
-"""The CUDA IPC links of one stage group, as the agent runs them beside the group's NCCL transport:
-syncd chooses them (`syncd.plan.transports`), `cuda_ipc` moves their bytes.
+"""The CUDA IPC links of one stage group, as the agent runs them: syncd chooses them for a group
+whose members all share memory (one GPU, or GPUs that read each other's: `syncd.plan.transports`),
+`cuda_ipc` moves their bytes.
 
-Meeting. At join, every pair of members on one GPU meets on an abstract Unix socket whose name
-comes from the group's address (the NCCL unique id, or a random token where the group has no
-NCCL communicator: syncd relays it to every rank) and the pair's ranks: the lower rank listens, the
-higher connects and says who it is. An abstract name lives only while its socket is open, so
-nothing is left behind, a killed process's included.
-
-A group whose members all share one GPU has no NCCL communicator (NCCL refuses two ranks on one
-GPU: `all_local`); its links all go through CUDA IPC, so a link CUDA IPC cannot carry (one whose
-units the sender converts, `syncd.plan.transports.ipc_refusal`) fails the refit by name.
+Meeting. Such a group has no NCCL communicator (NCCL refuses two ranks on one GPU): rank 0
+reports a random token as the group's address (`create_address`), which syncd relays to every
+rank. At join, every pair meets on an abstract Unix socket named after the token and the pair's
+ranks: the lower rank listens, the higher connects and says who it is. An abstract name lives
+only while its socket is open, so nothing is left behind, a killed process's included.
 
 A refit: a sender offers its units to each of its receivers (each starts copying while the sender
 offers to the next), then waits for every "done"; a receiver takes its senders one after another.
 Each side's checksums go into its report, as over NCCL, so syncd compares what the sender held
-with what landed.
+with what landed. A link CUDA IPC cannot carry (`syncd.plan.transports.ipc_refusal`) has no other
+way in such a group: the agent fails the refit by name.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ ADDRESS_PREFIX = "cuda-ipc:"  # the address of a group without an NCCL communica
 
 
 def create_address() -> str:
-    """Group rank 0 of a group whose members all share one GPU: the token its pairs meet by."""
+    """Group rank 0 of a CUDA IPC group: the token its pairs meet by."""
     return ADDRESS_PREFIX + secrets.token_hex(16)
 
 
@@ -71,7 +69,7 @@ def _connect(name: str, deadline: float, peer: int, timeout_s: float) -> socket.
 
 
 def meet(address: str, rank: int, peers: Iterable[int], timeout_s: float) -> dict[int, SocketChannel]:
-    """A connected channel to each of `peers` (group ranks on this GPU). All listening sockets
+    """A connected channel to each of `peers` (group ranks). All listening sockets
     exist before this rank connects anywhere, so the pairs meet in any order."""
     deadline = time.monotonic() + timeout_s
     servers: dict[int, socket.socket] = {}
@@ -143,7 +141,7 @@ class IpcLinks:
         refit: str,
         timeout_s: float,
     ) -> TransferStats:
-        """Every bucket (all this member's, to peers on this GPU) to its receiver; returns the
+        """Every bucket (this member's CUDA IPC buckets) to its receiver; returns the
         checksums of what this member holds, once every receiver is done."""
         start = time.perf_counter()
         by_peer = self._by_peer(buckets, lambda b: ranks[b.dst])
@@ -169,7 +167,7 @@ class IpcLinks:
         refit: str,
         timeout_s: float,
     ) -> TransferStats:
-        """Every bucket (all this member's, from peers on this GPU) copied into `views`; returns
+        """Every bucket (this member's CUDA IPC buckets) copied into `views`; returns
         the checksums of what landed."""
         start = time.perf_counter()
         checksums: dict[str, str] = {}
