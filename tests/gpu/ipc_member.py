@@ -1,11 +1,11 @@
-"""A member process for `test_syncd_cuda_ipc.py`: a trainer rank or a generator worker on GPU 0
+"""A member process for `test_syncd_cuda_ipc.py`: a trainer rank or a generator worker on a GPU
 that joins a real syncd (`syncd.member.join`) and answers the test on stdin:
 
     load V   (trainer)   hold the weights of version V and announce it; prints "loaded V"
     check V  (generator) compare the live weights with version V's; prints "ok V" or "bad V names"
     quit                 leave syncd and exit; prints "bye"
 
-    python tests/gpu/ipc_member.py trainer|generator TARGET
+    python tests/gpu/ipc_member.py trainer|generator TARGET DEVICE
 """
 
 from __future__ import annotations
@@ -17,40 +17,22 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
+from bench.synthetic_moe import trainer_catalog, vllm_catalog
 from syncd.member import join
 from syncd.plan.simulate import materialize
 from syncd.vocabulary import Role
+from tests.gpu.small_moe import SMALL_MOE, canonical
 from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 
-# A small Qwen3-MoE-like model, in the GPU tests that need one.
-SMALL_MOE = MoeShape(
-    layers=2,
-    hidden=256,
-    experts=8,
-    moe_inter=96,
-    heads=8,
-    kv_heads=2,
-    head_dim=32,
-    vocab=1024,
-    dtype="float32",
-)
 
-
-def canonical(seed: int) -> dict[str, np.ndarray]:
-    """Version `seed`'s weights of `SMALL_MOE`, by canonical name."""
-    rng = np.random.default_rng(seed)
-    return {c.name: rng.standard_normal(c.shape).astype(np.float32) for c in SMALL_MOE.canonical()}
-
-
-def main(role: str, target: str) -> None:
+def main(role: str, target: str, device: str) -> None:
     if role == "trainer":
-        endpoint = TrainerEndpoint(trainer_catalog(SMALL_MOE, 1, 0, 1, 0), "cuda:0")
+        endpoint = TrainerEndpoint(trainer_catalog(SMALL_MOE, 1, 0, 1, 0), device)
         who = {"role": Role.TRAINER, "member_id": "trainer-0", "coords": {"pp": 0, "dp": 0, "ep": 0, "tp": 0}}
     else:
-        endpoint = GeneratorEndpoint(vllm_catalog(SMALL_MOE, 1, 0), "cuda:0")
+        endpoint = GeneratorEndpoint(vllm_catalog(SMALL_MOE, 1, 0), device)
         who = {"role": Role.GENERATOR, "member_id": "generator-0-0", "coords": {"replica": 0, "tp": 0}}
-    member = join(target, endpoint, catalog=endpoint.catalog, device="cuda:0", **who)  # type: ignore[arg-type]
+    member = join(target, endpoint, catalog=endpoint.catalog, device=device, **who)  # type: ignore[arg-type]
     for line in sys.stdin:
         verb, _, arg = line.strip().partition(" ")
         if verb == "load":
@@ -68,4 +50,4 @@ def main(role: str, target: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

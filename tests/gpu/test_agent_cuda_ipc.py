@@ -1,9 +1,10 @@
-"""One GPU, two member agents (a trainer rank and a vLLM-shaped receiver) in two processes, driven by
-the commands syncd sends when both reported the same GPU: JoinGroup with CUDA IPC links (no NCCL
-communicator: NCCL refuses two ranks on one GPU) and ExecutePlan naming the links CUDA IPC carries.
+"""Two member agents (a trainer rank and a vLLM-shaped receiver) in two processes, driven by the
+commands syncd sends to a CUDA IPC group: JoinGroup with CUDA IPC links (no NCCL communicator:
+NCCL refuses two ranks on one GPU) and ExecutePlan naming the links CUDA IPC carries.
 
 - Two refits, the second after the trainer rewrote its weights in place: every tensor lands
-  bit-exact and both agents report the same checksum for every unit, as syncd compares them.
+  bit-exact and both agents report the same checksum for every unit, as syncd compares them; on
+  one GPU, and with the receiver on a second GPU that reads the first's memory (peer access).
 - A receiver gone after the join fails the trainer's refit at once, naming the receiver.
 """
 
@@ -50,16 +51,17 @@ class _Endpoint:
     def abort(self) -> None: ...
 
 
-def _member(rank: int, port: int, mode: str, result_dir: str) -> None:
+def _member(rank: int, port: int, mode: str, devices: tuple[str, str]) -> None:
     from bench.synthetic_moe import trainer_catalog, vllm_catalog
     from syncd.commands import ExecutePlan, JoinGroup, StageGroup
     from syncd.member.agent import AgentSettings, MemberAgent
     from syncd.member.dataplane import catalog_views
     from syncd.plan import DestMember, SourceMember, make_plan
     from syncd.plan.simulate import materialize
-    from tests.gpu.ipc_member import SMALL_MOE, canonical
+    from tests.gpu.small_moe import SMALL_MOE, canonical
 
-    torch.cuda.set_device(0)
+    device = devices[rank]
+    torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     src_cat, dst_cat = trainer_catalog(SMALL_MOE, 1, 0, 1, 0), vllm_catalog(SMALL_MOE, 1, 0)
     plan = make_plan(
@@ -68,13 +70,13 @@ def _member(rank: int, port: int, mode: str, result_dir: str) -> None:
     weights = canonical(7)
     me = MEMBERS[rank]
     if rank == 0:
-        owned = {k: torch.from_numpy(v).cuda() for k, v in materialize(src_cat, weights).items()}
+        owned = {k: torch.from_numpy(v).to(device) for k, v in materialize(src_cat, weights).items()}
         views = catalog_views(src_cat, owned)
     else:
-        owned = {t.name: torch.full(t.shape, float("nan"), device="cuda") for t in dst_cat.tensors}
+        owned = {t.name: torch.full(t.shape, float("nan"), device=device) for t in dst_cat.tensors}
         views = catalog_views(dst_cat, owned)
     reporter = _Reporter(me, store)
-    agent = MemberAgent(reporter, _Endpoint(views), AgentSettings(device="cuda:0", pause_gc=False))
+    agent = MemberAgent(reporter, _Endpoint(views), AgentSettings(device=device, pause_gc=False))
     if rank == 0:
         address = ""  # rank 0 creates it and reports it (`_Reporter` posts it for rank 1)
     else:
@@ -113,11 +115,11 @@ def _member(rank: int, port: int, mode: str, result_dir: str) -> None:
     store.set(f"result/{me}", json.dumps(result))
 
 
-def _run(mode: str, tmp_path) -> dict:
+def _run(mode: str, devices: tuple[str, str] = ("cuda:0", "cuda:0")) -> dict:
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_member, args=(r, port, mode, str(tmp_path))) for r in (0, 1)]
+    procs = [ctx.Process(target=_member, args=(r, port, mode, devices)) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -129,8 +131,8 @@ def _run(mode: str, tmp_path) -> dict:
     return {m: json.loads(store.get(f"result/{m}")) if store.check([f"result/{m}"]) else {} for m in MEMBERS}
 
 
-def test_two_refits_through_cuda_ipc_land_exactly_with_agreeing_checksums(tmp_path):
-    got = _run("refits", tmp_path)
+def _two_refits_land_exactly(devices: tuple[str, str]) -> None:
+    got = _run("refits", devices)
     sender, receiver = got["trainer-0"], got["generator-0-0"]
     assert "error1" not in sender and "error1" not in receiver, got
     for version in (1, 2):
@@ -142,8 +144,17 @@ def test_two_refits_through_cuda_ipc_land_exactly_with_agreeing_checksums(tmp_pa
     assert "qkv_proj" in names and "w13_weight" in names and "w2_weight" in names
 
 
-def test_a_receiver_gone_after_the_join_fails_the_senders_refit_naming_it(tmp_path):
-    got = _run("receiver-gone", tmp_path)
+def test_two_refits_through_cuda_ipc_land_exactly_with_agreeing_checksums():
+    _two_refits_land_exactly(("cuda:0", "cuda:0"))
+
+
+@pytest.mark.gpu(count=2)
+def test_the_receiver_on_another_gpu_of_the_host_reads_the_senders_memory_through_peer_access():
+    _two_refits_land_exactly(("cuda:0", "cuda:1"))
+
+
+def test_a_receiver_gone_after_the_join_fails_the_senders_refit_naming_it():
+    got = _run("receiver-gone")
     assert got["generator-0-0"] == {"joined": True}, got
     error = got["trainer-0"].get("error1", "")
     assert "generator-0-0" in error and "failed or is gone" in error, got

@@ -23,8 +23,8 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
     from syncd.member.dataplane.nccl import NcclTransport
     from syncd.plan import DestMember, SourceMember, make_plan
     from syncd.plan.simulate import materialize
-    from tests.gpu.ipc_member import SMALL_MOE
-    from tests.gpu.ipc_member import canonical as small_moe_weights
+    from tests.gpu.small_moe import SMALL_MOE
+    from tests.gpu.small_moe import canonical as small_moe_weights
 
     torch.cuda.set_device(rank)
     device = torch.device(f"cuda:{rank}")
