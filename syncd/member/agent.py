@@ -151,15 +151,6 @@ class _Group:
             self.ipc.close()
 
 
-def _merged(stats: TransferStats, more: TransferStats) -> TransferStats:
-    """One stage's network part (`stats`, of the loops' type) with its CUDA IPC part added."""
-    stats.bytes += more.bytes
-    stats.buckets += more.buckets
-    stats.checksums.update(more.checksums)
-    stats.seconds += more.seconds
-    return stats
-
-
 def _naming_peer(error: BaseException, members: Sequence[str]) -> BaseException:
     """A transport error with the member at the other end named, so that syncd's abort says which
     member was slow, stuck or gone (the transport knows only its group rank)."""
@@ -209,27 +200,20 @@ class MemberAgent:
             from syncd.member.dataplane.nccl import NcclTransport
 
             device = torch.device(self._settings.device)
-            sharing = [
-                r for r, link in enumerate(cmd.links) if link == LinkTransport.CUDA_IPC and r != cmd.rank
-            ]
-            all_local = bool(sharing) and len(sharing) == cmd.world_size - 1
-            create = ipc_links.create_address if all_local else NcclTransport.create_address
+            # syncd decides per group (`syncd.plan.transports.ipc_group`): every link CUDA IPC and
+            # no NCCL communicator, or NCCL on every link.
+            others = [r for r in range(cmd.world_size) if r != cmd.rank]
+            over_ipc = bool(cmd.links) and all(cmd.links[r] == LinkTransport.CUDA_IPC for r in others)
+            create = ipc_links.create_address if over_ipc else NcclTransport.create_address
             address = create() if cmd.rank == 0 else cmd.address
             if cmd.rank == 0:
                 self._client.report(cmd.refit_id, Phase.GROUP_ADDRESS, address=address)
-            transport = (
-                None
-                if all_local
-                else NcclTransport.connect(address, cmd.rank, cmd.world_size, device, timeout)
-            )
-            if sharing:
-                try:
-                    left = timeout - (time.perf_counter() - t0)
-                    ipc = IpcLinks(ipc_links.meet(address, cmd.rank, sharing, left), device)
-                except BaseException:
-                    if transport is not None:
-                        transport.close()
-                    raise
+            if over_ipc:
+                transport = None
+                left = timeout - (time.perf_counter() - t0)
+                ipc = IpcLinks(ipc_links.meet(address, cmd.rank, others, left), device)
+            else:
+                transport = NcclTransport.connect(address, cmd.rank, cmd.world_size, device, timeout)
         elif cmd.backend == Backend.GLOO:
             store = None
             address = cmd.address
@@ -426,22 +410,13 @@ class MemberAgent:
             landing_fault=fault,
         )
         cancel, cache, transport = self._cancel, group.cache, group.transport
-        over_ipc = [b for b in buckets if (b.stage, b.src, b.dst) in cmd.ipc_links]
-        buckets = [b for b in buckets if (b.stage, b.src, b.dst) not in cmd.ipc_links]
         try:
-            ipc_stats = self._run_ipc(cmd, group, over_ipc, tensors, ranks, sending, timeout_s)
-            stats: TransferStats
-            if not buckets:
-                stats = TransferStats()
-            elif transport is None:
-                links = sorted({f"{b.src} -> {b.dst}" for b in buckets})
-                raise TransferError(
-                    f"links {', '.join(links)} cannot go through CUDA IPC "
-                    f"({ipc_refusal(buckets) or 'not chosen by syncd'}), and group {group.group_id} has no "
-                    "NCCL communicator: it is a CUDA IPC group"
-                )
-            elif relaying and delta is not None:  # `_delta_part`: a relay gets delta links as a receiver
-                stats = relay_with_deltas(
+            if group.ipc is not None:  # a CUDA IPC group: no network transport
+                results[stage] = self._run_ipc(cmd, group, buckets, tensors, ranks, sending, timeout_s)
+                return
+            assert transport is not None  # only CUDA IPC groups have none
+            if relaying and delta is not None:  # `_delta_part`: a relay gets delta links as a receiver
+                results[stage] = relay_with_deltas(
                     buckets,
                     self.member_id,
                     tensors,
@@ -454,7 +429,7 @@ class MemberAgent:
                     forward_timeout_s=2 * timeout_s,
                 )
             elif relaying:
-                stats = relay_buckets(
+                results[stage] = relay_buckets(
                     buckets,
                     self.member_id,
                     tensors,
@@ -467,17 +442,16 @@ class MemberAgent:
                 )
             elif delta is None:
                 loop = send_buckets if sending else recv_buckets
-                stats = loop(buckets, tensors, transport, ranks, options, cancel=cancel, cache=cache)
+                results[stage] = loop(buckets, tensors, transport, ranks, options, cancel=cancel, cache=cache)
             elif sending:
                 assert diffs is not None  # `_delta_part` gives every sender its comparisons
-                stats = send_with_deltas(
+                results[stage] = send_with_deltas(
                     buckets, tensors, transport, ranks, delta, diffs, options, cancel=cancel, cache=cache
                 )
             else:
-                stats = recv_with_deltas(
+                results[stage] = recv_with_deltas(
                     buckets, tensors, transport, ranks, delta, options, cancel=cancel, cache=cache
                 )
-            results[stage] = stats if ipc_stats is None else _merged(stats, ipc_stats)
         except BaseException as e:  # noqa: BLE001 - a stage thread's failure goes to `results`, read after join
             log.warning("%s: stage %d transfer failed: %s", self.member_id, stage, e)
             self._close_group(stage)  # unblock our peers: they fail fast instead of timing out
@@ -492,13 +466,18 @@ class MemberAgent:
         ranks: Mapping[str, int],
         sending: bool,
         timeout_s: float,
-    ) -> TransferStats | None:
-        """This member's buckets over CUDA IPC (syncd's `ipc_links`), before any over the network:
-        every member of a group runs its IPC part first, so none waits on a peer busy elsewhere."""
-        if not buckets:
-            return None
-        if group.ipc is None:
-            raise TransferError(f"syncd sent CUDA IPC links, but {self.member_id} has no CUDA IPC peer")
+    ) -> TransferStats:
+        """This member's buckets in a CUDA IPC group: all of them over the links syncd named
+        (`ipc_links`); one CUDA IPC cannot carry has no other way there."""
+        assert group.ipc is not None
+        refused = [b for b in buckets if (b.stage, b.src, b.dst) not in cmd.ipc_links]
+        if refused:
+            links = sorted({f"{b.src} -> {b.dst}" for b in refused})
+            raise TransferError(
+                f"links {', '.join(links)} cannot go through CUDA IPC "
+                f"({ipc_refusal(refused) or 'not chosen by syncd'}), and group {group.group_id} has no "
+                "NCCL communicator: it is a CUDA IPC group"
+            )
         if not isinstance(tensors, Mapping):
             raise TransferError(f"{self.member_id} installs as buckets arrive; CUDA IPC copies into staging")
         if sending:
