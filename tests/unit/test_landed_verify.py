@@ -20,8 +20,8 @@ from syncd.member.dataplane import (
     recv_buckets,
     send_buckets,
 )
-from syncd.member.dataplane.checksum import Checksums, checksum
-from syncd.member.dataplane.landed import LONG_RUN_BYTES, landed_checksums, long_runs
+from syncd.member.dataplane.checksum import LONG_RUN_BYTES, Checksums, checksum, long_runs
+from syncd.member.dataplane.landed import landed_checksums
 from syncd.member.dataplane.landing_fault import LandingFault, armed
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.simulate import materialize
@@ -54,9 +54,11 @@ def test_a_changed_element_changes_the_landed_checksum_of_its_unit_only() -> Non
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
-def test_a_strided_region_checksums_as_its_bytes_in_c_order(dtype: torch.dtype) -> None:
-    """`Checksums.add_region` hashes run by run (no copy): the value of the contiguous bytes."""
-    whole = (torch.randn(6, 10, 12) * 50).to(dtype)
+@pytest.mark.parametrize("row", [12, 4096])
+def test_a_strided_region_checksums_as_its_bytes_in_c_order(dtype: torch.dtype, row: int) -> None:
+    """`Checksums.add_region`: the value of the region's contiguous bytes, whether its runs are
+    short (copied together first) or long (hashed run by run where they lie, rows of 4096)."""
+    whole = (torch.randn(6, 10, row) * 50).to(dtype)
     for region in (
         whole,
         whole[1:4],

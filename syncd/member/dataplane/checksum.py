@@ -18,6 +18,7 @@ The text form starts with the algorithm, so mismatched algorithms can never comp
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,10 +26,13 @@ import torch
 import xxhash
 
 from syncd.member.dataplane import checksum_kernel
-from syncd.member.dataplane.checksum_kernel import ReducedRegions
+from syncd.member.dataplane.checksum_kernel import ReducedRegions, collapse
 
 _COLS = checksum_kernel.COLS
 _ROW_BYTES = checksum_kernel.ROW_BYTES
+# On CPU a run this long is hashed where it lies (xxh3 streams): the hash call costs under a tenth
+# of copying it; shorter runs are copied together first.
+LONG_RUN_BYTES = 4096
 
 
 def _xxh3(region_bytes: torch.Tensor) -> str:
@@ -37,6 +41,21 @@ def _xxh3(region_bytes: torch.Tensor) -> str:
 
 def _format_xxh3(nbytes: int, digest: int) -> str:
     return f"xxh3:{nbytes:x}:{digest:016x}"
+
+
+def long_runs(region: torch.Tensor, min_bytes: int) -> list[torch.Tensor] | None:
+    """`region`'s bytes in C order as its contiguous runs (uint8 views), or None when it has more
+    than one run and they are shorter than `min_bytes`."""
+    dims, steps = collapse(tuple(region.shape), tuple(region.stride()))
+    if len(dims) == 1 and steps[0] == 1:
+        return [region.reshape(-1).view(torch.uint8)]
+    if steps[-1] != 1 or dims[-1] * region.element_size() < min_bytes:
+        return None
+    starts = (
+        region.storage_offset() + sum(i * s for i, s in zip(index, steps))
+        for index in itertools.product(*(range(d) for d in dims[:-1]))
+    )
+    return [region.as_strided((dims[-1],), (1,), start).view(torch.uint8) for start in starts]
 
 
 def _positions(n: int, device: torch.device) -> torch.Tensor:
@@ -232,13 +251,18 @@ class Checksums:
 
     def add_region(self, key: str, region: torch.Tensor) -> None:
         """A region of a tensor, by its bytes in C order, whatever its strides. On NVIDIA GPUs
-        one kernel reads it where it lies (`checksum_kernel`); otherwise it is copied contiguous
-        first when it is not (on CPU one C copy beat hashing its contiguous runs one by one from
-        Python, 3x on the 24 x 128-expert model's staging)."""
+        one kernel reads it where it lies (`checksum_kernel`); on CPU runs of `LONG_RUN_BYTES` or
+        more are hashed where they lie (a delta refit's experts' halves: no copy of the region);
+        otherwise it is copied contiguous first (for short runs one C copy beat hashing them one
+        by one from Python, 3x on the 24 x 128-expert model's staging)."""
         described = checksum_kernel.describe(region)
         if described is not None:
             self._keys.append(key)
             self._device.add_in_place(described)
+            return
+        runs = long_runs(region, LONG_RUN_BYTES) if region.device.type == "cpu" else None
+        if runs is not None:
+            self.add_pieces(key, region.numel() * region.element_size(), [r.numpy().data for r in runs])
         else:
             self.add(key, region.contiguous().reshape(-1).view(torch.uint8))
 

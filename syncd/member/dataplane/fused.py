@@ -11,7 +11,7 @@ unfused path computes it (`checksum.Checksums.add`).
 - Pack (`FusedCopies.pack`): each chunk of the source region is copied (and cast) into the
   bucket, and the bucket's chunk hashed: the sender's checksum of the packed bytes.
 - Unpack with the landed check (`FusedCopies.unpack`): each chunk of the bucket is copied into
-  its destination, and the destination chunk hashed where it lies (runs of `landed.LONG_RUN_BYTES` or more)
+  its destination, and the destination chunk hashed where it lies (runs of `checksum.LONG_RUN_BYTES` or more)
   or gathered first into scratch memory (shorter runs): the landed checksum.
 FP8 units (quantized from whole blocks) are computed whole and hashed after.
 """
@@ -25,8 +25,7 @@ import torch
 import xxhash
 
 from syncd.commands import checksum_key
-from syncd.member.dataplane.checksum import Checksums
-from syncd.member.dataplane.landed import LONG_RUN_BYTES, long_runs
+from syncd.member.dataplane.checksum import LONG_RUN_BYTES, Checksums, long_runs
 from syncd.member.dataplane.pack import copy_pairs
 from syncd.plan.types import Bucket
 from syncd.vocabulary import Direction

@@ -19,34 +19,13 @@ region where it lies, a bucket's regions in one launch.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from syncd.commands import checksum_key
 from syncd.member.dataplane.checksum import Checksums
-from syncd.member.dataplane.checksum_kernel import collapse
 from syncd.plan.types import TransferUnit
-
-LONG_RUN_BYTES = (
-    4096  # a run this long is hashed where it lies: the hash call costs under a tenth of copying it
-)
-
-
-def long_runs(region: torch.Tensor, min_bytes: int) -> list[torch.Tensor] | None:
-    """`region`'s bytes in C order as its contiguous runs (uint8 views), or None when it has more
-    than one run and they are shorter than `min_bytes`."""
-    dims, steps = collapse(tuple(region.shape), tuple(region.stride()))
-    if len(dims) == 1 and steps[0] == 1:
-        return [region.reshape(-1).view(torch.uint8)]
-    if steps[-1] != 1 or dims[-1] * region.element_size() < min_bytes:
-        return None
-    starts = (
-        region.storage_offset() + sum(i * s for i, s in zip(index, steps))
-        for index in itertools.product(*(range(d) for d in dims[:-1]))
-    )
-    return [region.as_strided((dims[-1],), (1,), start).view(torch.uint8) for start in starts]
 
 
 def add_landed(units: Iterable[TransferUnit], tensors: Mapping[str, torch.Tensor], sums: Checksums) -> None:
