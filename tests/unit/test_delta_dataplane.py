@@ -326,3 +326,34 @@ def test_box_runs_list_the_flat_positions_of_a_box_in_its_own_order():
         listed = (starts[:, None] + torch.arange(run)[None, :]).reshape(-1)
         expected = torch.arange(int(np.prod(shape))).view(shape)[box.slices()].reshape(-1)
         assert torch.equal(listed, expected), (shape, box)
+
+
+@pytest.mark.parametrize("many_runs", [False, True])
+def test_a_scatter_into_a_box_writes_its_positions_and_nothing_else(many_runs):
+    """`_scatter_box`, a delta's write into its region of a tensor: ascending positions in the box's
+    C order, into boxes of few runs (numpy, run by run) and of many (one `index_copy_`)."""
+    from syncd.layout import Box
+    from syncd.member.dataplane.delta import _FEW_RUNS, _box_runs, _scatter_box
+
+    rng = np.random.default_rng(4)
+    for _ in range(100):
+        shape = (int(rng.integers(_FEW_RUNS + 1, 2 * _FEW_RUNS)), 3, 5) if many_runs else (6, 4, 7)
+        start = tuple(int(rng.integers(0, n)) for n in shape)
+        stop = tuple(int(rng.integers(a + 1, n + 1)) for a, n in zip(start, shape))
+        if many_runs:  # part of the middle dim of every row: a run per row
+            middle = int(rng.integers(0, 2))
+            start, stop = (0, middle, 0), (shape[0], int(rng.integers(middle + 1, 3)), shape[2])
+        box = Box(start, stop)
+        parent = torch.randn(shape).to(torch.bfloat16)
+        expected = parent.clone()
+        numel = box.numel
+        index = torch.from_numpy(
+            np.sort(rng.choice(numel, size=int(rng.integers(1, numel + 1)), replace=False))
+        )
+        values = torch.randn(index.numel()).to(torch.bfloat16)
+        region = expected[box.slices()].clone().reshape(-1)
+        region[index.long()] = values
+        expected[box.slices()] = region.view(expected[box.slices()].shape)
+        _scatter_box(parent, box, parent[box.slices()], index.to(torch.int32), values)
+        assert torch.equal(parent.view(torch.int16), expected.view(torch.int16)), (shape, box)
+        assert (len(_box_runs(shape, box)[0]) > _FEW_RUNS) == many_runs, (shape, box)

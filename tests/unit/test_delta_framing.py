@@ -184,3 +184,19 @@ def test_a_position_outside_its_unit_fails_before_it_is_written(one_link):
     messages[1] = piece
     e = one_link.receive(messages[:2])
     assert isinstance(e, ValueError) and "delta piece of bucket" in str(e) and "-3" in str(e), e
+
+
+def test_positions_that_do_not_ascend_fail_before_they_are_written(one_link):
+    """The receiver cuts a unit's positions by run on their order: out of order, they are refused."""
+    messages = list(one_link.messages)
+    codes, units = messages[0].tolist(), one_link.plan.for_member("gen")[0].units
+    # the first unit with two positions or more, after the first sparse ones (as the -3 test's)
+    k = next(i for i, c in enumerate(codes) if c >= 2)
+    assert all(c >= 0 for c in codes[:k])
+    at = sum(delta._sparse_bytes(c, u.nbytes // u.canon.numel) for c, u in zip(codes[:k], units))
+    piece = messages[1].clone()
+    positions = piece[at : at + 8].view(torch.int32)
+    positions[0], positions[1] = positions[1].item(), positions[0].item()
+    messages[1] = piece
+    e = one_link.receive(messages[:2])
+    assert isinstance(e, ValueError) and "do not ascend" in str(e), e
