@@ -35,10 +35,11 @@ sender's mirror (a restart, a torn refit, a flipped bit) fails it and the refit 
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -250,7 +251,7 @@ _MOSTLY_CHANGED = 0.5
 # each: small enough that the comparison, the wire, each hop of a chain and the receivers' apply
 # overlap, large enough that a hop is not one wake-up per bucket (2.5 % changed: ~1.2 MB pieces).
 _GROUP_BYTES = 16 << 20
-_TRAILER = 8  # a piece ends with its byte count (int64), a header with its code count: `_received`
+_TRAILER = 8  # a piece ends with its byte count (int64), a header with its code count: `_Incoming`
 _FEW_RUNS = 64  # `_unit_change` takes a unit's changes run by run up to this many runs
 _CHUNK = 1 << 18  # elements `_changed_positions` compares at a time on CPU (its mask stays in cache)
 
@@ -504,7 +505,7 @@ def _send_link(
         changes = [[diffs.of(u, tensors, dst) for u in b.units] for b in group]
         codes = [[_header_code(c) for c in cs] for cs in changes]
         flat_codes = [c for cs in codes for c in cs]
-        header = torch.tensor([*flat_codes, len(flat_codes)], dtype=torch.int64)  # trailer: `_received`
+        header = torch.tensor([*flat_codes, len(flat_codes)], dtype=torch.int64)  # trailer: `_Incoming`
         sent.append((transport.isend(header, peer), header))
         parts = []
         for bucket, cs, bucket_codes in zip(group, changes, codes):
@@ -599,24 +600,23 @@ def recv_with_deltas(
     `buckets` are those this member receives; `forward`: it relays them (fan-out). A `DeltaSink`
     names its tensors and an undo log that saves what each write overwrites.
 
-    Link by link, group by group, its header, then its piece (applied at once), then one
-    pipelined loop over all the links' dense buckets: each peer's messages come in its order
-    (headers and pieces, dense buckets), and a relay forwards them in the order it takes them,
-    which its successors take them in; no link waits for the previous link's dense buckets (and a
-    relay for its forwards), and a link's changes are in place while a later sender is still
-    comparing."""
+    Link by link, group by group, its header, then its piece, taken (and forwarded) by a thread of
+    their own (`_Taker`) while this one applies the pieces taken before; then one pipelined loop
+    over all the links' dense buckets: each peer's messages come in its order (headers and
+    pieces, dense buckets), and a relay forwards them in the order it takes them, which its
+    successors take them in; no link waits for the previous link's dense buckets (and a relay for
+    its forwards), and a link's changes are in place while a later sender is still comparing."""
     stats, start = DeltaStats(), time.perf_counter()
     undo: Undo | None = None
     if not isinstance(tensors, Mapping):
         tensors, undo = tensors.delta_targets()
+    taker = _Taker(_origin_links(buckets), transport, ranks, links.max_fraction, options, forward, cancel)
     dense: list[Bucket] = []
-    for link in _origin_links(buckets).values():
-        peer = ranks[link[0].src]
-        for group in _groups(link):
-            _check(cancel)
-            dense += _recv_group(
-                group, link, peer, tensors, transport, links.max_fraction, options, stats, undo, forward
-            )
+    try:
+        for arrived in taker.arrivals():
+            dense += _apply_group(arrived, tensors, stats, undo)
+    finally:
+        taker.stop()
     _check(cancel)
     if dense and undo is not None:  # the executor overwrites these units whole
         for u in [u for b in dense for u in b.units]:
@@ -644,72 +644,161 @@ def _groups(link: Sequence[Bucket]) -> list[list[Bucket]]:
     return groups
 
 
-def _recv_group(
-    group: list[Bucket],
-    link: Sequence[Bucket],
-    peer: int,
-    tensors: Mapping[str, torch.Tensor],
-    transport: Transport,
-    max_fraction: float,
-    options: LoopOptions,
-    stats: DeltaStats,
-    undo: Undo | None,
-    forward: LinkForward | None,
-) -> list[Bucket]:
-    """One group of a delta link (`_groups`): its header, then the piece of its buckets that go as
-    deltas, each forwarded as it arrived (before it is applied); the piece applied bucket by
-    bucket and whole regions checksummed. Returns the group's dense buckets (received later, with
-    the others)."""
-    header = torch.empty(sum(len(b.units) for b in group) + 1, dtype=torch.int64)
-    _received(header, transport, peer, options, group)
-    if forward is not None:
-        forward.header(link, header)
-    flat_codes, at = header[:-1].tolist(), 0
-    dense, sparse = [], []
-    for bucket in group:
-        codes = flat_codes[at : at + len(bucket.units)]
-        at += len(bucket.units)
-        _check_codes(bucket, codes)
-        stats.elements += sum(u.canon.numel for u in bucket.units)
-        stats.changed += sum(c if c >= 0 else -1 - c for c in codes)
-        if _dense_bucket(codes, bucket, max_fraction):
-            dense.append(bucket)
-            stats.touched.update(u.dst_tensor for u in bucket.units)
+@dataclass
+class _Arrived:
+    """One group of a delta link as it arrived (`_Taker`): its buckets that go dense (received later,
+    with the others), those that go as deltas with their codes and bytes in `piece`, in order."""
+
+    group: list[Bucket]
+    dense: list[Bucket] = field(default_factory=list)
+    sparse: list[tuple[Bucket, list[int], int]] = field(default_factory=list)
+    piece: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    elements: int = 0  # of all its units, and how many of them changed
+    changed: int = 0
+    touched: set[str] = field(default_factory=set)  # destination tensors that take new values
+
+
+class _Taker:
+    """Takes a receiver's delta links group by group on a thread of its own: each group's header,
+    then its piece (sized from the header), each forwarded as it arrived (a relay). Gloo sends a
+    message only once its receive is posted, so taking the next group while the previous one is
+    applied keeps the wire, and every hop of a chain after this one, moving."""
+
+    def __init__(
+        self,
+        links: Mapping[tuple[str, str], list[Bucket]],
+        transport: Transport,
+        ranks: Mapping[str, int],
+        max_fraction: float,
+        options: LoopOptions,
+        forward: LinkForward | None,
+        cancel: threading.Event | None,
+    ) -> None:
+        self._links, self._transport, self._ranks = list(links.values()), transport, ranks
+        self._max_fraction, self._options, self._forward = max_fraction, options, forward
+        self._cancel, self._stopped = cancel, threading.Event()
+        self._queue: queue.SimpleQueue[_Arrived | BaseException | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="delta-take", daemon=True)
+        self._thread.start()
+
+    def arrivals(self) -> Iterator[_Arrived]:
+        """The groups in the order they arrive; raises what stopped the taking."""
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        self._thread.join()
+
+    def stop(self) -> None:
+        """No more groups after the one being taken (the applier failed); a receive waiting for its
+        message ends with the transfer's timeout or abort."""
+        self._stopped.set()
+
+    def _run(self) -> None:
+        try:
+            groups = [(link, g, self._ranks[link[0].src]) for link in self._links for g in _groups(link)]
+            header = self._header(*groups[0]) if groups else None
+            for i, (link, group, peer) in enumerate(groups):
+                if self._stopped.is_set():
+                    return
+                _check(self._cancel)
+                assert header is not None  # the first posted above, each next one by `_take`
+                following = groups[i + 1] if i + 1 < len(groups) else None
+                header, arrived = self._take(link, group, peer, header, following)
+                self._queue.put(arrived)
+        except BaseException as e:  # noqa: BLE001 - handed to the applier, which raises it
+            self._queue.put(e)
         else:
-            sparse.append((bucket, codes, sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units))))
-            stats.touched.update(u.dst_tensor for u, c in zip(bucket.units, codes) if c)
-    size = sum(size for _, _, size in sparse)
-    piece = torch.empty(size + _TRAILER if size else 0, dtype=torch.uint8)
-    if size:
-        _received(piece, transport, peer, options, group)
-        if forward is not None:
-            forward.message(link, piece)
-    offset = 0
-    for bucket, codes, size in sparse:
-        _apply(bucket, codes, piece[offset : offset + size], tensors, stats.checksums, undo)
-        offset += size
-    stats.bytes += piece.numel()
-    stats.buckets += len(sparse)
-    return dense
+            self._queue.put(None)
 
+    def _header(self, link: Sequence[Bucket], group: list[Bucket], peer: int) -> _Incoming:
+        buf = torch.empty(sum(len(b.units) for b in group) + 1, dtype=torch.int64)
+        return _Incoming(buf, self._transport, peer, group)
 
-def _received(
-    buf: torch.Tensor, transport: Transport, peer: int, options: LoopOptions, group: Sequence[Bucket]
-) -> None:
-    """Receive a header (int64) or piece (uint8) into `buf`, whose last 8 bytes, its trailer, the
-    sender set to the count of the codes (header) or bytes (piece) before it. Gloo takes a message
-    shorter than the buffer without a word: a truncated one leaves the sentinel put there first."""
-    what = "header" if buf.dtype == torch.int64 else "piece"
-    words = buf.view(torch.int64)
-    expected = (words.numel() - 1) * (1 if what == "header" else 8)
-    words[-1] = -1
-    transport.irecv(buf, peer).wait(options.timeout_s)
-    if int(words[-1]) != expected:
-        raise TransferError(
-            f"delta {what} of the group from bucket {group[0].key} arrived truncated or corrupt: its "
-            f"trailer says {int(words[-1])}, {expected} expected",
-            peer,
+    def _take(
+        self,
+        link: Sequence[Bucket],
+        group: list[Bucket],
+        peer: int,
+        header: _Incoming,
+        following: tuple[Sequence[Bucket], list[Bucket], int] | None,
+    ) -> tuple[_Incoming | None, _Arrived]:
+        """The group whose `header` was posted: its piece received, and the header of the
+        `following` group posted behind it, so its sender sends it as soon as it has it (one wait
+        for a posted receive per group, not two). Returns that header and the group."""
+        codes_buf = header.wait(self._options.timeout_s)
+        if self._forward is not None:
+            self._forward.header(link, codes_buf)
+        flat_codes, at = codes_buf[:-1].tolist(), 0
+        arrived = _Arrived(group)
+        for bucket in group:
+            codes = flat_codes[at : at + len(bucket.units)]
+            at += len(bucket.units)
+            _check_codes(bucket, codes)
+            arrived.elements += sum(u.canon.numel for u in bucket.units)
+            arrived.changed += sum(c if c >= 0 else -1 - c for c in codes)
+            if _dense_bucket(codes, bucket, self._max_fraction):
+                arrived.dense.append(bucket)
+                arrived.touched.update(u.dst_tensor for u in bucket.units)
+            else:
+                size = sum(_unit_bytes(c, u) for c, u in zip(codes, bucket.units))
+                arrived.sparse.append((bucket, codes, size))
+                arrived.touched.update(u.dst_tensor for u, c in zip(bucket.units, codes) if c)
+        size = sum(size for _, _, size in arrived.sparse)
+        piece = (
+            _Incoming(torch.empty(size + _TRAILER, dtype=torch.uint8), self._transport, peer, group)
+            if size
+            else None
         )
+        next_header = self._header(*following) if following is not None else None
+        if piece is not None:
+            arrived.piece = piece.wait(self._options.timeout_s)
+            if self._forward is not None:
+                self._forward.message(link, arrived.piece)
+        return next_header, arrived
+
+
+def _apply_group(
+    arrived: _Arrived, tensors: Mapping[str, torch.Tensor], stats: DeltaStats, undo: Undo | None
+) -> list[Bucket]:
+    """Apply one group's piece bucket by bucket, checksumming whole regions; count it in `stats`.
+    Returns its dense buckets."""
+    stats.elements += arrived.elements
+    stats.changed += arrived.changed
+    stats.touched |= arrived.touched
+    offset = 0
+    for bucket, codes, size in arrived.sparse:
+        _apply(bucket, codes, arrived.piece[offset : offset + size], tensors, stats.checksums, undo)
+        offset += size
+    stats.bytes += arrived.piece.numel()
+    stats.buckets += len(arrived.sparse)
+    return arrived.dense
+
+
+class _Incoming:
+    """A header (int64) or piece (uint8) being received into `buf`, whose last 8 bytes, its trailer,
+    the sender set to the count of the codes (header) or bytes (piece) before it. Gloo takes a
+    message shorter than the buffer without a word: a truncated one leaves the sentinel put there
+    first. Posted at construction, so the sender may send it while the receiver does other work."""
+
+    def __init__(self, buf: torch.Tensor, transport: Transport, peer: int, group: Sequence[Bucket]) -> None:
+        self.buf, self._peer, self._group = buf, peer, group
+        buf.view(torch.int64)[-1] = -1
+        self._handle = transport.irecv(buf, peer)
+
+    def wait(self, timeout_s: float) -> torch.Tensor:
+        """The message, its trailer checked."""
+        self._handle.wait(timeout_s)
+        what = "header" if self.buf.dtype == torch.int64 else "piece"
+        words = self.buf.view(torch.int64)
+        expected = (words.numel() - 1) * (1 if what == "header" else 8)
+        if int(words[-1]) != expected:
+            raise TransferError(
+                f"delta {what} of the group from bucket {self._group[0].key} arrived truncated or "
+                f"corrupt: its trailer says {int(words[-1])}, {expected} expected",
+                self._peer,
+            )
+        return self.buf
 
 
 def _check_codes(bucket: Bucket, codes: list[int]) -> None:
