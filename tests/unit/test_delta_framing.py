@@ -7,6 +7,7 @@ hang, nothing written past its unit)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -32,6 +33,32 @@ def _chain() -> Chain:
     return c
 
 
+def _forwarded(monkeypatch, method: str, what: Callable[[torch.Tensor], int]) -> list[int]:
+    """`what` of each message relays forward through `DeltaForwarder.<method>` from now on."""
+    seen: list[int] = []
+    forward = getattr(DeltaForwarder, method)
+
+    def recording(self, link, data):
+        seen.append(what(data))
+        forward(self, link, data)
+
+    monkeypatch.setattr(DeltaForwarder, method, recording)
+    return seen
+
+
+def _exact_delta_refit(fraction: float) -> tuple[Chain, dict, list]:
+    """A full refit through the chain, a step moving `fraction` of the elements, then a delta
+    refit: every replica bit-exact and verified. Returns the chain, the delta's stats by member and
+    the trainers' links."""
+    c = _chain()
+    c.refit(delta=False)
+    c.step(fraction)
+    stats = c.refit(delta=True)
+    assert not any(c.mismatched(stats).values()), c.mismatched(stats)
+    assert not c.differing(), c.differing()
+    return c, stats, [c.plan.for_member(s.member_id) for s in c.sources]
+
+
 def test_groups_cut_a_link_in_order_at_the_group_size(monkeypatch):
     link = _chain().plan.for_member("trainer-0")
     monkeypatch.setattr(delta, "_GROUP_BYTES", 3 * BUCKET)
@@ -47,24 +74,23 @@ def test_a_delta_in_many_pieces_through_relays_is_bit_exact(monkeypatch):
     """Groups of two buckets: each trainer's link is several headers and pieces, every relay
     forwards each piece as it arrived, and every replica ends bit-exact, verified."""
     monkeypatch.setattr(delta, "_GROUP_BYTES", 2 * BUCKET)
-    forwarded: list[int] = []
-    message = DeltaForwarder.message
-
-    def counting(self, link, data):
-        forwarded.append(data.numel())
-        message(self, link, data)
-
-    monkeypatch.setattr(DeltaForwarder, "message", counting)
-    c = _chain()
-    c.refit(delta=False)
-    c.step(0.01)
-    stats = c.refit(delta=True)
-    assert not any(c.mismatched(stats).values()), c.mismatched(stats)
-    assert not c.differing(), c.differing()
-    links = [c.plan.for_member(s.member_id) for s in c.sources]
+    forwarded = _forwarded(monkeypatch, "message", lambda data: data.numel())
+    c, _, links = _exact_delta_refit(0.01)
     groups = sum(len(delta._groups(link)) for link in links)
     relays = len(c.dests) - 1
     assert len(forwarded) == relays * groups  # at 1% every group has a piece, each hop forwards it
+
+
+def test_a_link_that_goes_dense_whole_sends_one_header_and_stays_exact(monkeypatch):
+    """A step that changes everything: each trainer's link sends its first header only (it says
+    the rest goes dense), every relay forwards that one, and every replica ends bit-exact."""
+    monkeypatch.setattr(delta, "_GROUP_BYTES", 2 * BUCKET)
+    headers = _forwarded(monkeypatch, "header", lambda data: int(data[-1]))  # their trailers
+    c, stats, links = _exact_delta_refit(1.0)
+    assert all(len(delta._groups(link)) > 1 for link in links)
+    assert len(headers) == (len(c.dests) - 1) * len(links)  # one a link, at each hop
+    assert all(trailer >= delta._REST_DENSE for trailer in headers)
+    assert all(stats[d.member_id].changed == stats[d.member_id].elements for d in c.dests)
 
 
 class _OneLink:
