@@ -21,10 +21,13 @@ Per delta link, in the plan's order:
    refit's path, plus one copy of the weights into the mirror beside it.
 3. The link goes in groups of buckets (`_groups`): each group's header, then the encodings of its
    other buckets, one piece: per unit, int32 positions (C order
-   of the unit's region) and their values, or the unit's dense bytes; each part 8-byte aligned.
-   The receiver sizes the piece from the header, forwards it on (a relay) as it arrived and
-   applies it at once, so comparing, the wire, every hop of a chain and applying overlap group
-   by group (one message for the link would cross each hop whole before the next hop began).
+   of the unit's region, ascending) and their values, or the unit's dense bytes; each part 8-byte
+   aligned. The receiver sizes the piece from the header, forwards it on (a relay) as it arrived
+   and applies it, so comparing, the wire, every hop of a chain and applying overlap group by
+   group (one message for the link would cross each hop whole before the next hop began). Gloo
+   sends a message only once its receive is posted, so a receiver takes the groups on a thread of
+   its own (`_Taker`) while it applies the ones before, with the next header posted behind each
+   piece. A link that goes dense whole sends its first header only (`_dense_whole`).
 
 Verification covers whole regions, not the delta: the sender checksums each unit's full new values
 and the receiver its full destination region after applying the delta, under the same keys as a
