@@ -344,6 +344,11 @@ def run(args) -> dict:
             + (f" {'egress MB':>9}" if lab else ""),
             flush=True,
         )
+        if args.load:
+            # The clients start once the trainer has announced its first step. `import torch` binds
+            # the importing thread to each core in turn (cpuinfo), and vLLM's CPU worker, bound to
+            # a core and busy with the clients, held the trainer's ranks there for minutes.
+            syncd.wait_announced(1, 300, trainer)
         load = Load(generators[0].url, generators[0].prompts, args.load, args.max_tokens).start()
         for step in range(1, args.steps + 1):
             row = refit_step(step, syncd, generators, trainer, lab, work, args)
