@@ -519,7 +519,6 @@ def _send_link(
     whole = _dense_whole(link, tensors, diffs, dst, max_fraction)
     for i, group in enumerate(_groups(link)):
         _check(cancel)
-        diffs.presample([u for b in group for u in b.units], tensors)
         changes = [[diffs.of(u, tensors, dst) for u in b.units] for b in group]
         codes = [[_header_code(c) for c in cs] for cs in changes]
         flat_codes = [c for cs in codes for c in cs]
@@ -555,7 +554,7 @@ def _dense_whole(link: Sequence[Bucket], tensors, diffs: Diffs, dst: str, max_fr
     one header instead of one a group before its dense buckets can move (on loopback, 12 headers
     of 4 senders took a tenth of a dense refit)."""
     units = [u for b in link for u in b.units]
-    diffs.presample(units, tensors)
+    diffs.presample(units, tensors)  # the whole link's, once: its groups' comparisons use them too
     return all(diffs.known_cheaply(u, tensors) for u in units) and all(
         _dense_bucket([_header_code(diffs.of(u, tensors, dst)) for u in b.units], b, max_fraction)
         for b in link
