@@ -28,11 +28,11 @@ namespaces on a bridge, links shaped at `--link-gbit`, root needed): syncd, the 
 and each replica; the summary then also gives the bytes that left the trainer's host per refit.
 `--pause-mode` is how the generator's refits meet running requests (`wait`, `keep`, `abort`:
 generator_svc/README.md, "Pause modes"); `--load N` keeps N clients sending greedy completions of
-`--max-tokens` tokens to replica 0 while it trains and refits, and the summary then gives per refit
-`pause_s` (how long the generator held requests), `install_s` (of which the engine was paused for
-the install) and `spanning_requests` (requests with tokens from before and after it), and overall
-`load_requests`, `failed_requests` and `responses_without_versions` (answers whose tokens do not say
-which weight version produced them).
+`--max-tokens` tokens to replica 0 from the trainer's first step on, through every refit, and the
+summary then gives per refit `pause_s` (how long the generator held requests), `install_s` (of
+which the engine was paused for the install) and `spanning_requests` (requests with tokens from
+before and after it), and overall `load_requests`, `failed_requests` and
+`responses_without_versions` (answers whose tokens do not say which weight version produced them).
 Every process it starts, it stops (and the lab, its namespaces).
 """
 
