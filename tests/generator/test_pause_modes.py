@@ -43,7 +43,11 @@ def _tokens(logprobs: dict) -> list[int]:
 
 
 class Stream:
-    """A streamed completion read on a thread: its tokens as they come, and its last chunk."""
+    """A streamed completion read on a thread: its tokens as they come, and its last chunk.
+
+    It and `Call` use the service's client: a client made per request builds an SSL context,
+    which takes seconds of CPU while the engine runs on a 2-core machine, and the request leaves late.
+    """
 
     def __init__(self, service: Service, prompt: list[int], max_tokens: int) -> None:
         self.tokens: list[int] = []
@@ -54,7 +58,7 @@ class Stream:
 
     def _read(self, service: Service, prompt: list[int], max_tokens: int) -> None:
         body = _body(prompt, max_tokens, stream=True)
-        with httpx.stream("POST", f"{service.url}/v1/completions", json=body, timeout=120) as r:
+        with service.http.stream("POST", "/v1/completions", json=body) as r:
             self.status = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -76,7 +80,7 @@ class Call:
         self._thread.start()
 
     def _post(self, service: Service, body: dict) -> None:
-        self.response = httpx.post(f"{service.url}/v1/completions", json=body, timeout=120)
+        self.response = service.http.post("/v1/completions", json=body)
 
     def join(self) -> httpx.Response:
         self._thread.join(120)
