@@ -242,6 +242,26 @@ def test_a_step_that_changes_everything_goes_dense_and_stays_exact():
     assert all(third[m].bytes < 0.06 * first[m].bytes for m in DELTA_ALL)
 
 
+def test_a_link_dense_by_its_samples_sends_its_small_tensors_uncompared_and_stays_exact():
+    """Every expert element changes, the norm does not: the links whose buckets the expert
+    samples settle go dense whole without comparing the norm, which goes dense with them and is
+    counted changed (gen-a takes it in a bucket with expert rows). Every generator ends exact,
+    the mirrors take the norm whole, and the next RL-like step's delta is exact."""
+    r = Refits("bfloat16")
+    r.refit(set())
+    for name in (GATE.name, UP.name):
+        r.canonical[name] += np.float32(0.05)
+    second = r.refit(DELTA_ALL, base=1)
+    assert r.checksums_agree(second)
+    assert second["gen-a"].changed == second["gen-a"].elements  # the unchanged norm included
+    r.assert_exact()
+    r.assert_mirrors_hold_the_new_version()
+    r.step(0.01, size=0.05)
+    third = r.refit(DELTA_ALL, base=2)
+    assert r.checksums_agree(third)
+    r.assert_exact()
+
+
 def test_a_dense_refit_that_fails_leaves_the_mirrors_on_the_base():
     """A step that changes everything goes dense, but the refit fails after the transfers (the
     senders never commit): the mirrors still hold version 1 bit for bit (nothing was written into

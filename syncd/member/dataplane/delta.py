@@ -42,7 +42,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -88,6 +88,7 @@ class Mirror:
         self.whole: frozenset[tuple[str, str]] = frozenset()  # (local tensor, dtype)
         self.held: frozenset[tuple] = frozenset()  # `_key`s of regions
         self._tensors: dict[tuple[str, str], torch.Tensor] = {}
+        self._samples: dict[tuple[str, str], torch.Tensor] = {}  # `_sample` views of `_tensors`
 
     def holds(self, u: TransferUnit) -> bool:
         return (u.src_tensor, u.dtype) in self.whole or _key(u) in self.held
@@ -103,7 +104,16 @@ class Mirror:
             t = self._tensors[(name, dtype)] = torch.zeros(
                 source.shape, dtype=torch_dtype(dtype), device=source.device
             )
+            self._samples.pop((name, dtype), None)
         return t
+
+    def sample(self, name: str, dtype: str, source: torch.Tensor) -> torch.Tensor:
+        """`_sample` of `tensor(name, dtype, source)`: a view, kept (it sees every commit)."""
+        t = self.tensor(name, dtype, source)
+        view = self._samples.get((name, dtype))
+        if view is None:
+            view = self._samples[(name, dtype)] = _sample(t)
+        return view
 
     def region(self, unit: TransferUnit, source: torch.Tensor) -> torch.Tensor:
         """The mirror of unit's source region (`source` is the sender's whole local tensor)."""
@@ -172,12 +182,35 @@ class Diffs:
                 source = tensors[u.src_tensor]
                 # Only tensors the mirror holds whole (see `_positions`), and big enough to sample.
                 if key in self.mirror.whole and source.numel() > _SAMPLED_ABOVE:
-                    todo[key] = (source, self.mirror.tensor(u.src_tensor, u.dtype, source))
+                    todo[key] = (_sample(source), self.mirror.sample(u.src_tensor, u.dtype, source))
             for key, mostly in zip(todo, _samples_mostly_changed(list(todo.values()))):
                 if mostly:
                     self.positions[key] = None
                 else:
                     self.sampled.add(key)
+
+    def dense_without_comparing(self, u: TransferUnit) -> bool:
+        """Whether `of(u)` is all of `u`, known without an exact comparison: FP8, a region the mirror
+        does not hold, a tensor found mostly changed by its sample (`presample`) or whose unit
+        went dense already. The caller holds `lock`."""
+        if u.quantized is not None or not self.mirror.holds(u):
+            return True
+        known = self.changes.get(_key(u))
+        if known is not None:
+            return not known[1].sparse
+        key = (u.src_tensor, u.dtype)
+        return key in self.positions and self.positions[key] is None
+
+    def assume_dense(self, units: Iterable[TransferUnit], dst: str) -> None:
+        """`of(u)` is all of `u`, counted as all changed, for each of `units` not compared yet: they
+        go dense whatever an exact comparison would find (`_dense_whole`); the mirror takes them
+        whole on `commit`."""
+        with self.lock:
+            for u in units:
+                key = _key(u)
+                self.sent.setdefault((dst, u.src_tensor, u.dtype), set()).add(key)
+                if key not in self.changes and not u.quantized:
+                    self.changes[key] = (u, Change(u.canon.numel, u.canon.numel))
 
     def known_cheaply(self, u: TransferUnit, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether `of(u)` needs no exact comparison of a big tensor: FP8, a region the mirror does
@@ -293,7 +326,7 @@ def _sample_runs(numel: int) -> tuple[int, int]:
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
     """`t`'s sampled elements (`_sample_runs`), a [runs, `_SAMPLE_RUN`] view of `t` in C order."""
-    flat = t.reshape(-1)
+    flat = t if t.is_contiguous() else t.reshape(-1)  # as_strided addresses the storage
     first, step = _sample_runs(flat.numel())
     return flat.as_strided((_SAMPLE // _SAMPLE_RUN, _SAMPLE_RUN), (step, 1), flat.storage_offset() + first)
 
@@ -305,19 +338,20 @@ def _sample_mostly_changed(source: torch.Tensor, old: torch.Tensor) -> bool:
     in a fraction of the exact comparison. A word differs where any of its elements does, so a
     tensor found mostly changed here would be by `_changed_positions` too, but for sampling error,
     which costs bytes (its units go dense), never exactness."""
-    return source.numel() > _SAMPLED_ABOVE and _samples_mostly_changed([(source, old)])[0]
+    return source.numel() > _SAMPLED_ABOVE and _samples_mostly_changed([(_sample(source), _sample(old))])[0]
 
 
 def _samples_mostly_changed(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
-    """`_sample_mostly_changed` of each (source, mirror) pair (each more than `_SAMPLED_ABOVE`
-    elements), in a few operations per mirror dtype: the samples stacked, compared at once."""
+    """`_sample_mostly_changed` of each pair of samples (`_sample` of a source tensor of more than
+    `_SAMPLED_ABOVE` elements, of its mirror), in a few operations per mirror dtype: the samples
+    stacked, compared at once."""
     out = [False] * len(pairs)
     by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
     for i, (_, old) in enumerate(pairs):
         by_dtype[old.dtype].append(i)
     for dtype, which in by_dtype.items():
-        new = torch.stack([_sample(pairs[i][0]) for i in which]).to(dtype)
-        old = torch.stack([_sample(pairs[i][1]) for i in which])
+        new = torch.stack([pairs[i][0] for i in which]).to(dtype)
+        old = torch.stack([pairs[i][1] for i in which])
         differs = torch.ne(_bits(new), _bits(old)).sum(dim=(1, 2))
         for i, mostly in zip(which, (differs > _MOSTLY_CHANGED * _SAMPLE).tolist()):
             out[i] = mostly
@@ -519,13 +553,17 @@ def _send_link(
     whole = _dense_whole(link, tensors, diffs, dst, max_fraction)
     for i, group in enumerate(_groups(link)):
         _check(cancel)
+        if whole and i > 0:  # no header: all dense, counted as all changed (as its receiver does)
+            numel = sum(u.canon.numel for b in group for u in b.units)
+            stats.elements, stats.changed = stats.elements + numel, stats.changed + numel
+            dense += group
+            continue
         changes = [[diffs.of(u, tensors, dst) for u in b.units] for b in group]
         codes = [[_header_code(c) for c in cs] for cs in changes]
         flat_codes = [c for cs in codes for c in cs]
-        if i == 0 or not whole:
-            trailer = len(flat_codes) + (_REST_DENSE if whole else 0)  # `_Incoming`
-            header = torch.tensor([*flat_codes, trailer], dtype=torch.int64)
-            sent.append((transport.isend(header, peer), header))
+        trailer = len(flat_codes) + (_REST_DENSE if whole else 0)  # `_Incoming`
+        header = torch.tensor([*flat_codes, trailer], dtype=torch.int64)
+        sent.append((transport.isend(header, peer), header))
         parts = []
         for bucket, cs, bucket_codes in zip(group, changes, codes):
             stats.elements += sum(c.numel for c in cs)
@@ -550,14 +588,34 @@ def _send_link(
 
 def _dense_whole(link: Sequence[Bucket], tensors, diffs: Diffs, dst: str, max_fraction: float) -> bool:
     """Whether every bucket of `link` goes dense, found without an exact comparison of any big tensor
-    (a step that changes everything: every tensor's sample says so). Its receiver then waits for
-    one header instead of one a group before its dense buckets can move (on loopback, 12 headers
-    of 4 senders took a tenth of a dense refit)."""
+    (a step that changes everything: every tensor's sample says so). Where the samples settle every
+    bucket (`_dense_by_samples`), its small tensors are not compared either: they go dense, counted
+    as all changed. Its receiver then waits for one header instead of one a group before its dense
+    buckets can move (on loopback, 12 headers of 4 senders took a tenth of a dense refit), and
+    every sender's header waits for this."""
     units = [u for b in link for u in b.units]
     diffs.presample(units, tensors)  # the whole link's, once: its groups' comparisons use them too
+    with diffs.lock:  # another stage's link may be comparing the same tensors
+        by_samples = all(_dense_by_samples(b, diffs, max_fraction) for b in link)
+    if by_samples:  # its small tensors need no comparison before the header
+        diffs.assume_dense(units, dst)
+        return True
     return all(diffs.known_cheaply(u, tensors) for u in units) and all(
         _dense_bucket([_header_code(diffs.of(u, tensors, dst)) for u in b.units], b, max_fraction)
         for b in link
+    )
+
+
+def _dense_by_samples(bucket: Bucket, diffs: Diffs, max_fraction: float) -> bool:
+    """Whether `bucket` goes dense whatever its other units' comparisons find: the bytes of its
+    units known dense without one (`Diffs.dense_without_comparing`) are already more than its delta
+    may take (`_dense_bucket`; a unit's delta bytes are at least 0)."""
+    if any(u.quantized for u in bucket.units):
+        return True
+    known = [diffs.dense_without_comparing(u) for u in bucket.units]
+    return all(known) or (
+        sum(_aligned(u.nbytes) for u, dense in zip(bucket.units, known) if dense)
+        > max_fraction * bucket.nbytes
     )
 
 
