@@ -29,7 +29,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from functools import cached_property
+from typing import Protocol, cast
 
 import torch
 from torch.profiler import record_function
@@ -186,15 +187,23 @@ class _Loop:
     def in_flight(self) -> int:
         return self.options.in_flight
 
-    @property
+    @cached_property
     def sink(self) -> ReceiveSink | None:
+        """`tensors` when a sink takes the buckets; found once (the loop asks per bucket, and a
+        check against a runtime protocol walks its attributes: ~10 us)."""
         return self.tensors if isinstance(self.tensors, ReceiveSink) else None
 
     @property
+    def named(self) -> Mapping[str, torch.Tensor]:
+        """`tensors` where no sink takes the buckets: the named tensors to pack or unpack."""
+        assert self.sink is None
+        return cast(Mapping[str, torch.Tensor], self.tensors)
+
+    @property
     def device(self) -> torch.device:
-        if isinstance(self.tensors, ReceiveSink):
-            return self.tensors.device
-        return next(iter(self.tensors.values())).device
+        if self.sink is not None:
+            return self.sink.device
+        return next(iter(self.named.values())).device
 
     def buffers(self, buckets: Sequence[Bucket]) -> list[torch.Tensor]:
         """`in_flight` staging buffers, kept in the cache so that refits after the first reuse
@@ -208,12 +217,12 @@ class _Loop:
         on; the first refit of a plan captures them all here, before anything is enqueued), or
         the prepared eager work (`syncd.member.dataplane.prepared`)."""
         flats = [bufs[i % self.in_flight][: b.nbytes] for i, b in enumerate(ordered)]
-        if isinstance(self.tensors, ReceiveSink):
-            return [SinkBucket(b, flat, self.tensors) for b, flat in zip(ordered, flats)]
+        if self.sink is not None:
+            return [SinkBucket(b, flat, self.sink) for b, flat in zip(ordered, flats)]
         if self.graphs is None:
             assert self.prepared is not None  # _run sets one of the two
-            return self.prepared.buckets(ordered, self.tensors, flats)
-        return self.graphs.programs(direction, ordered, self.tensors, flats)
+            return self.prepared.buckets(ordered, self.named, flats)
+        return self.graphs.programs(direction, ordered, self.named, flats)
 
     def enqueuing(self):
         """Held while this loop enqueues device work (never across a wait), when graphs are on."""
@@ -356,10 +365,10 @@ class _Loop:
 
     def in_place_program(self, bucket: Bucket, flat: torch.Tensor) -> PreparedBucket:
         """The unpack (and landed check) of `bucket` from a sender's segment (`reads_in_place`)."""
-        if isinstance(self.tensors, ReceiveSink):
-            return SinkBucket(bucket, flat, self.tensors)
+        if self.sink is not None:
+            return SinkBucket(bucket, flat, self.sink)
         assert self.prepared is not None  # shared memory is host memory: no CUDA graphs
-        return self.prepared.bucket(bucket, self.tensors, flat, direct=False)
+        return self.prepared.bucket(bucket, self.named, flat, direct=False)
 
     def recv(self, buckets: Sequence[Bucket]) -> None:
         ordered = sorted(buckets, key=lambda b: (b.src, b.index))
