@@ -68,6 +68,9 @@ def main() -> None:
         }
         with open(out, "w") as f:
             json.dump(report, f, indent=1)
+    # Every rank done before any closes its connections (a rank of _refusal_ranks.py once aborted
+    # in CI, 'terminate called without an active exception', maybe at teardown; not reproduced).
+    dist.barrier()
     dist.destroy_process_group()
 
 

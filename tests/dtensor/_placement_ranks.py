@@ -145,4 +145,7 @@ if __name__ == "__main__":
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             f.write(f"{checked[0]} {refused[0]}")
+    # Every rank done before any closes its connections (a rank of _refusal_ranks.py once aborted
+    # in CI, 'terminate called without an active exception', maybe at teardown; not reproduced).
+    dist.barrier()
     dist.destroy_process_group()

@@ -57,6 +57,10 @@ def main() -> None:
         text += "\n---\n" + str(e)
     with open(f"{sys.argv[1]}.{dist.get_rank()}", "w") as f:
         f.write(text)
+    print(f"rank {dist.get_rank()}: refusals written", flush=True)  # in the test's output on a failure
+    # Every rank done before any closes its connections (one rank of this script once aborted
+    # in CI, 'terminate called without an active exception', maybe at teardown; not reproduced).
+    dist.barrier()
     dist.destroy_process_group()
 
 
