@@ -176,6 +176,14 @@ class Refits:
                 assert torch.equal(held, new[name][box.slices()]), (s.member_id, name, box)
         assert checked >= len(self.sources)  # each sent its expert tensor whole to gen-a
 
+    def next_delta_exact(self, base: int) -> dict:
+        """An RL-like step, then its delta refit on `base`: every generator ends exact."""
+        self.step(0.01, size=0.05)
+        stats = self.refit(DELTA_ALL, base=base)
+        assert self.checksums_agree(stats)
+        self.assert_exact()
+        return stats
+
     def checksums_agree(self, stats) -> bool:
         sent = {k: v for s in self.sources for k, v in stats[s.member_id].checksums.items()}
         return all(sent[k] == v for d in self.dests for k, v in stats[d.member_id].checksums.items())
@@ -235,10 +243,7 @@ def test_a_step_that_changes_everything_goes_dense_and_stays_exact():
         )  # every bucket dense: no header bytes counted
     r.assert_exact()
     r.assert_mirrors_hold_the_new_version()
-    r.step(0.01, size=0.05)
-    third = r.refit(DELTA_ALL, base=2)
-    assert r.checksums_agree(third)
-    r.assert_exact()
+    third = r.next_delta_exact(base=2)
     assert all(third[m].bytes < 0.06 * first[m].bytes for m in DELTA_ALL)
 
 
@@ -256,10 +261,7 @@ def test_a_link_dense_by_its_samples_sends_its_small_tensors_uncompared_and_stay
     assert second["gen-a"].changed == second["gen-a"].elements  # the unchanged norm included
     r.assert_exact()
     r.assert_mirrors_hold_the_new_version()
-    r.step(0.01, size=0.05)
-    third = r.refit(DELTA_ALL, base=2)
-    assert r.checksums_agree(third)
-    r.assert_exact()
+    r.next_delta_exact(base=2)
 
 
 def test_a_dense_refit_that_fails_leaves_the_mirrors_on_the_base():
