@@ -207,9 +207,11 @@ class Diffs:
         whole on `commit`."""
         with self.lock:
             for u in units:
+                if u.quantized:  # as in `of` and `absorb`: FP8 units never enter the mirror
+                    continue
                 key = _key(u)
                 self.sent.setdefault((dst, u.src_tensor, u.dtype), set()).add(key)
-                if key not in self.changes and not u.quantized:
+                if key not in self.changes:
                     self.changes[key] = (u, Change(u.canon.numel, u.canon.numel))
 
     def known_cheaply(self, u: TransferUnit, tensors: Mapping[str, torch.Tensor]) -> bool:
