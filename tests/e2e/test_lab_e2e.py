@@ -24,6 +24,7 @@ from e2e_harness import Generator, Stack, wait_until
 
 from deploy.lab import placement
 from deploy.lab.placement import Placement
+from deploy.local.processes import Proc
 from tests.lab_support import running_lab
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -58,6 +59,26 @@ def replicas(lab_stack, model) -> dict[int, Generator]:
     return {r: start_replica(stack, model, r) for r in range(REPLICAS)}
 
 
+@pytest.fixture
+def train(lab_stack, model):
+    """Start this test's trainer job (`steps`, exporting to `export`); it is stopped when the test
+    ends, passed or failed: one left running would register with the next test's syncd (same
+    ports) and announce its own versions there (CI once saw a failed test's trainer do so)."""
+    stack, _ = lab_stack
+    started: list[Proc] = []
+
+    def start(steps: int, export: Path) -> Proc:
+        proc = stack.train(model, pp=1, ep=2, tp=2, steps=steps, export=export)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+        if proc in stack.cluster.procs:
+            stack.cluster.procs.remove(proc)
+
+
 def start_replica(stack: Stack, model: Path, replica: int) -> Generator:
     return stack.start_generator(
         model, replica=replica, name=f"generator-{replica}", cpus=str(replica % (os.cpu_count() or 1))
@@ -65,11 +86,11 @@ def start_replica(stack: Stack, model: Path, replica: int) -> Generator:
 
 
 def test_two_refits_across_hosts_generate_as_vllm_on_the_trainers_export(
-    lab_stack, replicas, model, tmp_path
+    lab_stack, replicas, train, tmp_path
 ):
     stack, lab = lab_stack
     export = tmp_path / "export"
-    trainer = stack.train(model, pp=1, ep=2, tp=2, steps=2, export=export)
+    trainer = train(2, export)
     served: dict[int, list] = {r: [] for r in replicas}
     for step in (1, 2):
         stack.wait_announced(step)
@@ -103,12 +124,12 @@ def test_two_refits_across_hosts_generate_as_vllm_on_the_trainers_export(
 
 
 def test_a_replica_cut_off_mid_refit_leaves_no_torn_weights_and_the_next_refit_commits(
-    lab_stack, replicas, model, tmp_path
+    lab_stack, replicas, train, tmp_path
 ):
     stack, lab = lab_stack
     stack.start_syncd(trainers=TRAINERS, generators=REPLICAS, db="link-down.db")
     before = {r: served_now(g) for r, g in replicas.items()}
-    trainer = stack.train(model, pp=1, ep=2, tp=2, steps=FAULT_STEPS, export=tmp_path / "export")
+    trainer = train(FAULT_STEPS, tmp_path / "export")
     lab.set_rate("gen1", CRAWL_GBIT)
     try:
         state = refit_with_a_fault(stack, 1, lambda: lab.link_down("gen1"))
@@ -125,12 +146,12 @@ def test_a_replica_cut_off_mid_refit_leaves_no_torn_weights_and_the_next_refit_c
 
 
 def test_a_replica_killed_mid_refit_leaves_no_torn_weights_and_the_next_refit_commits(
-    lab_stack, replicas, model, tmp_path
+    lab_stack, replicas, model, train, tmp_path
 ):
     stack, lab = lab_stack
     stack.start_syncd(trainers=TRAINERS, generators=REPLICAS, db="kill.db")
     before = {r: served_now(g) for r, g in replicas.items()}
-    trainer = stack.train(model, pp=1, ep=2, tp=2, steps=FAULT_STEPS, export=tmp_path / "export")
+    trainer = train(FAULT_STEPS, tmp_path / "export")
     lab.set_rate("gen1", CRAWL_GBIT)
     killed = replicas[1].proc
     try:
@@ -169,8 +190,15 @@ def refit_with_a_fault(stack: Stack, version: int, fault) -> dict:
 
 
 def served_now(generator: Generator) -> tuple[str, dict]:
-    """The version label a replica serves and its greedy completions."""
-    return generator.http.get("/v1/weight_version").json()["version"], generator.greedy()
+    """The version label a replica serves and its greedy completions, read while no install came
+    between them: after a fault syncd's retry over the survivors may commit at any moment (CI once
+    read the old label, then completions of the version committed just after)."""
+    for _ in range(10):
+        label = generator.http.get("/v1/weight_version").json()["version"]
+        got = generator.greedy()
+        if generator.http.get("/v1/weight_version").json()["version"] == label:
+            return label, got
+    raise AssertionError(f"{generator.proc.name} changed version during each of 10 reads")
 
 
 def check_no_torn_weights(
