@@ -76,16 +76,14 @@ def test_overload_is_answered_429_with_retry_after_and_nothing_breaks(bf16):
     served, reference_b = bf16
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 250, "ignore_eos": True, "temperature": 0}
 
-    # One client, made before any request leaves: a client per request builds an SSL context
-    # each, and while the engine runs the first request those took up to 3 s of this process's
-    # CPU here, so the requests left one by one and never overlapped.
-    with httpx.Client(base_url=served.url, timeout=300) as client:
+    # The service's client, made before any request leaves: a client per request builds an SSL
+    # context each, and while the engine runs the first request those took up to 3 s of this
+    # process's CPU here, so the requests left one by one and never overlapped.
+    def post(_: int) -> httpx.Response:
+        return served.http.post("/v1/completions", json=body)
 
-        def post(_: int) -> httpx.Response:
-            return client.post("/v1/completions", json=body)
-
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(post, range(8)))
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(post, range(8)))
     statuses = sorted(r.status_code for r in answers)
     assert set(statuses) == {200, 429}, statuses  # one runs, one waits, the rest are refused at once
     for r in answers:
