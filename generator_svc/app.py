@@ -8,6 +8,7 @@ from argparse import Namespace
 
 from generator_svc.refit import Refitter
 from generator_svc.settings import Settings
+from syncd.net import HTTP_KEEP_ALIVE_S
 
 log = logging.getLogger("generator_svc")
 
@@ -48,7 +49,12 @@ async def serve(settings: Settings, args: Namespace) -> int:
                 port=args.port,
                 log_level=args.uvicorn_log_level,
                 access_log=not args.disable_uvicorn_access_log,
-                timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+                # vLLM's default is uvicorn's 5 s, which races clients' pools (syncd.net).
+                timeout_keep_alive=(
+                    envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+                    if envs.is_set("VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
+                    else HTTP_KEEP_ALIVE_S
+                ),
             )
         await shutdown
         watch_task.cancel()

@@ -51,6 +51,7 @@ import httpx
 from generator_svc.refit import Refitter
 from generator_svc.settings import IN_FLIGHT_DEFAULT, WORKER_EXTENSION, PauseMode, RefitMode, Settings
 from generator_svc.transfer_engine import BACKEND
+from syncd.net import HTTP_KEEP_ALIVE_S
 
 ENGINE_ARGS: dict[str, Any] = {
     "worker_extension_cls": WORKER_EXTENSION,
@@ -255,7 +256,13 @@ class _ControlThread:
         app.state.refitter = refitter
         app.include_router(internal_router)
         self._server = uvicorn.Server(
-            uvicorn.Config(app, log_level="warning", log_config=None, lifespan="off")
+            uvicorn.Config(
+                app,
+                log_level="warning",
+                log_config=None,
+                lifespan="off",
+                timeout_keep_alive=HTTP_KEEP_ALIVE_S,
+            )
         )
         serving = asyncio.create_task(self._server.serve(sockets=[self._sock]))
         try:

@@ -1,11 +1,20 @@
-"""Network helpers shared by the launchers (`deploy/`), the benchmarks (`bench/`) and the tests, so
-that none of them imports another for them."""
+"""Network helpers shared by the services, the launchers (`deploy/`), the benchmarks (`bench/`) and
+the tests, so that none of them imports another for them."""
 
 from __future__ import annotations
 
 import os
 import socket
 from pathlib import Path
+
+# How long our HTTP servers (syncd's API, the generator's OpenAI and control servers) keep an idle
+# connection open for its next request. It must outlast the time clients keep one in their pools
+# (httpx and openai 5 s, aiohttp 15 s): otherwise a client may send a request on a connection just
+# as the server closes it, and the request fails with "Server disconnected without sending a
+# response" although the server is healthy. uvicorn's default, 5 s, is exactly httpx's (CI once saw
+# a demo client lose one of 1622 requests with that error). 75 s as nginx: an idle connection costs a
+# socket, nothing more.
+HTTP_KEEP_ALIVE_S = 75
 
 
 def free_port() -> int:

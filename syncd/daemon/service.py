@@ -20,6 +20,7 @@ from syncd.daemon.metrics import Metrics
 from syncd.daemon.registry import Limits, Registry
 from syncd.daemon.settings import Settings
 from syncd.daemon.store import Store
+from syncd.net import HTTP_KEEP_ALIVE_S
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class Daemon:
                 port=settings.http_port,
                 log_level="warning",
                 access_log=False,
+                timeout_keep_alive=HTTP_KEEP_ALIVE_S,
             )
         )
         self._stopping = threading.Event()

@@ -29,6 +29,7 @@ from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
 from syncd.layout import Catalog
 from syncd.member.client import MemberClient
+from tests.keep_alive import answers_after_idling
 
 
 def register(target: str, member_id: str, coords: dict | None = None) -> pb.RegisterResponse:
@@ -93,6 +94,11 @@ def test_http_answers_carry_the_headers_rfc_9110_asks_for(make_cluster) -> None:
     assert r.status_code == 405 and allowed >= {"GET", "POST"} and "DELETE" not in allowed
     r = cluster.http.post("/v1/refits", json={})
     assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+
+
+def test_an_idle_connection_outlives_the_clients_pools(cluster: Cluster) -> None:
+    """A client reusing its pooled connection after 5 s idle (httpx, syncctl) is answered."""
+    assert answers_after_idling(cluster.url, "/healthz") == [200, 200]
 
 
 def test_refit_ids_count_without_gaps(cluster: Cluster) -> None:

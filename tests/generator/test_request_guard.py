@@ -10,6 +10,7 @@ import json
 import pytest
 
 from tests.generator.conftest import PROMPTS, Service
+from tests.keep_alive import answers_after_idling
 from trainer_svc.tiny import TINY_ARGS
 
 pytestmark = pytest.mark.vllm
@@ -130,3 +131,9 @@ def test_the_token_in_token_out_route_is_guarded_too(service_a: Service, greedy_
     r = service_a.http.post("/inference/v1/generate", json=body)
     assert r.status_code == 400 and "sampling_params.max_tokens" in r.json()["error"]["message"], r.text
     _assert_alive_and_unchanged(service_a, greedy_before)
+
+
+def test_an_idle_connection_outlives_the_clients_pools(service_a: Service):
+    """A rollout client reusing its pooled connection after 5 s idle (openai, httpx) is answered:
+    vLLM's keep-alive, uvicorn's 5 s, once closed one as a demo client's request went out on it."""
+    assert answers_after_idling(service_a.url, "/v1/weight_version") == [200, 200]
