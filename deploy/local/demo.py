@@ -549,7 +549,7 @@ def main() -> int:
     if args.load < 0 or args.max_tokens < 1:
         parser.error(f"--load must be >= 0 and --max-tokens >= 1, got {args.load} and {args.max_tokens}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s demo %(message)s")
-    for noisy in ("httpx", "openai"):  # one line per request otherwise
+    for noisy in ("httpx", "httpx2", "openai"):  # one line per request otherwise (openai uses httpx2)
         logging.getLogger(noisy).setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import subprocess
+from pathlib import Path
 
 import pytest
 from safetensors import safe_open
@@ -35,8 +36,20 @@ def _run_demo(tmp_path, *args: str) -> dict:
         text=True,
         timeout=600,
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + _logged_errors(work / "logs")
     return json.loads(summary_path.read_text())
+
+
+def _logged_errors(logs: Path, most: int = 40) -> str:
+    """The services' error lines, which the demo's own output does not carry (CI keeps no files)."""
+    lines = [
+        f"{log.name}: {line}"
+        for log in sorted(logs.glob("*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if "ERROR" in line or "Exception" in line or "Traceback" in line
+    ]
+    shown = f"the first {most} of {len(lines)}" if len(lines) > most else "all"
+    return f"\n{shown} error lines the services logged (shutdown's come last):\n" + "\n".join(lines[:most])
 
 
 def test_the_demo_refits_a_bfloat16_generator_after_every_step(tmp_path):
