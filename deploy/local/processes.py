@@ -114,6 +114,13 @@ class Cluster:
             time.sleep(0.5)
         raise TimeoutError(f"{proc.name} not ready at {url} after {timeout_s:.0f} s:\n{proc.tail()}")
 
+    def discard(self, proc: Proc) -> None:
+        """Stop `proc` now and forget it: a process that ends before the others (a test's reference
+        generator, a replica killed on purpose, a syncd restarted)."""
+        proc.stop()
+        if proc in self.procs:
+            self.procs.remove(proc)
+
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()

@@ -123,8 +123,7 @@ class Stack:
 
     def stop_syncd(self) -> None:
         if self.syncd is not None:
-            self.syncd.stop()
-            self.cluster.procs.remove(self.syncd)
+            self.cluster.discard(self.syncd)
             self.syncd = None
 
     def start_generator(

@@ -38,8 +38,7 @@ def reference(stack, model):
     """A separate vLLM engine without syncd that loads each export through vLLM's own loaders."""
     reference = stack.start_generator(model, syncd=False, name="reference-delta")
     yield reference
-    reference.proc.stop()
-    stack.cluster.procs.remove(reference.proc)
+    stack.cluster.discard(reference.proc)
 
 
 def test_delta_refits_generate_as_vllm_on_the_export_after_every_step(stack, model, reference, tmp_path):
@@ -63,8 +62,7 @@ def test_delta_refits_generate_as_vllm_on_the_export_after_every_step(stack, mod
         assert trainer.popen.wait(180) == 0, trainer.tail()
     finally:
         for g in replicas:
-            g.proc.stop()
-            stack.cluster.procs.remove(g.proc)
+            stack.cluster.discard(g.proc)
     assert states[0]["mode"] == "full" and states[0]["bytes"] == states[0]["planned_bytes"], states[0]
     for state in states[1:]:  # through the relay: both replicas took the trainer's delta
         assert state["mode"] == "delta" and state["delta_generators"] == ["generator-0-0", "generator-1-0"], (
@@ -103,8 +101,7 @@ def test_a_trainer_rank_killed_mid_delta_leaves_the_previous_version_served(stac
         assert state["delta_generators"] == ["generator-0-0"], state  # it was a delta refit
         assert generator.greedy() == served[0]  # version 1, untouched
     finally:
-        generator.proc.stop()
-        stack.cluster.procs.remove(generator.proc)
+        stack.cluster.discard(generator.proc)
 
 
 # A weight of a layer vLLM post-processes (CPU: the MoE prepack, which interleaves rows), so the
@@ -235,8 +232,7 @@ def test_inplace_deltas_commit_exactly_and_a_failed_one_leaves_the_previous_vers
         served["5 aborted"] = generator.greedy()
         assert len(_rollbacks(generator)) == 2 and _rollbacks(generator)[1] > 0, generator.proc.tail()
     finally:
-        generator.proc.stop()
-        stack.cluster.procs.remove(generator.proc)
+        stack.cluster.discard(generator.proc)
     reference.load(export / "step-2", version=2)
     expected = reference.greedy()
     assert served["2"] == expected, "the delta to version 2"

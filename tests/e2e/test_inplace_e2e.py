@@ -33,8 +33,7 @@ def _fresh_engine_outputs(stack: Stack, checkpoint: Path) -> dict:
     try:
         return reference.greedy()
     finally:
-        reference.proc.stop()
-        stack.cluster.procs.remove(reference.proc)
+        stack.cluster.discard(reference.proc)
 
 
 def test_an_inplace_refit_from_four_ranks_generates_as_a_fresh_engine_within_two_buckets(

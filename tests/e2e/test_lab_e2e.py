@@ -76,9 +76,7 @@ def train(lab_stack, model):
 
     yield start
     for proc in started:
-        proc.stop()
-        if proc in stack.cluster.procs:
-            stack.cluster.procs.remove(proc)
+        stack.cluster.discard(proc)
 
 
 def start_replica(stack: Stack, model: Path, replica: int) -> Generator:
@@ -121,8 +119,7 @@ def test_two_refits_across_hosts_generate_as_vllm_on_the_trainers_export(
         expected = reference.greedy()
         assert served[0][1] == expected and served[1][1] == expected, "step 2"
     finally:
-        reference.proc.stop()
-        stack.cluster.procs.remove(reference.proc)
+        stack.cluster.discard(reference.proc)
 
 
 def test_a_replica_cut_off_mid_refit_leaves_no_torn_weights_and_the_next_refit_commits(
@@ -160,8 +157,7 @@ def test_a_replica_killed_mid_refit_leaves_no_torn_weights_and_the_next_refit_co
         state = refit_with_a_fault(stack, 1, lambda: os.killpg(killed.popen.pid, signal.SIGKILL))
     finally:
         lab.set_rate("gen1", 1.0)
-    killed.stop()  # reaps what is left
-    stack.cluster.procs.remove(killed)
+    stack.cluster.discard(killed)  # reaps what is left
     # The abort names the lost replica by the address its trainer peers lost (gloo's error).
     check_no_torn_weights(
         stack,
