@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,6 +12,9 @@ class Box:
 
     start: tuple[int, ...]
     stop: tuple[int, ...]
+    # Derived once: the data plane asks every unit's box for them on every refit.
+    shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    numel: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.start) != len(self.stop):
@@ -19,6 +22,9 @@ class Box:
         for lo, hi in zip(self.start, self.stop):
             if not 0 <= lo < hi:
                 raise ValueError(f"box [{self.start}, {self.stop}) is empty or negative")
+        shape = tuple(hi - lo for lo, hi in zip(self.start, self.stop))
+        object.__setattr__(self, "shape", shape)  # frozen: set once, here
+        object.__setattr__(self, "numel", math.prod(shape))
 
     @staticmethod
     def full(shape: tuple[int, ...]) -> Box:
@@ -27,14 +33,6 @@ class Box:
     @property
     def rank(self) -> int:
         return len(self.start)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(hi - lo for lo, hi in zip(self.start, self.stop))
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(lo, hi) for lo, hi in zip(self.start, self.stop))

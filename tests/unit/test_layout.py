@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+
 import numpy as np
 import pytest
 
@@ -219,3 +222,16 @@ def test_stacked_view_of_fused_expert_weight_equals_interleaved_2d_layout():
             a = materialize(Catalog((GATE, UP), (t4,)), arrays)["w13"]
             b = materialize(Catalog((GATE, UP), (t2,)), arrays)["w13"]
             np.testing.assert_array_equal(a.reshape(b.shape), b)
+
+
+def test_a_box_knows_its_shape_and_size_and_is_equal_by_its_ranges_only():
+    """`shape` and `numel` are computed once, when the box is made (the data plane asks them of
+    every unit on every refit), and take no part in equality, hashing or pickling's round trip."""
+    box = Box((0, 2, 4), (3, 5, 9))
+    assert box.shape == (3, 3, 5) and box.numel == 45
+    same = pickle.loads(pickle.dumps(box))
+    assert same == box and hash(same) == hash(box) and same.numel == 45
+    assert dataclasses.replace(box, stop=(3, 5, 10)).shape == (3, 3, 6)
+    assert box.intersect(Box((1, 0, 0), (9, 9, 9))).shape == (2, 3, 5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        box.numel = 1  # type: ignore[misc]
