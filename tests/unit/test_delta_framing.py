@@ -6,6 +6,7 @@ hang, nothing written past its unit)."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Callable
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from syncd.commands import DeltaLinks
-from syncd.member.dataplane import GlooTransport, LoopOptions, TransferError, catalog_views, delta
+from syncd.member.dataplane import GcPause, GlooTransport, LoopOptions, TransferError, catalog_views, delta
 from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
 from syncd.member.dataplane.relay import DeltaForwarder
 from syncd.plan import DestMember, SourceMember, make_plan
@@ -109,11 +110,13 @@ class _OneLink:
         self.local = {
             k: torch.from_numpy(v.copy()) for k, v in materialize(self.sources[0].catalog, canonical).items()
         }
-        self.messages = self._messages()
+        self.collector_on_at_send: list[bool] = []  # `gc.isenabled()` as each message was posted
+        self.messages = self._messages(LoopOptions(5))
 
-    def _messages(self) -> list[torch.Tensor]:
+    def _messages(self, options: LoopOptions) -> list[torch.Tensor]:
         """Trainer-0's delta to the generator after 1% of its elements moved: headers and pieces."""
         sent: list[torch.Tensor] = []
+        collector_on = self.collector_on_at_send
 
         class Done:
             def wait(self, timeout_s: float) -> None: ...
@@ -124,10 +127,11 @@ class _OneLink:
 
             def isend(self, buf: torch.Tensor, peer: int) -> Done:
                 sent.append(buf.clone())
+                collector_on.append(gc.isenabled())
                 return Done()
 
         views, mirror = catalog_views(self.sources[0].catalog, self.local), Mirror()
-        mine, ranks, options = self.plan.for_member("trainer-0"), {"gen": 1}, LoopOptions(5)
+        mine, ranks = self.plan.for_member("trainer-0"), {"gen": 1}
         diffs = Diffs(mirror)
         send_with_deltas(mine, views, Capture(), ranks, DeltaLinks(None, frozenset(), 0.5), diffs, options)
         diffs.commit(views)
@@ -136,6 +140,7 @@ class _OneLink:
         for t in views.values():
             t[torch.rand(t.shape, generator=rng) < 0.01] += 0.05
         sent.clear()
+        collector_on.clear()
         send_with_deltas(
             mine, views, Capture(), ranks, DeltaLinks(1, frozenset({"gen"}), 0.5), Diffs(mirror), options
         )
@@ -144,6 +149,12 @@ class _OneLink:
 
     def receive(self, messages: list[torch.Tensor]) -> BaseException:
         """Send `messages` from trainer-0; returns what the generator's `recv_with_deltas` raised."""
+        raised = self.take(messages, LoopOptions(5))
+        assert raised is not None, "the receiver took a broken delta without an error"
+        return raised
+
+    def take(self, messages: list[torch.Tensor], options: LoopOptions) -> BaseException | None:
+        """Send `messages` from trainer-0 to the generator's `recv_with_deltas`; what it raised."""
         members = [s.member_id for s in self.sources] + ["gen"]
         ranks = {m: i for i, m in enumerate(members)}
         address, store = GlooTransport.create_address("127.0.0.1", len(members), 30)
@@ -162,9 +173,7 @@ class _OneLink:
                     views = catalog_views(self.dest.catalog, received)
                     links = DeltaLinks(1, frozenset({"gen"}), 0.5)
                     try:
-                        recv_with_deltas(
-                            self.plan.for_member("gen"), views, transport, ranks, links, LoopOptions(5)
-                        )
+                        recv_with_deltas(self.plan.for_member("gen"), views, transport, ranks, links, options)
                     except Exception as e:  # noqa: BLE001 - the test inspects what the receiver raised
                         raised.append(e)
             finally:
@@ -172,13 +181,34 @@ class _OneLink:
 
         errors = _run_threads([lambda m=m: member(m) for m in members])
         assert not errors, errors
-        assert len(raised) == 1, "the receiver took a broken delta without an error"
-        return raised[0]
+        return raised[0] if raised else None
 
 
 @pytest.fixture(scope="module")
 def one_link() -> _OneLink:
     return _OneLink()
+
+
+def test_the_collector_stays_paused_through_a_delta_transfer_not_only_its_loops(monkeypatch):
+    """A collection mid-refit stalls the host for tens of ms (`gc_pause`): a delta transfer holds
+    the pause from its first comparison to its last message, its headers and pieces included, on
+    both sides, and lets go after."""
+    assert gc.isenabled()
+    link, options = _OneLink(), LoopOptions(5, gc_pause=GcPause())
+    messages = link._messages(options)  # the sender's headers and pieces, each noting the collector
+    assert len(link.collector_on_at_send) == len(messages) >= 2
+    assert not any(link.collector_on_at_send)
+    posted: list[bool] = []
+    irecv = GlooTransport.irecv
+    monkeypatch.setattr(
+        GlooTransport, "irecv", lambda self, *a, **k: (posted.append(gc.isenabled()), irecv(self, *a, **k))[1]
+    )
+    # The generator takes trainer-0's header and piece, then fails on the next rank's header (the
+    # other ranks send nothing): every receive was posted paused.
+    raised = link.take(messages, options)
+    assert isinstance(raised, TransferError) and "from rank 1" in str(raised), raised
+    assert len(posted) >= 3 and not any(posted)
+    assert gc.isenabled()
 
 
 def test_a_truncated_piece_fails_the_receiver_naming_it(one_link):

@@ -506,29 +506,33 @@ def send_with_deltas(
     """`send_buckets` for a sender that keeps a mirror (`diffs`, this refit's comparisons with it):
     full links go through it (the mirror takes their values), the links to `links.dsts` as
     described in the module docstring. Links go one after another in destination order (what the
-    receivers' source order expects)."""
+    receivers' source order expects). The collector stays paused throughout, as in the loops:
+    the comparisons and headers between them are on the refit's path too."""
     stats, start = DeltaStats(), time.perf_counter()
-    for dst, link in _links(buckets, "dst").items():
-        _check(cancel)
-        if dst not in links.dsts:
-            _add(stats, send_buckets(link, tensors, transport, ranks, options, cancel=cancel, cache=cache))
-            for b in link:
-                for u in b.units:
-                    diffs.absorb(u, dst)
-            continue
-        _send_link(
-            dst,
-            link,
-            tensors,
-            transport,
-            ranks[dst],
-            links.max_fraction,
-            diffs,
-            stats,
-            options,
-            cancel,
-            cache,
-        )
+    with options.gc_paused():
+        for dst, link in _links(buckets, "dst").items():
+            _check(cancel)
+            if dst not in links.dsts:
+                _add(
+                    stats, send_buckets(link, tensors, transport, ranks, options, cancel=cancel, cache=cache)
+                )
+                for b in link:
+                    for u in b.units:
+                        diffs.absorb(u, dst)
+                continue
+            _send_link(
+                dst,
+                link,
+                tensors,
+                transport,
+                ranks[dst],
+                links.max_fraction,
+                diffs,
+                stats,
+                options,
+                cancel,
+                cache,
+            )
     stats.seconds = time.perf_counter() - start
     return stats
 
@@ -702,21 +706,22 @@ def recv_with_deltas(
     undo: Undo | None = None
     if not isinstance(tensors, Mapping):
         tensors, undo = tensors.delta_targets()
-    taker = _Taker(_origin_links(buckets), transport, ranks, links.max_fraction, options, forward, cancel)
-    dense: list[Bucket] = []
-    try:
-        for arrived in taker.arrivals():
-            dense += _apply_group(arrived, tensors, stats, undo)
-    finally:
-        taker.stop()
-    _check(cancel)
-    if dense and undo is not None:  # the executor overwrites these units whole
-        for u in [u for b in dense for u in b.units]:
-            undo.save(tensors[u.dst_tensor][u.dst_box.slices()])
-    if dense and forward is not None:
-        _add(stats, forward.dense(dense, tensors, options))
-    elif dense:
-        _add(stats, recv_buckets(dense, tensors, transport, ranks, options, cancel=cancel, cache=cache))
+    with options.gc_paused():  # as `send_with_deltas`
+        taker = _Taker(_origin_links(buckets), transport, ranks, links.max_fraction, options, forward, cancel)
+        dense: list[Bucket] = []
+        try:
+            for arrived in taker.arrivals():
+                dense += _apply_group(arrived, tensors, stats, undo)
+        finally:
+            taker.stop()
+        _check(cancel)
+        if dense and undo is not None:  # the executor overwrites these units whole
+            for u in [u for b in dense for u in b.units]:
+                undo.save(tensors[u.dst_tensor][u.dst_box.slices()])
+        if dense and forward is not None:
+            _add(stats, forward.dense(dense, tensors, options))
+        elif dense:
+            _add(stats, recv_buckets(dense, tensors, transport, ranks, options, cancel=cancel, cache=cache))
     stats.seconds = time.perf_counter() - start
     return stats
 

@@ -486,8 +486,7 @@ def _run(
     else:
         loop.prepared = program_cache = loop.cache.prepared(direction)
     start = time.perf_counter()
-    paused = options.gc_pause.held() if options.gc_pause is not None else contextlib.nullcontext()
-    with paused, _work_stream(loop.device):
+    with options.gc_paused(), _work_stream(loop.device):
         loop.side = side = _SideStream(loop.device, options.in_flight)
         try:
             loop.send(buckets) if direction == Direction.SEND else loop.recv(buckets)

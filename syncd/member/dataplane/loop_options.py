@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +48,10 @@ class LoopOptions:
             raise ValueError(f"LoopOptions.timeout_s must be > 0 seconds, not {self.timeout_s!r}")
         if self.in_flight < 1:
             raise ValueError(f"LoopOptions.in_flight must be at least 1 buffer, not {self.in_flight!r}")
+
+    def gc_paused(self) -> contextlib.AbstractContextManager:
+        """`gc_pause` held (while a loop runs, or a delta transfer around its loops), or nothing."""
+        return self.gc_pause.held() if self.gc_pause is not None else contextlib.nullcontext()
 
 
 class LoopCache:
