@@ -3,8 +3,8 @@ completion reports, on real vLLM engines (CPU): one generator per mode, started 
 by the checks of this module; the `keep` one at TP 2 (its pause and switch act on both workers), the
 `abort` one at TP 1. `wait` (the default) is what every other generator test runs.
 
-A long greedy request streams from checkpoint A; once its first tokens arrived the staged
-checkpoint B is applied, so the request spans the refit.
+A long greedy request streams from checkpoint A, a plain one joins it, and the staged checkpoint B
+is applied while both run, so both span the refit.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from tests.generator.conftest import Service, engine_env
 from tests.polling import wait_until
 
 PROMPT = [3, 14, 15, 92, 65]
-LONG = 250  # output tokens: the whole --max-model-len 256 with the prompt
+# Requests as long as the tiny model allows (its max_position_embeddings), so that a refit meets
+# them running even where the frontend that serves the test's calls is slow to get the CPU.
+MODEL_LEN = 512
+LONG = MODEL_LEN - 8  # output tokens: nearly the whole model length with the prompt
 
 
 def _body(prompt: list[int], max_tokens: int, **extra: object) -> dict:
@@ -53,18 +56,22 @@ class Stream:
         self.tokens: list[int] = []
         self.last: dict = {}
         self.status = 0
+        self.finished = False  # its response has ended (a last chunk, an error or a closed stream)
         self._thread = threading.Thread(target=self._read, args=(service, prompt, max_tokens))
         self._thread.start()
 
     def _read(self, service: Service, prompt: list[int], max_tokens: int) -> None:
         body = _body(prompt, max_tokens, stream=True)
-        with service.http.stream("POST", "/v1/completions", json=body) as r:
-            self.status = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line.removeprefix("data: "))
-                    self.tokens += _tokens(chunk["choices"][0]["logprobs"] or {"tokens": []})
-                    self.last = chunk
+        try:
+            with service.http.stream("POST", "/v1/completions", json=body) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line.removeprefix("data: "))
+                        self.tokens += _tokens(chunk["choices"][0]["logprobs"] or {"tokens": []})
+                        self.last = chunk
+        finally:
+            self.finished = True
 
     def join(self) -> dict:
         self._thread.join(120)
@@ -92,12 +99,13 @@ class Call:
 def services(checkpoints, tmp_path_factory) -> Iterator[dict[str, Service]]:
     logs = tmp_path_factory.mktemp("pause-logs")
     tp2 = ("--tensor-parallel-size", "2")  # one core per worker (vLLM binds a TP-N engine by NUMA node)
+    long = ("--max-model-len", str(MODEL_LEN))  # the last one given is the one vLLM takes
     started = {
         "keep": Service(
-            checkpoints["A"], logs / "keep.log", "--pause-mode", "keep", *tp2,
+            checkpoints["A"], logs / "keep.log", "--pause-mode", "keep", *tp2, *long,
             env=engine_env(VLLM_CPU_OMP_THREADS_BIND="0|1"),
         ),
-        "abort": Service(checkpoints["A"], logs / "abort.log", "--pause-mode", "abort"),
+        "abort": Service(checkpoints["A"], logs / "abort.log", "--pause-mode", "abort", *long),
     }  # fmt: skip
     try:
         yield {mode: s.wait_ready() for mode, s in started.items()}
@@ -106,18 +114,28 @@ def services(checkpoints, tmp_path_factory) -> Iterator[dict[str, Service]]:
             s.stop()
 
 
-def _refit_during(
-    service: Service, checkpoint: str, version: str, *requests: Stream, running: int = 0
-) -> None:
-    """Stage `checkpoint`, then apply it as `version` once every stream has its first tokens and
-    the engine runs at least `running` requests (a plain request's progress cannot be seen: on a
-    loaded machine it may reach the engine after the stream's first tokens)."""
+def _refit_during_requests(service: Service, checkpoint: str, version: str) -> tuple[Call, Stream]:
+    """Refit `service` to `checkpoint` as `version` while a streamed and a plain request both run.
+
+    Staging comes first: it reads the checkpoint, which on a loaded machine may take longer than a
+    whole request. The plain request starts once the stream has its first tokens (started together,
+    one may finish before the other reaches the engine), and the refit is applied once both run.
+    vLLM's gauge of running requests keeps its last value while the engine idles, so each request's
+    own state is checked too."""
     staged = service.http.post("/v1/weights/stage", json={"path": checkpoint, "refit_id": version})
     assert staged.status_code == 200, staged.text
-    wait_until(lambda: all(len(s.tokens) >= 4 for s in requests), what="the streams' first tokens")
-    wait_until(lambda: _running(service) >= running, what=f"{running} running requests")
+    stream = Stream(service, PROMPT, LONG)
+    wait_until(lambda: len(stream.tokens) >= 4, what="the stream's first tokens")
+    plain = Call(service, PROMPT, LONG)
+
+    def both_running() -> bool:
+        unfinished = plain.response is None and not stream.finished
+        return unfinished and _running(service) >= 2
+
+    wait_until(both_running, what="both requests running")
     applied = service.http.post("/v1/weights/apply", json={"version": version, "refit_id": version})
     assert applied.status_code == 200, applied.text
+    return plain, stream
 
 
 def _running(service: Service) -> float:
@@ -143,9 +161,7 @@ def test_keep_continues_running_requests_on_the_new_weights_and_says_from_which_
     assert before.json()["choices"][0]["weight_versions"] == [{"version": "0", "start": 0, "end": LONG}]
     assert before.headers["x-weight-version"] == "0"
 
-    plain = Call(keep, PROMPT, LONG)
-    stream = Stream(keep, PROMPT, LONG)
-    _refit_during(keep, str(checkpoints["B"]), "b", stream, running=2)
+    plain, stream = _refit_during_requests(keep, str(checkpoints["B"]), "b")
     answer, last = plain.join(), stream.join()
 
     # The stream: its last chunk carries the spans; tokens before the switch are the old weights'.
@@ -191,9 +207,7 @@ def test_abort_ends_running_requests_with_a_retryable_error_and_nothing_else_fai
     services, checkpoints
 ) -> None:
     abort = services["abort"]
-    plain = Call(abort, PROMPT, LONG)
-    stream = Stream(abort, PROMPT, LONG)
-    _refit_during(abort, str(checkpoints["B"]), "b", stream, running=2)
+    plain, stream = _refit_during_requests(abort, str(checkpoints["B"]), "b")
     answer, last = plain.join(), stream.join()
 
     assert answer.status_code == 503, answer.text
