@@ -198,11 +198,14 @@ def test_the_collector_stays_paused_through_a_delta_transfer_not_only_its_loops(
     messages = link._messages(options)  # the sender's headers and pieces, each noting the collector
     assert len(link.collector_on_at_send) == len(messages) >= 2
     assert not any(link.collector_on_at_send)
-    posted: list[bool] = []
+    posted: list[bool] = []  # the collector's state as each receive was posted
     irecv = GlooTransport.irecv
-    monkeypatch.setattr(
-        GlooTransport, "irecv", lambda self, *a, **k: (posted.append(gc.isenabled()), irecv(self, *a, **k))[1]
-    )
+
+    def noting_the_collector(self, *args, **kwargs):
+        posted.append(gc.isenabled())
+        return irecv(self, *args, **kwargs)
+
+    monkeypatch.setattr(GlooTransport, "irecv", noting_the_collector)
     # The generator takes trainer-0's header and piece, then fails on the next rank's header (the
     # other ranks send nothing): every receive was posted paused.
     raised = link.take(messages, options)
