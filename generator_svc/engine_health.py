@@ -8,6 +8,8 @@ instead (`VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`): from the moment vLLM marks the engi
 generation requests 503 with a body that says so (`generator_svc.edge`); `EngineWatch` sets
 `weightsync_generator_engine_alive` to 0, logs the cause and, `engine_death_exit_s` later (time for
 a scrape and for clients to read the 503), stops the server; `serve` then exits with status 1.
+A shutdown asked for (SIGTERM or SIGINT, on which vLLM's launcher stops the engine, marking it dead
+as it goes) is not a death: the generator exits with status 0 and reports nothing.
 What restarts the generator: Kubernetes (`restartPolicy: Always`; the liveness probe on /healthz
 too), or whatever runs the process; see generator_svc/README.md, "When the engine dies".
 """
@@ -31,6 +33,8 @@ class EngineClient(Protocol):
 
     @property
     def errored(self) -> bool: ...
+
+    def shutdown(self, timeout: float | None = None) -> None: ...
 
 
 def keep_http_up_after_engine_death() -> None:
@@ -68,6 +72,20 @@ class EngineWatch:
         self.exit_after_s = exit_after_s
         self.poll_s = poll_s
         self.cause: str | None = None  # set once the death is recorded
+        self.stopping = False  # the engine's shutdown was asked for: it is marked dead, not dying
+        self._follow_shutdown()
+
+    def _follow_shutdown(self) -> None:
+        """Note a shutdown asked for before the engine is marked dead by it: vLLM's launcher stops
+        the engine on SIGTERM or SIGINT through its client's `shutdown`, which a death does not
+        call (vLLM's own monitor stops only the engine core client)."""
+        shutdown = self.engine.shutdown
+
+        def noted(timeout: float | None = None) -> None:
+            self.stopping = True
+            shutdown(timeout=timeout)
+
+        self.engine.shutdown = noted  # type: ignore[method-assign]  # on this engine object only
 
     @property
     def dead(self) -> bool:
@@ -78,6 +96,9 @@ class EngineWatch:
         metrics.ENGINE_ALIVE.set(1)
         while not self.dead:
             await asyncio.sleep(self.poll_s)
+        if self.stopping:
+            log.info("the vLLM engine stopped: a shutdown was asked for")
+            return
         self.cause = engine_death_cause(self.engine)
         metrics.ENGINE_ALIVE.set(0)
         metrics.ENGINE_DEATHS.inc()
