@@ -82,6 +82,9 @@ class EngineWatch:
         shutdown = self.engine.shutdown
 
         def noted(timeout: float | None = None) -> None:
+            # Said here, not in `run`: the server's shutdown may cancel `run` before its next poll.
+            if not self.stopping:  # vLLM's launcher and its engine context both call it
+                log.info("stopping the vLLM engine: a shutdown was asked for")
             self.stopping = True
             shutdown(timeout=timeout)
 
@@ -97,8 +100,7 @@ class EngineWatch:
         while not self.dead:
             await asyncio.sleep(self.poll_s)
         if self.stopping:
-            log.info("the vLLM engine stopped: a shutdown was asked for")
-            return
+            return  # marked dead by the shutdown asked for, which `_follow_shutdown` logged
         self.cause = engine_death_cause(self.engine)
         metrics.ENGINE_ALIVE.set(0)
         metrics.ENGINE_DEATHS.inc()
