@@ -107,7 +107,10 @@ def main() -> None:
         refit(args.model, "back")
         record["A_again"] = outputs()
         Path(args.out, "outputs.json").write_text(json.dumps(record))
-    os._exit(0)  # skip vLLM's slow teardown; the files are written
+    # Stop the engine's processes (they unlink their shared-memory rings), then skip the rest of
+    # vLLM's slow teardown: the files are written.
+    llm.llm_engine.engine_core.shutdown(timeout=30)
+    os._exit(0)
 
 
 def _break_feed(worker) -> None:
