@@ -204,6 +204,18 @@ class HeartbeatResponse(_message.Message):
     committed_version: int
     def __init__(self, lease_seconds: _Optional[float] = ..., committed_version: _Optional[int] = ...) -> None: ...
 
+class LeaveRequest(_message.Message):
+    __slots__ = ("member_id", "session_id")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    session_id: str
+    def __init__(self, member_id: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class WatchRequest(_message.Message):
     __slots__ = ("member_id", "session_id")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]

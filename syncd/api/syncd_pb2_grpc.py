@@ -54,6 +54,11 @@ class SyncdStub:
                 request_serializer=weightsync_dot_v1_dot_syncd__pb2.ReportRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_syncd__pb2.ReportResponse.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/weightsync.v1.Syncd/Leave',
+                request_serializer=weightsync_dot_v1_dot_syncd__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_syncd__pb2.LeaveResponse.FromString,
+                _registered_method=True)
 
 
 class SyncdServicer:
@@ -85,6 +90,14 @@ class SyncdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """The member stops: its session ends now, as a lost lease would end it (a refit it takes part in
+        aborts), without syncd waiting out the lease; its member id can register again at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SyncdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +120,11 @@ def add_SyncdServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=weightsync_dot_v1_dot_syncd__pb2.ReportRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_syncd__pb2.ReportResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=weightsync_dot_v1_dot_syncd__pb2.LeaveRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_syncd__pb2.LeaveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +235,33 @@ class Syncd:
             '/weightsync.v1.Syncd/Report',
             weightsync_dot_v1_dot_syncd__pb2.ReportRequest.SerializeToString,
             weightsync_dot_v1_dot_syncd__pb2.ReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.Syncd/Leave',
+            weightsync_dot_v1_dot_syncd__pb2.LeaveRequest.SerializeToString,
+            weightsync_dot_v1_dot_syncd__pb2.LeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -127,6 +127,11 @@ class SyncdServicer(pb_grpc.SyncdServicer):
             lease_seconds=self.registry.lease_seconds, committed_version=self._committed_version()
         )
 
+    @_guarded
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
+        self.registry.leave(request.member_id, request.session_id)
+        return pb.LeaveResponse()
+
     def _committed_version(self) -> WeightVersion | None:
         committed = self.coordinator.versions.committed
         return committed.version if committed is not None else None

@@ -1,11 +1,11 @@
 """Members, their catalogs, leases and command queues.
 
 Lifecycle of a member: `register` (hash first; the full catalog only when syncd lacks it) opens a
-session; `heartbeat` renews its lease; `expire` (called by the daemon's reaper) ends sessions whose
-lease ran out. A member id with a live lease is not taken over: a restarted member registers
-again once its old lease ran out (its client retries by itself). Ending a session closes its
-command queue, which ends its Watch stream, and tells `on_lost` listeners; a new session tells
-`on_registered` listeners.
+session; `heartbeat` renews its lease; `leave` ends it when the member stops; `expire` (called by
+the daemon's reaper) ends sessions whose lease ran out. A member id with a live lease is not taken
+over: a restarted member that did not leave registers again once its old lease ran out (its client
+retries by itself). Ending a session closes its command queue, which ends its Watch stream, and
+tells `on_lost` listeners; a new session tells `on_registered` listeners.
 
 Member ids are Kubernetes names (RFC 1123 subdomains: lowercase letters, digits, '-' and '.',
 at most 253 characters), so they are safe in logs, metrics and URLs.
@@ -214,6 +214,15 @@ class Registry:
         with self._lock:
             self._session(member_id, session_id).lease_deadline = time.monotonic() + self.lease_seconds
 
+    def leave(self, member_id: str, session_id: str) -> None:
+        """The member stops: its session ends now, as `expire` would end it (a refit it takes part
+        in aborts), and its id is free to register again. Raises NotFound for a session that ended."""
+        with self._lock:
+            s = self._session(member_id, session_id)
+            del self._sessions[member_id]
+        log.info("member %s left", member_id)
+        self._tell_lost(s, "it left (its process is stopping)")
+
     @contextlib.contextmanager
     def watching(self, member_id: str, session_id: str) -> Iterator[queue.Queue[Command | None]]:
         """Count an open Watch stream of the session (each holds a gRPC worker thread)."""
@@ -286,6 +295,10 @@ class Registry:
 
     def _end(self, s: _Session, reason: str) -> None:
         log.warning("member %s lost: %s", s.member.member_id, reason)
+        self._tell_lost(s, reason)
+
+    def _tell_lost(self, s: _Session, reason: str) -> None:
+        """The session ended (`reason`): its Watch stream ends, and the listeners hear of it."""
         s.commands.put(None)
         for listener in self._listeners:
             listener(s.member, reason)

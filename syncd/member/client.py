@@ -15,7 +15,8 @@ member syncd's committed version (`committed_version`), so a generator knows whe
 Lifecycle: `start` spawns a session thread that registers (catalog hash first, the full catalog
 only when syncd asks), then heartbeats every lease/3 while a Watch thread receives commands. When
 the session ends (syncd restarted, lease lost, network down) it re-registers with exponential
-backoff, forever, until `close`.
+backoff, forever, until `close`, which leaves syncd (its session ends at once, not when its lease
+runs out).
 
 Commands run on one handler thread in arrival order, so a handler may block (heartbeats go on).
 `Abort` is also delivered at once on its own thread, so it can interrupt a handler blocked in a
@@ -52,6 +53,8 @@ _PHASE_OF = {
 }
 _RPC_TIMEOUT_S = 10.0
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.1, 5.0
+# A stopping member waits at most this for syncd to take its Leave: past it, the lease ends the session.
+_LEAVE_TIMEOUT_S = 2.0
 
 
 class MemberClient:
@@ -168,14 +171,37 @@ class MemberClient:
         self.weight_version = version
         self._send_report(pb.ReportRequest(phase=pb.PHASE_ANNOUNCE, ok=True, weight_version=version))
 
-    def close(self) -> None:
-        self._closed.set()
+    def close(self, *, leave: bool = True) -> None:
+        """Stop: leave syncd, then end the threads. `leave=False` stops as a crash would, silently
+        (syncd ends the session when its lease runs out): what the lease-loss tests need."""
+        session = self._session_id if self._registered.is_set() else ""
+        self._closed.set()  # first: the session loop must not register again once syncd ends it
+        if session and leave:
+            self._leave(session)
         self._commands.put(None)
         self._channel.close()
         for t in self._threads:
             t.join(timeout=5)
 
     # ---- session ----
+
+    def _leave(self, session_id: str) -> None:
+        """Tell syncd this session ends, so a refit does not wait out its lease; best effort, as a
+        syncd that cannot be reached (or one older than Leave) ends it when the lease runs out."""
+        try:
+            self._stub.Leave(
+                pb.LeaveRequest(member_id=self.member_id, session_id=session_id),
+                timeout=_LEAVE_TIMEOUT_S,
+                metadata=self._metadata,
+            )
+            log.info("%s left syncd (session %s)", self.member_id, session_id[:8])
+        except grpc.RpcError as e:
+            log.info(
+                "%s: could not leave syncd (%s %s); its session ends with its lease",
+                self.member_id,
+                e.code().name,
+                e.details(),
+            )
 
     def _send_report(self, request: pb.ReportRequest) -> None:
         if not self._registered.wait(_RPC_TIMEOUT_S):

@@ -93,7 +93,7 @@ class FakeMember:
                 assert cmd.address, "non-root ranks get the relayed address"
                 c.report(cmd.refit_id, Phase.JOINED)
             case ExecutePlan() if self.behaviour.die_on_execute:
-                threading.Thread(target=c.close).start()
+                threading.Thread(target=c.close, kwargs={"leave": False}).start()
             case ExecutePlan():
                 if self.behaviour.on_execute is not None:
                     self.behaviour.on_execute(cmd)

@@ -139,6 +139,17 @@ def test_unknown_session_must_register_again(cluster: Cluster, stub) -> None:
     assert "register again" in details
 
 
+def test_a_leave_naming_another_session_is_refused_and_ends_nothing(cluster: Cluster, stub) -> None:
+    session = register(stub, "generator-5-0", generator_catalog(0)).session_id
+    for member_id, session_id in (("generator-5-0", "not-its-session"), ("ghost", session)):
+        leave = pb.LeaveRequest(member_id=member_id, session_id=session_id)
+        details = refused(lambda leave=leave: stub.Leave(leave, timeout=10), grpc.StatusCode.NOT_FOUND)
+        assert "register again" in details
+    assert member_ids(cluster) == ["generator-5-0"]
+    stub.Leave(pb.LeaveRequest(member_id="generator-5-0", session_id=session), timeout=10)
+    assert member_ids(cluster) == []
+
+
 def test_generators_cannot_announce_versions(cluster: Cluster, stub) -> None:
     session = register(stub, "generator-5-0", generator_catalog(0)).session_id
     report = pb.ReportRequest(
