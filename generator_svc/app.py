@@ -18,6 +18,7 @@ async def serve(settings: Settings, args: Namespace) -> int:
     Returns the exit status: 1 when the engine died (generator_svc.engine_health), else 0."""
     from generator_svc import edge, server, token_versions
     from generator_svc.engine_health import keep_http_up_after_engine_death
+    from generator_svc.leave_on_shutdown import leave_syncd_before_shutdown
     from generator_svc.vllm_adapter import (
         build_app,
         build_async_engine_client,
@@ -34,6 +35,8 @@ async def serve(settings: Settings, args: Namespace) -> int:
             token_versions.track(engine, refitter.history.finished)
             workers = await refitter.setup(internal_url=f"http://127.0.0.1:{args.port}/internal")
             log.info("weight sync ready on %d worker(s): %s", len(workers), [w["member_id"] for w in workers])
+            if settings.syncd:  # before `edge.install`, whose engine watch must see a shutdown first
+                leave_syncd_before_shutdown(engine, asyncio.get_running_loop())
             tasks = await engine.get_supported_tasks()
             app = build_app(args, tasks, engine.model_config)
             server.install(app, refitter)  # before init_app_state: the middleware stack freezes there

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from multiprocessing import util as mp_util
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +41,9 @@ from generator_svc.worker_modes import worker_mode
 from generator_svc.worker_status import StatusPublisher, WorkerStatus
 
 log = logging.getLogger("generator_svc.worker")
+# multiprocessing runs finalizers of higher exit priority first: leaving syncd comes early, while
+# the rest of the process is still whole.
+_LEAVE_AT_EXIT = 10
 
 # Runs at import, i.e. in every worker before its model loads.
 transfer_engine.register()
@@ -127,6 +131,11 @@ class WeightSyncExtension:
                 data_host=data_host,
                 in_flight=in_flight,
             )
+            # A worker that vLLM stops gracefully (a signal to the whole process group, a drain)
+            # leaves syncd on its way out (`generator_svc.leave_on_shutdown` covers the rest).
+            # vLLM's workers are multiprocessing children: they run multiprocessing's finalizers,
+            # not `atexit`, as they exit. `ws_close` is idempotent.
+            mp_util.Finalize(None, self.ws_close, exitpriority=_LEAVE_AT_EXIT)
         if status_dir:
             self._ws_status_publisher = StatusPublisher(
                 status_dir, self._ws_member_id, self._ws_worker_status

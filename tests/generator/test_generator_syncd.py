@@ -38,6 +38,10 @@ def syncd(tmp_path_factory: pytest.TempPathFactory):
                 str(tmp_path / "syncd.db"),
                 "--same-host",  # FakeTrainer speaks plain gloo: no shared-memory links to it
                 "network",
+                # Never runs out here: a member whose process stops must leave (a restarted
+                # generator is refused its member id while the old session holds it).
+                "--lease-seconds",
+                "600",
             ],
             cwd=REPO,
             stdout=log,
@@ -196,6 +200,10 @@ def _wait(what: str, condition, timeout: float = 120):
     return value
 
 
+def _members(syncd_http: httpx.Client) -> list[str]:
+    return [m["member_id"] for m in syncd_http.get("/v1/members").json()["members"]]
+
+
 def test_a_frozen_worker_makes_healthz_answer_503_at_once(generator) -> None:
     """Issue 19 #13: SIGSTOP on the vLLM worker turns /healthz 503 (answered, not hung); SIGCONT heals."""
     (worker,) = generator.http.get("/v1/workers").json()
@@ -231,7 +239,8 @@ def test_a_restarted_generator_is_not_ready_until_caught_up(syncd, generator, ch
         assert generator.http.get("/v1/weight_version").json()["version"] == "1"
         before = generator.outputs()
 
-        generator.stop()
+        generator.stop()  # SIGTERM to its process group, as a terminal's Ctrl-C or scancel
+        assert "generator-3-0" not in _members(syncd_http)  # its worker left on its way out
         restarted = Service(checkpoints["A"], tmp_path / "restarted.log", "--syncd", target, "--replica", "3")
         restarted.wait_ready()  # /healthz: alive (liveness), serving checkpoint A
         behind = _wait(
@@ -253,3 +262,20 @@ def test_a_restarted_generator_is_not_ready_until_caught_up(syncd, generator, ch
         trainer.close()
         if restarted is not None:
             restarted.stop()
+
+
+def test_a_sigterm_to_the_main_process_makes_the_workers_leave_syncd_first(syncd, checkpoints, tmp_path):
+    """Kubernetes signals the container's main process only, and vLLM then kills its engine at once:
+    the workers leave syncd before that (`generator_svc.leave_on_shutdown`), so syncd ends their
+    sessions now, not when their leases (600 s here) run out."""
+    _, syncd_http = syncd
+    service = Service(checkpoints["A"], tmp_path / "stopped.log", "--syncd", syncd[0], "--replica", "5")
+    try:
+        service.wait_ready()
+        _wait("generator-5-0 registered", lambda: "generator-5-0" in _members(syncd_http))
+        os.kill(service.proc.pid, signal.SIGTERM)
+        assert service.proc.wait(120) == 0, service.log_tail()
+    finally:
+        service.stop()
+    assert "generator-5-0" not in _members(syncd_http)
+    assert "the workers left syncd" in service.log.read_text(errors="replace"), service.log_tail()
