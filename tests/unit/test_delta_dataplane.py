@@ -25,16 +25,13 @@ from syncd.layout import (
 )
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import GlooTransport, LoopOptions, catalog_views, recv_buckets
-from syncd.member.dataplane.delta import (
+from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.member.dataplane.delta.compare import (
     _SAMPLE,
     _SAMPLE_RUN,
-    Diffs,
-    Mirror,
     _changed_positions,
     _sample_mostly_changed,
     _sample_runs,
-    recv_with_deltas,
-    send_with_deltas,
 )
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.simulate import materialize
@@ -336,7 +333,7 @@ def test_unchanged_weights_move_only_headers():
 def test_box_runs_list_the_flat_positions_of_a_box_in_its_own_order():
     """What a unit's delta is cut from: every box of random 1- to 4-d tensors as contiguous runs."""
     from syncd.layout import Box
-    from syncd.member.dataplane.delta import _box_runs
+    from syncd.member.dataplane.delta.scatter import _box_runs
 
     rng = np.random.default_rng(3)
     for _ in range(300):
@@ -355,7 +352,7 @@ def test_a_scatter_into_a_box_writes_its_positions_and_nothing_else(many_runs):
     """`_scatter_box`, a delta's write into its region of a tensor: ascending positions in the box's
     C order, into boxes of few runs (numpy, run by run) and of many (one `index_copy_`)."""
     from syncd.layout import Box
-    from syncd.member.dataplane.delta import _FEW_RUNS, _box_runs, _scatter_box
+    from syncd.member.dataplane.delta.scatter import _FEW_RUNS, _box_runs, _scatter_box
 
     rng = np.random.default_rng(4)
     for _ in range(100):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from syncd.commands import DeltaLinks
-from syncd.member.dataplane import GcPause, GlooTransport, LoopOptions, TransferError, catalog_views, delta
-from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.member.dataplane import GcPause, GlooTransport, LoopOptions, TransferError, catalog_views
+from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas, wire
 from syncd.member.dataplane.relay import DeltaForwarder
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.fanout import make_fanout_plan
@@ -62,22 +62,22 @@ def _exact_delta_refit(fraction: float) -> tuple[Chain, dict, list]:
 
 def test_groups_cut_a_link_in_order_at_the_group_size(monkeypatch):
     link = _chain().plan.for_member("trainer-0")
-    monkeypatch.setattr(delta, "_GROUP_BYTES", 3 * BUCKET)
-    groups = delta._groups(link)
+    monkeypatch.setattr(wire, "_GROUP_BYTES", 3 * BUCKET)
+    groups = wire._groups(link)
     assert [b for g in groups for b in g] == list(link)
     assert len(groups) > 1
     assert all(len(g) == 1 or sum(b.nbytes for b in g) <= 3 * BUCKET for g in groups)
-    monkeypatch.setattr(delta, "_GROUP_BYTES", 1)  # below a bucket: one bucket a group
-    assert [len(g) for g in delta._groups(link)] == [1] * len(link)
+    monkeypatch.setattr(wire, "_GROUP_BYTES", 1)  # below a bucket: one bucket a group
+    assert [len(g) for g in wire._groups(link)] == [1] * len(link)
 
 
 def test_a_delta_in_many_pieces_through_relays_is_bit_exact(monkeypatch):
     """Groups of two buckets: each trainer's link is several headers and pieces, every relay
     forwards each piece as it arrived, and every replica ends bit-exact, verified."""
-    monkeypatch.setattr(delta, "_GROUP_BYTES", 2 * BUCKET)
+    monkeypatch.setattr(wire, "_GROUP_BYTES", 2 * BUCKET)
     forwarded = _forwarded(monkeypatch, "message", lambda data: data.numel())
     c, _, links = _exact_delta_refit(0.01)
-    groups = sum(len(delta._groups(link)) for link in links)
+    groups = sum(len(wire._groups(link)) for link in links)
     relays = len(c.dests) - 1
     assert len(forwarded) == relays * groups  # at 1% every group has a piece, each hop forwards it
 
@@ -85,12 +85,12 @@ def test_a_delta_in_many_pieces_through_relays_is_bit_exact(monkeypatch):
 def test_a_link_that_goes_dense_whole_sends_one_header_and_stays_exact(monkeypatch):
     """A step that changes everything: each trainer's link sends its first header only (it says
     the rest goes dense), every relay forwards that one, and every replica ends bit-exact."""
-    monkeypatch.setattr(delta, "_GROUP_BYTES", 2 * BUCKET)
+    monkeypatch.setattr(wire, "_GROUP_BYTES", 2 * BUCKET)
     headers = _forwarded(monkeypatch, "header", lambda data: int(data[-1]))  # their trailers
     c, stats, links = _exact_delta_refit(1.0)
-    assert all(len(delta._groups(link)) > 1 for link in links)
+    assert all(len(wire._groups(link)) > 1 for link in links)
     assert len(headers) == (len(c.dests) - 1) * len(links)  # one a link, at each hop
-    assert all(trailer >= delta._REST_DENSE for trailer in headers)
+    assert all(trailer >= wire._REST_DENSE for trailer in headers)
     assert all(stats[d.member_id].changed == stats[d.member_id].elements for d in c.dests)
 
 
@@ -252,7 +252,7 @@ def test_positions_that_do_not_ascend_fail_before_they_are_written(one_link):
     # the first unit with two positions or more, after the first sparse ones (as the -3 test's)
     k = next(i for i, c in enumerate(codes) if c >= 2)
     assert all(c >= 0 for c in codes[:k])
-    at = sum(delta._sparse_bytes(c, u.nbytes // u.canon.numel) for c, u in zip(codes[:k], units))
+    at = sum(wire._sparse_bytes(c, u.nbytes // u.canon.numel) for c, u in zip(codes[:k], units))
     piece = messages[1].clone()
     positions = piece[at : at + 8].view(torch.int32)
     positions[0], positions[1] = positions[1].item(), positions[0].item()
