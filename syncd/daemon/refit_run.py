@@ -171,6 +171,8 @@ class Run:
 
     def note_unconfirmed(self, member_id: str, cause: str) -> None:
         with self._cond:
+            if (Phase.COMMITTED, member_id) in self._reports:
+                return  # it confirmed: what befalls it after (it left, its lease ran out) is its own
             self._commit_notes.setdefault(member_id, cause)
             self._cond.notify_all()
 

@@ -9,7 +9,7 @@ import threading
 
 from syncd_harness import wait_until
 
-from syncd.commands import ExecutePlan
+from syncd.commands import Commit, ExecutePlan, Phase
 
 LONG_LEASE_S = 600.0
 
@@ -55,3 +55,28 @@ def test_a_member_that_leaves_mid_refit_aborts_it_naming_the_member(make_cluster
     assert "generator-0-1" in done["error"] and "it left" in done["error"], done["error"]
     assert not leaver.committed
     assert cluster.http.get("/v1/status").json()["committed_version"] is None
+
+
+def test_a_member_that_leaves_after_confirming_commit_leaves_the_refit_clean(make_cluster) -> None:
+    """A synchronous trainer's last step: it confirms Commit and exits while a generator has yet to."""
+    cluster = make_cluster(lease_seconds=LONG_LEASE_S)
+    holding, release = threading.Event(), threading.Event()
+
+    def confirm_late(cmd: Commit) -> None:
+        holding.set()
+        release.wait(30)
+        late = cluster.members["generator-0-0"]
+        late.committed.append(cmd.weight_version)
+        late.client.report(cmd.refit_id, Phase.COMMITTED)
+
+    cluster.start_all(**{"generator-0-0": {"on_commit": confirm_late}})
+    refit_id = cluster.refit(weight_version=1)["id"]
+    try:
+        wait_until(holding.is_set, what="the generator holding its confirmation")
+        trainer = cluster.members.pop("trainer-0")
+        wait_until(lambda: trainer.client.committed_version == 1, what="trainer-0's confirmation")
+        trainer.client.close()
+    finally:
+        release.set()
+    done = cluster.wait_refit(refit_id)
+    assert (done["state"], done["error"], done["unconfirmed"]) == ("COMMITTED", "", [])
