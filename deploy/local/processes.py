@@ -100,11 +100,21 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def wait_http(self, proc: Proc, url: str, timeout_s: float, ok=lambda r: r.status_code == 200) -> None:
-        """Wait until `url` answers `ok`; fail fast (with the log tail) if `proc` exits first."""
+    def wait_http(
+        self,
+        proc: Proc,
+        url: str,
+        timeout_s: float,
+        ok=lambda r: r.status_code == 200,
+        finished_ok: bool = False,
+    ) -> None:
+        """Wait until `url` answers `ok`; fail fast (with the log tail) if `proc` exits first,
+        unless `finished_ok` and it exited with status 0 (it did its work before the wait saw it)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not proc.alive():
+                if finished_ok and proc.popen.returncode == 0:
+                    return
                 raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
             try:
                 if ok(httpx.get(url, timeout=5)):

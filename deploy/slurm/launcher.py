@@ -5,11 +5,12 @@
 
 Runs on the batch node (deploy/slurm/weightsync.sbatch calls it). Processes for this node start
 directly; those for other nodes through `srun --overlap` (one task per node). Waits for syncd,
-then each generator, to answer /healthz, starts the trainer, waits for syncd's /readyz, then
-for the trainer to finish. On SIGTERM/SIGINT, a failed process or the trainer's exit it stops
-everything it started (deploy.local.processes.Cluster) and writes a summary of the refits; when
-signalled or when the trainer fails, it names the allocation's nodes SLURM holds down (a node
-failure ends the job with a TERM).
+then each generator, to answer /healthz, starts the trainer, waits for syncd's /readyz (or the
+trainer's success, for a job shorter than a poll), then for the trainer to finish. On
+SIGTERM/SIGINT, a failed process or the trainer's exit it stops everything it started
+(deploy.local.processes.Cluster) and writes a summary of the refits; when signalled or when the
+trainer fails, it names the allocation's nodes SLURM holds down (a node failure ends the job with
+a TERM).
 """
 
 from __future__ import annotations
@@ -134,8 +135,11 @@ def run(args: argparse.Namespace, alloc: Allocation, workdir: Path) -> int:
             cluster.wait_http(proc, url, args.ready_timeout)
         log.info("syncd and %d generator(s) up; starting the trainer", len(generators))
         trainer = start(trainer_spec)
-        cluster.wait_http(trainer, f"{syncd_url}/readyz", args.ready_timeout)
-        log.info("syncd ready: every trainer rank and generator worker registered")
+        # A short job can register, train, refit and leave syncd between two polls: its exit
+        # with status 0 ends this wait too (the summary below says what it moved).
+        cluster.wait_http(trainer, f"{syncd_url}/readyz", args.ready_timeout, finished_ok=True)
+        if trainer.alive():
+            log.info("syncd ready: every trainer rank and generator worker registered")
         rc = _wait_trainer(trainer, [syncd, *generators])
         if rc:
             _report_lost_nodes(alloc.nodes)
