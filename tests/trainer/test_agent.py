@@ -154,9 +154,24 @@ def _get_ok(http: httpx.Client, path: str) -> bool:
 def test_trainer_ranks_register_with_syncd_and_announce(start_syncd, tiny_dir, tmp_path):
     target, http = start_syncd(trainers=2, generators=1)
     settings = TrainSettings(model_dir=tiny_dir, ep=2, device="cpu", syncd=target, **TRAIN)
-    _launch.run_job(settings, tmp_path / "run")
-    members = {m["member_id"]: m for m in http.get("/v1/members").json()["members"]}
+    members: dict[str, dict] = {}  # every member syncd listed while the job ran
+    done = threading.Event()
+
+    def watch() -> None:
+        with httpx.Client(base_url=http.base_url, timeout=5) as watcher:
+            while not done.is_set():
+                members.update({m["member_id"]: m for m in watcher.get("/v1/members").json()["members"]})
+                time.sleep(0.02)
+
+    watching = threading.Thread(target=watch, daemon=True)
+    watching.start()
+    try:
+        _launch.run_job(settings, tmp_path / "run")
+    finally:
+        done.set()
+        watching.join(10)
     assert set(members) == {"trainer-0", "trainer-1"}
+    assert http.get("/v1/members").json()["members"] == []  # each rank left syncd as the job ended
     dims = ParallelDims(ep=2)
     for rank in range(2):
         m = members[f"trainer-{rank}"]
