@@ -55,25 +55,27 @@ def _on_a_running_loop() -> bool:
 
 
 def _workers_leave(engine: Any, loop: asyncio.AbstractEventLoop) -> None:
-    """`ws_close` on every worker, waited for until it answers, the engine is marked dead (it was
-    stopping by itself) or `WORKERS_LEAVE_TIMEOUT_S` passed."""
+    """`ws_close` on every worker, within `WORKERS_LEAVE_TIMEOUT_S`. When the engine refuses it or
+    is marked dead meanwhile, it is stopping by itself (a signal to the whole process group): its
+    workers leave as vLLM stops them, and the engine is marked dead once its core and workers
+    exited, so this waits for that, lest the shutdown that follows kill them first."""
     future = asyncio.run_coroutine_threadsafe(engine.collective_rpc("ws_close"), loop)
     deadline = time.monotonic() + WORKERS_LEAVE_TIMEOUT_S
+    cause = f"no answer within {WORKERS_LEAVE_TIMEOUT_S:g} s"
     try:
         while not future.done() and not engine.errored and time.monotonic() < deadline:
             concurrent.futures.wait([future], timeout=_POLL_S)
         if future.done():
             future.result()  # raises what the call raised
             log.info("the workers left syncd: the generator is stopping")
-        elif engine.errored:
-            log.info(
-                "the engine was stopping by itself (its own signal): the workers leave syncd as they stop"
-            )
-        else:
-            raise TimeoutError(f"no answer within {WORKERS_LEAVE_TIMEOUT_S:g} s")
-    except Exception as e:  # noqa: BLE001 - stopping goes on; syncd ends the sessions with their leases
-        log.warning(
-            "the workers could not leave syncd (%s: %s); their leases end their sessions", type(e).__name__, e
-        )
+            return
+    except Exception as e:  # noqa: BLE001 - e.g. the engine core is shutting down already
+        cause = f"{type(e).__name__}: {e}"
     finally:
         future.cancel()
+    while not engine.errored and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    if engine.errored:
+        log.info("the engine was stopping by itself (%s): its workers leave syncd as they stop", cause)
+    else:
+        log.warning("the workers could not leave syncd (%s); their leases end their sessions", cause)
