@@ -19,8 +19,11 @@ backoff, forever, until `close`, which leaves syncd (its session ends at once, n
 runs out).
 
 Commands run on one handler thread in arrival order, so a handler may block (heartbeats go on).
-`Abort` is also delivered at once on its own thread, so it can interrupt a handler blocked in a
-collective. A handler that raises is reported to syncd as a failure of the command's phase.
+`Abort` is delivered at once on its own thread, so it can interrupt a handler blocked in a
+collective; the commands that arrive after it run once its handling is done, so an abort that
+ends late (closing a communicator to a peer that is gone) never tears down the next refit, which
+syncd may begin at once. A handler that raises is reported to syncd as a failure of the command's
+phase.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ _RPC_TIMEOUT_S = 10.0
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.1, 5.0
 # A stopping member waits at most this for syncd to take its Leave: past it, the lease ends the session.
 _LEAVE_TIMEOUT_S = 2.0
+# An abort handled for longer than this is logged: the commands after it wait for it.
+_SLOW_ABORT_S = 30.0
 
 
 class MemberClient:
@@ -102,7 +107,8 @@ class MemberClient:
         self._session_id = ""
         self._lease_s = 10.0
         self._catalog_pb: pb.Catalog | None = None
-        self._commands: queue.Queue[Command | None] = queue.Queue()
+        # Commands in arrival order; an Abort's thread in its place (a barrier); None: stop.
+        self._commands: queue.Queue[Command | threading.Thread | None] = queue.Queue()
         self._handler: CommandHandler | None = None
         self._threads: list[threading.Thread] = []
 
@@ -294,15 +300,27 @@ class MemberClient:
         if isinstance(command, Commit):
             self._commit_versions[command.refit_id] = command.weight_version
         if isinstance(command, Abort):
-            threading.Thread(
+            aborting = threading.Thread(
                 target=self._call_handler, args=(command,), name=f"{self.member_id}-abort", daemon=True
-            ).start()
+            )
+            aborting.start()
+            self._commands.put(aborting)
         else:
             self._commands.put(command)
 
     def _handle_loop(self) -> None:
-        while (command := self._commands.get()) is not None:
-            self._call_handler(command)
+        while (item := self._commands.get()) is not None:
+            if isinstance(item, threading.Thread):  # what arrived after an Abort waits until it is handled
+                item.join(_SLOW_ABORT_S)
+                if item.is_alive():
+                    log.warning(
+                        "%s: an abort is still being handled after %.0f s; the next commands wait",
+                        self.member_id,
+                        _SLOW_ABORT_S,
+                    )
+                    item.join()
+            else:
+                self._call_handler(item)
 
     def _call_handler(self, command: Command) -> None:
         assert self._handler is not None

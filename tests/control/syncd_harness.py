@@ -66,6 +66,7 @@ class Behaviour:
     die_on_execute: bool = False  # on ExecutePlan: stop heartbeating and never answer (a crash)
     reported_bytes: int | None = None  # bytes to report in TRANSFERRED instead of the plan's
     on_commit: Callable[[Commit], None] | None = None  # called on Commit instead of confirming it
+    on_abort: Callable[[Abort], None] | None = None  # called on Abort (on the client's abort thread)
 
 
 @dataclass
@@ -108,6 +109,8 @@ class FakeMember:
             case Commit():
                 self.committed.append(cmd.weight_version)
                 c.report(cmd.refit_id, Phase.COMMITTED)
+            case Abort() if self.behaviour.on_abort is not None:
+                self.behaviour.on_abort(cmd)
             case Abort():
                 pass
 

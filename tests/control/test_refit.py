@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from syncd_harness import Cluster, wait_until
 
@@ -143,6 +144,39 @@ def test_one_refit_at_a_time_and_operator_abort(cluster: Cluster) -> None:
     # The slot is free again, and the next refit renegotiates the torn-down groups.
     assert cluster.wait_refit(cluster.refit(weight_version=2)["id"])["state"] == "COMMITTED"
     assert len(cluster.members["trainer-0"].of_type(JoinGroup)) == 2
+
+
+def test_the_next_refit_waits_until_a_slow_abort_is_handled(cluster: Cluster) -> None:
+    """syncd begins the next refit without waiting for the members' aborts (the lab saw one begin
+    20 ms later). A member whose abort ends late (closing a communicator to a peer that is gone)
+    must not tear that refit down: its commands run once the abort is handled."""
+    handled: list[tuple[str, str]] = []  # (what, refit id) in the order generator-0-0 handled them
+    failed = threading.Event()
+
+    def fail_once(cmd: ExecutePlan) -> None:
+        if not failed.is_set():
+            failed.set()
+            raise RuntimeError("trainer-0 fails its first transfer")
+
+    def slow_abort(cmd: Abort) -> None:
+        time.sleep(1.0)
+        handled.append(("abort done", cmd.refit_id))
+
+    def note_execute(cmd: ExecutePlan) -> None:
+        handled.append(("execute", cmd.refit_id))
+
+    cluster.start_all(
+        **{
+            "trainer-0": {"on_execute": fail_once},
+            "generator-0-0": {"on_abort": slow_abort, "on_execute": note_execute},
+        }
+    )
+    first = cluster.wait_refit(cluster.refit(weight_version=1)["id"])
+    assert first["state"] == "ABORTED" and "fails its first transfer" in first["error"]
+    second = cluster.refit(weight_version=2)["id"]  # while generator-0-0 is still handling the abort
+    assert cluster.wait_refit(second)["state"] == "COMMITTED"
+    # (Its first transfer may have begun or not: syncd stops sending ExecutePlan once it aborted.)
+    assert handled[-2:] == [("abort done", first["id"]), ("execute", second)], handled
 
 
 def test_refit_refused_until_members_registered_and_version_known(cluster: Cluster) -> None:
