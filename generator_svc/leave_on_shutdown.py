@@ -69,6 +69,8 @@ def _workers_leave(engine: Any, loop: asyncio.AbstractEventLoop) -> None:
             future.result()  # raises what the call raised
             log.info("the workers left syncd: the generator is stopping")
             return
+        if engine.errored:
+            cause = "it stopped before answering"
     except Exception as e:  # noqa: BLE001 - e.g. the engine core is shutting down already
         cause = f"{type(e).__name__}: {e}"
     finally:
