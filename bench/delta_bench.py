@@ -172,6 +172,22 @@ def _cpu_by_round(results: dict, method: str) -> list[float]:
     return [sum(round_) for round_ in zip(*per_member)]
 
 
+def _report_bound(report: dict, receiver: list[dict], suffix: str, baseline: str, against: str) -> None:
+    """The dense step over `baseline` into `report` (`dense_vs_full{suffix}`: medians, by round and
+    in CPU seconds), and printed."""
+    methods = report["methods"]
+    ratio = methods[DENSE]["seconds"] / methods[baseline]["seconds"]
+    by_round = _by_round(receiver, DENSE, baseline, "seconds")
+    cpu = methods[DENSE]["cpu_seconds"] / methods[baseline]["cpu_seconds"]
+    report[f"dense_vs_full{suffix}"] = ratio
+    report[f"dense_vs_full{suffix}_by_round"] = by_round
+    report[f"dense_vs_full{suffix}_cpu"] = cpu
+    print(
+        f"{against}: {ratio:.2f} (medians), {statistics.median(by_round):.2f} (median of rounds), "
+        f"{cpu:.2f} (CPU seconds)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(parser)
@@ -240,28 +256,11 @@ def main() -> None:
     # full refit with them off (issue 30: at most 1.10), of the same kind of step (`_stepped`) and,
     # as before, of unchanged weights; also round by round (the two run seconds apart, so a
     # neighbour's load shifts both), and in CPU seconds of all members together.
-    report["dense_vs_full"] = report["methods"][DENSE]["vs_full"]
-    report["dense_vs_full_by_round"] = _by_round(receiver, DENSE, "full refit", "seconds")
-    report["dense_vs_full_cpu"] = (
-        report["methods"][DENSE]["cpu_seconds"] / report["methods"]["full refit"]["cpu_seconds"]
-    )
-    report["dense_vs_full_stepped"] = (
-        report["methods"][DENSE]["seconds"] / report["methods"][FULL_STEPPED]["seconds"]
-    )
-    report["dense_vs_full_stepped_by_round"] = _by_round(receiver, DENSE, FULL_STEPPED, "seconds")
-    report["dense_vs_full_stepped_cpu"] = (
-        report["methods"][DENSE]["cpu_seconds"] / report["methods"][FULL_STEPPED]["cpu_seconds"]
-    )
-    print(
-        f"dense with delta refits on / full refit with them off: {report['dense_vs_full']:.2f} "
-        f"(medians), {statistics.median(report['dense_vs_full_by_round']):.2f} (median of rounds), "
-        f"{report['dense_vs_full_cpu']:.2f} (CPU seconds)"
-    )
-    print(
-        f"the same against a full refit of such a step: {report['dense_vs_full_stepped']:.2f} "
-        f"(medians), {statistics.median(report['dense_vs_full_stepped_by_round']):.2f} (median of rounds), "
-        f"{report['dense_vs_full_stepped_cpu']:.2f} (CPU seconds)"
-    )
+    for suffix, baseline, against in (
+        ("", "full refit", "dense with delta refits on / full refit with them off"),
+        ("_stepped", FULL_STEPPED, "the same against a full refit of such a step"),
+    ):
+        _report_bound(report, receiver, suffix, baseline, against)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
