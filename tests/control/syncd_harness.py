@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -21,9 +21,9 @@ from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
 from syncd.layout import Canon, CanonicalTensor, Catalog, Shard, Sharded, local_tensor
 from syncd.member.client import MemberClient
-from syncd.net import free_port
 from syncd.refit_wait import wait_final
 from tests.polling import wait_until
+from tests.syncd_settings import syncd_settings
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -172,22 +172,21 @@ def make_member(
 
 
 def base_settings(tmp_path: Path, **overrides: object) -> Settings:
-    return replace(
-        Settings(
-            host="127.0.0.1",
-            http_port=free_port(),
-            grpc_port=free_port(),
-            db=str(tmp_path / "syncd.db"),
-            lease_seconds=5.0,
-            prepare_timeout=20,
-            transfer_timeout=20,
-            verify_timeout=20,
-            commit_timeout=20,
-            bucket_bytes=256,
-            expected_trainers=2,
-            expected_generators=2,
-        ),
-        **overrides,
+    """Two trainers and two generators of simulated members, tiny buckets (many per refit)."""
+    return syncd_settings(
+        tmp_path,
+        **{
+            "lease_seconds": 5.0,
+            "prepare_timeout": 20.0,
+            "transfer_timeout": 20.0,
+            "verify_timeout": 20.0,
+            "commit_timeout": 20.0,
+            "bucket_bytes": 256,
+            "expected_trainers": 2,
+            "expected_generators": 2,
+            "backend": "auto",
+            **overrides,
+        },
     )
 
 

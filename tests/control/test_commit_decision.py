@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-from syncd_harness import MEMBERS, Cluster, SyncdProcess, free_port, make_member, wait_until
+from syncd_harness import MEMBERS, Cluster, SyncdProcess, make_member, wait_until
 
 from syncd.commands import Abort, Commit
+from syncd.net import free_port
 
 
 def test_syncd_killed_after_sending_commit_comes_back_committed(tmp_path: Path) -> None:

@@ -18,7 +18,6 @@ from syncd_harness import (
     Cluster,
     FakeMember,
     SyncdProcess,
-    free_port,
     generator_catalog,
     trainer_catalog,
     wait_until,
@@ -29,6 +28,7 @@ from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
 from syncd.layout import Catalog
 from syncd.member.client import MemberClient
+from syncd.net import free_port
 from tests.keep_alive import answers_after_idling
 
 

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from syncd_harness import TOKEN, Cluster, SyncdProcess, free_port, generator_catalog, wait_until
+from syncd_harness import TOKEN, Cluster, SyncdProcess, generator_catalog, wait_until
 
 from syncd.api import convert
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
 from syncd.layout import Box, CanonicalTensor, Catalog, LocalTensor, Piece
+from syncd.net import free_port
 
 
 def peak_rss_mib(pid: int) -> float:

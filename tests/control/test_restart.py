@@ -7,9 +7,10 @@ import threading
 from pathlib import Path
 
 import httpx
-from syncd_harness import MEMBERS, SyncdProcess, free_port, make_member, wait_until
+from syncd_harness import MEMBERS, SyncdProcess, make_member, wait_until
 
 from syncd.commands import Abort
+from syncd.net import free_port
 
 
 def test_restart_keeps_history_and_members_come_back(tmp_path: Path) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 
-from syncd_harness import PYTHON, REPO, TOKEN, Cluster, free_port
+from syncd_harness import PYTHON, REPO, TOKEN, Cluster
+
+from syncd.net import free_port
 
 
 def syncctl(url: str, *args: str, token: str | None = None) -> subprocess.CompletedProcess:

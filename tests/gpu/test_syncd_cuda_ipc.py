@@ -13,14 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from syncd.net import free_port
 from syncd.refit_wait import wait_final
 
 pytestmark = pytest.mark.gpu(count=1)
 
 try:  # GPU machines may lack syncd's own dependencies (README, "Tests": carry their wheels)
     from syncd.daemon.service import Daemon
-    from syncd.daemon.settings import Settings
+    from tests.syncd_settings import syncd_settings
 except (ImportError, RuntimeError) as e:  # grpc's stubs raise RuntimeError on an older grpcio
     pytest.skip(f"syncd cannot start here: {e}", allow_module_level=True)
 
@@ -44,15 +43,13 @@ def test_syncd_carries_a_link_between_peer_gpus_through_cuda_ipc_and_commits(tmp
 
 
 def _two_refits_through_cuda_ipc(tmp_path, devices: dict[str, str]) -> None:
-    settings = Settings(
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        db=str(tmp_path / "syncd.db"),
+    settings = syncd_settings(
+        tmp_path,
         lease_seconds=5,
         expected_trainers=1,
         expected_generators=1,
         bucket_bytes=1 << 20,
+        backend="auto",
     )
     daemon = Daemon(settings)
     daemon.start()

@@ -12,15 +12,14 @@ import numpy as np
 import pytest
 
 from syncd.daemon.service import Daemon
-from syncd.daemon.settings import Settings
 from syncd.layout import Canon, CanonicalTensor, Catalog, Concat, Shard, Sharded, Stack, local_tensor
 from syncd.member import join
-from syncd.net import free_port
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
 from syncd.vocabulary import Role
 from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.polling import wait_until
+from tests.syncd_settings import syncd_settings
 
 E, I, H = 4, 6, 8
 EMBED = CanonicalTensor("model.embed_tokens.weight", (32, H), "float32")
@@ -59,20 +58,11 @@ def generator_catalog(tp: int) -> Catalog:
 
 @pytest.fixture
 def cluster(tmp_path: Path):
-    settings = Settings(
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        db=str(tmp_path / "syncd.db"),
-        lease_seconds=3,
-        prepare_timeout=30,
-        transfer_timeout=30,
-        verify_timeout=30,
-        commit_timeout=30,
+    settings = syncd_settings(
+        tmp_path,
         bucket_bytes=512,
         expected_trainers=2,
         expected_generators=2,
-        backend="gloo",
     )
     daemon = Daemon(settings)
     daemon.start()

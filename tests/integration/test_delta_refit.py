@@ -16,10 +16,8 @@ import torch
 
 from generator_svc.catalog import TP, build_catalog
 from syncd.daemon.service import Daemon
-from syncd.daemon.settings import Settings
 from syncd.member import join
 from syncd.member.client import MemberClient
-from syncd.net import free_port
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
 from syncd.states import TERMINAL
@@ -27,6 +25,7 @@ from syncd.vocabulary import Role
 from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.integration.test_fp8_refit import vllm_specs
 from tests.polling import wait_until
+from tests.syncd_settings import syncd_settings
 from trainer_svc import catalog as trainer_catalog
 from trainer_svc.canonical import canonical_shapes
 from trainer_svc.config import ModelArgs
@@ -89,20 +88,11 @@ class HeldTrainer(TrainerEndpoint):
 @pytest.fixture
 def cluster(tmp_path: Path):
     running: list = []
-    settings = Settings(
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        db=str(tmp_path / "syncd.db"),
-        lease_seconds=3,
-        prepare_timeout=30,
-        transfer_timeout=30,
-        verify_timeout=30,
-        commit_timeout=30,
+    settings = syncd_settings(
+        tmp_path,
         bucket_bytes=16 << 10,
         expected_trainers=DIMS.world_size,
         expected_generators=2,
-        backend="gloo",
         delta_refits=True,
     )
     daemon = Daemon(settings)

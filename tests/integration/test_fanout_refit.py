@@ -21,11 +21,10 @@ from bench.plain_member import TINY, canonical_values, loaded_marker
 from bench.synthetic_moe import vllm_catalog
 from deploy.local.processes import PYTHON, Cluster, Proc
 from syncd.daemon.service import Daemon
-from syncd.daemon.settings import Settings
-from syncd.net import free_port
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
 from tests.polling import wait_until
+from tests.syncd_settings import syncd_settings
 
 
 @dataclass
@@ -103,18 +102,11 @@ class Fleet:
 @pytest.fixture
 def fleet(tmp_path: Path, request) -> Iterator[Fleet]:
     options = getattr(request, "param", {})
-    settings = Settings(
-        host="127.0.0.1",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        db=str(tmp_path / "syncd.db"),
-        lease_seconds=3,
+    settings = syncd_settings(
+        tmp_path,
         prepare_timeout=60,
         transfer_timeout=60,
-        verify_timeout=30,
-        commit_timeout=30,
         bucket_bytes=32 << 10,  # a few dozen buckets per link: a relay forwards while it receives
-        backend="gloo",
         **options,
     )
     daemon = Daemon(settings)

@@ -27,15 +27,14 @@ from generator_svc.catalog import (
     build_catalog,
 )
 from syncd.daemon.service import Daemon
-from syncd.daemon.settings import Settings
 from syncd.member.agent import AgentSettings, MemberAgent
 from syncd.member.client import MemberClient
-from syncd.net import free_port
 from syncd.plan.fp8_blocks import blockwise_fp8_catalog
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
 from tests.fp8_reference import checkpoint_arrays
 from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
+from tests.syncd_settings import syncd_settings
 from trainer_svc import catalog as trainer_catalog
 from trainer_svc.canonical import canonical_shapes
 from trainer_svc.config import ModelArgs
@@ -119,20 +118,11 @@ def start(tmp_path: Path):
     def start_cluster(layout: tuple[int, int, int], generator_tp: int, delta: bool = False):
         pp, ep, tp = layout
         dims = ParallelDims(pp=pp, ep=ep, tp=tp)
-        settings = Settings(
-            host="127.0.0.1",
-            http_port=free_port(),
-            grpc_port=free_port(),
-            db=str(tmp_path / "syncd.db"),
-            lease_seconds=3,
-            prepare_timeout=30,
-            transfer_timeout=30,
-            verify_timeout=30,
-            commit_timeout=30,
+        settings = syncd_settings(
+            tmp_path,
             bucket_bytes=64 << 10,
             expected_trainers=dims.world_size,
             expected_generators=generator_tp,
-            backend="gloo",
             delta_refits=delta,
         )
         daemon = Daemon(settings)

@@ -19,11 +19,10 @@ import pytest
 from deploy.lab import Lab
 from deploy.local.processes import PYTHON, Cluster, Proc
 from syncd.daemon.service import Daemon
-from syncd.daemon.settings import Settings
-from syncd.net import free_port
 from tests.integration.test_fanout_refit import Fleet
 from tests.lab_support import running_lab
 from tests.polling import wait_until
+from tests.syncd_settings import syncd_settings
 
 
 class LabFleet(Fleet):
@@ -46,22 +45,16 @@ class LabFleet(Fleet):
 def lab_fleet(tmp_path: Path) -> Iterator[LabFleet]:
     hosts = {"trainer-0": "t0", "generator-0-0": "g0", "generator-1-0": "g1", "generator-2-0": "g2"}
     with running_lab(sorted(set(hosts.values())), "fan", tmp_path / "logs") as lab:
-        settings = Settings(
+        settings = syncd_settings(
+            tmp_path,
             host="0.0.0.0",
-            http_port=free_port(),
-            grpc_port=free_port(),
-            db=str(tmp_path / "syncd.db"),
-            lease_seconds=3,
             prepare_timeout=60,
             transfer_timeout=60,
-            verify_timeout=30,
-            commit_timeout=30,
             bucket_bytes=32 << 10,
             # A member blocked on the cut-off relay (no RST: its waits cannot be interrupted) is
             # free for the retry's groups once its sends give up: 2 x 5 s x 1.x, well within
             # the retry's PREPARING.
             stall_timeout=5,
-            backend="gloo",
             expected_trainers=1,
             expected_generators=3,
         )
