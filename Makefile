@@ -6,13 +6,25 @@ STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint setup tools proto bench-plan clean slurm-lab slurm-lab-down
+.PHONY: demo test test-fast lint setup tools proto bench-plan clean slurm-lab slurm-lab-down
 
 demo: $(STAMP)  ## the main job: train a tiny MoE and refit a live vLLM generator after every step (CPU)
 	$(PY) -m deploy.local.demo $(DEMO_ARGS)
 
-test: $(STAMP) tools  ## the whole test suite (GPU tests skip without GPUs)
-	$(PY) -m pytest $(PYTEST_ARGS)
+# Tiers (tests/README.md): markers come from each test's folder (tests/conftest.py). Both tiers
+# run on several pytest-xdist workers: most of their time is spent waiting (leases, engines
+# starting, shaped links), not computing. TEST_WORKERS=0 runs them in this process.
+FAST := not (processes or vllm or e2e or lab or gpu)
+FAST_WORKERS ?= 4
+TEST_WORKERS ?= 3
+XDIST = $(if $(filter 0,$(1)),,-n $(1) --dist loadgroup)
+
+test: $(STAMP) tools  ## the whole suite: the fast tier first (stops at its first failure), then the rest
+	$(PY) -m pytest -x -m "$(FAST)" $(call XDIST,$(FAST_WORKERS)) $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not ($(FAST))" $(call XDIST,$(TEST_WORKERS)) $(PYTEST_ARGS)
+
+test-fast: $(STAMP)  ## the fast tier, a few minutes: no vLLM, no lab, no multi-process jobs
+	$(PY) -m pytest -x -m "$(FAST)" $(call XDIST,$(FAST_WORKERS)) $(PYTEST_ARGS)
 
 # Config in pyproject.toml ([tool.ruff], [tool.mypy]: mypy checks syncd, trainer_svc, generator_svc).
 lint: $(STAMP)  ## ruff lint, ruff format check, mypy
