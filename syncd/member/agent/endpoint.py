@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from syncd.commands import Phase
 from syncd.member.dataplane.prepared import ReceiveSink
 from syncd.plan.types import Bucket
 from syncd.weight_version import WeightVersion
@@ -50,7 +51,7 @@ class Reporter(Protocol):
     def report(
         self,
         refit_id: str,
-        phase: str,
+        phase: Phase,
         *,
         ok: bool = True,
         error: str = "",

@@ -83,10 +83,10 @@ def join_group(cmd: JoinGroup, client: Reporter, settings: AgentSettings, groups
     in `groups` first, so an Abort that follows the report closes it)."""
     groups.close(cmd.stage)
     t0 = time.perf_counter()
-    connect = _CONNECT.get(Backend(cmd.backend)) if cmd.backend in _CONNECT else None
+    connect = _CONNECT.get(cmd.backend)
     if connect is None:
-        known = " or ".join(repr(str(b)) for b in Backend)
-        raise ValueError(f"unknown data-plane backend {cmd.backend!r}; expected {known}")
+        known = " or ".join(repr(str(b)) for b in _CONNECT)
+        raise ValueError(f"no way to join a {cmd.backend!r} group; this member joins {known}")
     connected = connect(cmd, client, settings, t0)
     transport = connected.transport
     # Over shared memory the loops' staging is the transport's: sends from it copy nothing.
