@@ -17,6 +17,7 @@ from enum import StrEnum
 
 from syncd.layout import Box
 from syncd.plan.types import Bucket
+from syncd.vocabulary import Backend, LinkTransport
 from syncd.weight_version import WeightVersion
 
 
@@ -56,7 +57,7 @@ class StageGroup:
 
     stage: int
     group_id: str
-    backend: str
+    backend: Backend
     members: tuple[str, ...]
 
     def rank_of(self, member_id: str) -> int:
@@ -74,13 +75,13 @@ class JoinGroup:
     stage: int
     rank: int
     world_size: int
-    backend: str
+    backend: Backend
     address: str
     members: tuple[str, ...]
     timeout_s: float
-    # Per group rank, the transport between this member and that one (`LinkTransport`); empty:
-    # the backend on every link.
-    links: tuple[str, ...] = ()
+    # Per group rank, the transport between this member and that one; empty: the backend on every
+    # link.
+    links: tuple[LinkTransport, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,14 @@
 
 Lifecycle: `RankAgent.start` builds the rank's catalog, joins syncd through the member library's
 front door (`syncd.member.join`: role trainer, member id `trainer-{rank}`, mesh coords, this
-rank's `TrainerEndpoint`), and hooks into the trainer so every optimizer step is announced as a
+rank's `SenderEndpoint`), and hooks into the trainer so every optimizer step is announced as a
 new weight version; `close` leaves syncd and tears down the data-plane groups.
 
-The data plane reads the parameters in place (`LocalShards`, no copy) through `TrainerEndpoint`,
-which holds the trainer's lock from the start to the end of this rank's transfer, so no optimizer
-step changes them mid-transfer (with delta refits on, until syncd's Verify, once the rank's mirror
-took what it sent: `syncd.member.agent`). A rank whose weights are no longer the requested version refuses:
-the refit aborts rather than give generators a model torn between two versions. With
-`sync_refit`, a rank waits after announcing each step until a refit of it commits or aborts.
+The data plane reads the parameters in place (`LocalShards`, no copy) through the member library's
+`SenderEndpoint` (`syncd.member.sender`), which holds the trainer's lock from the start to the end
+of this rank's transfer, so no optimizer step changes them mid-transfer, and refuses a refit of
+another version than the rank holds. With `sync_refit`, a rank waits after announcing each step
+until a refit of it commits or aborts.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -27,8 +26,7 @@ from syncd.layout import Catalog
 from syncd.member import Membership, join
 from syncd.member.client import MemberClient
 from syncd.member.dataplane import catalog_views
-from syncd.member.refit_outcomes import RefitOutcomes
-from syncd.plan.types import Bucket
+from syncd.member.sender import SenderEndpoint
 from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion
 from trainer_svc.catalog import build_catalog
@@ -68,49 +66,8 @@ class LocalShards:
             yield self._views
 
 
-class TrainerEndpoint:
-    """This rank as the data plane sees it: live parameter views, held still while they are sent."""
-
-    def __init__(self, shards: LocalShards, trainer: Trainer, member_id: str) -> None:
-        self.shards, self.trainer, self.member_id = shards, trainer, member_id
-        self._held = False
-        self.outcomes = RefitOutcomes()
-
-    def begin(
-        self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
-    ) -> Mapping[str, torch.Tensor]:
-        self.outcomes.began(weight_version)
-        self.trainer.lock.acquire()
-        self._held = True
-        if self.trainer.version != weight_version:
-            self.end(refit_id, ok=False)
-            raise ValueError(
-                f"{self.member_id}: refit {refit_id} moves weight version {weight_version}, "
-                f"but this rank holds version {self.trainer.version}"
-            )
-        return self.shards.views
-
-    def end(self, refit_id: str, ok: bool) -> None:
-        if self._held:
-            self._held = False
-            self.trainer.lock.release()
-
-    def verify(self, refit_id: str) -> None:
-        pass  # a trainer keeps no staged copy: what it sent is what it holds
-
-    def commit(self, refit_id: str, weight_version: WeightVersion, timeout_s: float) -> None:
-        self.outcomes.committed(weight_version)
-
-    def abort(self) -> None:
-        self.outcomes.aborted()
-
-    def wait_refit(self, version: WeightVersion, timeout_s: float) -> str:
-        """See `RefitOutcomes.wait`: "committed", "aborted" or "timeout"."""
-        return self.outcomes.wait(version, timeout_s)
-
-
 class RankAgent:
-    def __init__(self, member: Membership, endpoint: TrainerEndpoint, sync_refit_s: float | None) -> None:
+    def __init__(self, member: Membership, endpoint: SenderEndpoint, sync_refit_s: float | None) -> None:
         self.member, self.endpoint = member, endpoint
         self.sync_refit_s = sync_refit_s
 
@@ -137,7 +94,8 @@ class RankAgent:
         run_id = [uuid.uuid4().hex]  # this training run, as syncd knows it: rank 0's id on every rank
         if torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(run_id, src=0)
-        endpoint = TrainerEndpoint(shards, trainer, member_id)
+        # the trainer's lock and version, and the shards' views (`syncd.member.sender`)
+        endpoint = SenderEndpoint(member_id, trainer, lambda: shards.views)
         member = join(
             target,
             endpoint,

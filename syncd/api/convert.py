@@ -6,11 +6,14 @@ box); callers translate that into INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+from enum import StrEnum
+from typing import TypeVar
+
 from syncd import commands
 from syncd.api import syncd_pb2 as pb
 from syncd.layout import Box, CanonicalTensor, Catalog, LocalTensor, Piece
 from syncd.plan.types import Bucket, Relay, TransferUnit
-from syncd.vocabulary import Fp8Part, Role
+from syncd.vocabulary import Backend, Fp8Part, LinkTransport, Role
 from syncd.weight_version import WeightVersion
 
 ROLES = {Role.TRAINER: pb.ROLE_TRAINER, Role.GENERATOR: pb.ROLE_GENERATOR}
@@ -18,19 +21,30 @@ ROLE_NAMES = {v: k for k, v in ROLES.items()}
 PHASES = {name: pb.Phase.Value(f"PHASE_{name}") for name in (*commands.Phase, "ANNOUNCE")}
 PHASE_NAMES = {v: k for k, v in PHASES.items()}
 
+_V = TypeVar("_V", bound=StrEnum)
 
-def role_to_pb(role: str) -> pb.Role:
+
+def role_to_pb(role: Role) -> pb.Role:
     try:
-        return ROLES[Role(role)]
-    except ValueError:
+        return ROLES[role]
+    except KeyError:
         raise ValueError(f"unknown role {role!r}; expected one of {sorted(map(str, ROLES))}") from None
 
 
-def phase_to_pb(phase: str) -> pb.Phase:
+def phase_to_pb(phase: commands.Phase) -> pb.Phase:
     try:
         return PHASES[phase]
     except KeyError:
         raise ValueError(f"unknown phase {phase!r}; expected one of {sorted(PHASES)}") from None
+
+
+def _vocabulary_from_pb(enum: type[_V], field: str, value: str) -> _V:
+    """A vocabulary's member from a command's text field, or a ValueError that names the field."""
+    try:
+        return enum(value)
+    except ValueError:
+        known = ", ".join(repr(str(v)) for v in enum)
+        raise ValueError(f"{field} {value!r} is not a {enum.__name__}; expected one of {known}") from None
 
 
 # ---- layout ----
@@ -238,6 +252,11 @@ def _delta_from_pb(m: pb.ExecutePlan) -> commands.DeltaLinks | None:
     return commands.DeltaLinks(base, frozenset(d.dsts), d.max_fraction)
 
 
+def _stage_group_from_pb(g: pb.StageGroup) -> commands.StageGroup:
+    backend = _vocabulary_from_pb(Backend, "StageGroup.backend", g.backend)
+    return commands.StageGroup(g.stage, g.group_id, backend, tuple(g.members))
+
+
 def command_from_pb(msg: pb.Command) -> commands.Command:
     kind = msg.WhichOneof("kind")
     if kind == "join_group":
@@ -248,11 +267,11 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
             m.stage,
             m.rank,
             m.world_size,
-            m.backend,
+            _vocabulary_from_pb(Backend, "JoinGroup.backend", m.backend),
             m.address,
             tuple(m.members),
             m.timeout_s,
-            tuple(m.links),
+            tuple(_vocabulary_from_pb(LinkTransport, "JoinGroup.links", link) for link in m.links),
         )
     if kind == "execute_plan":
         m = msg.execute_plan
@@ -260,7 +279,7 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
             m.refit_id,
             WeightVersion(m.weight_version),  # versions syncd sends are WeightVersions
             _buckets_from_pb(m.buckets),
-            tuple(commands.StageGroup(g.stage, g.group_id, g.backend, tuple(g.members)) for g in m.groups),
+            tuple(_stage_group_from_pb(g) for g in m.groups),
             m.timeout_s,
             _delta_from_pb(m),
             m.stall_timeout_s,

@@ -93,7 +93,7 @@ class Admission:
         self._versions = versions
         self._slot = slot
 
-    def admit(self, role: str, member_id: str, catalog: Catalog) -> None:
+    def admit(self, role: Role, member_id: str, catalog: Catalog) -> None:
         """Refuse, at registration, a generator that could never receive the trainers' weights."""
         if role != Role.GENERATOR:
             return
@@ -147,7 +147,7 @@ class Admission:
                 members, self._expected(), self._versions.run_id, self._registry.catalog, self.current_plan
             )
         live = [m for m in members if m.member_id not in excluded]
-        expected: dict[str, int] = {Role.TRAINER: self._settings.expected_trainers, Role.GENERATOR: 1}
+        expected: dict[Role, int] = {Role.TRAINER: self._settings.expected_trainers, Role.GENERATOR: 1}
         return refit_problems(
             live, expected, self._versions.run_id, self._registry.catalog, lambda: self.plan_for(live)
         )
@@ -163,7 +163,7 @@ class Admission:
         counts = Counter(m.role for m in members)
         return Readiness(not problems, self._expected(), {r: counts[r] for r in ROLES}, "; ".join(problems))
 
-    def _expected(self) -> dict[str, int]:
+    def _expected(self) -> dict[Role, int]:
         return {
             Role.TRAINER: self._settings.expected_trainers,
             Role.GENERATOR: self._settings.expected_generators,

@@ -47,7 +47,7 @@ def dtype_mismatch(generator_id: str, generator: Catalog, trainers: Sequence[Cat
 
 def refit_problems(
     members: Sequence[Member],
-    expected: Mapping[str, int],
+    expected: Mapping[Role, int],
     run_id: str | None,
     catalog: Callable[[str], Catalog],
     plan: Callable[[], object],

@@ -37,7 +37,7 @@ from syncd.daemon.versions import Versions
 from syncd.layout import Catalog
 from syncd.plan import Plan
 from syncd.states import RefitState
-from syncd.vocabulary import LinkTransport
+from syncd.vocabulary import LinkTransport, Role
 from syncd.weight_version import WeightVersion
 
 __all__ = ["Coordinator", "Readiness"]
@@ -99,7 +99,7 @@ class Coordinator:
 
     # ---- commands from operators and members ----
 
-    def admit(self, role: str, member_id: str, catalog: Catalog) -> None:
+    def admit(self, role: Role, member_id: str, catalog: Catalog) -> None:
         self._admission.admit(role, member_id, catalog)
 
     def announce(self, member: Member, version: int) -> None:

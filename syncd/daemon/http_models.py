@@ -27,7 +27,12 @@ class ReadinessOut(BaseModel):
 
     @classmethod
     def of(cls, r: Readiness) -> ReadinessOut:
-        return cls(ready=r.ready, expected=r.expected, registered=r.registered, reason=r.reason)
+        return cls(
+            ready=r.ready,
+            expected={str(role): n for role, n in r.expected.items()},
+            registered={str(role): n for role, n in r.registered.items()},
+            reason=r.reason,
+        )
 
 
 class MemberOut(BaseModel):

@@ -16,8 +16,8 @@ from syncd.vocabulary import Role
 @dataclass(frozen=True)
 class Readiness:
     ready: bool
-    expected: dict[str, int]
-    registered: dict[str, int]
+    expected: dict[Role, int]
+    registered: dict[Role, int]
     reason: str
 
 

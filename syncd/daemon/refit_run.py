@@ -58,11 +58,11 @@ class Run:
         self._recorded = threading.Event()
         self._concluded = False
         self._cond = threading.Condition()
-        self._reports: dict[tuple[str, str], MemberReport] = {}
+        self._reports: dict[tuple[Phase, str], MemberReport] = {}  # (phase, member)
         self._abort_reason: str | None = None
         self._decided = False
         self._commit_notes: dict[str, str] = {}  # member -> why it did not confirm Commit
-        self._phase: str = RefitState.PREPARING
+        self._phase = RefitState.PREPARING
         self._phase_start = time.monotonic()
 
     @property
@@ -84,7 +84,7 @@ class Run:
         return self._created.run_id
 
     @property
-    def state(self) -> str:
+    def state(self) -> RefitState:
         return self._state
 
     @property
@@ -176,7 +176,7 @@ class Run:
             self._commit_notes.setdefault(member_id, cause)
             self._cond.notify_all()
 
-    def enter(self, state: str, timeout: float) -> float:
+    def enter(self, state: RefitState, timeout: float) -> float:
         """Move to `state`, closing the current phase's timing; returns the new phase's deadline.
         Raises RefitAborted once the refit ended (an operator's abort concludes it from another
         thread), so a concluded refit never shows a running state again."""
@@ -187,7 +187,7 @@ class Run:
             self._state = state
         return deadline
 
-    def conclude(self, state: str) -> bool:
+    def conclude(self, state: RefitState) -> bool:
         """End the refit in its final `state`: True for the first caller, False (nothing changes)
         for any later one."""
         with self._cond:
@@ -207,7 +207,7 @@ class Run:
 
     def snapshot(
         self,
-        state: str | None = None,
+        state: RefitState | None = None,
         *,
         error: str = "",
         unconfirmed: tuple[str, ...] = (),
@@ -232,7 +232,7 @@ class Run:
             changed_elements=self._changed_elements,
         )
 
-    def _start_phase(self, phase: str, timeout: float) -> float:
+    def _start_phase(self, phase: RefitState, timeout: float) -> float:
         self._close_phase()
         self._phase, self._phase_start = phase, time.monotonic()
         return self._phase_start + timeout
@@ -244,7 +244,7 @@ class Run:
         """Closed phases plus the time spent so far in the current one."""
         return {**self._phases, self._phase: round(time.monotonic() - self._phase_start, 6)}
 
-    def wait_for(self, phase: str, members: tuple[str, ...], deadline: float) -> dict[str, MemberReport]:
+    def wait_for(self, phase: Phase, members: tuple[str, ...], deadline: float) -> dict[str, MemberReport]:
         """Block until every member reported `phase`; consume and return those reports."""
         with self._cond:
             while True:

@@ -228,7 +228,7 @@ class RefitSequence:
             )
         self._conclude(run, RefitState.COMMITTED, "; ".join(unconfirmed.values()), tuple(unconfirmed))
 
-    def _enter(self, run: Run, state: str, timeout: float) -> float:
+    def _enter(self, run: Run, state: RefitState, timeout: float) -> float:
         deadline = run.enter(state, timeout)
         self._journal.record(run.snapshot())
         log.info("refit %s: %s", run.id, state)
@@ -251,7 +251,7 @@ class RefitSequence:
             self._registry.send(m.member_id, Abort(run.id, reason))
         self._conclude(run, RefitState.ABORTED, reason)
 
-    def _conclude(self, run: Run, state: str, error: str, unconfirmed: tuple[str, ...] = ()) -> None:
+    def _conclude(self, run: Run, state: RefitState, error: str, unconfirmed: tuple[str, ...] = ()) -> None:
         """End the refit once: record the outcome (in memory at once, in the store when it accepts
         it), then free the slot."""
         if not run.conclude(state):

@@ -34,7 +34,7 @@ from syncd.weight_version import WeightVersion, parse_weight_version
 
 log = logging.getLogger(__name__)
 
-ROLES = tuple(map(str, Role))  # plain strings: they are named in error text
+ROLES = tuple(Role)
 # Display order of mesh dims (protobuf maps are unordered); other dims follow alphabetically.
 DIM_ORDER = ("replica", "pp", "dp", "ep", "tp")
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -45,7 +45,7 @@ _RUN_ID = re.compile(r"[A-Za-z0-9._:-]{0,128}")
 @dataclass(frozen=True)
 class Member:
     member_id: str
-    role: str
+    role: Role
     coords: Mapping[str, int]
     device: str
     data_address: str
@@ -113,7 +113,7 @@ class Registry:
     def register(
         self,
         *,
-        role: str,
+        role: Role,
         member_id: str,
         coords: Mapping[str, int],
         device: str,
@@ -128,8 +128,6 @@ class Registry:
         gpu_peers: tuple[str, ...] = (),
     ) -> Registration:
         """Validate and open a session; raises InvalidArgument / AlreadyExists and changes nothing."""
-        if role not in ROLES:
-            raise InvalidArgument(f"unknown role {role!r}; expected one of {list(ROLES)}")
         check_member_id(member_id)
         if not _RUN_ID.fullmatch(run_id):
             raise InvalidArgument(
@@ -201,7 +199,7 @@ class Registry:
                     "renewed); a restarted member registers again once that lease ran out"
                 )
 
-    def _check_coords(self, role: str, member_id: str, coords: Mapping[str, int]) -> None:
+    def _check_coords(self, role: Role, member_id: str, coords: Mapping[str, int]) -> None:
         for s in self._sessions.values():
             m = s.member
             if m.role == role and m.member_id != member_id and dict(m.coords) == dict(coords):

@@ -68,8 +68,8 @@ class Settings:
     expected_generators: int = _setting(
         1, "SYNCD_EXPECTED_GENERATORS", "generator workers needed to be ready"
     )
-    same_host: str = _setting(
-        "shm",
+    same_host: SameHost = _setting(  # noqa: RUF009 - the default is a StrEnum member, immutable
+        SameHost.SHM,
         "SYNCD_SAME_HOST",
         "links between members that report the same host: shm (shared memory in gloo groups; "
         "CUDA IPC in NCCL groups whose members all share memory) or network (the group's "
@@ -125,6 +125,7 @@ class Settings:
             object.__setattr__(self, "auth_token", token)
         if self.same_host not in tuple(SameHost):
             raise ValueError(f"same_host must be shm or network, not {self.same_host!r}")
+        object.__setattr__(self, "same_host", SameHost(self.same_host))  # flags and env give text
         if self.backend not in ("auto", *Backend):
             raise ValueError(f"backend must be auto, gloo or nccl, not {self.backend!r}")
         for name in (

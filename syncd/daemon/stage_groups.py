@@ -25,7 +25,7 @@ from syncd.plan.transports import (
     nccl_group_problem,
     plan_transports,
 )
-from syncd.vocabulary import Backend, LinkTransport
+from syncd.vocabulary import Backend, LinkTransport, SameHost
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def place_of(member: Member) -> Place:
 
 
 def link_transports(
-    plan: Plan, members: Iterable[Member], backend: str, same_host: str
+    plan: Plan, members: Iterable[Member], backend: str, same_host: SameHost
 ) -> dict[tuple[int, str, str], LinkTransport]:
     """What carries each link of `plan` among `members` (`syncd.plan.transports`): what
     `syncctl plan` shows and what ExecutePlan tells the members (`ipc_links`)."""
@@ -59,9 +59,9 @@ GroupKey = tuple[tuple[str, str], ...]
 
 
 class StageGroups:
-    def __init__(self, backend: str, send: Send, same_host: str) -> None:
+    def __init__(self, backend: str, send: Send, same_host: SameHost) -> None:
         self._backend_setting = backend  # "gloo", "nccl" or "auto"
-        self._same_host = same_host  # `SameHost`: shared memory between members of one host, or not
+        self._same_host = same_host  # shared memory between members of one host, or not
         self._send = send
         self._lock = threading.Lock()
         self._groups: dict[int, tuple[GroupKey, StageGroup]] = {}

@@ -68,7 +68,7 @@ class RefitRecord:
     """One refit as syncd records and reports it; built by name (`Run.snapshot`, the store's rows)."""
 
     id: str
-    state: str
+    state: RefitState
     weight_version: WeightVersion
     created_at: float
     finished_at: float | None = None
@@ -147,7 +147,7 @@ class Store:
     # ---- writes ----
 
     def create(
-        self, state: str, weight_version: WeightVersion, run_id: str, created_at: float
+        self, state: RefitState, weight_version: WeightVersion, run_id: str, created_at: float
     ) -> RefitRecord:
         """Insert a new refit; its id is `refit-<n>`, n counting refits without gaps."""
 
@@ -256,7 +256,7 @@ class Store:
         return [
             RefitRecord(
                 id=r[0],
-                state=r[1],
+                state=RefitState(r[1]),
                 weight_version=r[2],
                 created_at=r[3],
                 finished_at=r[4],

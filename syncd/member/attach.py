@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import grpc
 import torch
@@ -42,8 +42,7 @@ from syncd.member.canonical_names import UserNames
 from syncd.member.dataplane import catalog_views
 from syncd.member.dtensor import LayoutRefusedError, RankLayout, rank_layout
 from syncd.member.membership import join
-from syncd.member.refit_outcomes import RefitOutcomes
-from syncd.plan.types import Bucket
+from syncd.member.sender import SenderEndpoint
 from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion
 
@@ -52,64 +51,42 @@ __all__ = ["Attachment", "LayoutRefusedError", "attach"]
 log = logging.getLogger(__name__)
 
 
-class _SenderEndpoint:
-    """This rank as the data plane sees it: its parameters' local shards, held still while sent."""
+class _Parameters:
+    """This rank's parameters as the trainer last labelled them: `lock` is held by every
+    optimizer step and by a transfer (`SenderEndpoint`), `version` changes under it."""
 
-    def __init__(self, layout: RankLayout, member_id: str) -> None:
-        self.layout, self.member_id = layout, member_id
-        self.lock = threading.Lock()  # held by a transfer, and by every optimizer step
-        self.version = WeightVersion(0)  # what the parameters hold, as the trainer last said
-        self._held = False
-        self.outcomes = RefitOutcomes()
+    def __init__(self, layout: RankLayout) -> None:
+        self.layout = layout
+        self.lock = threading.Lock()
+        self.version = WeightVersion(0)
 
-    def begin(
-        self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
-    ) -> Mapping[str, torch.Tensor]:
-        self.outcomes.began(weight_version)
-        self.lock.acquire()
-        self._held = True
-        if self.version != weight_version:
-            self.end(refit_id, ok=False)
-            raise ValueError(
-                f"{self.member_id}: refit {refit_id} moves weight version {weight_version}, "
-                f"but this rank holds version {self.version}"
-            )
-        # read the local shards now: FSDP2 and optimizers may have swapped storage since attach
+    def views(self) -> Mapping[str, torch.Tensor]:
+        # read the local shards at each transfer: FSDP2 and optimizers may have swapped storage
         return catalog_views(self.layout.catalog, self.layout.local_tensors())
-
-    def end(self, refit_id: str, ok: bool) -> None:
-        if self._held:
-            self._held = False
-            self.lock.release()
-
-    def verify(self, refit_id: str) -> None:
-        pass  # a sender keeps no staged copy: what it sent is what it holds
-
-    def commit(self, refit_id: str, weight_version: WeightVersion, timeout_s: float) -> None:
-        self.outcomes.committed(weight_version)
-
-    def abort(self) -> None:
-        self.outcomes.aborted()
-
-    def wait_refit(self, version: WeightVersion, timeout_s: float) -> str:
-        """See `RefitOutcomes.wait`: "committed", "aborted" or "timeout"."""
-        return self.outcomes.wait(version, timeout_s)
 
 
 class Attachment:
     """One rank's registration with syncd (from `attach`); `close()` leaves."""
 
-    def __init__(self, client, agent: MemberAgent, endpoint: _SenderEndpoint, wait_s: float | None) -> None:
+    def __init__(
+        self,
+        client,
+        agent: MemberAgent,
+        endpoint: SenderEndpoint,
+        parameters: _Parameters,
+        wait_s: float | None,
+    ) -> None:
         self.client, self.agent, self.endpoint, self.wait_s = client, agent, endpoint, wait_s
+        self._parameters = parameters
         self._hooks: list = []
 
     @property
     def catalog(self):
-        return self.endpoint.layout.catalog
+        return self._parameters.layout.catalog
 
     @property
     def version(self) -> WeightVersion:
-        return self.endpoint.version
+        return self._parameters.version
 
     def send(self, version: int, wait_s: float | None = None) -> str | None:
         """The parameters now hold `version`: announce it to syncd. Collective: every rank calls
@@ -117,8 +94,8 @@ class Attachment:
         announcement starts must find every rank there). With `wait_s`, block until a refit of it
         committed ("committed"), aborted ("aborted") or `wait_s` passed ("timeout")."""
         v = WeightVersion(version)
-        with self.endpoint.lock:
-            self.endpoint.version = v
+        with self._parameters.lock:
+            self._parameters.version = v
         if dist.is_initialized():
             dist.barrier()
         try:
@@ -129,16 +106,18 @@ class Attachment:
         return None if wait_s is None else self.endpoint.wait_refit(v, wait_s)
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        parameters = self._parameters
+
         def before_step(opt, args, kwargs) -> None:
-            self.endpoint.lock.acquire()
+            parameters.lock.acquire()
 
         def after_step(opt, args, kwargs) -> None:
             # relabel before anyone can read: a refit of the old version must not send new bytes
-            self.endpoint.version = WeightVersion(self.endpoint.version + 1)
-            self.endpoint.lock.release()
-            outcome = self.send(self.endpoint.version, self.wait_s)
+            parameters.version = WeightVersion(parameters.version + 1)
+            parameters.lock.release()
+            outcome = self.send(parameters.version, self.wait_s)
             if outcome not in (None, "committed"):
-                log.warning("refit of version %d: %s; training goes on", self.endpoint.version, outcome)
+                log.warning("refit of version %d: %s; training goes on", parameters.version, outcome)
 
         self._hooks += [
             optimizer.register_step_pre_hook(before_step),
@@ -199,7 +178,8 @@ def attach(
         dist.broadcast_object_list(run_id, src=0)
     device = str(next(iter(layout.params.values())).device) if layout.params else "cpu"
     member_id = f"trainer-{rank}"
-    endpoint = _SenderEndpoint(layout, member_id)
+    parameters = _Parameters(layout)
+    endpoint = SenderEndpoint(member_id, parameters, parameters.views)
     membership = join(
         syncd,
         endpoint,
@@ -220,7 +200,7 @@ def attach(
         raise TimeoutError(
             f"{member_id}: syncd at {syncd} did not register it within {register_timeout_s:.0f} s"
         )
-    handle = Attachment(client, agent, endpoint, wait_s)
+    handle = Attachment(client, agent, endpoint, parameters, wait_s)
     if optimizer is not None:
         handle._hook_optimizer(optimizer)
     return handle

@@ -132,7 +132,7 @@ class MemberClient:
     def report(
         self,
         refit_id: str,
-        phase: str,
+        phase: Phase,
         *,
         ok: bool = True,
         error: str = "",
@@ -150,7 +150,7 @@ class MemberClient:
                 MemberReport(
                     self.member_id,
                     refit_id,
-                    Phase(phase),
+                    phase,
                     ok,
                     error,
                     bytes,

@@ -5,7 +5,7 @@ A trainer rank announces each step's version and may block until a refit of it e
 one, or a version the member never learned (the abort came before the member began its part):
 syncd may retry an older version after losing a replica (`syncd.daemon.survivors`), and the
 trainer, which has moved on, refuses it; that abort says nothing of the version the trainer waits
-for. Used by our trainer's endpoint (`trainer_svc.agent`) and by `syncd.member.attach`.
+for. Held by the sender endpoint (`syncd.member.sender`) that our trainer and `attach` share.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def group_backend(setting: str, devices: Sequence[str]) -> Backend:
     return Backend.NCCL if all(d.startswith("cuda") for d in devices) else Backend.GLOO
 
 
-def ipc_group(backend: str, same_host: str, places: Collection[Place]) -> bool:
+def ipc_group(backend: Backend, same_host: SameHost, places: Collection[Place]) -> bool:
     """Whether a group on `backend` whose members run at `places` is a CUDA IPC group: NCCL, local
     transports on, and every pair of members sharing memory."""
     return (
@@ -65,7 +65,7 @@ def ipc_group(backend: str, same_host: str, places: Collection[Place]) -> bool:
 
 
 def link_transport(
-    backend: str, same_host: str, src: Place, dst: Place, in_ipc_group: bool = False
+    backend: Backend, same_host: SameHost, src: Place, dst: Place, in_ipc_group: bool = False
 ) -> LinkTransport:
     """The transport between two members of a group on `backend` (`in_ipc_group`: `ipc_group`
     holds for it), whatever they move (see `ipc_refusal` for what CUDA IPC cannot carry)."""
@@ -76,7 +76,7 @@ def link_transport(
     return LinkTransport(backend)
 
 
-def nccl_group_problem(members: Mapping[str, Place], same_host: str) -> str | None:
+def nccl_group_problem(members: Mapping[str, Place], same_host: SameHost) -> str | None:
     """Why an NCCL group of `members` cannot form, or None. NCCL refuses two ranks on one GPU; a
     CUDA IPC group (`ipc_group`) needs no NCCL communicator."""
     if ipc_group(Backend.NCCL, same_host, list(members.values())):
@@ -124,7 +124,7 @@ def plan_transports(
     places: Mapping[str, Place],
     devices: Mapping[str, str],
     backend_setting: str,
-    same_host: str,
+    same_host: SameHost,
     installs_by_layer: Collection[str] = (),
 ) -> dict[tuple[int, str, str], LinkTransport]:
     """(stage, src, dst) -> transport for every link of `plan`; `groups`: each stage's members
