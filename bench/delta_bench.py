@@ -15,7 +15,7 @@ refit of such a step (`dense_vs_full_stepped`). After each transfer, once every 
 barrier, as syncd's Verify follows every member's transfer), the senders' mirrors take what they
 sent, untimed, as a member's agent does on Verify (`commit s`: the slowest sender's copy). Reports
 medians of the receiver's wall time per method, the bytes on the wire, and the receiver's and each
-sender's seconds, the CPU seconds of all members' transfers, and the bound of issue 30: the dense
+sender's seconds, the CPU seconds of all members' transfers, and the bound of delta refits: the dense
 delta refit over the full refit of the same kind of step with delta refits off
 (`dense_vs_full_stepped`, also by round and in CPU seconds; `dense_vs_full`: over the full refit of
 unchanged weights, as reported before 2026-11-27). No vLLM: `bench/apply_bench.py` measures the
@@ -253,7 +253,7 @@ def main() -> None:
             f"{row['cpu_seconds']:>6.3f} {row['senders_max_commit_seconds']:>8.3f}"
         )
     # The bound of the dense case: a step that changes everything, with delta refits on, against a
-    # full refit with them off (issue 30: at most 1.10), of the same kind of step (`_stepped`) and,
+    # full refit with them off (at most 1.10), of the same kind of step (`_stepped`) and,
     # as before, of unchanged weights; also round by round (the two run seconds apart, so a
     # neighbour's load shifts both), and in CPU seconds of all members together.
     for suffix, baseline, against in (

@@ -10,7 +10,7 @@ bound a verifying pass that reads once is held to); and, to show where the check
 torch form of the same checksum (each region copied contiguous, then column and row sums: what
 the check did before `checksum_kernel`) over the same units, and over each tensor whole
 (contiguous: no copy first). Medians over `--rounds`, after a warm-up.
-Issue 36 asks for the check at least half as fast as the copy.
+The goal: the check at least half as fast as the copy.
 """
 
 from __future__ import annotations

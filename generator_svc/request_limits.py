@@ -2,7 +2,7 @@
 
 The generator runs vLLM with `--skip-tokenizer-init` (prompts are token ids), so vLLM checks no
 prompt token id: one id outside `[0, vocab)` fails the embedding lookup inside the engine core and
-kills the engine (shared/VLLM_CPU_NOTES.md, "Seen 2026-11-25"). Numbers the engine turns into
+kills the engine (seen with vLLM CPU on 2026-11-25). Numbers the engine turns into
 tensors or loop bounds (max_tokens, n, top_k) and non-finite floats (a NaN temperature reaches the
 sampler) are as dangerous. So every token id a request carries is an integer in `[0, vocab)`, the
 prompt plus `max_tokens` fits the model length, counts are bounded by the generator's settings and

@@ -279,7 +279,8 @@ def start_generator(
     cluster: Cluster, where: Placement, replica: int, model: Path, syncd: str, args
 ) -> tuple[Proc, str]:
     """Replica `replica` of the generator (TP 1); its process and URL. Several replicas on one
-    machine each bind their OpenMP threads to one core of their own (shared/VLLM_CPU_NOTES.md)."""
+    machine each bind their OpenMP threads to one core of their own (`VLLM_CPU_OMP_THREADS_BIND`), so
+    that they do not compete for the same cores."""
     host, port = hosts.generator_host(replica), free_port()
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
     if args.replicas > 1:

@@ -1,6 +1,6 @@
 """Start syncd, the generators and the trainer in one SLURM allocation; stop them all on exit.
 
-    python -m deploy.slurm.launcher --model-dir /shared/ckpt --generator-nodes 1 \
+    python -m deploy.slurm.launcher --model-dir /data/ckpt --generator-nodes 1 \
         --trainer-nproc-per-node 8 --generator-tp 8 --trainer-args "--pp 2 --ep 4 --steps 100"
 
 Runs on the batch node (deploy/slurm/weightsync.sbatch calls it). Processes for this node start

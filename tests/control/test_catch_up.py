@@ -1,4 +1,4 @@
-"""Issue 19 #11 (syncd side): a generator that registers behind the committed version (restarted,
+"""Catch-up, syncd side: a generator that registers behind the committed version (restarted,
 serving its start-up checkpoint) makes syncd not ready and is caught up by a refit of the weights
 the trainers hold, without waiting for the next training step."""
 

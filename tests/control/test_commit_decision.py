@@ -1,4 +1,4 @@
-"""Issue 19 #4: the commit decision is written before any member hears Commit, survives syncd being
+"""The commit decision is written before any member hears Commit, survives syncd being
 killed, and a member that does not confirm Commit is recorded as unconfirmed, not as a failure."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 19 #7 and #8: identities, strict input, RFC-conformant HTTP answers, secrets kept off the
+"""Hardening: identities, strict input, RFC-conformant HTTP answers, secrets kept off the
 command line, and clear errors for a damaged database."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 19 #6: bounded inputs. The token is checked before a message is read, messages, catalogs,
+"""Bounded inputs. The token is checked before a message is read, messages, catalogs,
 plans and Watch streams per session have limits (settings with documented defaults)."""
 
 from __future__ import annotations

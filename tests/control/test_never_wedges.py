@@ -1,4 +1,4 @@
-"""Issue 19 #1 and #5: whatever fails, including the store, every refit ends and the refit slot
+"""Whatever fails, including the store, every refit ends and the refit slot
 comes back; health and abort answer at once even while work is stuck."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 19 #2: member reports are checked against the plan before any decision; a plan that
+"""Member reports are checked against the plan before any decision; a plan that
 moves nothing commits nothing."""
 
 from __future__ import annotations

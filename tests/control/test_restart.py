@@ -83,7 +83,7 @@ def test_stopping_syncd_mid_refit_records_it_aborted(make_cluster) -> None:
 
 
 def test_a_refit_killed_with_syncd_keeps_the_phases_it_reached(tmp_path: Path) -> None:
-    """Issue 19 #13 (syncd side): kill -9 mid-transfer leaves a record naming TRANSFERRING."""
+    """kill -9 mid-transfer leaves a record naming TRANSFERRING."""
     db, ports = tmp_path / "state.db", (free_port(), free_port())
     args = (
         "--lease-seconds",

@@ -1,4 +1,4 @@
-"""Issue 19 #3, #9, #10: weight versions belong to a training run. A restarted trainer job numbers
+"""Weight versions belong to a training run. A restarted trainer job numbers
 its steps from 1 again; syncd must move its versions (auto-refit too), never mix up two weight
 sets under one label, refuse versions no trainer holds and roll back only when told to."""
 

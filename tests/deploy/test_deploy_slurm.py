@@ -144,7 +144,7 @@ def test_sbatch_script_passes_launcher_flags_it_accepts_and_forwards_sigterm(tmp
         **os.environ,
         "PYTHON": str(fake),
         "RECORD": str(record),
-        "MODEL_DIR": "/shared/ckpt",
+        "MODEL_DIR": "/data/ckpt",
         "SLURM_JOB_ID": "5",
         "SLURM_GPUS_ON_NODE": "4",
         "WEIGHTSYNC_DIR": str(tmp_path),
@@ -159,7 +159,7 @@ def test_sbatch_script_passes_launcher_flags_it_accepts_and_forwards_sigterm(tmp
         assert argv[:2] == ["-m", "deploy.slurm.launcher"]
         args = parse_args(argv[2:])
         assert (args.model_dir, args.trainer_nproc_per_node, args.workdir, args.cpu) == (
-            "/shared/ckpt",
+            "/data/ckpt",
             4,
             "weightsync-5",
             True,

@@ -205,7 +205,7 @@ def _members(syncd_http: httpx.Client) -> list[str]:
 
 
 def test_a_frozen_worker_makes_healthz_answer_503_at_once(generator) -> None:
-    """Issue 19 #13: SIGSTOP on the vLLM worker turns /healthz 503 (answered, not hung); SIGCONT heals."""
+    """SIGSTOP on the vLLM worker turns /healthz 503 (answered, not hung); SIGCONT heals."""
     (worker,) = generator.http.get("/v1/workers").json()
     probe = httpx.Client(base_url=generator.url, timeout=5)  # a hung /healthz fails the test
     assert probe.get("/healthz").status_code == 200
@@ -221,7 +221,7 @@ def test_a_frozen_worker_makes_healthz_answer_503_at_once(generator) -> None:
 
 
 def test_a_restarted_generator_is_not_ready_until_caught_up(syncd, generator, checkpoints, tmp_path):
-    """Issue 19 #11: restarted after version 1 committed, the generator serves its --model checkpoint
+    """Restarted after version 1 committed, the generator serves its --model checkpoint
     (A) and says so in /readyz (503) until syncd's catch-up refit of version 1 (B) reaches it; then
     it generates exactly what it generated before the restart, and is ready."""
     target, syncd_http = syncd

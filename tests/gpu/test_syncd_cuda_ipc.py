@@ -17,7 +17,7 @@ from syncd.refit_wait import wait_final
 
 pytestmark = pytest.mark.gpu(count=1)
 
-try:  # GPU machines may lack syncd's own dependencies (README, "Tests": carry their wheels)
+try:  # GPU machines may lack syncd's own dependencies (docs/testing.md: carry their wheels)
     from syncd.daemon.service import Daemon
     from tests.syncd_settings import syncd_settings
 except (ImportError, RuntimeError) as e:  # grpc's stubs raise RuntimeError on an older grpcio

@@ -242,7 +242,7 @@ def test_refit_moves_the_trained_weights_bit_exactly(start_syncd, tiny_dir):
         for name, want in expected.items():
             assert torch.equal(receiver.tensors[name], want), name
 
-        trainer.train_step(2)  # the trainer moved on: syncd refuses to move version 1 (issue 19 #3)
+        trainer.train_step(2)  # the trainer moved on: syncd refuses to move version 1
         r = http.post("/v1/refits", json={"weight_version": 1})
         assert r.status_code == 409 and "not held by the trainers" in r.json()["error"]["message"], r.text
     finally:
