@@ -116,7 +116,7 @@ def time_inplace(worker, checkpoint: str, bucket_bytes: int) -> dict:
     """The inplace mode's install (`generator_svc.inplace`): already packed buckets (packed once,
     outside the timing, as a one-rank trainer sends them) unpacked into the live layers inside the
     layerwise reload, each layer post-processed as it completes."""
-    from tests.generator.worker_aids import checkpoint_buckets, install_buckets
+    from testkit.worker_aids import checkpoint_buckets, install_buckets
 
     packed = getattr(worker, "_bench_packed", None)
     if packed is None:

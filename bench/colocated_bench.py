@@ -43,9 +43,6 @@ import torch
 import torch.distributed as dist
 
 import syncd
-from bench.loopback_transport import NullTransport
-from bench.refit_bench import shape_for
-from bench.synthetic_moe import trainer_catalog, vllm_catalog
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import (
     GcPause,
@@ -59,6 +56,8 @@ from syncd.member.dataplane import (
 from syncd.member.dataplane.shm import ShmTransport
 from syncd.net import free_port
 from syncd.plan import DestMember, SourceMember, make_plan
+from testkit.loopback_transport import NullTransport
+from testkit.synthetic_moe import shape_for, trainer_catalog, vllm_catalog
 
 _SRC, _DST = "trainer-0", "generator-0-0"
 _RANKS = {_SRC: 0, _DST: 1}

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
-from bench.colocated_cuda import plan_units, source_tensors
 from bench.landed_gpu_bench import gpu_timed
 from syncd.commands import checksum_key
 from syncd.layout.dtypes import torch_dtype
@@ -41,6 +40,7 @@ from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.cuda_ipc import source_checksums
 from syncd.member.dataplane.landed import landed_checksums
 from syncd.net import free_port
+from testkit.colocated import plan_units, source_tensors
 
 _WAIT = datetime.timedelta(seconds=120)
 

@@ -2,7 +2,7 @@
 
     python -m bench.delta_bench [--layers 24 --experts 128 --rounds 3 --bucket-mib 1] [--out PATH]
 
-Four trainer ranks send to one receiver (`bench.four_to_one`), each a process of its own, as in
+Four trainer ranks send to one receiver (`testkit.four_to_one`), each a process of its own, as in
 `make demo`. Per round, one after another: a full refit (`send_buckets` / `recv_buckets`, what syncd
 runs without delta refits) of the weights the last transfer moved, a full refit after a step that
 changes everything, a delta refit after an RL-like step (a fraction `--changed` of the elements move
@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from bench.four_to_one import RECEIVER, SENDERS, add_model_args, join_rank, moe_plan, run_members
 from syncd.commands import DeltaLinks
 from syncd.member.dataplane import (
     GcPause,
@@ -43,6 +42,7 @@ from syncd.member.dataplane import (
     send_buckets,
 )
 from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
+from testkit.four_to_one import RECEIVER, SENDERS, add_model_args, join_rank, moe_plan, run_members
 
 DENSE = "delta refit, every element changed (dense fallback)"
 # A full refit right after a step that changes everything, as the dense delta refit runs.

@@ -2,7 +2,7 @@
 
     python bench/install_gpu_bench.py [--gib 8] [--reps 11] [--json OUT]
 
-A synthetic Qwen3-30B-A3B-shaped model in vLLM's TP=1 layout (`bench.synthetic_moe.vllm_catalog`:
+A synthetic Qwen3-30B-A3B-shaped model in vLLM's TP=1 layout (`testkit.synthetic_moe.vllm_catalog`:
 `qkv_proj`, `w13_weight [E, 2I, H]`, `w2_weight`, ...), bf16. The receiver holds one staging buffer
 per parameter, as the generator's staging does, and a tensor per parameter standing in for vLLM's
 (unquantized bf16 weights on GPU need no post-processing, so these are what the kernels read).
@@ -30,10 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.refit_bench import shape_for
-from bench.synthetic_moe import vllm_catalog
 from generator_svc.install import copy_parameters
 from syncd.layout.dtypes import torch_dtype
+from testkit.synthetic_moe import shape_for, vllm_catalog
 
 
 def timed(fn, device: torch.device) -> float:

@@ -2,7 +2,7 @@
 
     python -m bench.landed_bench [--layers 24 --experts 128 --rounds 5 --bucket-mib 1] [--out PATH]
 
-Four trainer ranks send to one receiver (`bench.four_to_one`), each a process
+Four trainer ranks send to one receiver (`testkit.four_to_one`), each a process
 of its own, as in `make demo` (`--layers 4 --experts 8` is the demo's model). Each round runs a
 full refit with the landed check and one without (`LoopOptions.verify_landed`), in alternating
 order, in the same processes on the same transport; the wire checksums run in both. Reports the
@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from bench.four_to_one import RECEIVER, SENDERS, add_model_args, join_rank, moe_plan, run_members
 from syncd.member.dataplane import (
     GcPause,
     LoopCache,
@@ -34,6 +33,7 @@ from syncd.member.dataplane import (
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.prepared import PreparedLoop
 from syncd.vocabulary import Direction
+from testkit.four_to_one import RECEIVER, SENDERS, add_model_args, join_rank, moe_plan, run_members
 
 ON, OFF = "landed check on", "landed check off"
 CHECK_ALONE = "the landed check alone"

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 from syncd.member.dataplane import catalog_views
 from syncd.member.dataplane.checksum import Checksums
 from syncd.member.dataplane.landed import landed_checksums
 from syncd.plan import DestMember, SourceMember, make_plan
+from testkit.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 
 
 def gpu_timed(fn, rounds: int) -> float:

@@ -1,5 +1,5 @@
 """Loop-back refit benchmark on one GPU: the executor's real pack -> checksum -> wire -> unpack ->
-checksum pipeline, with a device copy standing in for the wire (`bench/loopback_transport.py`).
+checksum pipeline, with a device copy standing in for the wire (`testkit/loopback_transport.py`).
 
     python bench/loopback_bench.py --gib 8 --bucket-mib 512,256,64 --json OUT.json [--profile DIR]
 
@@ -33,12 +33,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import syncd
-from bench.loopback_transport import LoopbackWire, NullTransport
-from bench.refit_bench import shape_for
-from bench.synthetic_moe import trainer_catalog, vllm_catalog
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import LoopCache, LoopOptions, catalog_views, recv_buckets, send_buckets
 from syncd.plan import DestMember, SourceMember, make_plan
+from testkit.loopback_transport import LoopbackWire, NullTransport
+from testkit.synthetic_moe import shape_for, trainer_catalog, vllm_catalog
 
 _SRC, _DST = "trainer-0", "generator-0-0"
 _RANKS = {_SRC: 0, _DST: 1}

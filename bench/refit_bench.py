@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 from syncd.layout.dtypes import torch_dtype
 from syncd.layout.hf_names import is_grouped_expert, split_to_hf
 from syncd.member.dataplane import (
@@ -47,20 +46,7 @@ from syncd.member.dataplane import (
 )
 from syncd.net import free_port
 from syncd.plan import DestMember, SourceMember, make_plan
-
-
-def shape_for(gib: float) -> MoeShape:
-    """A Qwen3-30B-A3B-like layer (128 experts, hidden 2048, expert dim 768); layers to fit `gib`."""
-    base = MoeShape(layers=1, hidden=2048, experts=128, moe_inter=768, heads=32, kv_heads=4, vocab=32768)
-    per_layer = sum(c.nbytes for c in base.canonical()) - 2 * base.vocab * base.hidden * 2
-    layers = max(1, round(gib * 2**30 / per_layer))
-    if gib < 1:  # CPU-sized runs: shrink the experts instead of the layer count
-        base = MoeShape(
-            layers=4, hidden=512, experts=32, moe_inter=256, heads=8, kv_heads=2, head_dim=64, vocab=8192
-        )
-        per_layer = sum(c.nbytes for c in base.canonical()) / base.layers
-        layers = max(1, round(gib * 2**30 / per_layer))
-    return MoeShape(**{**base.__dict__, "layers": layers})
+from testkit.synthetic_moe import MoeShape, shape_for, trainer_catalog, vllm_catalog
 
 
 def hf_regions(shape: MoeShape, catalog, views):

@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.distributed as dist
 
-from bench.refit_bench import shape_for, spawn_workers, timed_rounds
-from bench.synthetic_moe import trainer_catalog, vllm_catalog
+from bench.refit_bench import spawn_workers, timed_rounds
 from syncd.daemon.checks import checksum_mismatch
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import (
@@ -43,6 +42,7 @@ from syncd.member.dataplane import (
     send_buckets,
 )
 from syncd.plan import DestMember, SourceMember, make_plan
+from testkit.synthetic_moe import shape_for, trainer_catalog, vllm_catalog
 
 
 def _canonical(shape, device) -> dict[str, torch.Tensor]:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 from syncd.member.dataplane import GlooTransport, catalog_views
 from syncd.plan import DestMember, Plan, SourceMember, make_plan
+from testkit.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 
 SENDERS = 4
 RECEIVER = "generator"

@@ -1,10 +1,10 @@
 """A syncd member process with plain tensors: a trainer rank or a generator worker of the
-synthetic MoE (`bench/synthetic_moe.py`), without torchrun or vLLM. Many replicas fit on a small
+synthetic MoE (`testkit/synthetic_moe.py`), without torchrun or vLLM. Many replicas fit on a small
 machine this way (fan-out benchmark and tests); the data plane, agent and client are the real ones.
 
-    python -m bench.plain_member --syncd 127.0.0.1:8471 --role trainer --ep 2 --ep-rank 0 \
+    python -m testkit.plain_member --syncd 127.0.0.1:8471 --role trainer --ep 2 --ep-rank 0 \
         --tp 2 --tp-rank 1 --model tiny --announce-file /tmp/version
-    python -m bench.plain_member --syncd 127.0.0.1:8471 --role generator --replica 3 \
+    python -m testkit.plain_member --syncd 127.0.0.1:8471 --role generator --replica 3 \
         --tp 1 --tp-rank 0 --model tiny --digest-file /tmp/gen-3-0.json
 
 A trainer rank holds, for weight version N, the canonical values `canonical_values(shape, N)` and
@@ -35,12 +35,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 from syncd.member import join
 from syncd.member.client import MemberClient
 from syncd.plan.simulate import convert
 from syncd.vocabulary import Role
-from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
+from testkit.endpoints import GeneratorEndpoint, TrainerEndpoint
+from testkit.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 
 log = logging.getLogger("plain_member")
 

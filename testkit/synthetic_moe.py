@@ -1,4 +1,4 @@
-"""A synthetic Qwen3-MoE-shaped model for benchmarks: canonical tensors, an expert-TP trainer
+"""A synthetic Qwen3-MoE-shaped model for tests and benchmarks: canonical tensors, an expert-TP trainer
 layout and vLLM's layout, built with the layout language (no model code, no vLLM)."""
 
 from __future__ import annotations
@@ -161,3 +161,17 @@ def vllm_catalog(shape: MoeShape, tp: int, tp_rank: int) -> Catalog:
             dim = 0 if n.endswith(_COLUMN) else 1 if n.endswith("o_proj.weight") else None
             tensors.append(local_tensor(n, c.dtype, split(c, dim)))
     return Catalog(tuple(canon), tuple(tensors))
+
+
+def shape_for(gib: float) -> MoeShape:
+    """A Qwen3-30B-A3B-like layer (128 experts, hidden 2048, expert dim 768); layers to fit `gib`."""
+    base = MoeShape(layers=1, hidden=2048, experts=128, moe_inter=768, heads=32, kv_heads=4, vocab=32768)
+    per_layer = sum(c.nbytes for c in base.canonical()) - 2 * base.vocab * base.hidden * 2
+    layers = max(1, round(gib * 2**30 / per_layer))
+    if gib < 1:  # CPU-sized runs: shrink the experts instead of the layer count
+        base = MoeShape(
+            layers=4, hidden=512, experts=32, moe_inter=256, heads=8, kv_heads=2, head_dim=64, vocab=8192
+        )
+        per_layer = sum(c.nbytes for c in base.canonical()) / base.layers
+        layers = max(1, round(gib * 2**30 / per_layer))
+    return MoeShape(**{**base.__dict__, "layers": layers})

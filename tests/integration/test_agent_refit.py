@@ -19,7 +19,7 @@ from syncd.net import free_port
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
 from syncd.vocabulary import Role
-from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
+from testkit.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.polling import wait_until
 
 E, I, H = 4, 6, 8

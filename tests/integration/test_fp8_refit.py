@@ -34,8 +34,8 @@ from syncd.net import free_port
 from syncd.plan.fp8_blocks import blockwise_fp8_catalog
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
+from testkit.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.fp8_reference import checkpoint_arrays
-from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from trainer_svc import catalog as trainer_catalog
 from trainer_svc.canonical import canonical_shapes
 from trainer_svc.config import ModelArgs
