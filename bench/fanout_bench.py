@@ -1,7 +1,7 @@
 """Fan-out benchmark in the lab (`deploy/lab`): refit time and the bytes that leave the trainer's
 host for R = 1, 2, 4, 8 generator replicas, every host on its own shaped link.
 
-    sudo python -m bench.fanout_bench --json bench/results/fanout-lab-2026-11-25.json
+    sudo python -m bench.fanout_bench --json bench/results/fanout-lab-DATE.json
 
 Hosts: `syncd`, `trainer` (every trainer rank: ep x tp plain-tensor ranks of the synthetic MoE,
 `testkit/plain_member.py`) and `gen0` ... `gen7` (one TP-1 generator replica each, a plain member
