@@ -1,6 +1,7 @@
-"""The generator's install on one GPU: received parameter-format buffers into parameter tensors.
+"""`apply_bench.py --device cuda`: the generator's install on one GPU, received parameter-format
+buffers into parameter tensors.
 
-    python bench/install_gpu_bench.py [--gib 8] [--reps 11] [--json OUT]
+    python -m bench.apply_bench --device cuda [--gib 8] [--rounds 11] [--out OUT]
 
 A synthetic Qwen3-30B-A3B-shaped model in vLLM's TP=1 layout (`testkit.synthetic_moe.vllm_catalog`:
 `qkv_proj`, `w13_weight [E, 2I, H]`, `w2_weight`, ...), bf16. The receiver holds one staging buffer
@@ -20,22 +21,20 @@ After the last round every parameter is compared with its staging buffer (bit-ex
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from generator_svc.install import copy_parameters
+from syncd.layout import Catalog
 from syncd.layout.dtypes import torch_dtype
 from testkit.synthetic_moe import shape_for, vllm_catalog
 
 
-def timed(fn, device: torch.device) -> float:
+def timed(fn: Callable[[], object], device: torch.device) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize(device)
     start.record()
@@ -45,9 +44,11 @@ def timed(fn, device: torch.device) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def hf_slices(catalog, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> list:
+def hf_slices(
+    catalog: Catalog, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination view, source view) per HF tensor: experts split per expert, like the loaders."""
-    pairs = []
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for t in catalog.tensors:
         for p in t.pieces:
             dst, src = params[t.name][p.local.slices()], buffers[t.name][p.local.slices()]
@@ -58,12 +59,9 @@ def hf_slices(catalog, params: dict[str, torch.Tensor], buffers: dict[str, torch
     return pairs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gib", type=float, default=8.0)
-    parser.add_argument("--reps", type=int, default=11)
-    parser.add_argument("--json", default="")
-    args = parser.parse_args()
+def cuda_report(args: argparse.Namespace) -> dict[str, Any]:
+    """The install, a flat copy and per-HF-tensor copies of `args.gib` GiB on GPU 0, over
+    `args.rounds` rounds after a warm-up; prints a summary and returns the result."""
     device = torch.device("cuda", 0)
     shape = shape_for(args.gib)
     catalog = vllm_catalog(shape, tp=1, tp_rank=0)
@@ -88,7 +86,7 @@ def main() -> None:
         "per_hf_tensor": per_hf_tensor,
     }
     seconds: dict[str, list[float]] = {m: [] for m in methods}
-    for _ in range(args.reps + 1):
+    for _ in range(args.rounds + 1):
         for name, fn in methods.items():
             seconds[name].append(timed(fn, device))
     copy_parameters(params, buffers)
@@ -100,7 +98,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "model": {**shape.__dict__, "bytes": nbytes, "parameters": len(buffers), "hf_tensors": len(pairs)},
-        "reps": args.reps,
+        "reps": args.rounds,
         "bit_exact": exact,
         "gb_per_s": {m: {"median": statistics.median(v), "min": v[0], "max": v[-1]} for m, v in gbps.items()},
         "install_over_d2d": statistics.median(gbps["install"]) / statistics.median(gbps["d2d"]),
@@ -113,11 +111,4 @@ def main() -> None:
     for m, g in result["gb_per_s"].items():
         print(f"  {m:<14} {g['median']:8.1f} GB/s  ({g['min']:.1f}-{g['max']:.1f})")
     print(f"  install / d2d  {result['install_over_d2d']:.3f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    if not exact:
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()
+    return result
