@@ -14,7 +14,8 @@ demo: $(STAMP)  ## the main job: train a tiny MoE and refit a live vLLM generato
 test: $(STAMP) tools  ## the whole test suite (GPU tests skip without GPUs)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Config in pyproject.toml ([tool.ruff], [tool.mypy]: mypy checks syncd, trainer_svc, generator_svc).
+# Config in pyproject.toml ([tool.ruff], [tool.mypy]: mypy checks syncd, trainer_svc, generator_svc,
+# deploy, bench and testkit).
 lint: $(STAMP)  ## ruff lint, ruff format check, mypy
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -42,6 +42,7 @@ from syncd.member.dataplane import (
     send_buckets,
 )
 from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.weight_version import WeightVersion
 from testkit.four_to_one import RECEIVER, SENDERS, add_model_args, join_rank, moe_plan, run_members
 
 DENSE = "delta refit, every element changed (dense fallback)"
@@ -117,9 +118,8 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
                 options,
                 cache=cache,
             )
-        return recv_with_deltas(
-            mine, views, transport, ranks, DeltaLinks(1, frozenset({RECEIVER}), 0.5), options, cache=cache
-        )
+        links = DeltaLinks(WeightVersion(1), frozenset({RECEIVER}), 0.5)
+        return recv_with_deltas(mine, views, transport, ranks, links, options, cache=cache)
 
     def raw_gloo():
         if sending:
@@ -136,7 +136,7 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
         nonlocal diffs
         if sending:
             diffs = Diffs(mirror)
-            mirror.version = 1  # the base of the bench's deltas
+            mirror.version = WeightVersion(1)  # the base of the bench's deltas
             return send_with_deltas(
                 mine, views, transport, ranks, DeltaLinks(None, frozenset(), 0.5), diffs, options, cache=cache
             )

@@ -69,6 +69,7 @@ class GeneratorEndpoint(TrainerEndpoint):
             assert not unwritten.any(), f"{name}: {int(unwritten.sum())} elements not received"
 
     def commit(self, refit_id, version, timeout_s):
+        assert self.staging is not None, f"commit of refit {refit_id} with nothing staged"
         self.params, self.staging, self.version = self.staging, None, version
 
     def abort(self):

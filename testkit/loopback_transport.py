@@ -38,6 +38,7 @@ class _WireHandle:
     def _await_pairing(self, timeout_s: float) -> torch.cuda.Event:
         if not self._paired.wait(timeout_s):
             raise TransferTimeout(f"{self._what}: the peer posted nothing within {timeout_s:.0f} s")
+        assert self._done is not None  # set before `_paired`
         return self._done
 
     def fence(self, timeout_s: float) -> None:
@@ -78,7 +79,11 @@ class LoopbackWire:
         self.gc_pause = GcPause()
         self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._lock = threading.Lock()
-        self._waiting = {"send": collections.deque(), "recv": collections.deque()}
+        # Per side, the posts not yet paired: (buffer, its ready event, the poster's handle).
+        self._waiting: dict[str, collections.deque[tuple[torch.Tensor, torch.cuda.Event, _WireHandle]]] = {
+            "send": collections.deque(),
+            "recv": collections.deque(),
+        }
 
     def post(self, side: str, buf: torch.Tensor) -> _WireHandle:
         ready = torch.cuda.Event()

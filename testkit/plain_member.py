@@ -39,6 +39,7 @@ from syncd.member import join
 from syncd.member.client import MemberClient
 from syncd.plan.simulate import convert
 from syncd.vocabulary import Role
+from syncd.weight_version import WeightVersion
 from testkit.endpoints import GeneratorEndpoint, TrainerEndpoint
 from testkit.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 
@@ -181,7 +182,7 @@ def _announce_loop(
         if wanted > announced:
             values = steps.values(shape, wanted, values if announced == wanted - 1 else None)
             endpoint.load(values)
-            client.announce_version(wanted)
+            client.announce_version(WeightVersion(wanted))
             loaded_marker(path, client.member_id).write_text(str(wanted))
             announced = wanted
             log.info("announced version %d", wanted)
@@ -237,7 +238,7 @@ def main() -> None:
         coords=coords,
         catalog=endpoint.catalog,
         data_host=args.host,
-        weight_version=0 if args.role == "generator" else None,
+        weight_version=WeightVersion(0) if args.role == "generator" else None,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

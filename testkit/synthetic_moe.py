@@ -166,7 +166,7 @@ def vllm_catalog(shape: MoeShape, tp: int, tp_rank: int) -> Catalog:
 def shape_for(gib: float) -> MoeShape:
     """A Qwen3-30B-A3B-like layer (128 experts, hidden 2048, expert dim 768); layers to fit `gib`."""
     base = MoeShape(layers=1, hidden=2048, experts=128, moe_inter=768, heads=32, kv_heads=4, vocab=32768)
-    per_layer = sum(c.nbytes for c in base.canonical()) - 2 * base.vocab * base.hidden * 2
+    per_layer: float = sum(c.nbytes for c in base.canonical()) - 2 * base.vocab * base.hidden * 2
     layers = max(1, round(gib * 2**30 / per_layer))
     if gib < 1:  # CPU-sized runs: shrink the experts instead of the layer count
         base = MoeShape(

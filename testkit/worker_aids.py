@@ -97,7 +97,7 @@ def _dump(worker: Any, run: Callable[[], None], out_path: str) -> str:
                     captured[f"{_path}.{n}"] = p.detach().clone()
                 return _orig(layer)
 
-            method.process_weights_after_loading = capture  # type: ignore[method-assign]  # undone below
+            method.process_weights_after_loading = capture  # undone below
             restore.append(method)
     try:
         run()
@@ -135,7 +135,8 @@ def checkpoint_buckets(
     dtype = {c.name: c.dtype for c in catalog.canonical}
     canonical = {}
     for file in sorted(Path(checkpoint).glob("*.safetensors")):
-        for name, t in hf_names.group_from_hf(load_file(str(file)).items(), torch.stack).items():
+        grouped = hf_names.group_from_hf(load_file(str(file)).items(), lambda ts: torch.stack(list(ts)))
+        for name, t in grouped.items():
             if name in dtype:
                 canonical[name] = t.to(torch_dtype(dtype[name]))
     source = Catalog(
