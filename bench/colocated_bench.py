@@ -13,7 +13,7 @@ the receiver:
     used stay for the next, as the loops keep their staging over gloo);
   - refit_gloo_gbps: the same refit over gloo, the path colocated members took before;
   - pack_loop_gbps / unpack_loop_gbps: the sender's or the receiver's loop alone, with checksums,
-    over a wire that moves nothing (`bench/loopback_transport.NullTransport`): the refit's ceiling
+    over a wire that moves nothing (`testkit.loopback_transport.NullTransport`): the refit's ceiling
     from packing and unpacking, whatever the transport;
   - checksums: both sides' per-unit checksums agree; bit_exact: every destination region holds the
     source's bits after the last refit.
