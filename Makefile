@@ -26,7 +26,8 @@ test: $(STAMP) tools  ## the whole suite: the fast tier first (stops at its firs
 test-fast: $(STAMP)  ## the fast tier, a few minutes: no vLLM, no lab, no multi-process jobs
 	$(PY) -m pytest -x -m "$(FAST)" $(call XDIST,$(FAST_WORKERS)) $(PYTEST_ARGS)
 
-# Config in pyproject.toml ([tool.ruff], [tool.mypy]: mypy checks syncd, trainer_svc, generator_svc).
+# Config in pyproject.toml ([tool.ruff], [tool.mypy]: mypy checks syncd, trainer_svc, generator_svc,
+# deploy, bench and testkit).
 lint: $(STAMP)  ## ruff lint, ruff format check, mypy
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -1,9 +1,13 @@
-"""How long installing a staged version into a live vLLM engine takes (CPU, one process, one run).
+"""How long installing a received version into the generator's weights takes, on CPU or one GPU.
 
     python -m bench.apply_bench [--layers 24 --experts 128 --dtype bfloat16 --rounds 3 --bucket-mib 16]
                                 [--out bench/results/apply-cpu.json] [--keep-model DIR]
+    python -m bench.apply_bench --device cuda [--gib 8] [--rounds 11] [--out OUT]
 
-A random Qwen3-MoE with tiny dims (hidden 128, MoE intermediate 64) but a real model's layer and
+`--device cuda` installs a synthetic Qwen3-30B-A3B-shaped model's buffers into parameter tensors
+on one GPU, against a device-to-device copy (`bench/apply_cuda.py` says what it measures).
+`--device cpu` (the default) installs into a live vLLM engine on CPU, in one process:
+a random Qwen3-MoE with tiny dims (hidden 128, MoE intermediate 64) but a real model's layer and
 expert counts, in bfloat16 (24 x 128: 154 MB, 9,435 HF tensors, 219 vLLM parameters), is staged
 once in the generator's staging buffers; then each round times, inside the engine's worker:
 
@@ -116,7 +120,7 @@ def time_inplace(worker, checkpoint: str, bucket_bytes: int) -> dict:
     """The inplace mode's install (`generator_svc.inplace`): already packed buckets (packed once,
     outside the timing, as a one-rank trainer sends them) unpacked into the live layers inside the
     layerwise reload, each layer post-processed as it completes."""
-    from tests.generator.worker_aids import checkpoint_buckets, install_buckets
+    from testkit.worker_aids import checkpoint_buckets, install_buckets
 
     packed = getattr(worker, "_bench_packed", None)
     if packed is None:
@@ -231,18 +235,26 @@ def _cpu_model() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gib", type=float, default=8.0, help="cuda: model size")
+    parser.add_argument(
+        "--rounds", "--reps", dest="rounds", type=int, help="timed rounds (default 3 on cpu, 11 on cuda)"
+    )
     parser.add_argument(
         "--bucket-mib", type=int, default=16, help="inplace: bucket size the checkpoint is packed in"
     )
-    parser.add_argument("--out", default="")
+    parser.add_argument("--out", "--json", dest="out", default="", help="write the result here (JSON)")
     parser.add_argument(
         "--keep-model", default="", help="write the model here and keep it (e.g. for the demo's --model-dir)"
     )
     args = parser.parse_args()
+    if args.device == "cuda":
+        _main_cuda(args)
+        return
+    args.rounds = args.rounds or 3
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of the timing functions
     result = run(args)
@@ -264,6 +276,17 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     os._exit(0)  # skip vLLM's slow teardown
+
+
+def _main_cuda(args: argparse.Namespace) -> None:
+    from bench.apply_cuda import cuda_report
+
+    args.rounds = args.rounds or 11
+    result = cuda_report(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if not result["bit_exact"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

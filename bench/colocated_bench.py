@@ -13,7 +13,7 @@ the receiver:
     used stay for the next, as the loops keep their staging over gloo);
   - refit_gloo_gbps: the same refit over gloo, the path colocated members took before;
   - pack_loop_gbps / unpack_loop_gbps: the sender's or the receiver's loop alone, with checksums,
-    over a wire that moves nothing (`bench/loopback_transport.NullTransport`): the refit's ceiling
+    over a wire that moves nothing (`testkit.loopback_transport.NullTransport`): the refit's ceiling
     from packing and unpacking, whatever the transport;
   - checksums: both sides' per-unit checksums agree; bit_exact: every destination region holds the
     source's bits after the last refit.
@@ -43,9 +43,6 @@ import torch
 import torch.distributed as dist
 
 import syncd
-from bench.loopback_transport import NullTransport
-from bench.refit_bench import shape_for
-from bench.synthetic_moe import trainer_catalog, vllm_catalog
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import (
     GcPause,
@@ -59,6 +56,8 @@ from syncd.member.dataplane import (
 from syncd.member.dataplane.shm import ShmTransport
 from syncd.net import free_port
 from syncd.plan import DestMember, SourceMember, make_plan
+from testkit.loopback_transport import NullTransport
+from testkit.synthetic_moe import shape_for, trainer_catalog, vllm_catalog
 
 _SRC, _DST = "trainer-0", "generator-0-0"
 _RANKS = {_SRC: 0, _DST: 1}

@@ -27,13 +27,11 @@ from typing import Any
 
 import torch
 
-from bench.refit_bench import shape_for
-from bench.synthetic_moe import trainer_catalog, vllm_catalog
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import catalog_views
 from syncd.member.dataplane.cuda_ipc import IpcReceiver, IpcSender
 from syncd.member.dataplane.local_channel import SocketChannel, socket_channel
-from syncd.plan import DestMember, SourceMember, make_plan
+from testkit.colocated import plan_units, source_tensors
 
 _TIMEOUT_S = 120.0
 # COLOCATED_PROFILE=DIR: each member's host time in the phases rounds' offer / open and copy
@@ -51,23 +49,6 @@ def _profiled() -> Iterator[None]:
     finally:
         if _PROFILE:
             _PROFILE.disable()
-
-
-def plan_units(gib: float):
-    shape = shape_for(gib)
-    src_cat, dst_cat = trainer_catalog(shape, 1, 0, 1, 0), vllm_catalog(shape, 1, 0)
-    plan = make_plan(
-        [SourceMember("trainer", 0, src_cat)], [DestMember("generator", dst_cat)], bucket_bytes=512 << 20
-    )
-    return src_cat, dst_cat, [u for b in plan.buckets for u in b.units]
-
-
-def source_tensors(gib: float) -> dict[str, torch.Tensor]:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    return {
-        t.name: torch.randn(t.shape, generator=gen, device="cuda").to(torch_dtype(t.dtype))
-        for t in plan_units(gib)[0].tensors
-    }
 
 
 def _sender(store: Any, args: argparse.Namespace, rounds: int) -> None:

@@ -2,7 +2,7 @@
 
     python -m bench.delta_bench [--layers 24 --experts 128 --rounds 3 --bucket-mib 1] [--out PATH]
 
-Four trainer ranks send to one receiver (`bench.four_to_one`), each a process of its own, as in
+Four trainer ranks send to one receiver (`testkit.four_to_one`), each a process of its own, as in
 `make demo`. Per round, one after another: a full refit (`send_buckets` / `recv_buckets`, what syncd
 runs without delta refits) of the weights the last transfer moved, a full refit after a step that
 changes everything, a delta refit after an RL-like step (a fraction `--changed` of the elements move
@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from bench.four_to_one import RECEIVER, SENDERS, add_model_args, join_rank, moe_plan, run_members
 from syncd.commands import DeltaLinks
 from syncd.member.dataplane import (
     GcPause,
@@ -43,6 +42,8 @@ from syncd.member.dataplane import (
     send_buckets,
 )
 from syncd.member.dataplane.delta import Diffs, Mirror, recv_with_deltas, send_with_deltas
+from syncd.weight_version import WeightVersion
+from testkit.four_to_one import RECEIVER, SENDERS, add_model_args, join_rank, moe_plan, run_members
 
 DENSE = "delta refit, every element changed (dense fallback)"
 # A full refit right after a step that changes everything, as the dense delta refit runs.
@@ -117,9 +118,8 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
                 options,
                 cache=cache,
             )
-        return recv_with_deltas(
-            mine, views, transport, ranks, DeltaLinks(1, frozenset({RECEIVER}), 0.5), options, cache=cache
-        )
+        links = DeltaLinks(WeightVersion(1), frozenset({RECEIVER}), 0.5)
+        return recv_with_deltas(mine, views, transport, ranks, links, options, cache=cache)
 
     def raw_gloo():
         if sending:
@@ -136,7 +136,7 @@ def _member(rank: int, args: argparse.Namespace, address: str, results) -> None:
         nonlocal diffs
         if sending:
             diffs = Diffs(mirror)
-            mirror.version = 1  # the base of the bench's deltas
+            mirror.version = WeightVersion(1)  # the base of the bench's deltas
             return send_with_deltas(
                 mine, views, transport, ranks, DeltaLinks(None, frozenset(), 0.5), diffs, options, cache=cache
             )

@@ -1,10 +1,10 @@
 """Fan-out benchmark in the lab (`deploy/lab`): refit time and the bytes that leave the trainer's
 host for R = 1, 2, 4, 8 generator replicas, every host on its own shaped link.
 
-    sudo python -m bench.fanout_bench --json bench/results/fanout-lab-2026-11-25.json
+    sudo python -m bench.fanout_bench --json bench/results/fanout-lab-DATE.json
 
 Hosts: `syncd`, `trainer` (every trainer rank: ep x tp plain-tensor ranks of the synthetic MoE,
-`bench/plain_member.py`) and `gen0` ... `gen7` (one TP-1 generator replica each, a plain member
+`testkit/plain_member.py`) and `gen0` ... `gen7` (one TP-1 generator replica each, a plain member
 standing in for vLLM). For each R, fresh processes: syncd, the trainer ranks and R replicas; one
 warm-up refit (groups negotiated, buffers allocated), then `--reps` measured refits. A row holds the
 median refit time (syncd's record: trigger to commit) and the median bytes the trainer host's
@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
-from bench.plain_member import RlSteps, loaded_marker, model_shape
 from deploy.lab import Lab
 from deploy.local.processes import PYTHON, Proc
 from syncd.refit_wait import wait_final
+from testkit.plain_member import RlSteps, loaded_marker, model_shape
 
 HTTP_PORT, GRPC_PORT = 8470, 8471
 
@@ -58,7 +58,7 @@ def _members(lab: Lab, args, replicas: int, workdir: Path, steps: Steps) -> list
     procs += [
         lab.spawn(
             "trainer",
-            [PYTHON, "-m", "bench.plain_member", "--role", "trainer", *model, "--ep", str(args.ep),
+            [PYTHON, "-m", "testkit.plain_member", "--role", "trainer", *model, "--ep", str(args.ep),
              "--ep-rank", str(e), "--tp", str(args.tp), "--tp-rank", str(t),
              "--host", lab.address("trainer"), "--announce-file", str(workdir / "version"),
              "--rl-changed", str(steps.rl.fraction), "--rl-versions", f"{steps.rl.first},{steps.rl.last}"],
@@ -71,7 +71,7 @@ def _members(lab: Lab, args, replicas: int, workdir: Path, steps: Steps) -> list
         procs.append(
             lab.spawn(
                 host,
-                [PYTHON, "-m", "bench.plain_member", "--role", "generator", *model, "--replica", str(r),
+                [PYTHON, "-m", "testkit.plain_member", "--role", "generator", *model, "--replica", str(r),
                  "--host", lab.address(host), "--lean"],
                 name=f"{host}-r{replicas}",
             )

@@ -30,7 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 from syncd.member.dataplane import (
     catalog_views,
     fp8_kernel,
@@ -39,6 +38,7 @@ from syncd.member.dataplane import (
 from syncd.member.dataplane.fp8 import dequantize_blockwise, quantize_blockwise
 from syncd.plan import DestMember, SourceMember, make_plan
 from syncd.plan.fp8_blocks import blockwise_fp8_catalog
+from testkit.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 
 LAYER = MoeShape(
     layers=1, hidden=2048, experts=128, moe_inter=768, heads=32, kv_heads=4, head_dim=128, vocab=32768

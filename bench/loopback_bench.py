@@ -1,5 +1,5 @@
 """Loop-back refit benchmark on one GPU: the executor's real pack -> checksum -> wire -> unpack ->
-checksum pipeline, with a device copy standing in for the wire (`bench/loopback_transport.py`).
+checksum pipeline, with a device copy standing in for the wire (`testkit/loopback_transport.py`).
 
     python bench/loopback_bench.py --gib 8 --bucket-mib 512,256,64 --json OUT.json [--profile DIR]
 
@@ -25,6 +25,8 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: that `syncd` wins
@@ -33,12 +35,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import syncd
-from bench.loopback_transport import LoopbackWire, NullTransport
-from bench.refit_bench import shape_for
-from bench.synthetic_moe import trainer_catalog, vllm_catalog
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import LoopCache, LoopOptions, catalog_views, recv_buckets, send_buckets
 from syncd.plan import DestMember, SourceMember, make_plan
+from testkit.loopback_transport import LoopbackWire, NullTransport
+from testkit.synthetic_moe import shape_for, trainer_catalog, vllm_catalog
 
 _SRC, _DST = "trainer-0", "generator-0-0"
 _RANKS = {_SRC: 0, _DST: 1}
@@ -189,7 +190,7 @@ def launches(
             prof.export_chrome_trace(str(trace).replace(".json", f"-{side}.json"))
         events = prof.events()
         per_step = Counter(_step_of(e) for e in events if e.name in _LAUNCHES)
-        host_ms = Counter()
+        host_ms: Counter[str] = Counter()
         for e in events:
             if e.name.startswith("weightsync."):
                 host_ms[e.name.removeprefix("weightsync.")] += e.cpu_time_total / 1e3
@@ -211,15 +212,15 @@ def measure(setup: Setup, mibs: list[int], reps: int, profile_dir: Path | None, 
         torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
         torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
     )
-    methods = {"copy": lambda a=a, b=b: b.copy_(a)}
+    methods: dict[str, Callable[[], object]] = {"copy": partial(b.copy_, a)}
     for mib, plan in plans.items():
-        methods[f"refit@{mib}"] = lambda p=plan: setup.refit(p)
-        methods[f"refit_noverify@{mib}"] = lambda p=plan: setup.refit(p, verify=False)
+        methods[f"refit@{mib}"] = partial(setup.refit, plan)
+        methods[f"refit_noverify@{mib}"] = partial(setup.refit, plan, verify=False)
         if graphs_too:
-            methods[f"refit_graphs@{mib}"] = lambda p=plan: setup.refit(p, graphs=True)
+            methods[f"refit_graphs@{mib}"] = partial(setup.refit, plan, graphs=True)
     with GcPauses() as pauses:
         seconds = timed_rounds(methods, reps)
-    del methods, a, b  # frees the copy buffers (the lambdas hold them too)
+    del methods, a, b  # frees the copy buffers (the partials hold them too)
     med = {name: statistics.median(t) for name, t in seconds.items()}
     sizes = []
     for mib, plan in plans.items():

@@ -23,6 +23,7 @@ import platform
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -96,7 +97,7 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     memory = {name: _peak_extra_mib(fn, device) for name, fn in methods.items()}
     times = timed_rounds(methods, device, args.rounds)
-    mem_all = [None] * dist.get_world_size()
+    mem_all: list[Any] = [None] * dist.get_world_size()  # each rank's `memory`, once gathered
     dist.all_gather_object(mem_all, memory)
     if rank == 0:
         row = {

@@ -168,8 +168,10 @@ def vllm_catalog(tensors: list[CanonicalTensor], tp: int, tp_rank: int) -> Catal
             and (".experts." in c.name or "shared_experts" in c.name)
         ):
             up = by_name[c.name.replace("gate_proj", "up_proj")]
+            assert d is not None, f"{c.name}: a gate projection is cut over TP"
             up_expr = Sharded(Canon(up.name, up.shape), (Shard(d),), (tp,), (tp_rank,))
-            expr = Concat(d, (expr, up_expr))
+            locals_.append(local_tensor(c.name, c.dtype, Concat(d, (expr, up_expr))))
+            continue
         locals_.append(local_tensor(c.name, c.dtype, expr))
     return Catalog(tuple(tensors), tuple(locals_))
 

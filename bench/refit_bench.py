@@ -23,7 +23,10 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,7 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 from syncd.layout.dtypes import torch_dtype
 from syncd.layout.hf_names import is_grouped_expert, split_to_hf
 from syncd.member.dataplane import (
@@ -45,33 +47,24 @@ from syncd.member.dataplane import (
     recv_buckets,
     send_buckets,
 )
+from syncd.member.dataplane.transport import Handle, Transport
 from syncd.net import free_port
 from syncd.plan import DestMember, SourceMember, make_plan
+from testkit.synthetic_moe import MoeShape, shape_for, trainer_catalog, vllm_catalog
 
-
-def shape_for(gib: float) -> MoeShape:
-    """A Qwen3-30B-A3B-like layer (128 experts, hidden 2048, expert dim 768); layers to fit `gib`."""
-    base = MoeShape(layers=1, hidden=2048, experts=128, moe_inter=768, heads=32, kv_heads=4, vocab=32768)
-    per_layer = sum(c.nbytes for c in base.canonical()) - 2 * base.vocab * base.hidden * 2
-    layers = max(1, round(gib * 2**30 / per_layer))
-    if gib < 1:  # CPU-sized runs: shrink the experts instead of the layer count
-        base = MoeShape(
-            layers=4, hidden=512, experts=32, moe_inter=256, heads=8, kv_heads=2, head_dim=64, vocab=8192
-        )
-        per_layer = sum(c.nbytes for c in base.canonical()) / base.layers
-        layers = max(1, round(gib * 2**30 / per_layer))
-    return MoeShape(**{**base.__dict__, "layers": layers})
+if TYPE_CHECKING:
+    from syncd.member.dataplane.nccl import NcclTransport
 
 
 def hf_regions(shape: MoeShape, catalog, views):
     """(HF name, tensor) pairs as the trainer would produce them from its local layout, without
     copies: views into its tensors."""
-    pieces = {}
+    pieces: dict[str, torch.Tensor] = {}
     for t in catalog.tensors:
         for p in t.pieces:
             region = views[t.name][p.local.slices()]
             pieces[p.canonical] = region.reshape(p.canon.shape)
-    out = []
+    out: list[tuple[str, torch.Tensor]] = []
     for name, tensor in pieces.items():
         out += split_to_hf(name, tensor, shape.experts) if is_grouped_expert(name) else [(name, tensor)]
     return out
@@ -137,10 +130,12 @@ class _LinkTimer:
     """Wraps the NCCL transport to time each transfer with CUDA events (no profiler, so the host
     runs at its real speed): how busy the link was, and where it waited."""
 
-    def __init__(self, inner) -> None:
-        self.inner, self.marks = inner, []
+    def __init__(self, inner: NcclTransport) -> None:
+        self.inner = inner
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, end) per transfer
 
-    def _timed(self, op, buf, peer):
+    def _timed(self, op: Callable[[torch.Tensor, int], Handle], buf: torch.Tensor, peer: int) -> Handle:
         stream = self.inner.stream
         stream.wait_stream(torch.cuda.current_stream())
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -150,11 +145,17 @@ class _LinkTimer:
         self.marks.append((start, end))
         return handle
 
-    def isend(self, buf, peer):
+    def isend(self, buf: torch.Tensor, peer: int) -> Handle:
         return self._timed(self.inner.isend, buf, peer)
 
-    def irecv(self, buf, peer):
+    def irecv(self, buf: torch.Tensor, peer: int) -> Handle:
         return self._timed(self.inner.irecv, buf, peer)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def close(self) -> None:
+        self.inner.close()
 
     def summary(self) -> dict:
         t0 = self.marks[0][0]
@@ -225,24 +226,22 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
         options = LoopOptions(300, args.in_flight, verify=verify, graphs=graphs, gc_pause=gc_pause)
         last[mib] = run(plans[mib].for_member(me), views, transport, ranks, options, cache=cache)
 
-    result["extra_gpu_mib"] = {mib: _extra_memory_mib(lambda m=mib: refit(m), device, cache) for mib in plans}
+    result["extra_gpu_mib"] = {mib: _extra_memory_mib(partial(refit, mib), device, cache) for mib in plans}
     hf = hf_regions(shape, catalog, views)
-    methods = {
-        "raw": lambda raw=raw: (transport.isend(raw, 1) if rank == 0 else transport.irecv(raw, 0)).wait(300)
-    }
+    methods: dict[str, Callable[[], object]] = {"raw": partial(_raw_transfer, transport, raw, rank)}
     for mib in plans:
-        methods[f"refit_noverify@{mib}"] = lambda m=mib: refit(m, verify=False)
-        methods[f"refit@{mib}"] = lambda m=mib: refit(m)
+        methods[f"refit_noverify@{mib}"] = partial(refit, mib, verify=False)
+        methods[f"refit@{mib}"] = partial(refit, mib)
         if args.graphs:
-            methods[f"refit_graphs@{mib}"] = lambda m=mib: refit(m, graphs=True)
+            methods[f"refit_graphs@{mib}"] = partial(refit, mib, graphs=True)
     methods["per_tensor"] = lambda: _per_tensor(hf, rank)
     methods["gather_bcast"] = lambda: _bucketed_bcast(hf, rank, args.bucket_mib[0] << 20, device)
     result["seconds"] = timed_rounds(methods, device, args.reps)
-    del methods, raw  # frees the raw buffer (its lambda holds it too)
+    del methods, raw  # frees the raw buffer (its partial holds it too)
     ok = {}
     for mib in plans:
         refit(mib)
-        gathered = [None, None]
+        gathered: list[Any] = [None, None]  # both ranks' checksums, as all_gather_object fills it
         dist.all_gather_object(gathered, last[mib].checksums)
         ok[mib] = gathered[0] == gathered[1] and len(gathered[0]) == plans[mib].num_units
     result["checksums_ok"] = all(ok.values())
@@ -270,8 +269,13 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     dist.destroy_process_group()
 
 
+def _raw_transfer(transport: Transport, raw: torch.Tensor, rank: int) -> None:
+    """Baseline (a): one large buffer from rank 0 to rank 1."""
+    (transport.isend(raw, 1) if rank == 0 else transport.irecv(raw, 0)).wait(300)
+
+
 def _our_transport(backend: str, rank: int, device):
-    box = [None]
+    box = [""]  # rank 0's address, broadcast to the other
     if backend == "nccl":
         from syncd.member.dataplane.nccl import NcclTransport
 
@@ -300,7 +304,8 @@ def _per_tensor(hf, rank: int) -> None:
 def _bucketed_bcast(hf, rank: int, bucket_bytes: int, device) -> None:
     """Baseline (d): HF tensors packed into buckets, broadcast, unpacked into vLLM's layout."""
     buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
-    batch, size = [], 0
+    batch: list[tuple[str, torch.Tensor]] = []
+    size = 0
     for item in [*hf, None]:
         nbytes = item[1].numel() * item[1].element_size() if item else 0
         if batch and (item is None or size + nbytes > bucket_bytes):

@@ -23,14 +23,14 @@ import statistics
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
 
-from bench.refit_bench import shape_for, spawn_workers, timed_rounds
-from bench.synthetic_moe import trainer_catalog, vllm_catalog
+from bench.refit_bench import spawn_workers, timed_rounds
 from syncd.daemon.checks import checksum_mismatch
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import (
@@ -43,6 +43,7 @@ from syncd.member.dataplane import (
     send_buckets,
 )
 from syncd.plan import DestMember, SourceMember, make_plan
+from testkit.synthetic_moe import shape_for, trainer_catalog, vllm_catalog
 
 
 def _canonical(shape, device) -> dict[str, torch.Tensor]:
@@ -67,7 +68,7 @@ def _fill(catalog, views, canonical) -> None:
 def _connect(backend: str, stage: int, members: list[int], rank: int, device, timeout_s: float):
     """Stage `stage`'s group: the trainer of the stage creates the address, everyone learns it
     (the default group stands in for syncd's relay), the members join."""
-    box, store = [None], None
+    box, store = [""], None  # the stage's address, broadcast by its trainer
     if rank == stage:
         if backend == "nccl":
             from syncd.member.dataplane.nccl import NcclTransport
@@ -192,7 +193,7 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     times = timed_rounds(methods, device, args.reps)
 
     bit_exact = True if is_trainer else all(torch.equal(owned[n], expected[n]) for n in owned)
-    gathered = [None] * (pp + tp)
+    gathered: list[Any] = [None] * (pp + tp)  # (member id, bit exact, checksums) per rank, once gathered
     dist.all_gather_object(gathered, (me.member_id, bit_exact, checksums))
     for t in transports.values():
         t.close()

@@ -14,6 +14,7 @@ import collections
 import gzip
 import itertools
 import json
+from dataclasses import dataclass, field
 
 
 def load(path: str) -> list[dict]:
@@ -22,12 +23,21 @@ def load(path: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
+@dataclass
+class _StreamUse:
+    """One CUDA stream's GPU time in a trace: in all, in how many ops, and by kernel name."""
+
+    busy_us: float = 0.0
+    ops: int = 0
+    us_by_name: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
 def summarize(events: list[dict]) -> str:
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     lines = [] if gpu else ["no GPU activity in the trace"]
     if gpu:
         lines += _gpu_summary(gpu)
-    host = collections.defaultdict(lambda: [0.0, 0])
+    host: collections.defaultdict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])  # us, calls
     for e in events:
         if e.get("cat") == "user_annotation" and e["name"].startswith("weightsync."):
             host[e["name"]][0] += e.get("dur", 0)
@@ -44,15 +54,15 @@ def _gpu_summary(gpu: list[dict]) -> list[str]:
     start = min(e["ts"] for e in gpu)
     end = max(e["ts"] + e["dur"] for e in gpu)
     lines = [f"GPU span {(end - start) / 1e3:.3f} ms"]
-    per_stream = collections.defaultdict(lambda: [0.0, 0, collections.Counter()])
+    per_stream: collections.defaultdict[str, _StreamUse] = collections.defaultdict(_StreamUse)
     for e in gpu:
         s = per_stream[e["args"].get("stream", "?")]
-        s[0] += e["dur"]
-        s[1] += 1
-        s[2][e["name"][:50]] += e["dur"]
-    for stream, (busy, n, names) in sorted(per_stream.items(), key=lambda kv: -kv[1][0]):
-        top = ", ".join(f"{name} {us / 1e3:.2f} ms" for name, us in names.most_common(3))
-        lines.append(f"  stream {stream}: {busy / 1e3:.3f} ms busy in {n} ops ({top})")
+        s.busy_us += e["dur"]
+        s.ops += 1
+        s.us_by_name[e["name"][:50]] += e["dur"]
+    for stream, s in sorted(per_stream.items(), key=lambda kv: -kv[1].busy_us):
+        top = ", ".join(f"{name} {us / 1e3:.2f} ms" for name, us in s.us_by_name.most_common(3))
+        lines.append(f"  stream {stream}: {s.busy_us / 1e3:.3f} ms busy in {s.ops} ops ({top})")
     if nccl:
         busy = sum(e["dur"] for e in nccl)
         lines.append(

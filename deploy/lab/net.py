@@ -23,7 +23,8 @@ TOOL_PACKAGES = {"ip": "iproute2", "tc": "iproute2", "nsenter": "util-linux"}
 # rate (a veth passes 64 KiB GSO segments, and TCP sends in bursts of them): with less, tbf
 # drops what overflows and TCP backs off below the rate. `latency` bounds the queue behind the
 # bucket. With these, one TCP stream carries 0.94-0.96 of the nominal rate in payload at
-# 0.1-2 Gbit/s (headers are the other ~4 %; `python -m bench.lab_link`, bench/README.md).
+# 0.1-2 Gbit/s (headers are the other ~4 %; measured 2026-11-25 by a probe since deleted,
+# `bench/lab_link.py` in git history).
 BURST_SECONDS = 0.004
 MIN_BURST_BYTES = 256 * 1024
 QUEUE_LATENCY_MS = 50

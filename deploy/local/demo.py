@@ -349,7 +349,7 @@ def run(args) -> dict:
             # The clients start once the trainer has announced its first step. `import torch` binds
             # the importing thread to each core in turn (cpuinfo), and vLLM's CPU worker, bound to
             # a core and busy with the clients, held the trainer's ranks there for minutes.
-            syncd.wait_announced(1, 300, trainer)
+            syncd.wait_announced(WeightVersion(1), 300, trainer)
         load = Load(generators[0].url, generators[0].prompts, args.load, args.max_tokens).start()
         for step in range(1, args.steps + 1):
             row = refit_step(step, syncd, generators, trainer, lab, work, args)
@@ -365,12 +365,13 @@ def refit_step(
     step: int, syncd: Syncd, generators: list[Generator], trainer: Proc, lab: Lab | None, work: Path, args
 ) -> StepRow:
     """Wait for the trainer's `step`, refit every replica to it, and measure around it."""
-    syncd.wait_announced(step, 300, trainer)
+    version = WeightVersion(step)  # the trainer announces step N as version N
+    syncd.wait_announced(version, 300, trainer)
     export = work / "export" / f"step-{step}"
     kl_before = policy_kl(generators[0], export, seed=step)
     egress_before = lab.tx_bytes(hosts.TRAINER) if lab else 0
     state = syncd.refit(
-        step, 300, full=bool(args.full_every) and step % args.full_every == 1 % args.full_every
+        version, 300, full=bool(args.full_every) and step % args.full_every == 1 % args.full_every
     )
     egress = lab.tx_bytes(hosts.TRAINER) - egress_before if lab else None
     committed = state["state"] == "COMMITTED"
@@ -383,14 +384,14 @@ def refit_step(
         (state["finished_at"] or time.time()) - state["created_at"],
         phases.get("TRANSFERRING", float("nan")),
         phases.get("VERIFYING", float("nan")),
-        generators[0].install_seconds(step) if committed else float("nan"),
+        generators[0].install_seconds(version) if committed else float("nan"),
         state.get("bytes") or 0,
         committed,
         kl_before,
         kl_after,
         state.get("mode", "full"),
         state.get("changed_fraction"),
-        sum(g.serves(step) for g in generators),
+        sum(g.serves(version) for g in generators),
         egress,
     )
     if not committed:
@@ -451,7 +452,7 @@ def load_summary(rows: list[StepRow], history: list[dict], seen: LoadResult, arg
     installs = {h["version"]: h for h in history}
     refits = []
     for r in rows:
-        label = version_label(r.step)
+        label = version_label(WeightVersion(r.step))
         if r.refit_state == "COMMITTED" and label in installs:
             h = installs[label]
             refits.append(

@@ -84,10 +84,11 @@ class Load:
         with self._lock:
             self.result.requests += 1
             spans = [c.get("weight_versions") for c in choices]
-            if any(s is None for s in spans):
+            complete = [s for s in spans if s is not None]
+            if len(complete) < len(spans):
                 self.result.responses_without_versions += 1
                 return
-            for choice_spans in spans:
+            for choice_spans in complete:
                 for switch in choice_spans[1:]:
                     self.result.spanning[switch["version"]] += 1
 

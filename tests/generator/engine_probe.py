@@ -43,7 +43,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tests.generator import worker_aids
+    from testkit import worker_aids
 
     llm = LLM(
         model=args.model,

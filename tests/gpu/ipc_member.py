@@ -17,12 +17,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.synthetic_moe import trainer_catalog, vllm_catalog
 from syncd.member import join
 from syncd.plan.simulate import materialize
 from syncd.vocabulary import Role
+from testkit.endpoints import GeneratorEndpoint, TrainerEndpoint
+from testkit.synthetic_moe import trainer_catalog, vllm_catalog
 from tests.gpu.small_moe import SMALL_MOE, canonical
-from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 
 
 def main(role: str, target: str, device: str) -> None:

@@ -3,7 +3,7 @@
     python tests/gpu/ipc_peer.py ROLE MODE PORT
 
 ROLE sender or receiver; MODE the scenario (`test_cuda_ipc.py` says what each checks). The
-synthetic MoE of `bench/colocated_cuda.py` at 0.25 GiB (trainer layout into vLLM's). Each process
+synthetic MoE of `testkit/colocated.py` at 0.25 GiB (trainer layout into vLLM's). Each process
 writes its findings as JSON under the store key "result/ROLE".
 """
 
@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import torch.distributed as dist
 
-from bench.colocated_cuda import plan_units, source_tensors
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import TransferError, catalog_views
 from syncd.member.dataplane.cuda_ipc import IpcReceiver, IpcSender
 from syncd.member.dataplane.local_channel import Channel, StoreChannel, socket_channel
+from testkit.colocated import plan_units, source_tensors
 
 GIB = 0.25
 TIMEOUT_S = 5.0

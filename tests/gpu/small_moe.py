@@ -1,10 +1,10 @@
-"""A small Qwen3-MoE-like model for the GPU tests (`bench.synthetic_moe`), and its weights."""
+"""A small Qwen3-MoE-like model for the GPU tests (`testkit.synthetic_moe`), and its weights."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from bench.synthetic_moe import MoeShape
+from testkit.synthetic_moe import MoeShape
 
 SMALL_MOE = MoeShape(
     layers=2,

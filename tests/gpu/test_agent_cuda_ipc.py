@@ -52,12 +52,12 @@ class _Endpoint:
 
 
 def _member(rank: int, port: int, mode: str, devices: tuple[str, str]) -> None:
-    from bench.synthetic_moe import trainer_catalog, vllm_catalog
     from syncd.commands import ExecutePlan, JoinGroup, StageGroup
     from syncd.member.agent import AgentSettings, MemberAgent
     from syncd.member.dataplane import catalog_views
     from syncd.plan import DestMember, SourceMember, make_plan
     from syncd.plan.simulate import materialize
+    from testkit.synthetic_moe import trainer_catalog, vllm_catalog
     from tests.gpu.small_moe import SMALL_MOE, canonical
 
     device = devices[rank]

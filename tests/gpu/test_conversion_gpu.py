@@ -19,10 +19,10 @@ def _refit(plan, src, dst, wire, graphs: bool):
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_float32_trainer_refits_bfloat16_generator_with_torchs_cpu_cast(graphs):
-    from bench.loopback_transport import LoopbackWire
-    from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
     from syncd.member.dataplane import catalog_views
     from syncd.plan import DestMember, SourceMember, make_plan
+    from testkit.loopback_transport import LoopbackWire
+    from testkit.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 
     shape = MoeShape(
         layers=2,
@@ -84,13 +84,13 @@ def test_fp8_quantizer_gives_the_same_bytes_on_gpu_and_cpu():
 def test_bfloat16_trainer_refits_an_fp8_generator_with_the_cpu_quantizers_bytes(graphs):
     """The sender quantizes on the GPU while packing (eager and in CUDA graphs, where a captured
     pack replays on the weights of the moment): what lands equals the CPU quantizer's bytes."""
-    from bench.loopback_transport import LoopbackWire
-    from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
     from syncd.layout.dtypes import torch_dtype
     from syncd.member.dataplane import catalog_views
     from syncd.member.dataplane.fp8 import quantize_blockwise
     from syncd.plan import DestMember, SourceMember, make_plan
     from syncd.plan.fp8_blocks import blockwise_fp8_catalog, to_grid
+    from testkit.loopback_transport import LoopbackWire
+    from testkit.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 
     shape = MoeShape(
         layers=2, hidden=200, experts=6, moe_inter=256, heads=4, kv_heads=2, head_dim=128, vocab=999

@@ -1,4 +1,4 @@
-"""One GPU: the executor's loops over a loop-back wire (bench/loopback_transport.py), with the
+"""One GPU: the executor's loops over a loop-back wire (testkit/loopback_transport.py), with the
 per-bucket work captured as CUDA graphs on the first refit and replayed on later ones."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ pytestmark = pytest.mark.gpu(count=1)
 
 
 def _setup():
-    from bench.loopback_transport import LoopbackWire
-    from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
     from syncd.member.dataplane import catalog_views
     from syncd.plan import DestMember, SourceMember, make_plan
+    from testkit.loopback_transport import LoopbackWire
+    from testkit.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
 
     # Uneven sizes on purpose: regions that are not whole 4 KiB rows, several units per bucket.
     shape = MoeShape(

@@ -18,11 +18,11 @@ pytestmark = pytest.mark.gpu(count=2)
 
 
 def _worker(rank: int, port: int, result_dir: str) -> None:
-    from bench.synthetic_moe import trainer_catalog, vllm_catalog
     from syncd.member.dataplane import LoopOptions, catalog_views, recv_buckets, send_buckets
     from syncd.member.dataplane.nccl import NcclTransport
     from syncd.plan import DestMember, SourceMember, make_plan
     from syncd.plan.simulate import materialize
+    from testkit.synthetic_moe import trainer_catalog, vllm_catalog
     from tests.gpu.small_moe import SMALL_MOE
     from tests.gpu.small_moe import canonical as small_moe_weights
 

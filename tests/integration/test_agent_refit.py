@@ -17,7 +17,7 @@ from syncd.member import join
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
 from syncd.vocabulary import Role
-from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
+from testkit.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.polling import wait_until
 from tests.syncd_settings import syncd_settings
 

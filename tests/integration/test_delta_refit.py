@@ -22,7 +22,7 @@ from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
 from syncd.states import TERMINAL
 from syncd.vocabulary import Role
-from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
+from testkit.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.integration.test_fp8_refit import vllm_specs
 from tests.polling import wait_until
 from tests.syncd_settings import syncd_settings

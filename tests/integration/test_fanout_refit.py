@@ -1,4 +1,4 @@
-"""Fan-out refits through a real syncd, with every member a real process (`bench/plain_member.py`:
+"""Fan-out refits through a real syncd, with every member a real process (`testkit/plain_member.py`:
 the real client, agent and gloo data plane over loopback, plain tensors instead of vLLM): replicas
 of one layout relay what they receive; every replica ends bit-exact; a replica killed mid-relay
 leaves nothing torn and the survivors commit on syncd's retry; a stuck member ends in an abort that
@@ -17,12 +17,12 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.plain_member import TINY, canonical_values, loaded_marker
-from bench.synthetic_moe import vllm_catalog
 from deploy.local.processes import PYTHON, Cluster, Proc
 from syncd.daemon.service import Daemon
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
+from testkit.plain_member import TINY, canonical_values, loaded_marker
+from testkit.synthetic_moe import vllm_catalog
 from tests.polling import wait_until
 from tests.syncd_settings import syncd_settings
 
@@ -43,7 +43,7 @@ class Fleet:
         return f"127.0.0.1:{self.daemon.grpc_port}"
 
     def member(self, *args: str, name: str) -> Proc:
-        cmd = [PYTHON, "-m", "bench.plain_member", "--syncd", self.target, "--model", "tiny", *args]
+        cmd = [PYTHON, "-m", "testkit.plain_member", "--syncd", self.target, "--model", "tiny", *args]
         return self.procs.start(name, cmd)
 
     def trainer(self, ep: int, ep_rank: int) -> Proc:

@@ -4,8 +4,9 @@ quantized while packing, to generator ranks holding vLLM's FP8 parameter layout 
 w13, TP 1 and 2) for a model whose hidden size (200) is not a multiple of 128. What lands equals,
 byte for byte, a block-by-block quantizer written here applied to the trainer's weights.
 
-vLLM CPU cannot build a blockwise-FP8 model on this machine (bench/fp8_cpu_probe.py), so the
-receiving ranks are member-library endpoints with plain tensors (`endpoints.py`)."""
+vLLM CPU cannot build a blockwise-FP8 model on this machine (2026-11-24, `bench/fp8_cpu_probe.py`
+in git history), so the receiving ranks are member-library endpoints with plain tensors
+(`testkit/endpoints.py`)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ from syncd.member.client import MemberClient
 from syncd.plan.fp8_blocks import blockwise_fp8_catalog
 from syncd.plan.simulate import materialize
 from syncd.refit_wait import wait_final
+from testkit.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.fp8_reference import checkpoint_arrays
-from tests.integration.endpoints import GeneratorEndpoint, TrainerEndpoint
 from tests.syncd_settings import syncd_settings
 from trainer_svc import catalog as trainer_catalog
 from trainer_svc.canonical import canonical_shapes

@@ -1,5 +1,5 @@
 """Fan-out across lab hosts: a relay whose link goes down mid-refit. Every member is a process on
-its own lab host (`bench/plain_member.py`, gloo over the lab's shaped links); syncd runs here and
+its own lab host (`testkit/plain_member.py`, gloo over the lab's shaped links); syncd runs here and
 is reached through the lab's gateway.
 
 The chain trainer -> generator-0-0 -> generator-1-0 -> generator-2-0; generator-1-0's cable is
@@ -37,7 +37,7 @@ class LabFleet(Fleet):
 
     def member(self, *args: str, name: str) -> Proc:
         host = self.hosts[name]
-        cmd = [PYTHON, "-m", "bench.plain_member", "--syncd", self.target, "--model", "tiny"]
+        cmd = [PYTHON, "-m", "testkit.plain_member", "--syncd", self.target, "--model", "tiny"]
         return self.lab.spawn(host, [*cmd, *args, "--host", self.lab.address(host)], name=name)
 
 

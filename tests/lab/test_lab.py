@@ -1,5 +1,6 @@
 """The lab of hosts (`deploy.lab`) made for real: namespaces, a bridge, veths shaped with tc, and
-processes inside. No timing assertions: how fast a shaped link is, `bench/lab_link.py` measures."""
+processes inside. No timing assertions: how fast a shaped link is was measured once
+(`bench/lab_link.py`, 2026-11-25, in git history)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("syncd", "trainer_svc", "generator_svc", "deploy", "bench")
+PACKAGES = ("syncd", "trainer_svc", "generator_svc", "deploy", "bench", "testkit")
 
 
 def _module_name(path: Path) -> str:
@@ -85,6 +85,22 @@ def test_the_project_has_no_import_cycles():
     modules = _modules()
     graph = {m: _imports(m, p, set(modules)) for m, p in modules.items()}
     assert _cycles(graph) == []
+
+
+def test_tests_and_benchmarks_share_fixtures_only_through_testkit():
+    """The fixtures both need live in `testkit`: the tests never import a benchmark, and neither
+    `testkit` nor `bench` imports the tests (lazy imports included)."""
+    modules = _modules() | {_module_name(p): p for p in (REPO / "tests").rglob("*.py")}
+    graph = {m: _imports(m, p, set(modules)) for m, p in modules.items()}
+
+    def crossing(importers: tuple[str, ...], imported: tuple[str, ...]) -> dict[str, list[str]]:
+        edges = {m: sorted(w for w in graph[m] if w.split(".")[0] in imported) for m in graph}
+        return {m: ws for m, ws in edges.items() if ws and m.split(".")[0] in importers}
+
+    assert crossing(("tests",), ("bench",)) == {}
+    assert crossing(("testkit", "bench"), ("tests",)) == {}
+    assert crossing(("testkit",), ("bench",)) == {}
+    assert crossing(("tests",), ("testkit",)), "the tests import their fixtures from testkit"
 
 
 def test_the_cycle_finder_finds_a_lazy_cycle():

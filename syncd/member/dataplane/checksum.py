@@ -12,7 +12,8 @@ Both ends of a group use the same device type, so each uses the fastest strong-e
   4 KiB); everything else (weights, segment sums) runs once per transfer in `result()`, in a
   fixed number of kernels, and the sums are read back once, because a host read per region would
   stall the pipeline. (A one-pass Triton kernel computing both sums was measured on 2x H200 and
-  was no faster inside a refit; see bench/README.md.)
+  was no faster inside a refit; see
+  bench/reports/2026-11-23-data-plane-host-work.md.)
 The text form starts with the algorithm, so mismatched algorithms can never compare equal.
 """
 

@@ -6,7 +6,7 @@ a destination tensor, more than half of them strided (an expert range of a TP sh
 torch form copies such a region contiguous first and then runs two reductions over the copy
 (column sums, row sums), with a handful of launches per region: on the 24 x 128-expert model's
 hundreds of units the host's launches alone took longer than the GPU's work. Measured on an H100
-(bench/landed_gpu_bench.py) it ran at 0.16-0.24 of a device-to-device copy's speed.
+(`bench/landed_bench.py --device cuda`) it ran at 0.16-0.24 of a device-to-device copy's speed.
 
 A region is the int32 matrix [rows, 1024] of its bytes in C order, as in `checksum`. `describe`
 turns a region into numbers (address, dimensions collapsed to at most three, steps, element size:
@@ -27,7 +27,7 @@ item, the quotients are small, so float32 estimates corrected by one step serve;
 row or more, an item's place is one choice between two starts; and where every run is whole
 rows (contiguous regions, most expert slices), one start per row: 2.6-2.7 TB/s over 4 GB of
 contiguous regions on an H100, 1.7-1.8 x a device-to-device copy's speed, against 2.4-2.6 with two
-starts (bench/checksum_kernel_probe.py, 2026-11-26). (Per-row 64-bit divisions, done by
+starts (bench/checksum_kernel_probe.py, 2026-11-26, in git history). (Per-row 64-bit divisions, done by
 every thread that holds part of the row, made a first version compute-bound at a quarter of the
 memory's speed.)
 
@@ -54,7 +54,7 @@ ROW_BYTES = 4 * COLS
 _ELEMENTS_PER_TILE = 8192  # a program's tile is [rows, row elements] of this many (registers)
 # A copy's tile: a quarter, so that its destination addresses fit beside the source's (on an H100,
 # 4 GB of the colocated probe's units: 1,272-1,289 GB/s against 1,093 at 8192, 0.87-0.88 of a
-# device-to-device copy; `bench/checksum_kernel_probe.py --copy-sweep`, 2026-11-26).
+# device-to-device copy; `bench/checksum_kernel_probe.py --copy-sweep`, 2026-11-26, in git history).
 _COPY_ELEMENTS_PER_TILE = 2048
 _ROWS_PER_PROGRAM = 64  # 256 KiB a program: few column-sum atomics, and blocks enough to fill SMs
 _NUM_WARPS = 8

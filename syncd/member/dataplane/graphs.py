@@ -3,9 +3,10 @@
 Why: with small buckets the loops are host-bound. Each bucket costs the host a Python call and a
 launch per unit to pack (or unpack) and two reductions and a few stream calls per unit to
 checksum, about 0.1-0.3 ms; a 64 MiB transfer over NVLink takes 0.19 ms, so the wire idles
-(bench/README.md, loop-back profile). A plan is fixed between refits and so are the tensors and
-the staging buffers, so the work of a bucket in a staging slot is the same kernels on the same
-addresses every time: captured once, it costs one graph launch per step.
+(bench/reports/2026-11-23-data-plane-host-work.md, loop-back profile). A plan is fixed between
+refits and so are the tensors and the staging buffers, so the work of a bucket in a staging slot
+is the same kernels on the same addresses every time: captured once, it costs one graph launch
+per step.
 
 Per bucket and slot, a `BucketProgram` holds two graphs, because they run on two streams: the
 copies (pack or unpack, on the loop's work stream) and the checksum reductions (on the checksum
@@ -16,7 +17,8 @@ syncd's comparison per unit) are the same as without graphs.
 Off by default (`graphs=False` in the loops' options): on one H100 (the loop-back benchmark,
 2026-11-23) they cut host launches per bucket and side from 14.6 / 9.4 / 5.6 to 3.1 / 2.6 / 2.2 at
 512 / 256 / 64 MiB buckets and the host time of pack and checksum by 2.5x, but the refit ran
-slower (111 against 204 GB/s at 512 MiB, 39 against 44 at 64 MiB; bench/README.md). Whether they
+slower (111 against 204 GB/s at 512 MiB, 39 against 44 at 64 MiB;
+bench/reports/2026-11-23-data-plane-host-work.md). Whether they
 pay between two GPUs is open: `bench/refit_bench.py --graphs` measures it.
 
 Lifecycle: `LoopGraphs` belongs to one direction of one transport (kept with its staging

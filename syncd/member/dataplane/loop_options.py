@@ -28,7 +28,8 @@ class LoopOptions:
         (`bench/landed_bench.py`): without it a fault in the receiver's own code goes unseen.
     graphs: on GPUs, capture each bucket's copies and checksums as CUDA graphs on the first refit
         and replay them on later ones (`syncd.member.dataplane.graphs`); every loop of the process
-        must agree. Off: on one H100 it ran slower (bench/README.md).
+        must agree. Off: on one H100 it ran slower
+        (bench/reports/2026-11-23-data-plane-host-work.md).
     gc_pause: held while the loop runs (`syncd.member.dataplane.gc_pause`); None leaves the
         collector alone. `MemberAgent` passes its own.
     landing_fault: tests only (`syncd.member.dataplane.landing_fault`): a receive loop changes one
