@@ -28,7 +28,7 @@ Our flags sit on top of vLLM's own server flags (every `vllm serve` flag works, 
     --in-flight-buckets   receive buffers per stage of the data plane (default: 2 staged, 1 inplace,
                           whose extra memory is these buffers plus the layers being received)
 
-Guards of the generation routes (`generator_svc/request_limits.py`, `admission.py`,
+Guards of the generation routes (`generator_svc/server/request_limits.py`, `admission.py`,
 `engine_health.py`; token ids, prompt lengths and logprobs are bounded by the engine's own
 vocabulary, `--max-model-len` and `--max-logprobs`):
     --max-request-bytes N       bodies larger than N bytes are refused with 413 (default 4 MiB)

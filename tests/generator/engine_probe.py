@@ -115,7 +115,7 @@ def main() -> None:
 
 def _break_feed(worker) -> None:
     """Make the next install from staging fail half way through the model, as a crash would."""
-    from generator_svc import install
+    from generator_svc.worker import install
 
     full = install.copy_into
     calls = [0]
@@ -131,7 +131,7 @@ def _break_feed(worker) -> None:
 
 
 def _mend_feed(worker) -> None:
-    from generator_svc import install
+    from generator_svc.worker import install
 
     install.copy_into = install._unbroken_copy_into
 

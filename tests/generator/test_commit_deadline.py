@@ -15,8 +15,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from generator_svc import server
-from generator_svc.refit import Refitter
+from generator_svc.server import routes as server
+from generator_svc.server.refit import Refitter
 from generator_svc.settings import RefitMode, Settings
 from tests.polling import wait_until
 

@@ -17,11 +17,11 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from generator_svc import server
-from generator_svc.member import InplaceEndpoint, StagedEndpoint
-from generator_svc.refit import Refitter
+from generator_svc.server import routes as server
+from generator_svc.server.refit import Refitter
 from generator_svc.settings import RefitMode, Settings
-from generator_svc.staging import Staging, StagingInputError
+from generator_svc.worker.member import InplaceEndpoint, StagedEndpoint
+from generator_svc.worker.staging import Staging, StagingInputError
 from syncd.layout import Catalog
 from tests.polling import wait_until
 

@@ -1,5 +1,5 @@
 """Version digests (`syncd.daemon.digests`) and a worker's digest of what staging holds
-(`generator_svc.digest`): they agree after a refit, and a byte changed in staging afterwards is
+(`generator_svc.worker.digest`): they agree after a refit, and a byte changed in staging afterwards is
 named by tensor and region."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from generator_svc.digest import ServedRegions
+from generator_svc.worker.digest import ServedRegions
 from syncd.daemon.digests import Digests, VersionDigest, compare, digest_of
 from syncd.daemon.errors import NotFound
 from syncd.daemon.store import Store

@@ -1,4 +1,4 @@
-"""The weight versions written into completion answers (`generator_svc.versions_http`), with a
+"""The weight versions written into completion answers (`generator_svc.server.versions_http`), with a
 stand-in for vLLM's engine and route (no vLLM here: `tests/generator/test_pause_modes.py` runs the
 real one). What is checked is the middleware's mapping of engine requests to choices, the header,
 the stream's last chunks and the abort's 503."""
@@ -15,9 +15,9 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from generator_svc import token_versions
-from generator_svc.token_versions import Span, label
-from generator_svc.versions_http import WeightVersionsMiddleware
+from generator_svc.server import token_versions
+from generator_svc.server.token_versions import Span, label
+from generator_svc.server.versions_http import WeightVersionsMiddleware
 
 # Per prompt: per choice, the spans the engine reports when it finishes.
 SPANS = {

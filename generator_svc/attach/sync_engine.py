@@ -1,6 +1,6 @@
 """vLLM's offline `LLM` seen as the async engine client that generator_svc's refit lifecycle drives.
 
-`generator_svc.lifecycle.UpdateLifecycle` (pause, install by parameter, prefix-cache reset,
+`generator_svc.server.lifecycle.UpdateLifecycle` (pause, install by parameter, prefix-cache reset,
 resume, weight version) awaits an `AsyncLLM`'s methods. An `LLM` has the same methods, blocking;
 `SyncEngine` runs each in a thread of the lifecycle's event loop, so that one lifecycle drives
 both (`generator_svc.attach`).

@@ -44,14 +44,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from generator_svc.lifecycle import DeadlineExceeded, RefitRefused
-from generator_svc.refit import Refitter
-from generator_svc.versions_http import WeightVersionsMiddleware
-from generator_svc.worker_status import behind_workers, quiet_workers
+from generator_svc.server.lifecycle import DeadlineExceeded, RefitRefused
+from generator_svc.server.refit import Refitter
+from generator_svc.server.versions_http import WeightVersionsMiddleware
+from generator_svc.server.worker_status import behind_workers, quiet_workers
 from syncd.error_body import ErrorBody, error_response
 from syncd.weight_version import WeightVersionJson, version_label
 
-log = logging.getLogger("generator_svc.server")
+log = logging.getLogger("generator_svc.server.routes")
 
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate")
 
@@ -226,7 +226,7 @@ async def worker_catalog(tp_rank: int, refitter: RefitterDep) -> JSONResponse:
 @router.get("/v1/weights/digest")
 async def digest(refitter: RefitterDep) -> list[dict]:
     """Per worker, the checksums of what it holds of the served version, by canonical region
-    (`generator_svc.digest`); `syncctl verify` compares them with syncd's record."""
+    (`generator_svc.worker.digest`); `syncctl verify` compares them with syncd's record."""
     return list(await refitter.engine.collective_rpc("ws_digest"))
 
 

@@ -3,7 +3,7 @@
     python -m vllm.entrypoints.openai.api_server --model M ... \\
         --worker-extension-cls generator_svc.worker.WeightSyncExtension \\
         --weight-transfer-config '{"backend":"syncd_staging"}' \\
-        --middleware generator_svc.attach_serve.WeightSyncMiddleware
+        --middleware generator_svc.attach.attach_serve.WeightSyncMiddleware
 
 vLLM builds its API server as usual; the middleware sits in front of it, in the same process, and
 takes a few paths for itself:
@@ -14,7 +14,7 @@ takes a few paths for itself:
     GET  /weightsync/status  {attached, version, serving, updating, workers}
     POST /internal/commit|hold|release   the tp-0 worker's relays of syncd's commands
                              (`server.internal_router`, with the worker token): the refit lifecycle
-                             of `generator_svc.refit`, on vLLM's own engine client
+                             of `generator_svc.server.refit`, on vLLM's own engine client
 
 and, once attached, answers 503 to generation while the weights may be torn (`server.torn_refusal`).
 A server started with `--api-key` (or `VLLM_API_KEY`) guards `/weightsync/` with the same keys: vLLM
@@ -34,9 +34,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from generator_svc.attach import ATTACH_ROUTE, make_settings, refusals
-from generator_svc.refit import Refitter
-from generator_svc.server import internal_router, torn_refusal
+from generator_svc.attach.attached_llm import ATTACH_ROUTE, make_settings, refusals
+from generator_svc.server.refit import Refitter
+from generator_svc.server.routes import internal_router, torn_refusal
 from generator_svc.settings import PauseMode, RefitMode
 from syncd.error_body import error_response
 

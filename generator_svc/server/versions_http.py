@@ -21,7 +21,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from generator_svc.token_versions import RESPONSE, ResponseVersions, Span, label
+from generator_svc.server.token_versions import RESPONSE, ResponseVersions, Span, label
 from syncd.error_body import error_body, error_response
 
 VERSIONED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from syncd.weight_version import WeightVersion
 
-log = logging.getLogger("generator_svc.worker_status")
+log = logging.getLogger("generator_svc.server.worker_status")
 
 PUBLISH_INTERVAL_S = 0.5
 # A worker whose status is older than this is reported not answering: six missed writes, so a busy

@@ -3,17 +3,17 @@
 Methods are called from the API-server process with `collective_rpc("ws_...")`, which runs them on
 every worker and carries only plain data (no tensors). What runs where:
 
-- API server (generator_svc.refit): the update lifecycle (`pause_generation`, `start_weight_update`,
+- API server (generator_svc.server.refit): the update lifecycle (`pause_generation`, `start_weight_update`,
   `update_weights`, `finish_weight_update`, `reset_prefix_cache`, `resume_generation`), because it
   must be entered by all TP workers together and generation must be held meanwhile.
 - worker, via collective_rpc: `ws_setup` (catalog, this worker's refit mode object from
-  `generator_svc.worker_modes`, syncd registration), `ws_stage_file`, `ws_status`, `ws_hold` and
+  `generator_svc.worker.worker_modes`, syncd registration), `ws_stage_file`, `ws_status`, `ws_hold` and
   `ws_release` (inplace), `ws_abort`, `ws_recover`, `ws_committed`, `ws_last_install`, which hand
   whatever depends on the refit mode to that object. (Test aids that run in the worker live in
   `tests/generator/worker_aids.py`.)
 - worker, on the syncd member's handler thread: the data plane writing received buckets into
-  staging (`generator_svc.member`), concurrently with serving: staging is separate memory; or, in
-  inplace mode, into the live layers while generation is held (`generator_svc.inplace`).
+  staging (`generator_svc.worker.member`), concurrently with serving: staging is separate memory; or, in
+  inplace mode, into the live layers while generation is held (`generator_svc.worker.inplace`).
 """
 
 from __future__ import annotations
@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from generator_svc import transfer_engine
-from generator_svc.catalog import build_catalog, catalog_to_json
+from generator_svc.server.worker_status import StatusPublisher, WorkerStatus
 from generator_svc.settings import RefitMode
-from generator_svc.staging import StagingInputError
 from generator_svc.vllm_adapter import (
     abandon_weight_update,
     apply_cpu_moe_fix,
     tensor_parallel_position,
     worker_model,
 )
-from generator_svc.vllm_layout import allocated_shapes, param_specs
-from generator_svc.worker_modes import worker_mode
-from generator_svc.worker_status import StatusPublisher, WorkerStatus
+from generator_svc.worker import transfer_engine
+from generator_svc.worker.catalog import build_catalog, catalog_to_json
+from generator_svc.worker.staging import StagingInputError
+from generator_svc.worker.vllm_layout import allocated_shapes, param_specs
+from generator_svc.worker.worker_modes import worker_mode
 
 log = logging.getLogger("generator_svc.worker")
 # multiprocessing runs finalizers of higher exit priority first: leaving syncd comes early, while
@@ -118,7 +118,7 @@ class WeightSyncExtension:
         engine.target = self._ws_mode
         self._ws_member = None
         if syncd:
-            from generator_svc.member import start_member
+            from generator_svc.worker.member import start_member
 
             self._ws_member = start_member(
                 syncd,
@@ -132,7 +132,7 @@ class WeightSyncExtension:
                 in_flight=in_flight,
             )
             # A worker that vLLM stops gracefully (a signal to the whole process group, a drain)
-            # leaves syncd on its way out (`generator_svc.leave_on_shutdown` covers the rest).
+            # leaves syncd on its way out (`generator_svc.server.leave_on_shutdown` covers the rest).
             # vLLM's workers are multiprocessing children: they run multiprocessing's finalizers,
             # not `atexit`, as they exit. `ws_close` is idempotent.
             mp_util.Finalize(None, self.ws_close, exitpriority=_LEAVE_AT_EXIT)
@@ -221,7 +221,7 @@ class WeightSyncExtension:
         self._ws_mode.committed(ok)
 
     def ws_digest(self) -> dict[str, Any]:
-        """This worker's digest of the version it serves (`generator_svc.digest`)."""
+        """This worker's digest of the version it serves (`generator_svc.worker.digest`)."""
         return self._ws_mode.digest(self._ws_member_id)
 
     def ws_close(self) -> None:

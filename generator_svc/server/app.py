@@ -6,7 +6,7 @@ import asyncio
 import logging
 from argparse import Namespace
 
-from generator_svc.refit import Refitter
+from generator_svc.server.refit import Refitter
 from generator_svc.settings import Settings
 from syncd.net import HTTP_KEEP_ALIVE_S
 
@@ -15,10 +15,11 @@ log = logging.getLogger("generator_svc")
 
 async def serve(settings: Settings, args: Namespace) -> int:
     """Start the engine, set up weight sync on every worker, then serve HTTP until shutdown.
-    Returns the exit status: 1 when the engine died (generator_svc.engine_health), else 0."""
-    from generator_svc import edge, server, token_versions
-    from generator_svc.engine_health import keep_http_up_after_engine_death
-    from generator_svc.leave_on_shutdown import leave_syncd_before_shutdown
+    Returns the exit status: 1 when the engine died (generator_svc.server.engine_health), else 0."""
+    from generator_svc.server import edge, token_versions
+    from generator_svc.server import routes as server
+    from generator_svc.server.engine_health import keep_http_up_after_engine_death
+    from generator_svc.server.leave_on_shutdown import leave_syncd_before_shutdown
     from generator_svc.vllm_adapter import (
         build_app,
         build_async_engine_client,

@@ -15,7 +15,7 @@ A refit that fails before step 3 never touches the engine. If step 3 itself fail
 restore real tensors (`ws_recover`) but the weights may be torn: the generator refuses generation
 (HTTP 503) until the next complete refit succeeds.
 
-`InplaceRefit` (`--refit-mode inplace`, `generator_svc.inplace`): steps 2 and the start of 3 come
+`InplaceRefit` (`--refit-mode inplace`, `generator_svc.worker.inplace`): steps 2 and the start of 3 come
 before the transfer. `hold(refit_id)` pauses generation and opens the install on every worker,
 and keeps a `Hold`; the data plane writes the bytes into the live layers; `apply` ends the
 lifecycle (update, finish, reset, resume). `release` ends a hold without a commit (Abort, the
@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from generator_svc import metrics
-from generator_svc.lifecycle import (
+from generator_svc.server import metrics
+from generator_svc.server.lifecycle import (
     DeadlineExceeded,
     RefitRefused,
     StagingRejected,
@@ -42,7 +42,7 @@ from generator_svc.lifecycle import (
 )
 from generator_svc.settings import RefitMode
 
-log = logging.getLogger("generator_svc.refit")
+log = logging.getLogger("generator_svc.server.refit")
 
 
 class RefitStrategy(Protocol):

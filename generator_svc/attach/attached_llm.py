@@ -15,7 +15,7 @@
 What attaching does is what `python -m generator_svc` does at start, on an engine someone else
 built: every worker builds its catalog and registers with syncd as `generator-{replica}-{tp}`
 (`ws_setup` of the worker extension), and the process holding the engine client runs the refit
-lifecycle of `generator_svc.refit` (`Refitter`: verified staging, pause, install by parameter,
+lifecycle of `generator_svc.server.refit` (`Refitter`: verified staging, pause, install by parameter,
 prefix-cache reset, resume, weight version; or the `inplace` mode) when the tp-0 worker relays
 syncd's Commit to it over loopback HTTP (`server.internal_router`, authenticated with a token only
 the workers got). Where that runs:
@@ -26,7 +26,7 @@ the workers got). Where that runs:
   failed install leaves the scheduler paused (generation waits) until a complete refit: an
   attached `LLM` never generates with torn weights.
 - `vllm serve`: vLLM's own API server process, through the ASGI middleware of
-  `generator_svc.attach_serve` (`--middleware`), which also answers 503 to generation while the
+  `generator_svc.attach.attach_serve` (`--middleware`), which also answers 503 to generation while the
   weights may be torn. `attach_server` asks it to attach (`POST /weightsync/attach`).
 
 Refusals (`AttachRefused`, before any worker registers): an engine built without the worker
@@ -41,23 +41,22 @@ import asyncio
 import importlib
 import json
 import socket
-import sys
 import threading
 import time
 from typing import Any
 
 import httpx
 
-from generator_svc.refit import Refitter
+from generator_svc.server.refit import Refitter
 from generator_svc.settings import IN_FLIGHT_DEFAULT, WORKER_EXTENSION, PauseMode, RefitMode, Settings
-from generator_svc.transfer_engine import BACKEND
+from generator_svc.worker.transfer_engine import BACKEND
 from syncd.net import HTTP_KEEP_ALIVE_S
 
 ENGINE_ARGS: dict[str, Any] = {
     "worker_extension_cls": WORKER_EXTENSION,
     "weight_transfer_config": {"backend": BACKEND},
 }
-MIDDLEWARE = "generator_svc.attach_serve.WeightSyncMiddleware"
+MIDDLEWARE = "generator_svc.attach.attach_serve.WeightSyncMiddleware"
 SERVE_FLAGS: list[str] = [
     "--worker-extension-cls",
     WORKER_EXTENSION,
@@ -194,7 +193,7 @@ def attach(llm: Any, *, syncd: str, replica: int = 0, **options: Any) -> Attache
     """Make `llm` (vLLM's `LLM`, built with `ENGINE_ARGS`) a syncd member as replica `replica`.
     `options`: `make_settings`'s keywords (refit_mode, pause_mode, auth_token, data_host, ...).
     Raises AttachRefused naming a missing engine argument, before anything registers."""
-    from generator_svc.sync_engine import SyncEngine
+    from generator_svc.attach.sync_engine import SyncEngine
     from generator_svc.vllm_adapter import engine_config, is_sync_llm, sync_engine_core
 
     if not is_sync_llm(llm):
@@ -248,7 +247,7 @@ class _ControlThread:
         import uvicorn
         from fastapi import FastAPI
 
-        from generator_svc.server import internal_router
+        from generator_svc.server.routes import internal_router
 
         port = self._sock.getsockname()[1]
         refitter = Refitter(self._engine, self._settings)
@@ -304,13 +303,3 @@ def attach_server(
         raise AttachRefused(response.json()["error"]["message"])
     response.raise_for_status()
     return response.json()
-
-
-def main() -> int:
-    """`python -m generator_svc.attach`: print the `vllm serve` flags weight sync needs."""
-    print(" ".join(SERVE_FLAGS))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

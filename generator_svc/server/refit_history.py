@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from generator_svc import metrics
-from generator_svc.token_versions import Span
+from generator_svc.server import metrics
+from generator_svc.server.token_versions import Span
 
 
 @dataclass

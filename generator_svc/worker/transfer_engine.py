@@ -3,7 +3,7 @@
 Registered with vLLM's `WeightTransferEngineFactory` as `syncd_staging` when the worker extension is
 imported (inside every worker, before the model loads). It drives vLLM's own lifecycle, so vLLM's
 post-processing runs exactly as for a checkpoint load, without the trip through its loaders; what
-differs by refit mode is the worker's `UpdateTarget` (`generator_svc.worker_modes`):
+differs by refit mode is the worker's `UpdateTarget` (`generator_svc.worker.worker_modes`):
 
     start_weight_update   -> target.before_reload (staged: staging is complete);
                              initialize_layerwise_reload (parameters back to checkpoint format, meta);
@@ -29,7 +29,6 @@ from typing import Any, Protocol
 
 import torch
 
-from generator_svc.install import InstallReport
 from generator_svc.vllm_adapter import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -38,6 +37,7 @@ from generator_svc.vllm_adapter import (
     initialize_layerwise_reload,
     register_weight_transfer_engine,
 )
+from generator_svc.worker.install import InstallReport
 
 BACKEND = "syncd_staging"
 

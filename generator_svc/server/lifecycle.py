@@ -3,7 +3,7 @@
 `UpdateLifecycle` owns what the modes share: the engine client, the served version and whether
 generation is allowed, the one-transition-at-a-time lock, the update that missed its deadline, and
 the steps every refit ends with (update, finish, reset the prefix cache, go live, report to syncd).
-The modes (`generator_svc.refit_modes`) decide when those steps run; `generator_svc.refit` picks
+The modes (`generator_svc.server.refit_modes`) decide when those steps run; `generator_svc.server.refit` picks
 the mode once from the settings.
 
 The lock is only ever held inside one request (`exclusive`): one staging write, install, hold
@@ -26,13 +26,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from generator_svc import metrics
-from generator_svc.refit_history import RefitHistory, RefitPause
+from generator_svc.server import metrics
+from generator_svc.server.refit_history import RefitHistory, RefitPause
 from generator_svc.settings import PauseMode, Settings
 from generator_svc.vllm_adapter import WeightTransferUpdateRequest, pause_scheduler
 from syncd.weight_version import version_of_label
 
-log = logging.getLogger("generator_svc.refit")
+log = logging.getLogger("generator_svc.server.refit")
 
 
 class RefitRefused(ValueError):
