@@ -91,7 +91,7 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "make_arg_parser": ("vllm.entrypoints.launchers.cli_args", "make_arg_parser"),
     "validate_parsed_serve_args": ("vllm.entrypoints.launchers.cli_args", "validate_parsed_serve_args"),
     "FlexibleArgumentParser": ("vllm.utils.argparse_utils", "FlexibleArgumentParser"),
-    # Weight transfer (generator_svc.worker.transfer_engine, generator_svc.server.lifecycle)
+    # Weight transfer (generator_svc.worker.transfer_engine, generator_svc.server.update_lifecycle)
     "WeightTransferEngine": (f"{_WEIGHT_TRANSFER}.base", "WeightTransferEngine"),
     "WeightTransferInitInfo": (f"{_WEIGHT_TRANSFER}.base", "WeightTransferInitInfo"),
     "WeightTransferUpdateInfo": (f"{_WEIGHT_TRANSFER}.base", "WeightTransferUpdateInfo"),
@@ -187,7 +187,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "UnquantizedFusedMoEMethod": ("moe_kernel", "_setup_kernel"),
     "CompletionOutput": ("weight_versions", "index"),
     "WeightVersionSpan": ("version", "start", "end"),
-    # pause modes, and the wrapped generate (generator_svc.server.lifecycle,
+    # pause modes, and the wrapped generate (generator_svc.server.update_lifecycle,
     # generator_svc.server.token_versions)
     "AsyncLLM": ("engine_core", "resume_generation", "generate", "reset_prefix_cache"),
     "WeightTransferEngine": ("model", "device", "vllm_config", "model_config", "reset_weight_update_target"),

@@ -13,20 +13,19 @@ so it is the one package that imports both sides.
     handle = attach.attach(llm, syncd="syncd-host:8471", replica=0)
 """
 
-from generator_svc.attach.attach_serve import WeightSyncMiddleware
-from generator_svc.attach.attached_llm import (
+from generator_svc.attach.attached_llm import AttachedEngine, attach
+from generator_svc.attach.engine_args import (
     ATTACH_ROUTE,
     ENGINE_ARGS,
     MIDDLEWARE,
     SERVE_FLAGS,
-    AttachedEngine,
     AttachRefused,
-    attach,
-    attach_server,
     make_settings,
     refusals,
     refuse_unless_attachable,
 )
+from generator_svc.attach.serve_client import attach_server
+from generator_svc.attach.serve_middleware import WeightSyncMiddleware
 
 __all__ = [
     "ATTACH_ROUTE",

@@ -2,7 +2,7 @@
 
 import sys
 
-from generator_svc.attach.attached_llm import SERVE_FLAGS
+from generator_svc.attach.engine_args import SERVE_FLAGS
 
 
 def main() -> int:

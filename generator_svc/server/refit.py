@@ -1,8 +1,8 @@
 """The refits of one generator, as the API server's routes see them: `Refitter`.
 
 `Refitter.apply(version)` is the only way weights change while serving. What a refit does depends
-on `--refit-mode`, chosen once at start: `generator_svc.server.refit_modes` has one strategy per mode
-(`StagedRefit`, `InplaceRefit`, their steps and failure rules); `generator_svc.server.lifecycle` the
+on `--refit-mode`, chosen once at start: `generator_svc.server.refit_strategies` has one strategy per mode
+(`StagedRefit`, `InplaceRefit`, their steps and failure rules); `generator_svc.server.update_lifecycle` the
 engine steps and served state they share. The Refitter sets the workers up, times and counts what
 the routes ask, and tells the routes what is served.
 """
@@ -15,9 +15,14 @@ import time
 from typing import Any
 
 from generator_svc.server import metrics
-from generator_svc.server.lifecycle import LastInstall, ServingState, UpdateLifecycle, set_version_metric
 from generator_svc.server.refit_history import RefitHistory
-from generator_svc.server.refit_modes import RefitStrategy, strategy_for
+from generator_svc.server.refit_strategies import RefitStrategy, strategy_for
+from generator_svc.server.update_lifecycle import (
+    LastInstall,
+    ServingState,
+    UpdateLifecycle,
+    set_version_metric,
+)
 from generator_svc.settings import Settings
 
 
@@ -95,7 +100,7 @@ class Refitter:
     async def apply(self, version: str, refit_id: str = "", timeout_s: float | None = None) -> ServingState:
         """Make `version` live, within `timeout_s` when given (syncd's commit deadline, less a
         margin). Raises RefitRefused (engine untouched), DeadlineExceeded (generation refused from
-        then on, see `generator_svc.server.lifecycle`) or the lifecycle's error."""
+        then on, see `generator_svc.server.update_lifecycle`) or the lifecycle's error."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         await self._mode.apply(version, refit_id, deadline)
         return self.state

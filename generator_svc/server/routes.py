@@ -44,8 +44,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from generator_svc.server.lifecycle import DeadlineExceeded, RefitRefused
 from generator_svc.server.refit import Refitter
+from generator_svc.server.update_lifecycle import DeadlineExceeded, RefitRefused
 from generator_svc.server.versions_http import WeightVersionsMiddleware
 from generator_svc.server.worker_status import behind_workers, quiet_workers
 from syncd.error_body import ErrorBody, error_response

@@ -1,9 +1,10 @@
 """What each vLLM worker publishes about itself, read by the API server without calling into it.
 
-Every worker writes a small JSON file (`WorkerStatus`) into a directory the API server made, every
-`PUBLISH_INTERVAL_S`, from a thread of its own. The API server's `/healthz` and `/readyz` read these
-files and never wait on the engine: a worker that is frozen (SIGSTOP), dead or wedged stops
-writing, and a probe still answers at once, with 503 and which worker went quiet.
+Every worker writes a small JSON file (`generator_svc.worker_protocol.WorkerStatus`) into a directory
+the API server made, every `PUBLISH_INTERVAL_S`, from a thread of its own
+(`generator_svc.worker.status_publisher`); this module reads them. The API server's `/healthz`
+and `/readyz` read these files and never wait on the engine: a worker that is frozen (SIGSTOP),
+dead or wedged stops writing, and a probe still answers at once, with 503 and which worker went quiet.
 
 Readiness also needs the weights: a worker must be registered with syncd (when one is configured)
 to know the committed version, and it is behind when syncd has a committed version and the
@@ -18,72 +19,14 @@ multiprocessing executor; not multi-node tensor parallelism).
 from __future__ import annotations
 
 import json
-import logging
-import os
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Sequence
 
-from syncd.weight_version import WeightVersion
+from generator_svc.worker_protocol import PUBLISH_INTERVAL_S, WorkerStatus, status_path
 
-log = logging.getLogger("generator_svc.server.worker_status")
-
-PUBLISH_INTERVAL_S = 0.5
 # A worker whose status is older than this is reported not answering: six missed writes, so a busy
 # host does not flap the probe, and still well within a liveness probe's period.
-QUIET_AFTER_S = 3.0
-
-
-@dataclass(frozen=True)
-class WorkerStatus:
-    member_id: str
-    pid: int
-    unregistered: bool  # syncd is configured but this worker has no session with it (yet)
-    serves: WeightVersion | None  # the trainer version it serves; None: none (its start-up checkpoint)
-    committed: WeightVersion | None  # syncd's committed version as it last heard it; None: none or no syncd
-    committing: tuple[WeightVersion, ...]  # versions whose Commit this worker is applying
-    written_at: float  # time.time() of the write
-
-    def behind(self) -> bool:
-        if self.committed is None or self.serves == self.committed:
-            return False
-        # A Commit of the committed version being applied on a worker that serves an earlier
-        # trainer version is a refit in progress, not a worker left behind. A worker on its
-        # start-up checkpoint stays behind until the install has landed.
-        return self.serves is None or self.committed not in self.committing
-
-
-def status_path(directory: str, member_id: str) -> Path:
-    return Path(directory) / f"{member_id}.json"
-
-
-class StatusPublisher:
-    """Writes `current()` to this worker's status file every PUBLISH_INTERVAL_S until `stop`."""
-
-    def __init__(self, directory: str, member_id: str, current: Callable[[], WorkerStatus]) -> None:
-        self.path = status_path(directory, member_id)
-        self._current = current
-        self._stopped = threading.Event()
-        self.publish()  # the file exists before ws_setup returns
-        self._thread = threading.Thread(target=self._loop, name=f"{member_id}-status", daemon=True)
-        self._thread.start()
-
-    def publish(self) -> None:
-        scratch = self.path.with_suffix(".tmp")
-        scratch.write_text(json.dumps(asdict(self._current())))
-        os.replace(scratch, self.path)  # readers never see half a file
-
-    def _loop(self) -> None:
-        while not self._stopped.wait(PUBLISH_INTERVAL_S):
-            try:
-                self.publish()
-            except Exception:  # keep publishing: a missing status reads as a dead worker
-                log.exception("could not write %s", self.path)
-
-    def stop(self) -> None:
-        self._stopped.set()
+QUIET_AFTER_S = 6 * PUBLISH_INTERVAL_S
 
 
 def read_status(directory: str, member_id: str) -> WorkerStatus | None:

@@ -12,7 +12,7 @@ every worker and carries only plain data (no tensors). What runs where:
   whatever depends on the refit mode to that object. (Test aids that run in the worker live in
   `tests/generator/worker_aids.py`.)
 - worker, on the syncd member's handler thread: the data plane writing received buckets into
-  staging (`generator_svc.worker.member`), concurrently with serving: staging is separate memory; or, in
+  staging (`generator_svc.worker.syncd_member`), concurrently with serving: staging is separate memory; or, in
   inplace mode, into the live layers while generation is held (`generator_svc.worker.inplace`).
 """
 
@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from generator_svc.server.worker_status import StatusPublisher, WorkerStatus
-from generator_svc.settings import RefitMode
+from generator_svc.settings import TRANSFER_BACKEND, RefitMode
 from generator_svc.vllm_adapter import (
     abandon_weight_update,
     apply_cpu_moe_fix,
@@ -37,8 +36,10 @@ from generator_svc.vllm_adapter import (
 from generator_svc.worker import transfer_engine
 from generator_svc.worker.catalog import build_catalog, catalog_to_json
 from generator_svc.worker.staging import StagingInputError
+from generator_svc.worker.status_publisher import StatusPublisher
 from generator_svc.worker.vllm_layout import allocated_shapes, param_specs
 from generator_svc.worker.worker_modes import worker_mode
+from generator_svc.worker_protocol import WorkerStatus
 
 log = logging.getLogger("generator_svc.worker")
 # multiprocessing runs finalizers of higher exit priority first: leaving syncd comes early, while
@@ -88,7 +89,7 @@ class WeightSyncExtension:
     ) -> dict[str, Any]:
         """Build this worker's catalog and its refit mode's object (`worker_modes`: staging in
         staged mode); register with syncd when `syncd` is set, and publish this worker's status
-        into `status_dir` when set (`worker_status`). Raises ValueError naming any parameter the
+        into `status_dir` when set (`status_publisher`). Raises ValueError naming any parameter the
         catalog cannot cover, RuntimeError when this worker is a syncd member already (an engine
         attached twice)."""
         if (member := getattr(self, "_ws_member", None)) is not None:
@@ -101,7 +102,7 @@ class WeightSyncExtension:
         catalog = build_catalog(param_specs(model), expected_shapes=shapes)
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, transfer_engine.StagingTransferEngine):
-            raise RuntimeError(f"weight_transfer_config.backend must be {transfer_engine.BACKEND!r}")
+            raise RuntimeError(f"weight_transfer_config.backend must be {TRANSFER_BACKEND!r}")
         self._ws_catalog = catalog
         self._ws_member_id = f"generator-{replica}-{tp_rank}"
         self._ws_mode = worker_mode(
@@ -118,7 +119,7 @@ class WeightSyncExtension:
         engine.target = self._ws_mode
         self._ws_member = None
         if syncd:
-            from generator_svc.worker.member import start_member
+            from generator_svc.worker.syncd_member import start_member
 
             self._ws_member = start_member(
                 syncd,

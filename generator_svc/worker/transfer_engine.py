@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from generator_svc.settings import TRANSFER_BACKEND
 from generator_svc.vllm_adapter import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -38,8 +39,6 @@ from generator_svc.vllm_adapter import (
     register_weight_transfer_engine,
 )
 from generator_svc.worker.install import InstallReport
-
-BACKEND = "syncd_staging"
 
 
 @dataclass
@@ -100,4 +99,4 @@ class StagingTransferEngine(WeightTransferEngine[StagingInitInfo, StagingUpdateI
 
 
 def register() -> None:
-    register_weight_transfer_engine(BACKEND, StagingTransferEngine)
+    register_weight_transfer_engine(TRANSFER_BACKEND, StagingTransferEngine)

@@ -3,7 +3,7 @@
 The worker extension (`generator_svc.worker`) makes one at `ws_setup`, from `--refit-mode`, and
 hands every mode-dependent `collective_rpc` call to it; the weight-transfer engine
 (`generator_svc.worker.transfer_engine`) calls it inside vLLM's update lifecycle (`UpdateTarget`); the
-syncd member receives through its `endpoint` (`generator_svc.worker.member`).
+syncd member receives through its `endpoint` (`generator_svc.worker.syncd_member`).
 
 - `StagedWorker` owns this worker's staging (one buffer per local tensor, where the weights live,
   so the data plane writes with that device's transport and the install copies device to device).
@@ -21,8 +21,8 @@ import torch
 from generator_svc.settings import RefitMode
 from generator_svc.worker import install
 from generator_svc.worker.inplace import InplaceReceiver
-from generator_svc.worker.member import GeneratorEndpoint, InplaceEndpoint, StagedEndpoint
 from generator_svc.worker.staging import Staging, StagingInputError
+from generator_svc.worker.syncd_member import GeneratorEndpoint, InplaceEndpoint, StagedEndpoint
 from syncd.layout import Catalog
 
 
@@ -31,7 +31,7 @@ class WorkerMode(Protocol):
 
     @property
     def endpoint(self) -> GeneratorEndpoint:
-        """What the syncd member receives through (`generator_svc.worker.member`)."""
+        """What the syncd member receives through (`generator_svc.worker.syncd_member`)."""
         ...
 
     def stage_file(self, path: str, refit_id: str) -> dict[str, int]:

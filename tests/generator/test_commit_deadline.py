@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from generator_svc.server import routes as server
+from generator_svc.server import routes
 from generator_svc.server.refit import Refitter
 from generator_svc.settings import RefitMode, Settings
 from tests.polling import wait_until
@@ -80,7 +80,7 @@ def generator():
         ),
     )
     app = FastAPI()
-    server.install(app, refitter)
+    routes.install(app, refitter)
     with TestClient(app) as http:
         yield http, engine, refitter
 

@@ -17,11 +17,11 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from generator_svc.server import routes as server
+from generator_svc.server import routes
 from generator_svc.server.refit import Refitter
 from generator_svc.settings import RefitMode, Settings
-from generator_svc.worker.member import InplaceEndpoint, StagedEndpoint
 from generator_svc.worker.staging import Staging, StagingInputError
+from generator_svc.worker.syncd_member import InplaceEndpoint, StagedEndpoint
 from syncd.layout import Catalog
 from tests.polling import wait_until
 
@@ -95,7 +95,7 @@ def _generator(mode: RefitMode, hold_limit_s: float = 300.0) -> Iterator[Generat
     )
     refitter = Refitter(engine, settings)
     app = FastAPI()
-    server.install(app, refitter)
+    routes.install(app, refitter)
     with TestClient(app) as http:
         yield http, engine, refitter
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from generator_svc.settings import Settings
 
-log = logging.getLogger("generator_svc.server.edge")
+log = logging.getLogger("generator_svc.server.request_guard")
 # vLLM's routes that submit requests to the engine (/invocations is SageMaker's alias of
 # completions and chat).
 TEXT_PATHS = frozenset(

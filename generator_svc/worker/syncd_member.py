@@ -42,7 +42,7 @@ from syncd.plan.types import Bucket
 from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion, version_label
 
-log = logging.getLogger("generator_svc.worker.member")
+log = logging.getLogger("generator_svc.worker.syncd_member")
 
 
 def _answer_margin_s(timeout_s: float) -> float:

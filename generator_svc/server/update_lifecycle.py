@@ -3,8 +3,8 @@
 `UpdateLifecycle` owns what the modes share: the engine client, the served version and whether
 generation is allowed, the one-transition-at-a-time lock, the update that missed its deadline, and
 the steps every refit ends with (update, finish, reset the prefix cache, go live, report to syncd).
-The modes (`generator_svc.server.refit_modes`) decide when those steps run; `generator_svc.server.refit` picks
-the mode once from the settings.
+The modes (`generator_svc.server.refit_strategies`) decide when those steps run;
+`generator_svc.server.refit` picks the mode once from the settings.
 
 The lock is only ever held inside one request (`exclusive`): one staging write, install, hold
 opening or release at a time. What outlives a request (an in-place hold) is an object of its mode,

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from generator_svc.server import metrics
-from generator_svc.server.lifecycle import (
+from generator_svc.server.update_lifecycle import (
     DeadlineExceeded,
     RefitRefused,
     StagingRejected,

@@ -3,7 +3,7 @@
     python -m vllm.entrypoints.openai.api_server --model M ... \\
         --worker-extension-cls generator_svc.worker.WeightSyncExtension \\
         --weight-transfer-config '{"backend":"syncd_staging"}' \\
-        --middleware generator_svc.attach.attach_serve.WeightSyncMiddleware
+        --middleware generator_svc.attach.WeightSyncMiddleware
 
 vLLM builds its API server as usual; the middleware sits in front of it, in the same process, and
 takes a few paths for itself:
@@ -19,7 +19,7 @@ takes a few paths for itself:
 and, once attached, answers 503 to generation while the weights may be torn (`server.torn_refusal`).
 A server started with `--api-key` (or `VLLM_API_KEY`) guards `/weightsync/` with the same keys: vLLM
 adds its own check inside the middlewares it registers first, so this one, outside it, checks too.
-Everything else goes to vLLM unchanged. `generator_svc.attach.attach_server` is the client.
+Everything else goes to vLLM unchanged. `generator_svc.attach.attach_server` (`serve_client`) is the client.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from generator_svc.attach.attached_llm import ATTACH_ROUTE, make_settings, refusals
+from generator_svc.attach.engine_args import ATTACH_ROUTE, make_settings, refusals
 from generator_svc.server.refit import Refitter
 from generator_svc.server.routes import internal_router, torn_refusal
 from generator_svc.settings import PauseMode, RefitMode
