@@ -140,6 +140,8 @@ def time_inplace(worker, checkpoint: str, bucket_bytes: int) -> dict:
 def run(args: argparse.Namespace) -> dict:
     from vllm import LLM
 
+    from generator_svc.worker_protocol import WorkerSetup
+
     model_dir = (
         Path(args.keep_model) if args.keep_model else Path(tempfile.mkdtemp(prefix="apply_bench_")) / "model"
     )
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace) -> dict:
         worker_extension_cls="generator_svc.worker.WeightSyncExtension",
         weight_transfer_config={"backend": "syncd_staging"},
     )
-    setup = llm.collective_rpc("ws_setup", args=(0,))[0]
+    setup = llm.collective_rpc("ws_setup", args=(WorkerSetup(replica=0).to_wire(),))[0]
     staged = llm.collective_rpc("ws_stage_file", args=(str(model), "bench"))[0]
     rounds: dict[str, list] = {"loader": [], "copy": [], "install": [], "inplace": []}
     for _ in range(args.rounds + 1):  # round 0 warms up

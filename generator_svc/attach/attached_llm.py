@@ -47,6 +47,7 @@ from typing import Any
 from generator_svc.attach.engine_args import AttachRefused, make_settings, refuse_unless_attachable
 from generator_svc.server.refit import Refitter
 from generator_svc.settings import Settings
+from generator_svc.worker_protocol import WorkerInfo
 from syncd.net import HTTP_KEEP_ALIVE_S
 
 
@@ -73,7 +74,7 @@ class AttachedEngine:
         return self.refitter.serving
 
     @property
-    def workers(self) -> list[dict]:
+    def workers(self) -> list[WorkerInfo]:
         """Per worker: member id, tp rank, catalog hash, bytes."""
         return self.refitter.workers
 

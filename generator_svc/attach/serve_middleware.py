@@ -25,6 +25,7 @@ Everything else goes to vLLM unchanged. `generator_svc.attach.attach_server` (`s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import secrets
@@ -96,7 +97,7 @@ def _control_app() -> FastAPI:
             port = request.scope["server"][1]
             workers = await refitter.setup(internal_url=f"http://127.0.0.1:{port}/internal")
             state.refitter = refitter
-        return JSONResponse({"workers": workers})
+        return JSONResponse({"workers": [dataclasses.asdict(w) for w in workers]})
 
     @app.get("/weightsync/status")
     async def status(request: Request) -> JSONResponse:
@@ -110,7 +111,7 @@ def _control_app() -> FastAPI:
                 "version": s.version,
                 "serving": s.serving,
                 "updating": s.updating,
-                "workers": refitter.workers,
+                "workers": [dataclasses.asdict(w) for w in refitter.workers],
             }
         )
 

@@ -24,6 +24,7 @@ from generator_svc.server.update_lifecycle import (
     set_version_metric,
 )
 from generator_svc.settings import Settings
+from generator_svc.worker_protocol import StagedFile, WorkerInfo, WorkerSetup
 
 
 class Refitter:
@@ -35,7 +36,7 @@ class Refitter:
         # Authenticates the workers' commit requests (`/internal/commit`); handed to them only
         # through collective_rpc, never over the network.
         self.commit_token = secrets.token_urlsafe(32)
-        self.workers: list[dict] = []
+        self.workers: list[WorkerInfo] = []
         # Where the workers publish their status (`worker_status`), read by /healthz and /readyz.
         self.status_dir = tempfile.mkdtemp(prefix="generator-workers-")
 
@@ -59,38 +60,38 @@ class Refitter:
     def state(self) -> ServingState:
         return ServingState(self.version, self.serving, self._life.busy or self._mode.holding)
 
-    async def setup(self, internal_url: str) -> list[dict]:
+    async def setup(self, internal_url: str) -> list[WorkerInfo]:
         """Catalog, staging (staged mode) and syncd registration on every worker; tp rank 0 relays
         syncd's commands to `internal_url` (`/commit`, and in inplace mode `/hold`, `/release`)."""
-        self.workers = await self.engine.collective_rpc(
-            "ws_setup",
-            kwargs={
-                "replica": self.settings.replica,
-                "syncd": self.settings.syncd,
-                "auth_token": self.settings.auth_token,
-                "internal_url": internal_url,
-                "refit_mode": self.settings.refit_mode.value,
-                "hold_limit_s": self.settings.hold_limit_s,
-                "keep_delta_base": self.settings.inplace_delta_base,
-                "commit_token": self.commit_token,
-                "data_host": self.settings.data_host,
-                "in_flight": self.settings.in_flight_buckets,
-                "status_dir": self.status_dir,
-            },
+        setup = WorkerSetup(
+            replica=self.settings.replica,
+            syncd=self.settings.syncd,
+            auth_token=self.settings.auth_token,
+            internal_url=internal_url,
+            commit_token=self.commit_token,
+            data_host=self.settings.data_host,
+            in_flight=self.settings.in_flight_buckets,
+            status_dir=self.status_dir,
+            refit_mode=self.settings.refit_mode,
+            hold_limit_s=self.settings.hold_limit_s,
+            keep_delta_base=self.settings.inplace_delta_base,
+        )
+        self.workers = WorkerInfo.replies(
+            await self.engine.collective_rpc("ws_setup", args=(setup.to_wire(),))
         )
         await self.engine.update_weight_version(self.version)
-        metrics.CATALOG_BYTES.set(sum(w["nbytes"] for w in self.workers))
+        metrics.CATALOG_BYTES.set(sum(w.nbytes for w in self.workers))
         metrics.SERVING.set(1)
         set_version_metric(self.version)
         return self.workers
 
-    async def stage_file(self, path: str, refit_id: str) -> list[dict]:
+    async def stage_file(self, path: str, refit_id: str) -> list[StagedFile]:
         """Stage a safetensors checkpoint on every worker (staging only; serving goes on). Raises
         StagingRejected when a worker rejects the file, RefitRefused in a mode without staging."""
         start = time.perf_counter()
         out = await self._mode.stage_file(path, refit_id)
         metrics.STAGE_SECONDS.observe(time.perf_counter() - start)
-        metrics.STAGED_BYTES.inc(sum(w["nbytes"] for w in self.workers))
+        metrics.STAGED_BYTES.inc(sum(w.nbytes for w in self.workers))
         return out
 
     async def abort(self, refit_id: str = "") -> None:

@@ -22,7 +22,7 @@ import json
 import time
 from collections.abc import Sequence
 
-from generator_svc.worker_protocol import PUBLISH_INTERVAL_S, WorkerStatus, status_path
+from generator_svc.worker_protocol import PUBLISH_INTERVAL_S, WorkerInfo, WorkerStatus, status_path
 
 # A worker whose status is older than this is reported not answering: six missed writes, so a busy
 # host does not flap the probe, and still well within a liveness probe's period.
@@ -37,27 +37,27 @@ def read_status(directory: str, member_id: str) -> WorkerStatus | None:
     return WorkerStatus(**{**raw, "committing": tuple(raw["committing"])})
 
 
-def quiet_workers(directory: str, workers: Sequence[dict], now: float | None = None) -> str:
+def quiet_workers(directory: str, workers: Sequence[WorkerInfo], now: float | None = None) -> str:
     """Why some worker is not answering ('' when every one published within QUIET_AFTER_S)."""
     now = time.time() if now is None else now
     problems = []
     for worker in workers:
-        status = read_status(directory, worker["member_id"])
+        status = read_status(directory, worker.member_id)
         if status is None:
-            problems.append(f"worker {worker['member_id']} (pid {worker['pid']}) has published no status")
+            problems.append(f"worker {worker.member_id} (pid {worker.pid}) has published no status")
         elif (age := now - status.written_at) > QUIET_AFTER_S:
             problems.append(
-                f"worker {worker['member_id']} (pid {worker['pid']}) has not answered for "
+                f"worker {worker.member_id} (pid {worker.pid}) has not answered for "
                 f"{age:.1f} s (frozen or dead)"
             )
     return "; ".join(problems)
 
 
-def behind_workers(directory: str, workers: Sequence[dict]) -> str:
+def behind_workers(directory: str, workers: Sequence[WorkerInfo]) -> str:
     """Why some worker does not serve syncd's committed version ('' when none is behind)."""
     problems = []
     for worker in workers:
-        status = read_status(directory, worker["member_id"])
+        status = read_status(directory, worker.member_id)
         if status is not None and status.unregistered:
             problems.append(
                 f"worker {status.member_id} is not registered with syncd yet, so it cannot "

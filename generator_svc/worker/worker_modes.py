@@ -23,6 +23,7 @@ from generator_svc.worker import install
 from generator_svc.worker.inplace import InplaceReceiver
 from generator_svc.worker.staging import Staging, StagingInputError
 from generator_svc.worker.syncd_member import GeneratorEndpoint, InplaceEndpoint, StagedEndpoint
+from generator_svc.worker_protocol import WorkerDigest
 from syncd.layout import Catalog
 
 
@@ -56,7 +57,7 @@ class WorkerMode(Protocol):
 
     def committed(self, ok: bool) -> None: ...
 
-    def digest(self, member_id: str) -> dict[str, Any]:
+    def digest(self, member_id: str) -> WorkerDigest:
         """The digest of the served version (`generator_svc.worker.digest`)."""
         ...
 
@@ -85,7 +86,7 @@ class StagedWorker:
         self.endpoint.served.overwritten(f"a checkpoint file was staged (refit {refit_id}), not by syncd")
         return self.staging.fill_from_safetensors(path)
 
-    def digest(self, member_id: str) -> dict[str, Any]:
+    def digest(self, member_id: str) -> WorkerDigest:
         """What staging holds of the served version (`generator_svc.worker.digest`)."""
         return self.endpoint.served.digest(self.staging.buffers, member_id)
 
@@ -165,13 +166,13 @@ class InplaceWorker:
     def drop_staged(self, refit_id: str) -> None:
         """Nothing is staged in this mode."""
 
-    def digest(self, member_id: str) -> dict[str, Any]:
+    def digest(self, member_id: str) -> WorkerDigest:
         """Unavailable: the bytes were written into the layers and post-processed in place."""
         reason = (
             "--refit-mode inplace keeps no copy in checkpoint format: the layers were "
             "post-processed in place (each was verified where it landed, before that)"
         )
-        return {"member_id": member_id, "version": "", "available": False, "reason": reason, "checksums": {}}
+        return WorkerDigest(member_id, version="", available=False, reason=reason)
 
     def hold(self, refit_id: str) -> None:
         """Generation is held and this worker's install is open (`after_reload` made the

@@ -43,6 +43,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from generator_svc.worker_protocol import WorkerSetup
     from tests.generator import worker_aids
 
     llm = LLM(
@@ -56,7 +57,7 @@ def main() -> None:
         worker_extension_cls="generator_svc.worker.WeightSyncExtension",
         weight_transfer_config={"backend": "syncd_staging"},
     )
-    setup = llm.collective_rpc("ws_setup", args=(0,))
+    setup = llm.collective_rpc("ws_setup", args=(WorkerSetup(replica=0).to_wire(),))
     catalogs = llm.collective_rpc("ws_catalog")
     names = llm.collective_rpc("ws_param_names")
     llm.collective_rpc(worker_aids.dump_loaded, args=(args.model, args.out))

@@ -18,6 +18,7 @@ from starlette.testclient import TestClient
 from generator_svc.server import token_versions
 from generator_svc.server.token_versions import Span, label
 from generator_svc.server.versions_http import WeightVersionsMiddleware
+from generator_svc.settings import PauseMode
 
 # Per prompt: per choice, the spans the engine reports when it finishes.
 SPANS = {
@@ -68,7 +69,7 @@ def _app(engine: Engine) -> Starlette:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
-    app.add_middleware(WeightVersionsMiddleware, pause_mode="abort", retry_after_s=2)
+    app.add_middleware(WeightVersionsMiddleware, pause_mode=PauseMode.ABORT, retry_after_s=2)
     return app
 
 
