@@ -135,7 +135,7 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "AsyncLLM": ("vllm.v1.engine.async_llm", "AsyncLLM"),
     "PauseMode": ("vllm.v1.engine", "PauseMode"),
     "AsyncMPClient": ("vllm.v1.engine.core_client", "AsyncMPClient"),
-    # Engines a user created (generator_svc.attach, generator_svc.engine_control)
+    # Engines a user created (generator_svc.attach)
     "LLM": ("vllm.entrypoints.llm", "LLM"),
     "LLMEngine": ("vllm.v1.engine.llm_engine", "LLMEngine"),
     "SyncMPClient": ("vllm.v1.engine.core_client", "SyncMPClient"),

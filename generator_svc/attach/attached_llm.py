@@ -18,7 +18,7 @@ built: every worker builds its catalog and registers with syncd as `generator-{r
 (`ws_setup` of the worker extension), and the process holding the engine client runs the refit
 lifecycle of `generator_svc.server.refit` (`Refitter`: verified staging, pause, install by parameter,
 prefix-cache reset, resume, weight version; or the `inplace` mode) when the tp-0 worker relays
-syncd's Commit to it over loopback HTTP (`server.internal_router`, authenticated with a token only
+syncd's Commit to it over loopback HTTP (`server.routes.internal_router`, authenticated with a token only
 the workers got). Where that runs:
 
 - `LLM`: a thread of this process, with an event loop of its own, serves the relay routes on a
@@ -122,7 +122,7 @@ def attach(llm: Any, *, syncd: str, replica: int = 0, **options: Any) -> Attache
 
 class _ControlThread:
     """A thread with an event loop: the `Refitter` of an attached `LLM` and the routes its tp-0
-    worker relays syncd's commands to (`server.internal_router`, on 127.0.0.1, a port of its own).
+    worker relays syncd's commands to (`server.routes.internal_router`, on 127.0.0.1, a port of its own).
     `start` returns once every worker registered (or raises what setting them up raised)."""
 
     def __init__(self, engine: Any, settings: Settings) -> None:

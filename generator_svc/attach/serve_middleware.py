@@ -13,10 +13,10 @@ takes a few paths for itself:
                              register every worker with syncd (`Refitter.setup`); 409 when attached
     GET  /weightsync/status  {attached, version, serving, updating, workers}
     POST /internal/commit|hold|release   the tp-0 worker's relays of syncd's commands
-                             (`server.internal_router`, with the worker token): the refit lifecycle
+                             (`server.routes.internal_router`, with the worker token): the refit lifecycle
                              of `generator_svc.server.refit`, on vLLM's own engine client
 
-and, once attached, answers 503 to generation while the weights may be torn (`server.torn_refusal`).
+and, once attached, answers 503 to generation while the weights may be torn (`server.routes.torn_refusal`).
 A server started with `--api-key` (or `VLLM_API_KEY`) guards `/weightsync/` with the same keys: vLLM
 adds its own check inside the middlewares it registers first, so this one, outside it, checks too.
 Everything else goes to vLLM unchanged. `generator_svc.attach.attach_server` (`serve_client`) is the client.

@@ -37,7 +37,7 @@ class Refitter:
         # through collective_rpc, never over the network.
         self.commit_token = secrets.token_urlsafe(32)
         self.workers: list[WorkerInfo] = []
-        # Where the workers publish their status (`worker_status`), read by /healthz and /readyz.
+        # Where the workers publish their status (`worker_protocol.WorkerStatus`), read by the probes.
         self.status_dir = tempfile.mkdtemp(prefix="generator-workers-")
 
     @property

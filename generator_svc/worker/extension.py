@@ -1,7 +1,8 @@
 """The vLLM worker extension (`worker_extension_cls`): mixed into every vLLM worker.
 
 Methods are called from the API-server process with `collective_rpc("ws_...")`, which runs them on
-every worker and carries only plain data (no tensors). What runs where:
+every worker and carries only plain data (no tensors): the messages of
+`generator_svc.worker_protocol`, in their wire form. What runs where:
 
 - API server (generator_svc.server.refit): the update lifecycle (`pause_generation`, `start_weight_update`,
   `update_weights`, `finish_weight_update`, `reset_prefix_cache`, `resume_generation`), because it
