@@ -15,10 +15,10 @@ once in the generator's staging buffers; then each round times, inside the engin
   install by parameter): `load_weights(staging.hf_weights())`, one call per HF tensor;
 - copy: a plain copy of the same bytes into tensors shaped like the parameters (checkpoint format);
 - install: the generator's install (`start_weight_update` / `update_weights` / `finish_weight_update`
-  with `generator_svc.install`), with its own split into copies and post-processing
+  with `generator_svc.worker.install`), with its own split into copies and post-processing
   (`process_weights_after_loading` of each layer, the CPU linear repack and MoE prepack), which is
   the "post-processing alone" figure;
-- inplace: the `inplace` mode's install (`generator_svc.inplace`): the checkpoint packed once (outside
+- inplace: the `inplace` mode's install (`generator_svc.worker.inplace`): the checkpoint packed once (outside
   the timing) into `--bucket-mib` buckets as a one-rank trainer sends them, each unpacked into the
   live layers inside the layerwise reload, every layer post-processed when complete; with its peak
   of open layers, i.e. its extra memory beside one receive buffer.
@@ -117,7 +117,7 @@ def time_install(worker) -> dict:
 
 
 def time_inplace(worker, checkpoint: str, bucket_bytes: int) -> dict:
-    """The inplace mode's install (`generator_svc.inplace`): already packed buckets (packed once,
+    """The inplace mode's install (`generator_svc.worker.inplace`): already packed buckets (packed once,
     outside the timing, as a one-rank trainer sends them) unpacked into the live layers inside the
     layerwise reload, each layer post-processed as it completes."""
     from testkit.worker_aids import checkpoint_buckets, install_buckets
@@ -144,6 +144,8 @@ def time_inplace(worker, checkpoint: str, bucket_bytes: int) -> dict:
 def run(args: argparse.Namespace) -> dict:
     from vllm import LLM
 
+    from generator_svc.worker_protocol import WorkerSetup
+
     model_dir = (
         Path(args.keep_model) if args.keep_model else Path(tempfile.mkdtemp(prefix="apply_bench_")) / "model"
     )
@@ -161,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
         worker_extension_cls="generator_svc.worker.WeightSyncExtension",
         weight_transfer_config={"backend": "syncd_staging"},
     )
-    setup = llm.collective_rpc("ws_setup", args=(0,))[0]
+    setup = llm.collective_rpc("ws_setup", args=(WorkerSetup(replica=0).to_wire(),))[0]
     staged = llm.collective_rpc("ws_stage_file", args=(str(model), "bench"))[0]
     rounds: dict[str, list] = {"loader": [], "copy": [], "install": [], "inplace": []}
     for _ in range(args.rounds + 1):  # round 0 warms up

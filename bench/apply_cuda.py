@@ -9,7 +9,7 @@ per parameter, as the generator's staging does, and a tensor per parameter stand
 (unquantized bf16 weights on GPU need no post-processing, so these are what the kernels read).
 Each round, on the same bytes:
 
-- install: `generator_svc.install.copy_parameters` (one copy per parameter, the generator's code);
+- install: `generator_svc.worker.install.copy_parameters` (one copy per parameter, the generator's code);
 - d2d: one device-to-device copy of a flat buffer of the same size (the bandwidth anchor);
 - per HF tensor: a copy per HF tensor into its slice of the parameter (what vLLM's loaders do,
   without their Python overhead), for scale.
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from generator_svc.install import copy_parameters
+from generator_svc.worker.install import copy_parameters
 from syncd.layout import Catalog
 from syncd.layout.dtypes import torch_dtype
 from testkit.synthetic_moe import shape_for, vllm_catalog

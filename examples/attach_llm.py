@@ -124,7 +124,7 @@ def take_refits(
     from generator_svc.attach import attach
 
     handle = attach(llm, syncd=syncd, replica=replica)
-    log.info("attached: %s", [w["member_id"] for w in handle.workers])
+    log.info("attached: %s", [w.member_id for w in handle.workers])
     seen = {}
     try:
         with Rollouts(llm) as rollouts:

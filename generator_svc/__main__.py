@@ -10,7 +10,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     import uvloop
 
-    from generator_svc.app import serve
+    from generator_svc.server.app import serve
     from generator_svc.settings import parse
 
     logging.basicConfig(

@@ -28,7 +28,7 @@ Our flags sit on top of vLLM's own server flags (every `vllm serve` flag works, 
     --in-flight-buckets   receive buffers per stage of the data plane (default: 2 staged, 1 inplace,
                           whose extra memory is these buffers plus the layers being received)
 
-Guards of the generation routes (`generator_svc/request_limits.py`, `admission.py`,
+Guards of the generation routes (`generator_svc/server/request_limits.py`, `admission.py`,
 `engine_health.py`; token ids, prompt lengths and logprobs are bounded by the engine's own
 vocabulary, `--max-model-len` and `--max-logprobs`):
     --max-request-bytes N       bodies larger than N bytes are refused with 413 (default 4 MiB)
@@ -54,12 +54,16 @@ ENV_REPLICA = "GENERATOR_REPLICA"
 ENV_AUTH_TOKEN = "GENERATOR_AUTH_TOKEN"
 ENV_DATA_HOST = "GENERATOR_DATA_HOST"
 
+# The two engine arguments weight sync needs, by name: the worker extension vLLM mixes into every
+# worker (`generator_svc.worker`) and the weight-transfer engine it registers there.
 WORKER_EXTENSION = "generator_svc.worker.WeightSyncExtension"
+TRANSFER_BACKEND = "syncd_staging"
 
 
 class RefitMode(StrEnum):
     """How a worker receives a refit (generator_svc/README.md, "Refit modes: which to pick"); each
-    has one strategy on each side: `refit_modes` in the API server, `worker_modes` in the workers."""
+    has one strategy on each side: `server.refit_strategies` in the API server, `worker.worker_modes`
+    in the workers."""
 
     STAGED = "staged"  # into staging beside the live weights, installed on commit
     INPLACE = "inplace"  # into the live layers, generation held for the transfer
@@ -171,7 +175,7 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     if args.worker_extension_cls not in ("", WORKER_EXTENSION):
         raise ValueError(f"--worker-extension-cls is set by generator_svc; got {args.worker_extension_cls!r}")
     args.worker_extension_cls = WORKER_EXTENSION
-    args.weight_transfer_config = {"backend": "syncd_staging"}
+    args.weight_transfer_config = {"backend": TRANSFER_BACKEND}
     validate_parsed_serve_args(args)
     settings = Settings(
         syncd=args.syncd,

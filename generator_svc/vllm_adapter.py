@@ -81,7 +81,7 @@ _WEIGHT_TRANSFER = "vllm.distributed.weight_transfer"
 # Public name here -> (vLLM module, attribute). `from generator_svc.vllm_adapter import NAME` imports
 # the module on first use.
 SYMBOLS: dict[str, tuple[str, str]] = {
-    # API server (generator_svc.app, generator_svc.settings)
+    # API server (generator_svc.server.app, generator_svc.settings)
     "envs": ("vllm", "envs"),
     "init_app_state": ("vllm.entrypoints.launchers.api_server.app_state", "init_app_state"),
     "build_async_engine_client": ("vllm.entrypoints.launchers.api_server.entry", "build_async_engine_client"),
@@ -91,13 +91,13 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "make_arg_parser": ("vllm.entrypoints.launchers.cli_args", "make_arg_parser"),
     "validate_parsed_serve_args": ("vllm.entrypoints.launchers.cli_args", "validate_parsed_serve_args"),
     "FlexibleArgumentParser": ("vllm.utils.argparse_utils", "FlexibleArgumentParser"),
-    # Weight transfer (generator_svc.transfer_engine, generator_svc.lifecycle)
+    # Weight transfer (generator_svc.worker.transfer_engine, generator_svc.server.update_lifecycle)
     "WeightTransferEngine": (f"{_WEIGHT_TRANSFER}.base", "WeightTransferEngine"),
     "WeightTransferInitInfo": (f"{_WEIGHT_TRANSFER}.base", "WeightTransferInitInfo"),
     "WeightTransferUpdateInfo": (f"{_WEIGHT_TRANSFER}.base", "WeightTransferUpdateInfo"),
     "WeightTransferUpdateRequest": (f"{_WEIGHT_TRANSFER}.base", "WeightTransferUpdateRequest"),
     "WeightTransferEngineFactory": (f"{_WEIGHT_TRANSFER}.factory", "WeightTransferEngineFactory"),
-    # Layer classes (generator_svc.vllm_layout)
+    # Layer classes (generator_svc.worker.vllm_layout)
     "LinearBase": ("vllm.model_executor.layers.linear", "LinearBase"),
     "ColumnParallelLinear": ("vllm.model_executor.layers.linear", "ColumnParallelLinear"),
     "MergedColumnParallelLinear": ("vllm.model_executor.layers.linear", "MergedColumnParallelLinear"),
@@ -120,7 +120,7 @@ SYMBOLS: dict[str, tuple[str, str]] = {
         "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
         "UnquantizedFusedMoEMethod",
     ),
-    # Layerwise reload (generator_svc.install, generator_svc.inplace, the worker)
+    # Layerwise reload (generator_svc.worker.install, generator_svc.worker.inplace, the worker)
     "initialize_layerwise_reload": (_RELOAD, "initialize_layerwise_reload"),
     "finalize_layerwise_reload": (_RELOAD, "finalize_layerwise_reload"),
     "get_layerwise_info": (f"{_RELOAD}.layerwise", "get_layerwise_info"),
@@ -129,13 +129,13 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "_place_kernel_tensors": (f"{_RELOAD}.layerwise", "_place_kernel_tensors"),
     "_copy_and_restore_kernel_tensors": (f"{_RELOAD}.layerwise", "_copy_and_restore_kernel_tensors"),
     "materialize_layer": (f"{_RELOAD}.meta", "materialize_layer"),
-    # Per-token weight versions (generator_svc.token_versions reads `weight_versions` off outputs)
+    # Per-token weight versions (generator_svc.server.token_versions reads `weight_versions` off outputs)
     "CompletionOutput": ("vllm.outputs", "CompletionOutput"),
     "WeightVersionSpan": ("vllm.outputs", "WeightVersionSpan"),
     "AsyncLLM": ("vllm.v1.engine.async_llm", "AsyncLLM"),
     "PauseMode": ("vllm.v1.engine", "PauseMode"),
     "AsyncMPClient": ("vllm.v1.engine.core_client", "AsyncMPClient"),
-    # Engines a user created (generator_svc.attach, generator_svc.engine_control)
+    # Engines a user created (generator_svc.attach)
     "LLM": ("vllm.entrypoints.llm", "LLM"),
     "LLMEngine": ("vllm.v1.engine.llm_engine", "LLMEngine"),
     "SyncMPClient": ("vllm.v1.engine.core_client", "SyncMPClient"),
@@ -187,7 +187,8 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "UnquantizedFusedMoEMethod": ("moe_kernel", "_setup_kernel"),
     "CompletionOutput": ("weight_versions", "index"),
     "WeightVersionSpan": ("version", "start", "end"),
-    # pause modes, and the wrapped generate (generator_svc.lifecycle, generator_svc.token_versions)
+    # pause modes, and the wrapped generate (generator_svc.server.update_lifecycle,
+    # generator_svc.server.token_versions)
     "AsyncLLM": ("engine_core", "resume_generation", "generate", "reset_prefix_cache"),
     "WeightTransferEngine": ("model", "device", "vllm_config", "model_config", "reset_weight_update_target"),
     # engines a user created (generator_svc.attach): the sync LLM's methods the refit drives, its

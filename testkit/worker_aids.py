@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from generator_svc.inplace import InplaceReceiver
+from generator_svc.worker.inplace import InplaceReceiver
 from syncd.layout import Catalog
 from syncd.plan import Bucket
 

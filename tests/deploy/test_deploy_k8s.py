@@ -210,7 +210,7 @@ def _generator(overlay, monkeypatch):
 
 
 def test_generator_flags_env_and_probes_agree_with_generator_svc(overlay, monkeypatch):
-    from generator_svc.server import router
+    from generator_svc.server.routes import router
 
     settings, args, container = _generator(overlay, monkeypatch)
     assert _port(container, "http") == args.port

@@ -33,7 +33,7 @@ def _exported() -> dict[str, set[str]]:
     """Every sample name syncd and generator_svc expose on /metrics, with its label names."""
     import prometheus_client
 
-    import generator_svc.metrics  # noqa: F401 - registers its metrics in the default registry
+    import generator_svc.server.metrics  # noqa: F401 - registers its metrics in the default registry
     from syncd.daemon.metrics import Metrics
 
     families = list(Metrics().registry.collect())
@@ -53,7 +53,7 @@ def _declared_labels(name: str) -> set[str]:
     read them from, and prometheus_client has no public accessor, hence `_labelnames`."""
     import prometheus_client
 
-    import generator_svc.metrics as gen
+    import generator_svc.server.metrics as gen
     from syncd.daemon.metrics import Metrics
 
     metrics = Metrics()
@@ -150,7 +150,7 @@ def test_metric_names_say_which_service_and_follow_prometheus_units():
     `_bytes`."""
     import prometheus_client
 
-    import generator_svc.metrics  # noqa: F401 - registers its metrics in the default registry
+    import generator_svc.server.metrics  # noqa: F401 - registers its metrics in the default registry
     from syncd.daemon.metrics import Metrics
 
     syncd = {f.name: f.type for f in Metrics().registry.collect()}

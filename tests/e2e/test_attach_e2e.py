@@ -159,7 +159,8 @@ def test_attaching_is_refused_naming_what_the_engine_lacks(
 ) -> None:
     from generator_svc.attach import AttachRefused, attach_server
 
-    with pytest.raises(AttachRefused, match=r"start it with --middleware generator_svc\.attach_serve\."):
+    middleware = r"start it with --middleware generator_svc\.attach\.WeightSyncMiddleware"
+    with pytest.raises(AttachRefused, match=middleware):
         attach_server(fresh[1], syncd=stack.target, replica=2)
     lacking = (
         r"worker_extension_cls \(--worker-extension-cls\) is '': weight sync needs "

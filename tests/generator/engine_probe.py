@@ -43,6 +43,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from generator_svc.worker_protocol import WorkerSetup
     from testkit import worker_aids
 
     llm = LLM(
@@ -56,7 +57,7 @@ def main() -> None:
         worker_extension_cls="generator_svc.worker.WeightSyncExtension",
         weight_transfer_config={"backend": "syncd_staging"},
     )
-    setup = llm.collective_rpc("ws_setup", args=(0,))
+    setup = llm.collective_rpc("ws_setup", args=(WorkerSetup(replica=0).to_wire(),))
     catalogs = llm.collective_rpc("ws_catalog")
     names = llm.collective_rpc("ws_param_names")
     llm.collective_rpc(worker_aids.dump_loaded, args=(args.model, args.out))
@@ -115,7 +116,7 @@ def main() -> None:
 
 def _break_feed(worker) -> None:
     """Make the next install from staging fail half way through the model, as a crash would."""
-    from generator_svc import install
+    from generator_svc.worker import install
 
     full = install.copy_into
     calls = [0]
@@ -131,7 +132,7 @@ def _break_feed(worker) -> None:
 
 
 def _mend_feed(worker) -> None:
-    from generator_svc import install
+    from generator_svc.worker import install
 
     install.copy_into = install._unbroken_copy_into
 

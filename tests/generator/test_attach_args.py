@@ -18,10 +18,10 @@ from generator_svc.attach import (
     SERVE_FLAGS,
     AttachRefused,
     attach,
-    main,
     make_settings,
     refusals,
 )
+from generator_svc.attach.__main__ import main
 from generator_svc.worker import WeightSyncExtension
 
 
@@ -129,7 +129,7 @@ def test_the_middleware_passes_vllms_paths_through_and_refuses_relays_before_att
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from generator_svc.attach_serve import WeightSyncMiddleware
+    from generator_svc.attach import WeightSyncMiddleware
 
     vllm_app = FastAPI()  # stands in for vLLM's app: the middleware only routes around it
 
@@ -156,7 +156,7 @@ def test_a_server_with_api_keys_guards_the_attach_route_with_them() -> None:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from generator_svc.attach_serve import WeightSyncMiddleware
+    from generator_svc.attach import WeightSyncMiddleware
 
     vllm_app = FastAPI()
     vllm_app.state.args = Namespace(api_key=["first", "second"])

@@ -15,9 +15,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from generator_svc import server
-from generator_svc.refit import Refitter
+from generator_svc.server import routes
+from generator_svc.server.refit import Refitter
 from generator_svc.settings import RefitMode, Settings
+from generator_svc.worker_protocol import CommitOutcome, CommitReadiness
 from tests.polling import wait_until
 
 
@@ -35,7 +36,7 @@ class SlowEngine:
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         self.calls.append((method, *args))
         if method == "ws_status":
-            return [{"member_id": "generator-0-0", "refit_id": "r", "missing": []}]
+            return [CommitReadiness("generator-0-0", "r").to_wire()]
         return [None]
 
     @property
@@ -80,7 +81,7 @@ def generator():
         ),
     )
     app = FastAPI()
-    server.install(app, refitter)
+    routes.install(app, refitter)
     with TestClient(app) as http:
         yield http, engine, refitter
 
@@ -130,7 +131,10 @@ def test_an_install_past_the_deadline_gives_up_and_its_version_never_goes_live(g
 
     assert commit(http, 3, 30, token=refitter.commit_token) == 200  # the next complete refit serves again
     assert http.get("/v1/weight_version").json() == {"version": "3", "serving": True, "updating": False}
-    assert ("resume",) in engine.calls and engine.calls[-1] == ("ws_committed", "r3", "3", True, "")
+    assert ("resume",) in engine.calls and engine.calls[-1] == (
+        "ws_committed",
+        CommitOutcome("r3", "3", ok=True).to_wire(),
+    )
     assert http.get("/v1/install").json()["last"]["version"] == "3"
 
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from generator_svc.request_limits import BadRequestError, RequestLimits, check_request
+from generator_svc.server.request_limits import BadRequestError, RequestLimits, check_request
 from generator_svc.settings import Settings
 from tests.generator.conftest import PROMPTS, Service
 from trainer_svc.tiny import TINY_ARGS

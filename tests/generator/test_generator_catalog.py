@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from generator_svc.catalog import (
+from generator_svc.worker.catalog import (
     TP,
     ExpertsParam,
     QKVParam,
@@ -19,7 +19,7 @@ from generator_svc.catalog import (
     catalog_from_json,
     catalog_to_json,
 )
-from generator_svc.staging import Staging
+from generator_svc.worker.staging import Staging
 from syncd.layout import Box
 
 H, D, E, I, V = 16, 4, 4, 8, 40
@@ -194,7 +194,7 @@ def test_incomplete_staging_names_the_missing_tensor() -> None:
 
 def test_a_parameter_without_layout_rule_is_an_error_naming_it() -> None:
     pytest.importorskip("vllm")
-    from generator_svc.vllm_layout import param_specs
+    from generator_svc.worker.vllm_layout import param_specs
 
     model = torch.nn.Module()
     model.norm = torch.nn.Module()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from generator_svc.catalog import catalog_from_json
+from generator_svc.worker.catalog import catalog_from_json
 from syncd.layout import hf_names
 from tests.generator.conftest import PROMPTS, REPO, engine_env
 

@@ -266,7 +266,7 @@ def test_a_restarted_generator_is_not_ready_until_caught_up(syncd, generator, ch
 
 def test_a_sigterm_to_the_main_process_makes_the_workers_leave_syncd_first(syncd, checkpoints, tmp_path):
     """Kubernetes signals the container's main process only, and vLLM then kills its engine at once:
-    the workers leave syncd before that (`generator_svc.leave_on_shutdown`), so syncd ends their
+    the workers leave syncd before that (`generator_svc.server.leave_on_shutdown`), so syncd ends their
     sessions now, not when their leases (600 s here) run out."""
     _, syncd_http = syncd
     service = Service(checkpoints["A"], tmp_path / "stopped.log", "--syncd", syncd[0], "--replica", "5")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generator_svc.install import copy_into, copy_parameters, params_by_layer
+from generator_svc.worker.install import copy_into, copy_parameters, params_by_layer
 
 
 def test_a_vocab_shard_gets_the_staged_rows_and_zero_padding() -> None:

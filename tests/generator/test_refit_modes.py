@@ -17,11 +17,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from generator_svc import server
-from generator_svc.member import InplaceEndpoint, StagedEndpoint
-from generator_svc.refit import Refitter
+from generator_svc.server import routes
+from generator_svc.server.refit import Refitter
 from generator_svc.settings import RefitMode, Settings
-from generator_svc.staging import Staging, StagingInputError
+from generator_svc.worker.staging import Staging, StagingInputError
+from generator_svc.worker.syncd_member import InplaceEndpoint, StagedEndpoint
+from generator_svc.worker_protocol import CommitOutcome, CommitReadiness, StagedFile
 from syncd.layout import Catalog
 from tests.polling import wait_until
 
@@ -35,9 +36,9 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.answers: dict[str, Callable[..., list[Any]]] = {
-            "ws_status": lambda: [{"member_id": "generator-0-0", "refit_id": "r", "missing": []}],
+            "ws_status": lambda: [CommitReadiness("generator-0-0", "r").to_wire()],
             "ws_release": lambda: [0],
-            "ws_stage_file": lambda path, refit_id: [{"tensors": 3, "skipped": 0}],
+            "ws_stage_file": lambda path, refit_id: [StagedFile("generator-0-0", tensors=3).to_wire()],
         }
         self.failing: set[str] = set()
 
@@ -95,7 +96,7 @@ def _generator(mode: RefitMode, hold_limit_s: float = 300.0) -> Iterator[Generat
     )
     refitter = Refitter(engine, settings)
     app = FastAPI()
-    server.install(app, refitter)
+    routes.install(app, refitter)
     with TestClient(app) as http:
         yield http, engine, refitter
 
@@ -130,7 +131,7 @@ def test_a_hold_lasts_across_requests_until_its_commit(inplace) -> None:
     r = _post(http, refitter, "/internal/commit", refit_id="r2", version=2, timeout_s=30)
     assert r.status_code == 200, r.text
     assert _served(http) == {"version": "2", "serving": True, "updating": False}
-    assert engine.calls[-1] == ("ws_committed", "r2", "2", True, "")
+    assert engine.calls[-1] == ("ws_committed", CommitOutcome("r2", "2", ok=True).to_wire())
     # The hold ended with its commit: a second commit of it holds nothing.
     r = _post(http, refitter, "/internal/commit", refit_id="r2", version=2, timeout_s=30)
     assert r.status_code == 409 and "holds no in-place install" in r.json()["error"]["message"]
@@ -207,7 +208,9 @@ def test_each_mode_refuses_what_only_the_other_does(inplace, staged) -> None:
 
 def test_staging_input_a_worker_rejects_is_409_and_a_failure_is_500(staged) -> None:
     http, engine, _ = staged
-    engine.answers["ws_stage_file"] = lambda path, refit_id: [{"rejected": f"generator-0-0: no {path}"}]
+    engine.answers["ws_stage_file"] = lambda path, refit_id: [
+        StagedFile("generator-0-0", rejected=f"generator-0-0: no {path}").to_wire()
+    ]
     r = http.post("/v1/weights/stage", json={"path": "/nowhere", "refit_id": "m"})
     assert r.status_code == 409 and r.json()["error"]["message"] == "generator-0-0: no /nowhere"
     assert engine.calls[-1] == ("ws_abort", "m"), "rejected staging is dropped"
@@ -227,7 +230,9 @@ def test_a_bug_in_a_route_is_a_500_not_a_409(staged) -> None:
     http, engine, _ = staged
     engine.answers["ws_status"] = lambda: [{"member_id": "generator-0-0"}]  # a malformed answer
     r = http.post("/v1/weights/apply", json={"version": "2"})
-    assert r.status_code == 500 and r.json()["error"]["message"].startswith("KeyError")
+    assert r.status_code == 500 and r.json()["error"]["message"].startswith(
+        "TypeError: expected a CommitReadiness"
+    )
     assert ("pause",) not in engine.calls and _served(http)["serving"] is True
 
 

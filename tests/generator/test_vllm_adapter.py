@@ -110,7 +110,7 @@ def test_the_cpu_moe_fix_patches_once_keeping_the_signature() -> None:
 
 def test_no_other_generator_svc_module_imports_vllm() -> None:
     offenders = []
-    for path in sorted((REPO / "generator_svc").glob("*.py")):
+    for path in sorted((REPO / "generator_svc").rglob("*.py")):
         if path.name == "vllm_adapter.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
@@ -121,7 +121,8 @@ def test_no_other_generator_svc_module_imports_vllm() -> None:
                 if isinstance(node, ast.ImportFrom)
                 else []
             )
-            offenders += [f"{path.name}: {n}" for n in names if n == "vllm" or n.startswith("vllm.")]
+            where = path.relative_to(REPO)
+            offenders += [f"{where}: {n}" for n in names if n == "vllm" or n.startswith("vllm.")]
     assert offenders == []
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from generator_svc.catalog import TP, build_catalog
+from generator_svc.worker.catalog import TP, build_catalog
 from syncd.daemon.service import Daemon
 from syncd.member import join
 from syncd.member.client import MemberClient
@@ -46,7 +46,7 @@ DIMS = ParallelDims(pp=1, ep=2, tp=2)
 
 
 class StagedGenerator(GeneratorEndpoint):
-    """Staging that outlives a refit, as `generator_svc.staging` does: after a commit it holds the
+    """Staging that outlives a refit, as `generator_svc.worker.staging` does: after a commit it holds the
     committed version, which a delta is applied onto; `changed` is what the delta touched."""
 
     def __init__(self, catalog):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from generator_svc.catalog import (
+from generator_svc.worker.catalog import (
     TP,
     ExpertsParam,
     QKVParam,
@@ -55,7 +55,7 @@ ARGS = ModelArgs(
 
 
 def vllm_specs(args: ModelArgs, tp: TP, dtype: str = "bfloat16") -> list:
-    """The parameters of a vLLM Qwen3-MoE rank, as `generator_svc.vllm_layout` reads them off a
+    """The parameters of a vLLM Qwen3-MoE rank, as `generator_svc.worker.vllm_layout` reads them off a
     live model (vocab split evenly: padding is not what this test is about)."""
     H, V, D, E, I = (
         args.hidden_size,

@@ -172,3 +172,27 @@ def test_syncd_and_the_trainer_never_import_vllm(tmp_path: Path) -> None:
         if m.split(".")[0] in ("syncd", "trainer_svc")
     }
     assert reaching and not any(reaching.values()), {m: v for m, v in reaching.items() if v}
+
+
+def test_the_generator_api_server_and_its_workers_never_import_each_other():
+    """`generator_svc.server` runs in the API-server process, `generator_svc.worker` inside vLLM's
+    worker processes; they talk through `collective_rpc` and status files, with the types of
+    `generator_svc.worker_protocol`. Neither reaches the other, nor `generator_svc.attach` (users'
+    engines), which is the one package that uses both."""
+    modules = _modules()
+    graph = {m: _imports(m, p, set(modules)) for m, p in modules.items()}
+
+    def inside(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    rules = {
+        "generator_svc.server": ("generator_svc.worker", "generator_svc.attach"),
+        "generator_svc.worker": ("generator_svc.server", "generator_svc.attach"),
+    }
+    crossings = {
+        m: sorted(r for r in _reachable(graph, m) if any(inside(r, f) for f in forbidden))
+        for package, forbidden in rules.items()
+        for m in graph
+        if inside(m, package)
+    }
+    assert crossings and not any(crossings.values()), {m: v for m, v in crossings.items() if v}

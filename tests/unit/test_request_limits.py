@@ -1,5 +1,6 @@
-"""generator_svc.request_limits (what may reach the engine) and generator_svc.admission (the bounded
-queue), without an engine: table-driven cases and a property over random token ids."""
+"""generator_svc.server.request_limits (what may reach the engine) and
+generator_svc.server.admission (the bounded queue), without an engine: table-driven cases and a
+property over random token ids."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from generator_svc.admission import Admission, OverloadedError
-from generator_svc.request_limits import BadRequestError, RequestLimits, check_request
+from generator_svc.server.admission import Admission, OverloadedError
+from generator_svc.server.request_limits import BadRequestError, RequestLimits, check_request
 
 LIMITS = RequestLimits(vocab_size=256, max_model_len=64, max_logprobs=20, max_n=4, max_prompts=3)
 COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/inference/v1/generate"

@@ -1,4 +1,4 @@
-"""The undo log of in-place delta refits (`generator_svc.undo_log`), without vLLM: a delta applied
+"""The undo log of in-place delta refits (`generator_svc.worker.undo_log`), without vLLM: a delta applied
 through it and rolled back leaves every tensor bit-exact as it was, for sparse and dense units, in
 bfloat16 and float32, and it holds memory in proportion to what changed."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tests.unit.test_delta_dataplane as delta_refits
-from generator_svc.undo_log import UndoClosed, UndoLog
+from generator_svc.worker.undo_log import UndoClosed, UndoLog
 from syncd.member.dataplane.delta import recv_with_deltas
 from tests.unit.test_delta_dataplane import GATE, NORM, UP, Refits
 

@@ -1,5 +1,5 @@
 """Version digests (`syncd.daemon.digests`) and a worker's digest of what staging holds
-(`generator_svc.digest`): they agree after a refit, and a byte changed in staging afterwards is
+(`generator_svc.worker.digest`): they agree after a refit, and a byte changed in staging afterwards is
 named by tensor and region."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from generator_svc.digest import ServedRegions
+from generator_svc.worker.digest import ServedRegions
 from syncd.daemon.digests import Digests, VersionDigest, compare, digest_of
 from syncd.daemon.errors import NotFound
 from syncd.daemon.store import Store
@@ -47,24 +47,24 @@ def test_a_workers_digest_equals_the_senders_until_a_byte_of_staging_changes(dty
     plan, checksums, staging = _refit(dtype)
     recorded = VersionDigest("run-a", 1, digest_of(plan, checksums))
     served = ServedRegions()
-    assert not served.digest(staging, "generator-0-0")["available"]
+    assert not served.digest(staging, "generator-0-0").available
     served.receiving("refit-1", plan.buckets, "generator-0-0")
-    assert not served.digest(staging, "generator-0-0")["available"]  # not applied yet
+    assert not served.digest(staging, "generator-0-0").available  # not applied yet
     served.applied("1")
     mine = served.digest(staging, "generator-0-0")
-    assert mine["available"] and mine["version"] == "1"
-    assert len(mine["checksums"]) == sum(len(b.units) for b in plan.buckets)
-    assert compare(recorded, "generator-0-0", mine["checksums"]) == []
+    assert mine.available and mine.version == "1"
+    assert len(mine.checksums) == sum(len(b.units) for b in plan.buckets)
+    assert compare(recorded, "generator-0-0", mine.checksums) == []
 
     staging["w13_weight"].view(-1)[5] += 1  # outside a refit: no checksum of the data plane sees it
-    (difference,) = compare(recorded, "generator-0-0", served.digest(staging, "generator-0-0")["checksums"])
+    (difference,) = compare(recorded, "generator-0-0", served.digest(staging, "generator-0-0").checksums)
     assert difference.tensor == "m.experts.gate_proj.weight" and difference.region.startswith(
         difference.tensor + "["
     )
     assert difference.expected == recorded.members["generator-0-0"][difference.region] != difference.got
 
     served.receiving("refit-2", plan.buckets, "generator-0-0")
-    assert served.digest(staging, "generator-0-0")["reason"] == (
+    assert served.digest(staging, "generator-0-0").reason == (
         "refit refit-2 wrote staging after the served version was installed"
     )
 

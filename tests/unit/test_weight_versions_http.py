@@ -1,4 +1,4 @@
-"""The weight versions written into completion answers (`generator_svc.versions_http`), with a
+"""The weight versions written into completion answers (`generator_svc.server.versions_http`), with a
 stand-in for vLLM's engine and route (no vLLM here: `tests/generator/test_pause_modes.py` runs the
 real one). What is checked is the middleware's mapping of engine requests to choices, the header,
 the stream's last chunks and the abort's 503."""
@@ -15,9 +15,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from generator_svc import token_versions
-from generator_svc.token_versions import Span, label
-from generator_svc.versions_http import WeightVersionsMiddleware
+from generator_svc.server import token_versions
+from generator_svc.server.token_versions import Span, label
+from generator_svc.server.versions_http import WeightVersionsMiddleware
+from generator_svc.settings import PauseMode
 
 # Per prompt: per choice, the spans the engine reports when it finishes.
 SPANS = {
@@ -68,7 +69,7 @@ def _app(engine: Engine) -> Starlette:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
-    app.add_middleware(WeightVersionsMiddleware, pause_mode="abort", retry_after_s=2)
+    app.add_middleware(WeightVersionsMiddleware, pause_mode=PauseMode.ABORT, retry_after_s=2)
     return app
 
 

@@ -55,7 +55,7 @@ class LinkForward(Protocol):
 
 
 class Undo(Protocol):
-    """Keeps what a delta overwrites, so a failed refit can put it back (`generator_svc.undo_log`)."""
+    """Keeps what a delta overwrites, so a failed refit can put it back (`generator_svc.worker.undo_log`)."""
 
     def save(self, region: torch.Tensor, index: torch.Tensor | None = None) -> None:
         """Called before the delta writes `region` at flat positions `index` (all of it: None)."""

@@ -44,14 +44,16 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from generator_svc.lifecycle import DeadlineExceeded, RefitRefused
-from generator_svc.refit import Refitter
-from generator_svc.versions_http import WeightVersionsMiddleware
-from generator_svc.worker_status import behind_workers, quiet_workers
+from generator_svc.server.refit import Refitter
+from generator_svc.server.update_lifecycle import DeadlineExceeded, RefitRefused
+from generator_svc.server.versions_http import WeightVersionsMiddleware
+from generator_svc.server.worker_status import behind_workers, quiet_workers
+from generator_svc.settings import PauseMode, RefitMode
+from generator_svc.worker_protocol import WorkerDigest
 from syncd.error_body import ErrorBody, error_response
 from syncd.weight_version import WeightVersionJson, version_label
 
-log = logging.getLogger("generator_svc.server")
+log = logging.getLogger("generator_svc.server.routes")
 
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate")
 
@@ -183,11 +185,11 @@ async def weight_version(refitter: RefitterDep) -> WeightVersionOut:
 
 
 class InstallStatus(BaseModel):
-    mode: str = Field(
+    mode: RefitMode = Field(
         description="refit mode: 'staged' (receive beside the live weights, install on commit) or "
         "'inplace' (hold generation, receive into the live layers)"
     )
-    pause_mode: str = Field(description="how a refit meets running requests: 'wait', 'keep' or 'abort'")
+    pause_mode: PauseMode = Field(description="how a refit meets running requests: 'wait', 'keep' or 'abort'")
     last: dict | None = Field(
         description="the last committed install: hold, copy and post-processing seconds, "
         "parameters, bytes, loader fallbacks; null before the first"
@@ -203,8 +205,8 @@ class InstallStatus(BaseModel):
 async def install_status(refitter: RefitterDep) -> InstallStatus:
     last = refitter.last_install
     return InstallStatus(
-        mode=refitter.settings.refit_mode.value,
-        pause_mode=refitter.settings.pause_mode.value,
+        mode=refitter.settings.refit_mode,
+        pause_mode=refitter.settings.pause_mode,
         last=dataclasses.asdict(last) if last else None,
         history=refitter.history.entries(),
     )
@@ -212,7 +214,7 @@ async def install_status(refitter: RefitterDep) -> InstallStatus:
 
 @router.get("/v1/workers")
 async def workers(refitter: RefitterDep) -> list[dict]:
-    return refitter.workers
+    return [dataclasses.asdict(w) for w in refitter.workers]
 
 
 @router.get("/v1/workers/{tp_rank}/catalog", responses={**_INVALID, 404: {"model": ErrorBody}})
@@ -226,14 +228,16 @@ async def worker_catalog(tp_rank: int, refitter: RefitterDep) -> JSONResponse:
 @router.get("/v1/weights/digest")
 async def digest(refitter: RefitterDep) -> list[dict]:
     """Per worker, the checksums of what it holds of the served version, by canonical region
-    (`generator_svc.digest`); `syncctl verify` compares them with syncd's record."""
-    return list(await refitter.engine.collective_rpc("ws_digest"))
+    (`generator_svc.worker.digest`); `syncctl verify` compares them with syncd's record."""
+    digests = WorkerDigest.replies(await refitter.engine.collective_rpc("ws_digest"))
+    return [dataclasses.asdict(d) for d in digests]
 
 
 @router.post("/v1/weights/stage", responses={**_INVALID, **_REFUSED, **_FAILED})
 async def stage(body: StageRequest, refitter: RefitterDep) -> JSONResponse:
     async def staged() -> JSONResponse:
-        return JSONResponse({"workers": await refitter.stage_file(body.path, body.refit_id)})
+        staged_files = await refitter.stage_file(body.path, body.refit_id)
+        return JSONResponse({"workers": [dataclasses.asdict(f) for f in staged_files]})
 
     return await _answer(f"staging {body.path}", staged())
 
@@ -360,6 +364,6 @@ def install(app: FastAPI, refitter: Refitter) -> None:
     app.middleware_stack = None
     settings = refitter.settings
     app.add_middleware(
-        WeightVersionsMiddleware, pause_mode=settings.pause_mode.value, retry_after_s=settings.retry_after_s
+        WeightVersionsMiddleware, pause_mode=settings.pause_mode, retry_after_s=settings.retry_after_s
     )
     app.add_middleware(BaseHTTPMiddleware, dispatch=refuse_when_torn)

@@ -1,4 +1,5 @@
-"""Weight sync for a vLLM engine the user creates: an in-process `LLM`, or a `vllm serve` process.
+"""Weight sync for a vLLM engine the user creates: here an in-process `LLM` (`attach`); a `vllm serve`
+process takes it through `serve_middleware` and `serve_client`.
 
     from vllm import LLM
     from generator_svc import attach
@@ -15,21 +16,21 @@
 What attaching does is what `python -m generator_svc` does at start, on an engine someone else
 built: every worker builds its catalog and registers with syncd as `generator-{replica}-{tp}`
 (`ws_setup` of the worker extension), and the process holding the engine client runs the refit
-lifecycle of `generator_svc.refit` (`Refitter`: verified staging, pause, install by parameter,
+lifecycle of `generator_svc.server.refit` (`Refitter`: verified staging, pause, install by parameter,
 prefix-cache reset, resume, weight version; or the `inplace` mode) when the tp-0 worker relays
-syncd's Commit to it over loopback HTTP (`server.internal_router`, authenticated with a token only
+syncd's Commit to it over loopback HTTP (`server.routes.internal_router`, authenticated with a token only
 the workers got). Where that runs:
 
 - `LLM`: a thread of this process, with an event loop of its own, serves the relay routes on a
-  loopback port and drives the `LLM` through `sync_engine.SyncEngine` (utility calls to the engine
+  loopback port and drives the `LLM` through `offline_engine.OfflineEngineClient` (utility calls to the engine
   core process, the scheduler paused around the install), while the owner generates at will. A
   failed install leaves the scheduler paused (generation waits) until a complete refit: an
   attached `LLM` never generates with torn weights.
 - `vllm serve`: vLLM's own API server process, through the ASGI middleware of
-  `generator_svc.attach_serve` (`--middleware`), which also answers 503 to generation while the
-  weights may be torn. `attach_server` asks it to attach (`POST /weightsync/attach`).
+  `generator_svc.attach.serve_middleware` (`--middleware`), which also answers 503 to generation while the
+  weights may be torn. `attach_server` (`serve_client`) asks it to attach (`POST /weightsync/attach`).
 
-Refusals (`AttachRefused`, before any worker registers): an engine built without the worker
+Refusals (`AttachRefused`, `engine_args`, before any worker registers): an engine built without the worker
 extension (`worker_extension_cls`, or a subclass of it) or the weight-transfer engine
 (`weight_transfer_config`), naming the engine argument and its flag; an `LLM` whose engine core
 runs in the caller's thread (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); a server without the middleware.
@@ -38,111 +39,16 @@ runs in the caller's thread (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); a server witho
 from __future__ import annotations
 
 import asyncio
-import importlib
-import json
 import socket
-import sys
 import threading
 import time
 from typing import Any
 
-import httpx
-
-from generator_svc.refit import Refitter
-from generator_svc.settings import IN_FLIGHT_DEFAULT, WORKER_EXTENSION, PauseMode, RefitMode, Settings
-from generator_svc.transfer_engine import BACKEND
+from generator_svc.attach.engine_args import AttachRefused, make_settings, refuse_unless_attachable
+from generator_svc.server.refit import Refitter
+from generator_svc.settings import Settings
+from generator_svc.worker_protocol import WorkerInfo
 from syncd.net import HTTP_KEEP_ALIVE_S
-
-ENGINE_ARGS: dict[str, Any] = {
-    "worker_extension_cls": WORKER_EXTENSION,
-    "weight_transfer_config": {"backend": BACKEND},
-}
-MIDDLEWARE = "generator_svc.attach_serve.WeightSyncMiddleware"
-SERVE_FLAGS: list[str] = [
-    "--worker-extension-cls",
-    WORKER_EXTENSION,
-    "--weight-transfer-config",
-    json.dumps({"backend": BACKEND}, separators=(",", ":")),  # one shell word
-    "--middleware",
-    MIDDLEWARE,
-]
-ATTACH_ROUTE = "/weightsync/attach"
-
-
-class AttachRefused(ValueError):
-    """The engine lacks what weight sync needs; the message names the engine argument."""
-
-
-def refusals(vllm_config: Any) -> list[str]:
-    """What the engine built from `vllm_config` lacks for weight sync, one line per engine
-    argument (empty: it can be attached)."""
-    from generator_svc.vllm_adapter import weight_transfer_backend_of, worker_extension_of
-
-    problems = []
-    extension = worker_extension_of(vllm_config)
-    if not _is_weight_sync_extension(extension):
-        problems.append(
-            f"worker_extension_cls (--worker-extension-cls) is {extension!r}: weight sync needs "
-            f"{WORKER_EXTENSION!r} or a subclass of it"
-        )
-    backend = weight_transfer_backend_of(vllm_config)
-    if backend != BACKEND:
-        given = "not set" if backend is None else f"backend {backend!r}"
-        problems.append(
-            f"weight_transfer_config (--weight-transfer-config) is {given}: weight sync needs "
-            f"{{'backend': {BACKEND!r}}}"
-        )
-    return problems
-
-
-def _is_weight_sync_extension(qualname: str) -> bool:
-    if qualname == WORKER_EXTENSION:
-        return True
-    module, _, name = qualname.rpartition(".")
-    if not module:
-        return False
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return False
-    from generator_svc.worker import WeightSyncExtension
-
-    return isinstance(cls, type) and issubclass(cls, WeightSyncExtension)
-
-
-def refuse_unless_attachable(vllm_config: Any) -> None:
-    if problems := refusals(vllm_config):
-        raise AttachRefused("cannot attach weight sync to this engine: " + "; ".join(problems))
-
-
-def make_settings(
-    syncd: str,
-    replica: int = 0,
-    *,
-    refit_mode: str = RefitMode.STAGED.value,
-    pause_mode: str = PauseMode.WAIT.value,
-    auth_token: str = "",
-    data_host: str = "127.0.0.1",
-    in_flight_buckets: int | None = None,
-    hold_limit_s: float = 300.0,
-    initial_version: str = "0",
-) -> Settings:
-    """The generator settings of an attached engine (`generator_svc.settings`: the same meaning as
-    `python -m generator_svc`'s flags of these names); raises ValueError naming a bad value."""
-    if not syncd:
-        raise ValueError("syncd must be syncd's gRPC address (host:port), got ''")
-    mode = RefitMode(refit_mode)
-    return Settings(
-        syncd=syncd,
-        replica=replica,
-        refit_mode=mode,
-        initial_version=initial_version,
-        auth_token=auth_token,
-        data_host=data_host,
-        in_flight_buckets=IN_FLIGHT_DEFAULT[mode] if in_flight_buckets is None else in_flight_buckets,
-        pause_mode=PauseMode(pause_mode),
-        hold_limit_s=hold_limit_s,
-    )
 
 
 class AttachedEngine:
@@ -168,7 +74,7 @@ class AttachedEngine:
         return self.refitter.serving
 
     @property
-    def workers(self) -> list[dict]:
+    def workers(self) -> list[WorkerInfo]:
         """Per worker: member id, tp rank, catalog hash, bytes."""
         return self.refitter.workers
 
@@ -194,7 +100,7 @@ def attach(llm: Any, *, syncd: str, replica: int = 0, **options: Any) -> Attache
     """Make `llm` (vLLM's `LLM`, built with `ENGINE_ARGS`) a syncd member as replica `replica`.
     `options`: `make_settings`'s keywords (refit_mode, pause_mode, auth_token, data_host, ...).
     Raises AttachRefused naming a missing engine argument, before anything registers."""
-    from generator_svc.sync_engine import SyncEngine
+    from generator_svc.attach.offline_engine import OfflineEngineClient
     from generator_svc.vllm_adapter import engine_config, is_sync_llm, sync_engine_core
 
     if not is_sync_llm(llm):
@@ -209,14 +115,14 @@ def attach(llm: Any, *, syncd: str, replica: int = 0, **options: Any) -> Attache
             "could not pause it; attach needs vLLM's default engine core process"
         )
     settings = make_settings(syncd, replica, **options)
-    control = _ControlThread(SyncEngine(llm, client), settings)
+    control = _ControlThread(OfflineEngineClient(llm, client), settings)
     control.start()
     return AttachedEngine(llm, control)
 
 
 class _ControlThread:
     """A thread with an event loop: the `Refitter` of an attached `LLM` and the routes its tp-0
-    worker relays syncd's commands to (`server.internal_router`, on 127.0.0.1, a port of its own).
+    worker relays syncd's commands to (`server.routes.internal_router`, on 127.0.0.1, a port of its own).
     `start` returns once every worker registered (or raises what setting them up raised)."""
 
     def __init__(self, engine: Any, settings: Settings) -> None:
@@ -248,7 +154,7 @@ class _ControlThread:
         import uvicorn
         from fastapi import FastAPI
 
-        from generator_svc.server import internal_router
+        from generator_svc.server.routes import internal_router
 
         port = self._sock.getsockname()[1]
         refitter = Refitter(self._engine, self._settings)
@@ -276,41 +182,3 @@ class _ControlThread:
             self.refitter = refitter
             self._ready.set()
         await serving
-
-
-def attach_server(
-    url: str,
-    *,
-    syncd: str,
-    replica: int = 0,
-    api_key: str | None = None,
-    timeout_s: float = 120.0,
-    **options: Any,
-) -> dict:
-    """Attach the `vllm serve` process at `url` (started with `SERVE_FLAGS`) as replica `replica`
-    of syncd `syncd`; `options` as for `attach`; `api_key` where the server has `--api-key`.
-    Returns its answer (`workers`: member ids, tp ranks, catalog hashes). Raises AttachRefused
-    naming what the server lacks."""
-    make_settings(syncd, replica, **options)  # bad values fail here, before the server is asked
-    body = {"syncd": syncd, "replica": replica, **options}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    response = httpx.post(f"{url.rstrip('/')}{ATTACH_ROUTE}", json=body, headers=headers, timeout=timeout_s)
-    if response.status_code == 404:
-        raise AttachRefused(
-            f"{url} has no {ATTACH_ROUTE}: start it with --middleware {MIDDLEWARE} "
-            f"(all of weight sync's flags: {' '.join(SERVE_FLAGS)})"
-        )
-    if response.status_code == 409:
-        raise AttachRefused(response.json()["error"]["message"])
-    response.raise_for_status()
-    return response.json()
-
-
-def main() -> int:
-    """`python -m generator_svc.attach`: print the `vllm serve` flags weight sync needs."""
-    print(" ".join(SERVE_FLAGS))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,8 +4,8 @@ that the supervisor turns into a restart.
 vLLM's own watchdog stops the HTTP server within seconds of the engine core's death, so clients
 and probes see "connection refused" and nothing says why. generator_svc keeps the server up
 instead (`VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`): from the moment vLLM marks the engine dead,
-`/healthz` and `/readyz` answer 503 (`generator_svc.server`, which reads `engine.errored`) and
-generation requests 503 with a body that says so (`generator_svc.edge`); `EngineWatch` sets
+`/healthz` and `/readyz` answer 503 (`generator_svc.server.routes`, which reads `engine.errored`) and
+generation requests 503 with a body that says so (`generator_svc.server.request_guard`); `EngineWatch` sets
 `weightsync_generator_engine_alive` to 0, logs the cause and, `engine_death_exit_s` later (time for
 a scrape and for clients to read the 503), stops the server; `serve` then exits with status 1.
 A shutdown asked for (SIGTERM or SIGINT, on which vLLM's launcher stops the engine, marking it dead
@@ -22,9 +22,9 @@ import os
 import signal
 from typing import Protocol
 
-from generator_svc import metrics
+from generator_svc.server import metrics
 
-log = logging.getLogger("generator_svc.engine_health")
+log = logging.getLogger("generator_svc.server.engine_health")
 KEEP_ALIVE_ENV = "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"
 
 

@@ -3,8 +3,8 @@
 `UpdateLifecycle` owns what the modes share: the engine client, the served version and whether
 generation is allowed, the one-transition-at-a-time lock, the update that missed its deadline, and
 the steps every refit ends with (update, finish, reset the prefix cache, go live, report to syncd).
-The modes (`generator_svc.refit_modes`) decide when those steps run; `generator_svc.refit` picks
-the mode once from the settings.
+The modes (`generator_svc.server.refit_strategies`) decide when those steps run;
+`generator_svc.server.refit` picks the mode once from the settings.
 
 The lock is only ever held inside one request (`exclusive`): one staging write, install, hold
 opening or release at a time. What outlives a request (an in-place hold) is an object of its mode,
@@ -26,13 +26,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from generator_svc import metrics
-from generator_svc.refit_history import RefitHistory, RefitPause
+from generator_svc.server import metrics
+from generator_svc.server.refit_history import RefitHistory, RefitPause
 from generator_svc.settings import PauseMode, Settings
 from generator_svc.vllm_adapter import WeightTransferUpdateRequest, pause_scheduler
+from generator_svc.worker_protocol import CommitOutcome, WorkerInstall
 from syncd.weight_version import version_of_label
 
-log = logging.getLogger("generator_svc.refit")
+log = logging.getLogger("generator_svc.server.refit")
 
 
 class RefitRefused(ValueError):
@@ -70,7 +71,7 @@ class LastInstall:
     fallback_params: list[str]
     extra_bytes: int = 0
     bucket_bytes: int = 0
-    pause_mode: str = "wait"
+    pause_mode: PauseMode = PauseMode.WAIT
     install_seconds: float = 0.0  # of hold_seconds, the engine paused (see RefitPause)
 
 
@@ -146,7 +147,7 @@ class UpdateLifecycle:
         self.history.add(
             RefitPause(
                 version,
-                self.settings.pause_mode.value,
+                self.settings.pause_mode,
                 pause_s=round(resumed - self._held_since, 6),
                 install_s=round(install, 6),
                 pause_call_s=round(self._pause_call_s, 6),
@@ -186,12 +187,14 @@ class UpdateLifecycle:
     async def report(self, refit_id: str, version: str, *, ok: bool, error: str = "") -> None:
         """Tell every worker the outcome of the Commit of `refit_id` (they report it to syncd)."""
         if refit_id:
-            await self.engine.collective_rpc("ws_committed", args=(refit_id, version, ok, error))
+            outcome = CommitOutcome(refit_id, version, ok, error)
+            await self.engine.collective_rpc("ws_committed", args=(outcome.to_wire(),))
 
     async def _record_install(self, version: str, held_s: float, install_s: float) -> None:
         """Keep what the workers' install did (`GET /v1/install`), count loader fallbacks."""
-        reports = [r for r in await self.engine.collective_rpc("ws_last_install") if r]
-        fallback = [p for r in reports for p in r["fallback_params"]]
+        replies = await self.engine.collective_rpc("ws_last_install")
+        reports = WorkerInstall.replies(r for r in replies if r is not None)
+        fallback = [p for r in reports for p in r.fallback_params]
         if fallback:
             metrics.INSTALL_FALLBACK_PARAMS.inc(len(fallback))
             log.warning(
@@ -203,14 +206,14 @@ class UpdateLifecycle:
         self.last_install = LastInstall(
             version=version,
             hold_seconds=round(held_s, 6),
-            copy_seconds=round(max((r["copy_s"] for r in reports), default=0.0), 6),
-            process_seconds=round(max((r["process_s"] for r in reports), default=0.0), 6),
-            params_copied=sum(r["params_copied"] for r in reports),
-            bytes_copied=sum(r["bytes_copied"] for r in reports),
+            copy_seconds=round(max((r.copy_s for r in reports), default=0.0), 6),
+            process_seconds=round(max((r.process_s for r in reports), default=0.0), 6),
+            params_copied=sum(r.params_copied for r in reports),
+            bytes_copied=sum(r.bytes_copied for r in reports),
             fallback_params=fallback,
-            extra_bytes=max((r["receive_buffer_bytes"] + r["peak_open_bytes"] for r in reports), default=0),
-            bucket_bytes=max((r["bucket_bytes"] for r in reports), default=0),
-            pause_mode=self.settings.pause_mode.value,
+            extra_bytes=max((r.receive_buffer_bytes + r.peak_open_bytes for r in reports), default=0),
+            bucket_bytes=max((r.bucket_bytes for r in reports), default=0),
+            pause_mode=self.settings.pause_mode,
             install_seconds=round(install_s, 6),
         )
 

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from generator_svc import metrics
-from generator_svc.admission import Admission, OverloadedError
-from generator_svc.engine_health import EngineClient, EngineWatch
-from generator_svc.request_limits import BadRequestError, RequestLimits, check_request
+from generator_svc.server import metrics
+from generator_svc.server.admission import Admission, OverloadedError
+from generator_svc.server.engine_health import EngineClient, EngineWatch
+from generator_svc.server.request_limits import BadRequestError, RequestLimits, check_request
 from syncd.error_body import error_response
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from generator_svc.settings import Settings
 
-log = logging.getLogger("generator_svc.edge")
+log = logging.getLogger("generator_svc.server.request_guard")
 # vLLM's routes that submit requests to the engine (/invocations is SageMaker's alias of
 # completions and chat).
 TEXT_PATHS = frozenset(

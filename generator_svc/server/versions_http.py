@@ -21,15 +21,16 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from generator_svc.token_versions import RESPONSE, ResponseVersions, Span, label
+from generator_svc.server.token_versions import RESPONSE, ResponseVersions, Span, label
+from generator_svc.settings import PauseMode
 from syncd.error_body import error_body, error_response
 
 VERSIONED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 HEADER = "x-weight-version"
 
 
-def aborted_message(pause_mode: str) -> str:
-    if pause_mode == "abort":
+def aborted_message(pause_mode: PauseMode) -> str:
+    if pause_mode is PauseMode.ABORT:
         return (
             "generation was aborted by a weight refit (this generator runs --pause-mode abort); "
             "retry the request"
@@ -38,7 +39,7 @@ def aborted_message(pause_mode: str) -> str:
 
 
 class WeightVersionsMiddleware:
-    def __init__(self, app: ASGIApp, pause_mode: str, retry_after_s: int) -> None:
+    def __init__(self, app: ASGIApp, pause_mode: PauseMode, retry_after_s: int) -> None:
         self.app = app
         self.pause_mode = pause_mode
         self.retry_after_s = retry_after_s

@@ -3,7 +3,7 @@
 Registered with vLLM's `WeightTransferEngineFactory` as `syncd_staging` when the worker extension is
 imported (inside every worker, before the model loads). It drives vLLM's own lifecycle, so vLLM's
 post-processing runs exactly as for a checkpoint load, without the trip through its loaders; what
-differs by refit mode is the worker's `UpdateTarget` (`generator_svc.worker_modes`):
+differs by refit mode is the worker's `UpdateTarget` (`generator_svc.worker.worker_modes`):
 
     start_weight_update   -> target.before_reload (staged: staging is complete);
                              initialize_layerwise_reload (parameters back to checkpoint format, meta);
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from generator_svc.install import InstallReport
+from generator_svc.settings import TRANSFER_BACKEND
 from generator_svc.vllm_adapter import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -38,8 +38,7 @@ from generator_svc.vllm_adapter import (
     initialize_layerwise_reload,
     register_weight_transfer_engine,
 )
-
-BACKEND = "syncd_staging"
+from generator_svc.worker.install import InstallReport
 
 
 @dataclass
@@ -100,4 +99,4 @@ class StagingTransferEngine(WeightTransferEngine[StagingInitInfo, StagingUpdateI
 
 
 def register() -> None:
-    register_weight_transfer_engine(BACKEND, StagingTransferEngine)
+    register_weight_transfer_engine(TRANSFER_BACKEND, StagingTransferEngine)

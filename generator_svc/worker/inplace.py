@@ -28,7 +28,7 @@ the changed elements (`syncd.member.dataplane.delta`) to the tensors `delta_targ
 hold the committed version in checkpoint format: a plain layer's live kernel tensors, and for a
 processed layer the checkpoint-format copy this receiver kept when the layer was last installed
 (`bases`: vLLM CPU repacks linear and MoE weights, so their live tensors cannot take checkpoint
-bytes). Every write first saves what it overwrites into an undo log (`generator_svc.undo_log`).
+bytes). Every write first saves what it overwrites into an undo log (`generator_svc.worker.undo_log`).
 Nothing is post-processed while bytes arrive; at the commit (`install_delta`) each processed
 layer the delta changed is post-processed once from its copy, every other layer keeps its kernel
 tensors. A delta refit that fails before its commit (a sender lost mid-transfer, a whole-region
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from generator_svc.install import (
+from generator_svc.worker.install import (
     InstallReport,
     close_plain,
     close_processed,
@@ -56,14 +56,14 @@ from generator_svc.install import (
     plain_targets,
     uncovered_tensors,
 )
-from generator_svc.staging import covered_elements
-from generator_svc.undo_log import UndoLog
+from generator_svc.worker.staging import covered_elements
+from generator_svc.worker.undo_log import UndoLog
 from syncd.commands import checksum_key
 from syncd.layout import Catalog
 from syncd.member.dataplane.checksum import Checksums
 from syncd.plan import Bucket, landing_order
 
-log = logging.getLogger("generator_svc.inplace")
+log = logging.getLogger("generator_svc.worker.inplace")
 
 # How long a rollback waits for the transfer that writes under the undo log to end (its peers'
 # abort closes the groups, so it ends within moments; past this, the weights count as torn).

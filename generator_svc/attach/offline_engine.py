@@ -1,8 +1,8 @@
 """vLLM's offline `LLM` seen as the async engine client that generator_svc's refit lifecycle drives.
 
-`generator_svc.lifecycle.UpdateLifecycle` (pause, install by parameter, prefix-cache reset,
+`generator_svc.server.update_lifecycle.UpdateLifecycle` (pause, install by parameter, prefix-cache reset,
 resume, weight version) awaits an `AsyncLLM`'s methods. An `LLM` has the same methods, blocking;
-`SyncEngine` runs each in a thread of the lifecycle's event loop, so that one lifecycle drives
+`OfflineEngineClient` runs each in a thread of the lifecycle's event loop, so that one lifecycle drives
 both (`generator_svc.attach`).
 
 Why this is safe while the `LLM`'s owner generates in its own thread: every call here is a
@@ -39,7 +39,7 @@ class _EngineCore:
         await asyncio.to_thread(resume_scheduler_sync, self._client)
 
 
-class SyncEngine:
+class OfflineEngineClient:
     """An `LLM` (whose engine core runs in its own process, `client`) with `AsyncLLM`'s methods."""
 
     def __init__(self, llm: Any, client: Any) -> None:

@@ -31,9 +31,9 @@ from typing import Protocol
 import httpx
 import torch
 
-from generator_svc.digest import ServedRegions
-from generator_svc.inplace import InplaceReceiver
-from generator_svc.staging import Staging
+from generator_svc.worker.digest import ServedRegions
+from generator_svc.worker.inplace import InplaceReceiver
+from generator_svc.worker.staging import Staging
 from syncd.layout import Catalog
 from syncd.member import join
 from syncd.member.agent import Endpoint, MemberAgent
@@ -42,7 +42,7 @@ from syncd.plan.types import Bucket
 from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion, version_label
 
-log = logging.getLogger("generator_svc.member")
+log = logging.getLogger("generator_svc.worker.syncd_member")
 
 
 def _answer_margin_s(timeout_s: float) -> float:
@@ -152,7 +152,7 @@ class StagedEndpoint(_CommitRelay):
 
 
 class InplaceEndpoint(_CommitRelay):
-    """`inplace` mode (`generator_svc.inplace`): before receiving, tp rank 0 asks the API server to
+    """`inplace` mode (`generator_svc.worker.inplace`): before receiving, tp rank 0 asks the API server to
     hold generation and open the install on every worker (`/internal/hold`); each worker receives
     into its `InplaceReceiver`; Abort releases the hold (`/internal/release`: 503 until a complete
     refit when layers were already installed)."""

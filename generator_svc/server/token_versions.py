@@ -11,7 +11,7 @@ them for generator_svc:
   requests that spanned each refit), and to the `ResponseVersions` of the HTTP response being
   built, when there is one;
 - `ResponseVersions` is what one HTTP response collects, by choice index; the middleware of
-  `generator_svc.versions_http` creates it (a context variable: vLLM's route handler runs inside
+  `generator_svc.server.versions_http` creates it (a context variable: vLLM's route handler runs inside
   the middleware's context) and writes it into the response.
 """
 

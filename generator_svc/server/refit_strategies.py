@@ -15,7 +15,7 @@ A refit that fails before step 3 never touches the engine. If step 3 itself fail
 restore real tensors (`ws_recover`) but the weights may be torn: the generator refuses generation
 (HTTP 503) until the next complete refit succeeds.
 
-`InplaceRefit` (`--refit-mode inplace`, `generator_svc.inplace`): steps 2 and the start of 3 come
+`InplaceRefit` (`--refit-mode inplace`, `generator_svc.worker.inplace`): steps 2 and the start of 3 come
 before the transfer. `hold(refit_id)` pauses generation and opens the install on every worker,
 and keeps a `Hold`; the data plane writes the bytes into the live layers; `apply` ends the
 lifecycle (update, finish, reset, resume). `release` ends a hold without a commit (Abort, the
@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from generator_svc import metrics
-from generator_svc.lifecycle import (
+from generator_svc.server import metrics
+from generator_svc.server.update_lifecycle import (
     DeadlineExceeded,
     RefitRefused,
     StagingRejected,
@@ -41,8 +41,9 @@ from generator_svc.lifecycle import (
     UpdateLifecycle,
 )
 from generator_svc.settings import RefitMode
+from generator_svc.worker_protocol import CommitReadiness, StagedFile
 
-log = logging.getLogger("generator_svc.refit")
+log = logging.getLogger("generator_svc.server.refit")
 
 
 class RefitStrategy(Protocol):
@@ -57,7 +58,7 @@ class RefitStrategy(Protocol):
         """Generation is held for a transfer (an update is under way between requests)."""
         ...
 
-    async def stage_file(self, path: str, refit_id: str) -> list[dict]: ...
+    async def stage_file(self, path: str, refit_id: str) -> list[StagedFile]: ...
 
     async def abort(self, refit_id: str) -> None: ...
 
@@ -78,18 +79,20 @@ class StagedRefit:
     def holding(self) -> bool:
         return False
 
-    async def stage_file(self, path: str, refit_id: str) -> list[dict]:
+    async def stage_file(self, path: str, refit_id: str) -> list[StagedFile]:
         """Stage a safetensors checkpoint on every worker (serving goes on). A worker that rejects
-        the file (`{"rejected": why}`) makes it StagingRejected; staging is dropped either way."""
+        the file (`StagedFile.rejected`) makes it StagingRejected; staging is dropped either way."""
         engine = self._life.engine
         async with self._life.exclusive():  # never rewrite staging while an apply reads it
             try:
-                results = await engine.collective_rpc("ws_stage_file", args=(path, refit_id))
+                results = StagedFile.replies(
+                    await engine.collective_rpc("ws_stage_file", args=(path, refit_id))
+                )
             except Exception:
                 await engine.collective_rpc("ws_abort", args=(refit_id,))
                 metrics.REFITS.labels("refused").inc()
                 raise
-            rejected = [r["rejected"] for r in results if "rejected" in r]
+            rejected = [r.rejected for r in results if r.rejected]
             if rejected:
                 await engine.collective_rpc("ws_abort", args=(refit_id,))
                 metrics.REFITS.labels("refused").inc()
@@ -128,12 +131,8 @@ class StagedRefit:
 
     async def _install(self, version: str, deadline: float | None) -> None:
         life = self._life
-        status = await life.engine.collective_rpc("ws_status")
-        problems = [
-            f"{w['member_id']}: " + (", ".join(w["missing"]) if w["refit_id"] else "nothing staged")
-            for w in status
-            if w["missing"] or not w["refit_id"]
-        ]
+        status = CommitReadiness.replies(await life.engine.collective_rpc("ws_status"))
+        problems = [problem for w in status if (problem := w.problem())]
         if problems:
             raise RefitRefused(f"version {version} is not completely staged: {'; '.join(problems)}")
         if deadline is not None and time.monotonic() >= deadline:
@@ -189,7 +188,7 @@ class InplaceRefit:
     def holding(self) -> bool:
         return self._hold is not None
 
-    async def stage_file(self, path: str, refit_id: str) -> list[dict]:
+    async def stage_file(self, path: str, refit_id: str) -> list[StagedFile]:
         metrics.REFITS.labels("refused").inc()
         raise RefitRefused("this generator runs --refit-mode inplace: it has no staging to load a file into")
 

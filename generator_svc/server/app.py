@@ -6,7 +6,7 @@ import asyncio
 import logging
 from argparse import Namespace
 
-from generator_svc.refit import Refitter
+from generator_svc.server.refit import Refitter
 from generator_svc.settings import Settings
 from syncd.net import HTTP_KEEP_ALIVE_S
 
@@ -15,10 +15,10 @@ log = logging.getLogger("generator_svc")
 
 async def serve(settings: Settings, args: Namespace) -> int:
     """Start the engine, set up weight sync on every worker, then serve HTTP until shutdown.
-    Returns the exit status: 1 when the engine died (generator_svc.engine_health), else 0."""
-    from generator_svc import edge, server, token_versions
-    from generator_svc.engine_health import keep_http_up_after_engine_death
-    from generator_svc.leave_on_shutdown import leave_syncd_before_shutdown
+    Returns the exit status: 1 when the engine died (generator_svc.server.engine_health), else 0."""
+    from generator_svc.server import request_guard, routes, token_versions
+    from generator_svc.server.engine_health import keep_http_up_after_engine_death
+    from generator_svc.server.leave_on_shutdown import leave_syncd_before_shutdown
     from generator_svc.vllm_adapter import (
         build_app,
         build_async_engine_client,
@@ -34,13 +34,13 @@ async def serve(settings: Settings, args: Namespace) -> int:
             refitter = Refitter(engine, settings)
             token_versions.track(engine, refitter.history.finished)
             workers = await refitter.setup(internal_url=f"http://127.0.0.1:{args.port}/internal")
-            log.info("weight sync ready on %d worker(s): %s", len(workers), [w["member_id"] for w in workers])
-            if settings.syncd:  # before `edge.install`, whose engine watch must see a shutdown first
+            log.info("weight sync ready on %d worker(s): %s", len(workers), [w.member_id for w in workers])
+            if settings.syncd:  # before `request_guard.install`, whose engine watch must see a shutdown first
                 leave_syncd_before_shutdown(engine, asyncio.get_running_loop())
             tasks = await engine.get_supported_tasks()
             app = build_app(args, tasks, engine.model_config)
-            server.install(app, refitter)  # before init_app_state: the middleware stack freezes there
-            watch = edge.install(app, engine, engine.model_config, settings)
+            routes.install(app, refitter)  # before init_app_state: the middleware stack freezes there
+            watch = request_guard.install(app, engine, engine.model_config, settings)
             keep_http_up_after_engine_death()
             watch_task = asyncio.create_task(watch.run())
             await init_app_state(engine, app.state, args, tasks)

@@ -7,7 +7,7 @@ tensors or loop bounds (max_tokens, n, top_k) and non-finite floats (a NaN tempe
 sampler) are as dangerous. So every token id a request carries is an integer in `[0, vocab)`, the
 prompt plus `max_tokens` fits the model length, counts are bounded by the generator's settings and
 every number is finite and within int64; anything else is a `BadRequestError` naming the field and the
-value, answered 400 by `generator_svc.edge`.
+value, answered 400 by `generator_svc.server.request_guard`.
 
 Pure: `check_request(path, body, limits)` raises `BadRequestError` or returns; no I/O, no vLLM import.
 What is not checked here (types of other fields, option combinations) vLLM's own request models

@@ -3,7 +3,7 @@
 A `ParamSpec` describes one vLLM parameter in checkpoint format (the layout vLLM's weight loaders
 write, before any kernel repacking): its name, shape, dtype and how it is sharded over tensor
 parallelism. `build_catalog(specs)` turns the specs into a syncd `Catalog` with the layout language.
-Nothing here imports vLLM; `generator_svc.vllm_layout` reads the specs off a live model.
+Nothing here imports vLLM; `generator_svc.worker.vllm_layout` reads the specs off a live model.
 
 Shape legend: `H` hidden, `I` MoE intermediate, `E` experts, `V` vocab, `D` head dim.
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from generator_svc import metrics
-from generator_svc.token_versions import Span
+from generator_svc.server import metrics
+from generator_svc.server.token_versions import Span
+from generator_svc.settings import PauseMode
 
 
 @dataclass
@@ -20,7 +21,7 @@ class RefitPause:
     they finish, so it grows after the install)."""
 
     version: str
-    pause_mode: str
+    pause_mode: PauseMode
     pause_s: float
     install_s: float
     pause_call_s: float

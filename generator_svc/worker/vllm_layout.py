@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from generator_svc.catalog import (
+from generator_svc.worker.catalog import (
     TP,
     ExpertsParam,
     MergedParam,

@@ -1,9 +1,9 @@
 """Staging: the receive buffers of one worker, and the feed from them into vLLM's loaders.
 
 Lifecycle per refit: `begin(refit_id)` -> the data plane (or `fill_from_safetensors`) writes boxes
-with `write` -> `missing()` / `checksums()` for verification -> `generator_svc.install` copies `buffers` into
-vLLM's parameters inside the update lifecycle (`hf_weights()` feeds vLLM's `load_weights` only for
-layers the install cannot do by copies) -> `begin` of the next refit.
+with `write` -> `missing()` / `checksums()` for verification -> `generator_svc.worker.install`
+copies `buffers` into vLLM's parameters inside the update lifecycle (`hf_weights()` feeds vLLM's
+`load_weights` only for layers the install cannot do by copies) -> `begin` of the next refit.
 
 One buffer per local tensor of the worker's catalog, shaped `LocalTensor.shape`, allocated once and
 reused: staged mode costs one extra copy of this worker's shard of the model, never the full model.

@@ -19,10 +19,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from generator_svc.worker_protocol import WorkerDigest
 from syncd.commands import checksum_key
 from syncd.layout import Box
 from syncd.member.dataplane.checksum import Checksums
@@ -68,18 +68,12 @@ class ServedRegions:
             if self._receiving:
                 self._served, self._receiving = (version, self._receiving), ()
 
-    def digest(self, buffers: Mapping[str, torch.Tensor], member_id: str) -> dict[str, Any]:
-        """{member_id, version, available, reason, checksums}: region key -> checksum of staging."""
+    def digest(self, buffers: Mapping[str, torch.Tensor], member_id: str) -> WorkerDigest:
+        """The checksums of staging by region key, when it holds the served version whole."""
         with self._lock:
             served, why_not = self._served, self._why_not
         if served is None:
-            return {
-                "member_id": member_id,
-                "version": "",
-                "available": False,
-                "reason": why_not,
-                "checksums": {},
-            }
+            return WorkerDigest(member_id, version="", available=False, reason=why_not)
         version, regions = served
         sums = Checksums()
         for r in regions:
@@ -87,17 +81,5 @@ class ServedRegions:
         checksums = sums.result()
         with self._lock:  # a refit that began meanwhile may have written what was read
             if self._served is not served:
-                return {
-                    "member_id": member_id,
-                    "version": "",
-                    "available": False,
-                    "reason": self._why_not,
-                    "checksums": {},
-                }
-        return {
-            "member_id": member_id,
-            "version": version,
-            "available": True,
-            "reason": "",
-            "checksums": checksums,
-        }
+                return WorkerDigest(member_id, version="", available=False, reason=self._why_not)
+        return WorkerDigest(member_id, version=version, available=True, reason="", checksums=checksums)

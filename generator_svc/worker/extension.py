@@ -1,19 +1,20 @@
 """The vLLM worker extension (`worker_extension_cls`): mixed into every vLLM worker.
 
 Methods are called from the API-server process with `collective_rpc("ws_...")`, which runs them on
-every worker and carries only plain data (no tensors). What runs where:
+every worker and carries only plain data (no tensors): the messages of
+`generator_svc.worker_protocol`, in their wire form. What runs where:
 
-- API server (generator_svc.refit): the update lifecycle (`pause_generation`, `start_weight_update`,
+- API server (generator_svc.server.refit): the update lifecycle (`pause_generation`, `start_weight_update`,
   `update_weights`, `finish_weight_update`, `reset_prefix_cache`, `resume_generation`), because it
   must be entered by all TP workers together and generation must be held meanwhile.
 - worker, via collective_rpc: `ws_setup` (catalog, this worker's refit mode object from
-  `generator_svc.worker_modes`, syncd registration), `ws_stage_file`, `ws_status`, `ws_hold` and
+  `generator_svc.worker.worker_modes`, syncd registration), `ws_stage_file`, `ws_status`, `ws_hold` and
   `ws_release` (inplace), `ws_abort`, `ws_recover`, `ws_committed`, `ws_last_install`, which hand
   whatever depends on the refit mode to that object. (Test aids that run in the worker live in
   `tests/generator/worker_aids.py`.)
 - worker, on the syncd member's handler thread: the data plane writing received buckets into
-  staging (`generator_svc.member`), concurrently with serving: staging is separate memory; or, in
-  inplace mode, into the live layers while generation is held (`generator_svc.inplace`).
+  staging (`generator_svc.worker.syncd_member`), concurrently with serving: staging is separate memory; or, in
+  inplace mode, into the live layers while generation is held (`generator_svc.worker.inplace`).
 """
 
 from __future__ import annotations
@@ -21,24 +22,34 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from multiprocessing import util as mp_util
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from generator_svc import transfer_engine
-from generator_svc.catalog import build_catalog, catalog_to_json
-from generator_svc.settings import RefitMode
-from generator_svc.staging import StagingInputError
+from generator_svc.settings import TRANSFER_BACKEND
 from generator_svc.vllm_adapter import (
     abandon_weight_update,
     apply_cpu_moe_fix,
     tensor_parallel_position,
     worker_model,
 )
-from generator_svc.vllm_layout import allocated_shapes, param_specs
-from generator_svc.worker_modes import worker_mode
-from generator_svc.worker_status import StatusPublisher, WorkerStatus
+from generator_svc.worker import transfer_engine
+from generator_svc.worker.catalog import build_catalog, catalog_to_json
+from generator_svc.worker.staging import StagingInputError
+from generator_svc.worker.status_publisher import StatusPublisher
+from generator_svc.worker.vllm_layout import allocated_shapes, param_specs
+from generator_svc.worker.worker_modes import worker_mode
+from generator_svc.worker_protocol import (
+    CommitOutcome,
+    CommitReadiness,
+    StagedFile,
+    WorkerInfo,
+    WorkerInstall,
+    WorkerSetup,
+    WorkerStatus,
+)
 
 log = logging.getLogger("generator_svc.worker")
 # multiprocessing runs finalizers of higher exit priority first: leaving syncd comes early, while
@@ -72,25 +83,14 @@ class WeightSyncExtension:
     def _ws_tp(self) -> tuple[int, int]:
         return tensor_parallel_position()
 
-    def ws_setup(
-        self,
-        replica: int,
-        syncd: str = "",
-        auth_token: str = "",
-        internal_url: str = "",
-        commit_token: str = "",
-        data_host: str = "127.0.0.1",
-        in_flight: int = 2,
-        status_dir: str = "",
-        refit_mode: str = "staged",
-        hold_limit_s: float = 300.0,
-        keep_delta_base: bool = False,
-    ) -> dict[str, Any]:
+    def ws_setup(self, setup: WorkerSetup | Mapping[str, Any]) -> dict[str, Any]:
         """Build this worker's catalog and its refit mode's object (`worker_modes`: staging in
-        staged mode); register with syncd when `syncd` is set, and publish this worker's status
-        into `status_dir` when set (`worker_status`). Raises ValueError naming any parameter the
+        staged mode); register with syncd when `setup.syncd` is set, and publish this worker's
+        status into `setup.status_dir` when set (`status_publisher`). Returns a `WorkerInfo`'s
+        wire form (`generator_svc.worker_protocol`). Raises ValueError naming any parameter the
         catalog cannot cover, RuntimeError when this worker is a syncd member already (an engine
         attached twice)."""
+        setup = WorkerSetup.from_wire(setup)
         if (member := getattr(self, "_ws_member", None)) is not None:
             raise RuntimeError(
                 f"this worker is already syncd member {member.client.member_id} (ws_close first)"
@@ -101,44 +101,44 @@ class WeightSyncExtension:
         catalog = build_catalog(param_specs(model), expected_shapes=shapes)
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, transfer_engine.StagingTransferEngine):
-            raise RuntimeError(f"weight_transfer_config.backend must be {transfer_engine.BACKEND!r}")
+            raise RuntimeError(f"weight_transfer_config.backend must be {TRANSFER_BACKEND!r}")
         self._ws_catalog = catalog
-        self._ws_member_id = f"generator-{replica}-{tp_rank}"
+        self._ws_member_id = f"generator-{setup.replica}-{tp_rank}"
         self._ws_mode = worker_mode(
-            RefitMode(refit_mode),
+            setup.refit_mode,
             catalog=catalog,
             device=self.device,
             member_id=self._ws_member_id,
-            relay=internal_url if tp_rank == 0 else "",
-            token=commit_token,
-            hold_limit_s=hold_limit_s,
-            in_flight=in_flight,
-            keep_delta_base=keep_delta_base,
+            relay=setup.internal_url if tp_rank == 0 else "",
+            token=setup.commit_token,
+            hold_limit_s=setup.hold_limit_s,
+            in_flight=setup.in_flight,
+            keep_delta_base=setup.keep_delta_base,
         )
         engine.target = self._ws_mode
         self._ws_member = None
-        if syncd:
-            from generator_svc.member import start_member
+        if setup.syncd:
+            from generator_svc.worker.syncd_member import start_member
 
             self._ws_member = start_member(
-                syncd,
+                setup.syncd,
                 member_id=self._ws_member_id,
-                coords={"replica": replica, "tp": tp_rank},
+                coords={"replica": setup.replica, "tp": tp_rank},
                 catalog=catalog,
                 device=self.device,
                 endpoint=self._ws_mode.endpoint,
-                auth_token=auth_token or None,
-                data_host=data_host,
-                in_flight=in_flight,
+                auth_token=setup.auth_token or None,
+                data_host=setup.data_host,
+                in_flight=setup.in_flight,
             )
             # A worker that vLLM stops gracefully (a signal to the whole process group, a drain)
-            # leaves syncd on its way out (`generator_svc.leave_on_shutdown` covers the rest).
+            # leaves syncd on its way out (`generator_svc.server.leave_on_shutdown` covers the rest).
             # vLLM's workers are multiprocessing children: they run multiprocessing's finalizers,
             # not `atexit`, as they exit. `ws_close` is idempotent.
             mp_util.Finalize(None, self.ws_close, exitpriority=_LEAVE_AT_EXIT)
-        if status_dir:
+        if setup.status_dir:
             self._ws_status_publisher = StatusPublisher(
-                status_dir, self._ws_member_id, self._ws_worker_status
+                setup.status_dir, self._ws_member_id, self._ws_worker_status
             )
         log.info(
             "%s: catalog %s, %d tensors, %d bytes",
@@ -147,15 +147,15 @@ class WeightSyncExtension:
             len(catalog.tensors),
             catalog.nbytes,
         )
-        return {
-            "member_id": self._ws_member_id,
-            "pid": os.getpid(),
-            "tp_rank": tp_rank,
-            "tp_size": tp_size,
-            "catalog_hash": catalog.content_hash,
-            "nbytes": catalog.nbytes,
-            "shapes_checked": sum(t.name in shapes for t in catalog.tensors),
-        }
+        return WorkerInfo(
+            member_id=self._ws_member_id,
+            pid=os.getpid(),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            catalog_hash=catalog.content_hash,
+            nbytes=catalog.nbytes,
+            shapes_checked=sum(t.name in shapes for t in catalog.tensors),
+        ).to_wire()
 
     def _ws_worker_status(self) -> WorkerStatus:
         # The member's client knows the version of this worker's last confirmed Commit (None after
@@ -180,18 +180,19 @@ class WeightSyncExtension:
     def ws_stage_file(self, path: str, refit_id: str) -> dict[str, Any]:
         """Stage this worker's boxes of a safetensors checkpoint (the data plane's stand-in for
         operators and tests). Starts refit `refit_id`: earlier staged bytes no longer count.
-        Returns {"tensors", "skipped"}, or {"rejected": why} when the input is not a checkpoint
-        of this catalog (exceptions cross collective_rpc as text, so the API server could not
-        tell bad input from a bug)."""
+        Returns a `StagedFile`'s wire form, `rejected` saying why when the input is not a
+        checkpoint of this catalog."""
         try:
-            return self._ws_mode.stage_file(path, refit_id)
+            counts = self._ws_mode.stage_file(path, refit_id)
         except StagingInputError as e:
-            return {"rejected": f"{self._ws_member_id}: {e}"}
+            return StagedFile(self._ws_member_id, rejected=f"{self._ws_member_id}: {e}").to_wire()
+        return StagedFile(self._ws_member_id, tensors=counts["tensors"], skipped=counts["skipped"]).to_wire()
 
     def ws_status(self) -> dict[str, Any]:
-        """What is ready to commit: staging (staged) or the open in-place install (inplace)."""
+        """What is ready to commit (a `CommitReadiness`'s wire form): staging (staged) or the open
+        in-place install (inplace)."""
         refit_id, missing = self._ws_mode.status()
-        return {"member_id": self._ws_member_id, "refit_id": refit_id, "missing": missing}
+        return CommitReadiness(self._ws_member_id, refit_id, tuple(missing)).to_wire()
 
     def ws_hold(self, refit_id: str) -> None:
         """inplace: generation is held and this worker's install is open (start_weight_update made
@@ -214,15 +215,17 @@ class WeightSyncExtension:
         self._ws_mode.recover()
         abandon_weight_update(self)
 
-    def ws_committed(self, refit_id: str, version: str, ok: bool, error: str = "") -> None:
+    def ws_committed(self, outcome: CommitOutcome | Mapping[str, Any]) -> None:
         """Tell syncd this worker's outcome of a Commit (the API server applied it)."""
-        if self._ws_member is not None and refit_id:
-            self._ws_mode.endpoint.applied(version, ok, error)
-        self._ws_mode.committed(ok)
+        outcome = CommitOutcome.from_wire(outcome)
+        if self._ws_member is not None and outcome.refit_id:
+            self._ws_mode.endpoint.applied(outcome.version, outcome.ok, outcome.error)
+        self._ws_mode.committed(outcome.ok)
 
     def ws_digest(self) -> dict[str, Any]:
-        """This worker's digest of the version it serves (`generator_svc.digest`)."""
-        return self._ws_mode.digest(self._ws_member_id)
+        """This worker's digest of the version it serves (a `WorkerDigest`'s wire form,
+        `generator_svc.worker.digest`)."""
+        return self._ws_mode.digest(self._ws_member_id).to_wire()
 
     def ws_close(self) -> None:
         """Leave syncd and stop publishing this worker's status (an attached engine detached,
@@ -234,7 +237,8 @@ class WeightSyncExtension:
         if publisher is not None:
             publisher.stop()
 
-    def ws_last_install(self) -> dict[str, Any]:
-        """What the last install did on this worker (`InstallReport`), {} before the first."""
+    def ws_last_install(self) -> dict[str, Any] | None:
+        """What the last install did on this worker (a `WorkerInstall`'s wire form), None before
+        the first."""
         report = self.weight_transfer_engine.last_install
-        return report.as_dict() if report is not None else {}
+        return WorkerInstall(**report.as_dict()).to_wire() if report is not None else None

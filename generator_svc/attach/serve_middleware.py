@@ -3,7 +3,7 @@
     python -m vllm.entrypoints.openai.api_server --model M ... \\
         --worker-extension-cls generator_svc.worker.WeightSyncExtension \\
         --weight-transfer-config '{"backend":"syncd_staging"}' \\
-        --middleware generator_svc.attach_serve.WeightSyncMiddleware
+        --middleware generator_svc.attach.WeightSyncMiddleware
 
 vLLM builds its API server as usual; the middleware sits in front of it, in the same process, and
 takes a few paths for itself:
@@ -13,18 +13,19 @@ takes a few paths for itself:
                              register every worker with syncd (`Refitter.setup`); 409 when attached
     GET  /weightsync/status  {attached, version, serving, updating, workers}
     POST /internal/commit|hold|release   the tp-0 worker's relays of syncd's commands
-                             (`server.internal_router`, with the worker token): the refit lifecycle
-                             of `generator_svc.refit`, on vLLM's own engine client
+                             (`server.routes.internal_router`, with the worker token): the refit lifecycle
+                             of `generator_svc.server.refit`, on vLLM's own engine client
 
-and, once attached, answers 503 to generation while the weights may be torn (`server.torn_refusal`).
+and, once attached, answers 503 to generation while the weights may be torn (`server.routes.torn_refusal`).
 A server started with `--api-key` (or `VLLM_API_KEY`) guards `/weightsync/` with the same keys: vLLM
 adds its own check inside the middlewares it registers first, so this one, outside it, checks too.
-Everything else goes to vLLM unchanged. `generator_svc.attach.attach_server` is the client.
+Everything else goes to vLLM unchanged. `generator_svc.attach.attach_server` (`serve_client`) is the client.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import secrets
@@ -34,9 +35,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from generator_svc.attach import ATTACH_ROUTE, make_settings, refusals
-from generator_svc.refit import Refitter
-from generator_svc.server import internal_router, torn_refusal
+from generator_svc.attach.engine_args import ATTACH_ROUTE, make_settings, refusals
+from generator_svc.server.refit import Refitter
+from generator_svc.server.routes import internal_router, torn_refusal
 from generator_svc.settings import PauseMode, RefitMode
 from syncd.error_body import error_response
 
@@ -96,7 +97,7 @@ def _control_app() -> FastAPI:
             port = request.scope["server"][1]
             workers = await refitter.setup(internal_url=f"http://127.0.0.1:{port}/internal")
             state.refitter = refitter
-        return JSONResponse({"workers": workers})
+        return JSONResponse({"workers": [dataclasses.asdict(w) for w in workers]})
 
     @app.get("/weightsync/status")
     async def status(request: Request) -> JSONResponse:
@@ -110,7 +111,7 @@ def _control_app() -> FastAPI:
                 "version": s.version,
                 "serving": s.serving,
                 "updating": s.updating,
-                "workers": refitter.workers,
+                "workers": [dataclasses.asdict(w) for w in refitter.workers],
             }
         )
 

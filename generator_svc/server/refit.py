@@ -1,8 +1,8 @@
 """The refits of one generator, as the API server's routes see them: `Refitter`.
 
 `Refitter.apply(version)` is the only way weights change while serving. What a refit does depends
-on `--refit-mode`, chosen once at start: `generator_svc.refit_modes` has one strategy per mode
-(`StagedRefit`, `InplaceRefit`, their steps and failure rules); `generator_svc.lifecycle` the
+on `--refit-mode`, chosen once at start: `generator_svc.server.refit_strategies` has one strategy per mode
+(`StagedRefit`, `InplaceRefit`, their steps and failure rules); `generator_svc.server.update_lifecycle` the
 engine steps and served state they share. The Refitter sets the workers up, times and counts what
 the routes ask, and tells the routes what is served.
 """
@@ -14,11 +14,17 @@ import tempfile
 import time
 from typing import Any
 
-from generator_svc import metrics
-from generator_svc.lifecycle import LastInstall, ServingState, UpdateLifecycle, set_version_metric
-from generator_svc.refit_history import RefitHistory
-from generator_svc.refit_modes import RefitStrategy, strategy_for
+from generator_svc.server import metrics
+from generator_svc.server.refit_history import RefitHistory
+from generator_svc.server.refit_strategies import RefitStrategy, strategy_for
+from generator_svc.server.update_lifecycle import (
+    LastInstall,
+    ServingState,
+    UpdateLifecycle,
+    set_version_metric,
+)
 from generator_svc.settings import Settings
+from generator_svc.worker_protocol import StagedFile, WorkerInfo, WorkerSetup
 
 
 class Refitter:
@@ -30,8 +36,8 @@ class Refitter:
         # Authenticates the workers' commit requests (`/internal/commit`); handed to them only
         # through collective_rpc, never over the network.
         self.commit_token = secrets.token_urlsafe(32)
-        self.workers: list[dict] = []
-        # Where the workers publish their status (`worker_status`), read by /healthz and /readyz.
+        self.workers: list[WorkerInfo] = []
+        # Where the workers publish their status (`worker_protocol.WorkerStatus`), read by the probes.
         self.status_dir = tempfile.mkdtemp(prefix="generator-workers-")
 
     @property
@@ -54,38 +60,38 @@ class Refitter:
     def state(self) -> ServingState:
         return ServingState(self.version, self.serving, self._life.busy or self._mode.holding)
 
-    async def setup(self, internal_url: str) -> list[dict]:
+    async def setup(self, internal_url: str) -> list[WorkerInfo]:
         """Catalog, staging (staged mode) and syncd registration on every worker; tp rank 0 relays
         syncd's commands to `internal_url` (`/commit`, and in inplace mode `/hold`, `/release`)."""
-        self.workers = await self.engine.collective_rpc(
-            "ws_setup",
-            kwargs={
-                "replica": self.settings.replica,
-                "syncd": self.settings.syncd,
-                "auth_token": self.settings.auth_token,
-                "internal_url": internal_url,
-                "refit_mode": self.settings.refit_mode.value,
-                "hold_limit_s": self.settings.hold_limit_s,
-                "keep_delta_base": self.settings.inplace_delta_base,
-                "commit_token": self.commit_token,
-                "data_host": self.settings.data_host,
-                "in_flight": self.settings.in_flight_buckets,
-                "status_dir": self.status_dir,
-            },
+        setup = WorkerSetup(
+            replica=self.settings.replica,
+            syncd=self.settings.syncd,
+            auth_token=self.settings.auth_token,
+            internal_url=internal_url,
+            commit_token=self.commit_token,
+            data_host=self.settings.data_host,
+            in_flight=self.settings.in_flight_buckets,
+            status_dir=self.status_dir,
+            refit_mode=self.settings.refit_mode,
+            hold_limit_s=self.settings.hold_limit_s,
+            keep_delta_base=self.settings.inplace_delta_base,
+        )
+        self.workers = WorkerInfo.replies(
+            await self.engine.collective_rpc("ws_setup", args=(setup.to_wire(),))
         )
         await self.engine.update_weight_version(self.version)
-        metrics.CATALOG_BYTES.set(sum(w["nbytes"] for w in self.workers))
+        metrics.CATALOG_BYTES.set(sum(w.nbytes for w in self.workers))
         metrics.SERVING.set(1)
         set_version_metric(self.version)
         return self.workers
 
-    async def stage_file(self, path: str, refit_id: str) -> list[dict]:
+    async def stage_file(self, path: str, refit_id: str) -> list[StagedFile]:
         """Stage a safetensors checkpoint on every worker (staging only; serving goes on). Raises
         StagingRejected when a worker rejects the file, RefitRefused in a mode without staging."""
         start = time.perf_counter()
         out = await self._mode.stage_file(path, refit_id)
         metrics.STAGE_SECONDS.observe(time.perf_counter() - start)
-        metrics.STAGED_BYTES.inc(sum(w["nbytes"] for w in self.workers))
+        metrics.STAGED_BYTES.inc(sum(w.nbytes for w in self.workers))
         return out
 
     async def abort(self, refit_id: str = "") -> None:
@@ -95,7 +101,7 @@ class Refitter:
     async def apply(self, version: str, refit_id: str = "", timeout_s: float | None = None) -> ServingState:
         """Make `version` live, within `timeout_s` when given (syncd's commit deadline, less a
         margin). Raises RefitRefused (engine untouched), DeadlineExceeded (generation refused from
-        then on, see `generator_svc.lifecycle`) or the lifecycle's error."""
+        then on, see `generator_svc.server.update_lifecycle`) or the lifecycle's error."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         await self._mode.apply(version, refit_id, deadline)
         return self.state

@@ -35,13 +35,13 @@ import torch
 
 from syncd.layout import owning_layer
 
-log = logging.getLogger("generator_svc.install")
+log = logging.getLogger("generator_svc.worker.install")
 
 
 @dataclass
 class InstallReport:
     """What one install did and how long each part took (seconds, summed over layers). The memory
-    fields are the in-place install's (`generator_svc.inplace`): its receive buffers, the largest
+    fields are the in-place install's (`generator_svc.worker.inplace`): its receive buffers, the largest
     bucket, and the peak of the checkpoint tensors of layers being received."""
 
     params_copied: int = 0
@@ -163,7 +163,7 @@ def _install_processed(layer, info, path: str, buffers, report: InstallReport) -
     close_processed(layer, info, report)
 
 
-# The per-layer steps, shared with the in-place receive (`generator_svc.inplace`), which writes the
+# The per-layer steps, shared with the in-place receive (`generator_svc.worker.inplace`), which writes the
 # arriving bytes between a layer's open and close instead of copying from staging.
 
 

@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any
 
-log = logging.getLogger("generator_svc.leave_on_shutdown")
+log = logging.getLogger("generator_svc.server.leave_on_shutdown")
 # The Leave RPC's own bound (`syncd.member.client`) plus the member's threads winding down.
 WORKERS_LEAVE_TIMEOUT_S = 10.0
 _POLL_S = 0.1

@@ -2,12 +2,12 @@
 
 The worker extension (`generator_svc.worker`) makes one at `ws_setup`, from `--refit-mode`, and
 hands every mode-dependent `collective_rpc` call to it; the weight-transfer engine
-(`generator_svc.transfer_engine`) calls it inside vLLM's update lifecycle (`UpdateTarget`); the
-syncd member receives through its `endpoint` (`generator_svc.member`).
+(`generator_svc.worker.transfer_engine`) calls it inside vLLM's update lifecycle (`UpdateTarget`); the
+syncd member receives through its `endpoint` (`generator_svc.worker.syncd_member`).
 
 - `StagedWorker` owns this worker's staging (one buffer per local tensor, where the weights live,
   so the data plane writes with that device's transport and the install copies device to device).
-  The install copies staging into the parameters by parameter (`generator_svc.install`).
+  The install copies staging into the parameters by parameter (`generator_svc.worker.install`).
 - `InplaceWorker` owns no second copy of the weights (the point of the mode): between the start of
   the lifecycle and its end it keeps the `InplaceReceiver` the data plane writes into.
 """
@@ -18,11 +18,12 @@ from typing import Any, Protocol
 
 import torch
 
-from generator_svc import install
-from generator_svc.inplace import InplaceReceiver
-from generator_svc.member import GeneratorEndpoint, InplaceEndpoint, StagedEndpoint
 from generator_svc.settings import RefitMode
-from generator_svc.staging import Staging, StagingInputError
+from generator_svc.worker import install
+from generator_svc.worker.inplace import InplaceReceiver
+from generator_svc.worker.staging import Staging, StagingInputError
+from generator_svc.worker.syncd_member import GeneratorEndpoint, InplaceEndpoint, StagedEndpoint
+from generator_svc.worker_protocol import WorkerDigest
 from syncd.layout import Catalog
 
 
@@ -31,7 +32,7 @@ class WorkerMode(Protocol):
 
     @property
     def endpoint(self) -> GeneratorEndpoint:
-        """What the syncd member receives through (`generator_svc.member`)."""
+        """What the syncd member receives through (`generator_svc.worker.syncd_member`)."""
         ...
 
     def stage_file(self, path: str, refit_id: str) -> dict[str, int]:
@@ -56,8 +57,8 @@ class WorkerMode(Protocol):
 
     def committed(self, ok: bool) -> None: ...
 
-    def digest(self, member_id: str) -> dict[str, Any]:
-        """The digest of the served version (`generator_svc.digest`)."""
+    def digest(self, member_id: str) -> WorkerDigest:
+        """The digest of the served version (`generator_svc.worker.digest`)."""
         ...
 
     # The weight-transfer engine's side (`transfer_engine.UpdateTarget`).
@@ -85,8 +86,8 @@ class StagedWorker:
         self.endpoint.served.overwritten(f"a checkpoint file was staged (refit {refit_id}), not by syncd")
         return self.staging.fill_from_safetensors(path)
 
-    def digest(self, member_id: str) -> dict[str, Any]:
-        """What staging holds of the served version (`generator_svc.digest`)."""
+    def digest(self, member_id: str) -> WorkerDigest:
+        """What staging holds of the served version (`generator_svc.worker.digest`)."""
         return self.endpoint.served.digest(self.staging.buffers, member_id)
 
     def status(self) -> tuple[str | None, list[str]]:
@@ -117,7 +118,7 @@ class StagedWorker:
         """Everything to install is in staging already."""
 
     def install(self, model: torch.nn.Module, version: str) -> install.InstallReport:
-        """Install staging into the parameters by copies (`generator_svc.install`); only layers the
+        """Install staging into the parameters by copies (`generator_svc.worker.install`); only layers the
         catalog cannot cover completely go through vLLM's loaders (logged, reported)."""
         report = install.install_into_model(model, self.staging.buffers, self.staging.changed)
         if report.fallback_params:
@@ -150,7 +151,7 @@ class InplaceWorker:
         self.endpoint = InplaceEndpoint(member_id, relay, token, hold_limit_s, in_flight)
         self.receiver: InplaceReceiver | None = None  # from the lifecycle's start to its end
         # `--inplace-delta-base`: checkpoint-format copies of the processed layers, by catalog
-        # tensor, that deltas apply to (`generator_svc.inplace`); None: no delta refits.
+        # tensor, that deltas apply to (`generator_svc.worker.inplace`); None: no delta refits.
         self.bases: dict[str, torch.Tensor] | None = {} if keep_delta_base else None
 
     def stage_file(self, path: str, refit_id: str) -> dict[str, int]:
@@ -165,13 +166,13 @@ class InplaceWorker:
     def drop_staged(self, refit_id: str) -> None:
         """Nothing is staged in this mode."""
 
-    def digest(self, member_id: str) -> dict[str, Any]:
+    def digest(self, member_id: str) -> WorkerDigest:
         """Unavailable: the bytes were written into the layers and post-processed in place."""
         reason = (
             "--refit-mode inplace keeps no copy in checkpoint format: the layers were "
             "post-processed in place (each was verified where it landed, before that)"
         )
-        return {"member_id": member_id, "version": "", "available": False, "reason": reason, "checksums": {}}
+        return WorkerDigest(member_id, version="", available=False, reason=reason)
 
     def hold(self, refit_id: str) -> None:
         """Generation is held and this worker's install is open (`after_reload` made the
