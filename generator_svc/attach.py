@@ -51,6 +51,7 @@ import httpx
 from generator_svc.refit import Refitter
 from generator_svc.settings import IN_FLIGHT_DEFAULT, WORKER_EXTENSION, PauseMode, RefitMode, Settings
 from generator_svc.transfer_engine import BACKEND
+from syncd.auth import resolve_token
 from syncd.net import HTTP_KEEP_ALIVE_S
 
 ENGINE_ARGS: dict[str, Any] = {
@@ -122,13 +123,16 @@ def make_settings(
     refit_mode: str = RefitMode.STAGED.value,
     pause_mode: str = PauseMode.WAIT.value,
     auth_token: str = "",
+    auth_token_file: str = "",
     data_host: str = "127.0.0.1",
     in_flight_buckets: int | None = None,
     hold_limit_s: float = 300.0,
     initial_version: str = "0",
 ) -> Settings:
     """The generator settings of an attached engine (`generator_svc.settings`: the same meaning as
-    `python -m generator_svc`'s flags of these names); raises ValueError naming a bad value."""
+    `python -m generator_svc`'s flags of these names; without `auth_token` or `auth_token_file`,
+    the token comes from SYNCD_AUTH_TOKEN_FILE or SYNCD_AUTH_TOKEN, `syncd.auth`); raises
+    ValueError naming a bad value."""
     if not syncd:
         raise ValueError("syncd must be syncd's gRPC address (host:port), got ''")
     mode = RefitMode(refit_mode)
@@ -137,7 +141,7 @@ def make_settings(
         replica=replica,
         refit_mode=mode,
         initial_version=initial_version,
-        auth_token=auth_token,
+        auth_token=resolve_token(auth_token, auth_token_file) or "",
         data_host=data_host,
         in_flight_buckets=IN_FLIGHT_DEFAULT[mode] if in_flight_buckets is None else in_flight_buckets,
         pause_mode=PauseMode(pause_mode),
