@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from bench.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
+from syncd.auth import resolve_token
 from syncd.member import join
 from syncd.member.client import MemberClient
 from syncd.plan.simulate import convert
@@ -237,6 +238,7 @@ def main() -> None:
         coords=coords,
         catalog=endpoint.catalog,
         data_host=args.host,
+        auth_token=resolve_token(),  # SYNCD_AUTH_TOKEN_FILE or SYNCD_AUTH_TOKEN, as every member
         weight_version=0 if args.role == "generator" else None,
     )
     stop = threading.Event()
