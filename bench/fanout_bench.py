@@ -125,8 +125,10 @@ def measure(lab: Lab, args, replicas: int, workdir: Path, steps: Steps) -> list[
         old.unlink()
     for old in workdir.glob(f"syncd-{replicas}.db*"):  # a fresh syncd: no history, no versions
         old.unlink()
+    token = lab.cluster.make_token(workdir)  # syncd serves the lab's network: every process gets it
     procs = _members(lab, args, replicas, workdir, steps)
-    http = httpx.Client(base_url=f"http://{lab.address('syncd')}:{HTTP_PORT}", timeout=30)
+    headers = {"Authorization": f"Bearer {token}"}
+    http = httpx.Client(base_url=f"http://{lab.address('syncd')}:{HTTP_PORT}", timeout=30, headers=headers)
     try:
         _wait(http, procs, lambda: http.get("/readyz").status_code == 200, "syncd not ready", 300)
         plan = http.get("/v1/plan").json()

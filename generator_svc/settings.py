@@ -23,7 +23,9 @@ Our flags sit on top of vLLM's own server flags (every `vllm serve` flag works, 
                           (`--delta-refits --delta-inplace`) and a failed delta is rolled back
     --initial-version V   version label of the checkpoint the engine starts on (default "0"); a label
                           only: the workers tell syncd they serve no trainer version until a Commit
-    --auth-token          bearer token for syncd (env GENERATOR_AUTH_TOKEN)
+    --auth-token-file F   file holding syncd's bearer token (env SYNCD_AUTH_TOKEN_FILE)
+    --auth-token T        syncd's bearer token, shown on the command line (env SYNCD_AUTH_TOKEN);
+                          give one of the two (`syncd.auth`)
     --data-host           address peers reach this host's data plane on (env GENERATOR_DATA_HOST)
     --in-flight-buckets   receive buffers per stage of the data plane (default: 2 staged, 1 inplace,
                           whose extra memory is these buffers plus the layers being received)
@@ -49,9 +51,10 @@ import os
 from dataclasses import dataclass
 from enum import StrEnum
 
+from syncd.auth import TokenError, resolve_token
+
 ENV_SYNCD = "GENERATOR_SYNCD"
 ENV_REPLICA = "GENERATOR_REPLICA"
-ENV_AUTH_TOKEN = "GENERATOR_AUTH_TOKEN"
 ENV_DATA_HOST = "GENERATOR_DATA_HOST"
 
 # The two engine arguments weight sync needs, by name: the worker extension vLLM mixes into every
@@ -144,7 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--refit-mode", default=RefitMode.STAGED.value, choices=[m.value for m in RefitMode])
     group.add_argument("--pause-mode", default=PauseMode.WAIT.value, choices=[m.value for m in PauseMode])
     group.add_argument("--initial-version", default="0")
-    group.add_argument("--auth-token", default=os.environ.get(ENV_AUTH_TOKEN, ""))
+    group.add_argument("--auth-token", default=None)
+    group.add_argument("--auth-token-file", default=None)
     group.add_argument("--data-host", default=os.environ.get(ENV_DATA_HOST, "127.0.0.1"))
     group.add_argument("--in-flight-buckets", type=int, default=None)
     group.add_argument("--hold-limit-s", type=float, default=300.0)
@@ -177,12 +181,16 @@ def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     args.worker_extension_cls = WORKER_EXTENSION
     args.weight_transfer_config = {"backend": TRANSFER_BACKEND}
     validate_parsed_serve_args(args)
+    try:
+        auth_token = resolve_token(args.auth_token, args.auth_token_file) or ""
+    except TokenError as e:
+        parser.error(str(e))
     settings = Settings(
         syncd=args.syncd,
         replica=args.replica,
         refit_mode=RefitMode(args.refit_mode),
         initial_version=args.initial_version,
-        auth_token=args.auth_token,
+        auth_token=auth_token,
         data_host=args.data_host,
         in_flight_buckets=(
             IN_FLIGHT_DEFAULT[RefitMode(args.refit_mode)]

@@ -2,7 +2,7 @@
 
     syncctl --url http://syncd:8470 status
     syncctl members | plan [--json] | history | abort refit-3
-    syncctl --token T refit --wait          # exit 0 only when the refit COMMITTED
+    syncctl --token-file F refit --wait     # exit 0 only when the refit COMMITTED (or --token T)
     syncctl verify --generator http://gen-0:8000   # exit 0 only when it holds what was sent
 
 Tables by default, `--json` for scripts. Exit codes: 0 success, 1 syncd refused the request or the
@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from syncd.auth import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, resolve_token
 from syncd.error_body import error_message
 from syncd.refit_wait import wait_final
 from syncd.states import TERMINAL
@@ -257,10 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("SYNCCTL_URL", "http://127.0.0.1:8470"),
         help="syncd HTTP URL (env SYNCCTL_URL)",
     )
+    parser.add_argument("--token", default=None, help=f"bearer token for mutating calls (env {ENV_TOKEN})")
     parser.add_argument(
-        "--token",
-        default=os.environ.get("SYNCD_AUTH_TOKEN"),
-        help="bearer token for mutating calls (env SYNCD_AUTH_TOKEN)",
+        "--token-file", default=None, help=f"file holding the bearer token (env {ENV_TOKEN_FILE})"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("status", parents=[common], help="state, readiness and versions")
@@ -304,7 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.json = getattr(args, "json", False)
-    api = Api(args.url.rstrip("/"), args.token)
+    try:
+        token = resolve_token(args.token, args.token_file)
+    except TokenError as e:
+        print(f"syncctl: {e}", file=sys.stderr)
+        return 2
+    api = Api(args.url.rstrip("/"), token)
     try:
         result, text = args.run(api, args)
     except CliError as e:

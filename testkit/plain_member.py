@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from syncd.auth import resolve_token
 from syncd.member import join
 from syncd.member.client import MemberClient
 from syncd.plan.simulate import convert
@@ -238,6 +239,7 @@ def main() -> None:
         coords=coords,
         catalog=endpoint.catalog,
         data_host=args.host,
+        auth_token=resolve_token(),  # SYNCD_AUTH_TOKEN_FILE or SYNCD_AUTH_TOKEN, as every member
         weight_version=WeightVersion(0) if args.role == "generator" else None,
     )
     stop = threading.Event()

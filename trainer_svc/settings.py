@@ -6,13 +6,13 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from syncd.auth import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, resolve_token
 from syncd.plan.fp8_blocks import BLOCK
 from trainer_svc.config import FP8_EXPORT, FP8_UNQUANTIZED_DTYPE
 from trainer_svc.parallel_dims import ParallelDims
 
-# The environment variables trainer_svc reads: torchrun's, and the syncd token (kept off argv).
+# The environment variables trainer_svc reads: torchrun's (and syncd's token: `syncd.auth`).
 ENV_RANK, ENV_WORLD_SIZE, ENV_LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
-ENV_AUTH_TOKEN = "TRAINER_AUTH_TOKEN"
 # The training precisions (`trainer_svc.precision`: bfloat16 computes with float32 masters) and
 # the exported checkpoint's dtypes (the casts a refit makes, and blockwise FP8).
 TRAIN_DTYPES = ("float32", "bfloat16")
@@ -144,9 +144,14 @@ class TrainSettings:
         )
         p.add_argument("--syncd", help="syncd gRPC address host:port (omit to train standalone)")
         p.add_argument(
+            "--auth-token-file",
+            default=None,
+            help=f"file holding syncd's bearer token (default: ${ENV_TOKEN_FILE}); or --auth-token",
+        )
+        p.add_argument(
             "--auth-token",
-            default=os.environ.get(ENV_AUTH_TOKEN) or None,
-            help=f"syncd bearer token (default: ${ENV_AUTH_TOKEN})",
+            default=None,
+            help=f"syncd's bearer token, shown on the command line (default: ${ENV_TOKEN})",
         )
         p.add_argument(
             "--sync-refit",
@@ -163,8 +168,12 @@ class TrainSettings:
         p.add_argument("--data-host", default="127.0.0.1", help="this host's address for data-plane groups")
         p.add_argument("--device", default="auto", choices=("cpu", "cuda", "auto"))
         p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
-        ns = p.parse_args(argv)
-        return TrainSettings(**vars(ns))
+        ns = vars(p.parse_args(argv))
+        try:
+            ns["auth_token"] = resolve_token(ns["auth_token"], ns.pop("auth_token_file"))
+        except TokenError as e:
+            p.error(str(e))
+        return TrainSettings(**ns)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """A lab of hosts on one machine: one network namespace per host, one bridge, shaped links.
 
     with Lab(["trainer", "syncd", "gen0", "gen1"], rate_gbit=1.0) as lab:
+        token = lab.cluster.make_token(workdir)  # syncd on a lab address needs one; all get its file
         proc = lab.spawn("syncd", [sys.executable, "-m", "syncd", "--host", lab.address("syncd")])
         lab.link_down("gen1"); lab.link_up("gen1"); lab.set_rate("gen0", 0.1)
         sent = lab.tx_bytes("trainer")

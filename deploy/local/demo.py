@@ -33,7 +33,8 @@ summary then gives per refit `pause_s` (how long the generator held requests), `
 which the engine was paused for the install) and `spanning_requests` (requests with tokens from
 before and after it), and overall `load_requests`, `failed_requests` and
 `responses_without_versions` (answers whose tokens do not say which weight version produced them).
-Every process it starts, it stops (and the lab, its namespaces).
+Every process it starts, it stops (and the lab, its namespaces). syncd requires a token this
+driver makes for the run, in a temporary file (mode 0600) every process is handed by its path.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -134,8 +136,9 @@ def policy_kl(generator: Generator, export_dir: Path, seed: int) -> float:
 
 
 class Syncd:
-    def __init__(self, url: str) -> None:
-        self.http = httpx.Client(base_url=url, timeout=30)
+    def __init__(self, url: str, token: str) -> None:
+        headers = {"Authorization": f"Bearer {token}"}
+        self.http = httpx.Client(base_url=url, timeout=30, headers=headers)
 
     def wait_announced(self, version: WeightVersion, timeout_s: float, trainer) -> None:
         deadline = time.monotonic() + timeout_s
@@ -169,7 +172,7 @@ def trainer_loss(log_text: str, step: int) -> float:
 
 
 def start_services(
-    cluster: Cluster, work: Path, layout: dict, args, where: Placement
+    cluster: Cluster, work: Path, layout: dict, args, where: Placement, token: str
 ) -> tuple[Syncd, list[Generator], Proc]:
     from trainer_svc.tiny import make_tiny_checkpoint
 
@@ -272,7 +275,7 @@ def start_services(
     )
     prompts = vocabulary_prompts(model, args.seed)
     apis = [Generator(url, prompts) for _, url in generators]
-    return Syncd(f"http://{syncd_address}:{http_port}"), apis, trainer
+    return Syncd(f"http://{syncd_address}:{http_port}", token), apis, trainer
 
 
 def start_generator(
@@ -337,7 +340,9 @@ def run(args) -> dict:
             )
             log.info("lab up: %s", ", ".join(f"{h} {lab.address(h)}" for h in hosts_of))
         cluster = stack.enter_context(Cluster(work / "logs"))
-        syncd, generators, trainer = start_services(cluster, work, layout, args, Placement(lab))
+        # syncd's token for this run (a lab's syncd serves its network), in a file removed on exit.
+        token = cluster.make_token(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="demo-"))))
+        syncd, generators, trainer = start_services(cluster, work, layout, args, Placement(lab), token)
         print(
             f"{'step':>4} {'loss':>9} {'refit':>9} {'mode':>5} {'changed':>8} {'seconds':>8} {'install':>8} "
             f"{'MB':>7} {'MB/s':>8} {'checksums':>9} {'KL before':>10} {'KL after':>10}"

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from syncd.auth import ENV_TOKEN_FILE, write_token_file
+
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,6 +101,16 @@ class Cluster:
         proc = Proc(name, popen, log)
         self.procs.append(proc)
         return proc
+
+    def make_token(self, directory: Path) -> str:
+        """A fresh syncd token in `directory`/auth-token (mode 0600), handed to every process this
+        cluster starts from now on as SYNCD_AUTH_TOKEN_FILE: its path, never the token, so it
+        shows on no command line. Returns the token, for this process's own calls to syncd."""
+        path = directory / "auth-token"
+        path.unlink(missing_ok=True)
+        token = write_token_file(path)
+        self.env[ENV_TOKEN_FILE] = str(path)
+        return token
 
     def wait_http(
         self,

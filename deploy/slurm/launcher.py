@@ -3,7 +3,11 @@
     python -m deploy.slurm.launcher --model-dir /data/ckpt --generator-nodes 1 \
         --trainer-nproc-per-node 8 --generator-tp 8 --trainer-args "--pp 2 --ep 4 --steps 100"
 
-Runs on the batch node (deploy/slurm/weightsync.sbatch calls it). Processes for this node start
+Runs on the batch node (deploy/slurm/weightsync.sbatch calls it). It makes the job's token (256
+random bits) in WORKDIR/auth-token, readable by the job's user alone, and hands every process
+its path (SYNCD_AUTH_TOKEN_FILE): the token shows on no command line and in no environment;
+`syncctl --token-file WORKDIR/auth-token` triggers refits. WORKDIR must be on a filesystem every
+node of the allocation sees, as the model is. Processes for this node start
 directly; those for other nodes through `srun --overlap` (one task per node). Waits for syncd,
 then each generator, to answer /healthz, starts the trainer, waits for syncd's /readyz (or the
 trainer's success, for a job shorter than a poll), then for the trainer to finish. On
@@ -30,8 +34,10 @@ import httpx
 
 from deploy.local.processes import PYTHON, Cluster, Proc
 from deploy.slurm.plan import Allocation, Launch, Options, assign, launches
+from syncd.auth import write_token_file
 
 log = logging.getLogger("slurm-launcher")
+TOKEN_FILE = "auth-token"  # in the workdir
 
 
 def command(launch: Launch, this_node: str) -> list[str]:
@@ -89,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def options(args: argparse.Namespace, workdir: Path) -> Options:
     return Options(
         model_dir=args.model_dir,
+        auth_token_file=str(workdir / TOKEN_FILE),
         syncd_db=str(workdir / "syncd.db"),
         trainer_nproc_per_node=args.trainer_nproc_per_node,
         generator_tp=args.generator_tp,
@@ -217,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         alloc = Allocation.from_env(os.environ, socket.gethostname())
         workdir = Path(args.workdir or f"weightsync-{alloc.job_id}").resolve()
         workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / TOKEN_FILE).unlink(missing_ok=True)  # a rerun in this workdir gets a fresh token
+        write_token_file(workdir / TOKEN_FILE)
         return run(args, alloc, workdir)
     except (ValueError, TimeoutError, RuntimeError) as e:
         log.error("%s", e)

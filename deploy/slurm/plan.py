@@ -6,7 +6,9 @@ allocation (SLURM's environment) and the launcher's options, so they are tested 
                 generator 0
 
 syncd is a small CPU process and shares the first node with the first generator. A one-node
-allocation runs everything on that node (a demo, or the test on a workstation).
+allocation runs everything on that node (a demo, or the test on a workstation). syncd serves
+every interface of its node, so every process gets the job's token file (`auth_token_file`,
+SYNCD_AUTH_TOKEN_FILE in its environment): its path, never the token, is what they are handed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from syncd.auth import ENV_TOKEN_FILE
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -78,6 +82,7 @@ class Options:
     """What the launcher was asked for (its command line), minus where things run."""
 
     model_dir: str
+    auth_token_file: str  # the job's token (the launcher writes it), on a filesystem every node sees
     syncd_db: str = "syncd.db"
     trainer_nproc_per_node: int = 1
     generator_tp: int = 1
@@ -119,6 +124,7 @@ class Launch:
 def launches(layout: Layout, opts: Options, job_id: str, python: str = "python") -> list[Launch]:
     """syncd, then one launch per generator node, then the trainer (one torchrun per node)."""
     syncd_addr = f"{layout.syncd}:{opts.syncd_grpc_port}"
+    token = {ENV_TOKEN_FILE: opts.auth_token_file}
     syncd = Launch(
         "syncd",
         (layout.syncd,),
@@ -126,6 +132,8 @@ def launches(layout: Layout, opts: Options, job_id: str, python: str = "python")
             python,
             "-m",
             "syncd",
+            "--host",
+            "0.0.0.0",
             "--db",
             opts.syncd_db,
             "--http-port",
@@ -140,6 +148,7 @@ def launches(layout: Layout, opts: Options, job_id: str, python: str = "python")
             *(("--backend", "gloo") if opts.cpu else ()),
             *opts.syncd_args,
         ),
+        dict(token),
     )
     generators = [
         Launch(
@@ -162,7 +171,7 @@ def launches(layout: Layout, opts: Options, job_id: str, python: str = "python")
                 *(CPU_GENERATOR_ARGS if opts.cpu else ()),
                 *opts.generator_args,
             ),
-            dict(CPU_GENERATOR_ENV) if opts.cpu else {},
+            {**token, **(CPU_GENERATOR_ENV if opts.cpu else {})},
             data_host_flag=True,
         )
         for i, node in enumerate(layout.generators)
@@ -200,7 +209,7 @@ def launches(layout: Layout, opts: Options, job_id: str, python: str = "python")
             *(("--device", "cpu") if opts.cpu else ()),
             *opts.trainer_args,
         ),
-        {"OMP_NUM_THREADS": "1"} if opts.cpu else {},
+        {**token, **({"OMP_NUM_THREADS": "1"} if opts.cpu else {})},
         data_host_flag=True,
     )
     return [syncd, *generators, trainer]

@@ -21,6 +21,7 @@ from generator_svc.settings import (
     RefitMode,
     Settings,
 )
+from syncd.auth import resolve_token
 
 ENGINE_ARGS: dict[str, Any] = {
     "worker_extension_cls": WORKER_EXTENSION,
@@ -91,13 +92,16 @@ def make_settings(
     refit_mode: RefitMode = RefitMode.STAGED,
     pause_mode: PauseMode = PauseMode.WAIT,
     auth_token: str = "",
+    auth_token_file: str = "",
     data_host: str = "127.0.0.1",
     in_flight_buckets: int | None = None,
     hold_limit_s: float = 300.0,
     initial_version: str = "0",
 ) -> Settings:
     """The generator settings of an attached engine (`generator_svc.settings`: the same meaning as
-    `python -m generator_svc`'s flags of these names); raises ValueError naming a bad value."""
+    `python -m generator_svc`'s flags of these names; without `auth_token` or `auth_token_file`,
+    the token comes from SYNCD_AUTH_TOKEN_FILE or SYNCD_AUTH_TOKEN, `syncd.auth`); raises
+    ValueError naming a bad value."""
     if not syncd:
         raise ValueError("syncd must be syncd's gRPC address (host:port), got ''")
     mode = RefitMode(refit_mode)
@@ -106,7 +110,7 @@ def make_settings(
         replica=replica,
         refit_mode=mode,
         initial_version=initial_version,
-        auth_token=auth_token,
+        auth_token=resolve_token(auth_token, auth_token_file) or "",
         data_host=data_host,
         in_flight_buckets=IN_FLIGHT_DEFAULT[mode] if in_flight_buckets is None else in_flight_buckets,
         pause_mode=PauseMode(pause_mode),

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
+from syncd.auth import Access
 from syncd.daemon.coordinator import Coordinator
 from syncd.daemon.digests import compare
 from syncd.daemon.errors import SyncdError, check_token, http_headers, http_status
@@ -57,8 +58,14 @@ _TRIGGER_ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def build_app(
-    registry: Registry, coordinator: Coordinator, metrics: Metrics, auth_token: str | None
+    registry: Registry,
+    coordinator: Coordinator,
+    metrics: Metrics,
+    auth_token: str | None,
+    access: Access = Access.TOKEN,
 ) -> FastAPI:
+    """`access`: what `/v1/status` reports of who may call the mutating routes (`auth_token`
+    alone decides who may)."""
     app = FastAPI(title="syncd", version="1", description="Weight-sync daemon: members, plans and refits.")
     app.state.auth_token = auth_token
     _install_error_handlers(app)
@@ -96,6 +103,8 @@ def build_app(
             announced_version=announced.version if announced else None,
             announced_run=coordinator.versions.run_id,
             readiness=ReadinessOut.of(coordinator.readiness()),
+            access=access,
+            insecure_no_auth=access is Access.INSECURE_NO_AUTH,
         )
 
     @app.get("/v1/members", response_model=MembersOut, tags=["members"])

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from syncd.auth import Access
 from syncd.daemon.digests import Difference, VersionDigest
 from syncd.daemon.plan_cache import plan_members
 from syncd.daemon.readiness import Readiness
@@ -204,6 +205,14 @@ class StatusOut(BaseModel):
     )
     announced_run: str | None = Field(description="the trainers' current training run")
     readiness: ReadinessOut
+    access: Access = Field(
+        description="who may trigger refits and join: token (callers with syncd's token), loopback "
+        "(no token; syncd's own host only), insecure-no-auth (no token; whoever reaches syncd)"
+    )
+    insecure_no_auth: bool = Field(
+        description="syncd serves open by --insecure-no-auth: anyone who reaches it may trigger "
+        "refits or join as a member and be sent the weights"
+    )
 
 
 class DigestOut(BaseModel):

@@ -64,6 +64,12 @@ class Metrics:
             "Fraction of the elements on delta links that changed, in the last committed delta refit",
             registry=r,
         )
+        self.insecure_no_auth = Gauge(
+            "weightsync_syncd_insecure_no_auth",
+            "1 when syncd serves without a token by --insecure-no-auth (anyone who reaches it may "
+            "trigger refits or join as a member), else 0",
+            registry=r,
+        )
         self.committed_version = Gauge(
             "weightsync_syncd_committed_weight_version", "Weight version generators serve", registry=r
         )

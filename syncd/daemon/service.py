@@ -13,6 +13,7 @@ import time
 
 import uvicorn
 
+from syncd.auth import Access
 from syncd.daemon.coordinator import Coordinator
 from syncd.daemon.grpc_service import SyncdServicer, build_grpc_server
 from syncd.daemon.http_app import build_app
@@ -45,7 +46,8 @@ class Daemon:
             auth_token=settings.auth_token,
             max_message_bytes=settings.max_message_bytes,
         )
-        app = build_app(self.registry, self.coordinator, self.metrics, settings.auth_token)
+        self.metrics.insecure_no_auth.set(settings.access is Access.INSECURE_NO_AUTH)
+        app = build_app(self.registry, self.coordinator, self.metrics, settings.auth_token, settings.access)
         self._http = uvicorn.Server(
             uvicorn.Config(
                 app,
@@ -72,11 +74,19 @@ class Daemon:
                 raise OSError(f"HTTP server did not start on {self.settings.host}:{self.settings.http_port}")
             time.sleep(0.02)
         log.info(
-            "syncd serving: gRPC :%d, HTTP :%d, db %s",
+            "syncd serving on %s: gRPC :%d, HTTP :%d, db %s, access: %s",
+            self.settings.host,
             self.grpc_port,
             self.settings.http_port,
             self.settings.db,
+            self.settings.access,
         )
+        if self.settings.access is Access.INSECURE_NO_AUTH:
+            log.warning(
+                "INSECURE: --insecure-no-auth: serving on %s without a token; anyone who reaches "
+                "it may trigger or abort refits, or register as a generator and be sent the weights",
+                self.settings.host,
+            )
 
     def _reap(self) -> None:
         period = min(1.0, self.settings.lease_seconds / 4)

@@ -2,7 +2,11 @@
 variable and default; precedence is flag > environment > default.
 
     python -m syncd --http-port 8470 --grpc-port 8471 --db /var/lib/syncd/syncd.db
-    SYNCD_AUTH_TOKEN=secret python -m syncd
+    python -m syncd --host 0.0.0.0 --auth-token-file /run/secrets/syncd-token
+
+syncd binds loopback unless told otherwise, and refuses to bind anything else without a token
+(`--auth-token-file`, `--auth-token`) unless `--insecure-no-auth` says to serve open: a daemon
+that hands out a model's weights is not open to a network by accident (docs/security.md).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from syncd.auth import ENV_TOKEN, ENV_TOKEN_FILE, Access, is_loopback, read_token_file
 from syncd.vocabulary import Backend, SameHost
 
 
@@ -23,12 +28,16 @@ def _setting(default: Any, env: str, help: str) -> Any:
 
 @dataclass(frozen=True)
 class Settings:
-    host: str = _setting("0.0.0.0", "SYNCD_HOST", "address both servers bind")
+    host: str = _setting(
+        "127.0.0.1",
+        "SYNCD_HOST",
+        "address both servers bind; one other than loopback needs a token or --insecure-no-auth",
+    )
     http_port: int = _setting(8470, "SYNCD_HTTP_PORT", "HTTP (operator API, /metrics) port")
     grpc_port: int = _setting(8471, "SYNCD_GRPC_PORT", "gRPC (member API) port")
     db: str = _setting("syncd.db", "SYNCD_DB", "SQLite file holding refit history and committed version")
     auth_token: str | None = _setting(
-        None, "SYNCD_AUTH_TOKEN", "when set, mutating HTTP calls and all member RPCs need 'Bearer <token>'"
+        None, ENV_TOKEN, "when set, mutating HTTP calls and all member RPCs need 'Bearer <token>'"
     )
     store_busy_timeout: float = _setting(
         5.0,
@@ -37,8 +46,14 @@ class Settings:
     )
     auth_token_file: str | None = _setting(
         None,
-        "SYNCD_AUTH_TOKEN_FILE",
+        ENV_TOKEN_FILE,
         "file holding the token (e.g. a mounted Secret), so it never shows in /proc/PID/cmdline",
+    )
+    insecure_no_auth: bool = _setting(
+        False,
+        "SYNCD_INSECURE_NO_AUTH",
+        "serve without a token on an address other than loopback: anyone who reaches syncd may "
+        "trigger refits or join as a member (said at start, in /v1/status and in a metric)",
     )
     lease_seconds: float = _setting(10.0, "SYNCD_LEASE_SECONDS", "member lease; renewed by heartbeats")
     prepare_timeout: float = _setting(120.0, "SYNCD_PREPARE_TIMEOUT", "seconds for PREPARING (plan + groups)")
@@ -119,10 +134,13 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.auth_token_file is not None:
-            token = _read_token(self.auth_token_file)
-            if self.auth_token not in (None, token):
-                raise ValueError("set auth_token or auth_token_file, not both")
-            object.__setattr__(self, "auth_token", token)
+            if self.auth_token is not None:
+                raise ValueError(
+                    f"both a token file ({self.auth_token_file!r}) and a token were given "
+                    f"(--auth-token-file or {ENV_TOKEN_FILE}, and --auth-token or {ENV_TOKEN}): give one"
+                )
+            object.__setattr__(self, "auth_token", read_token_file(self.auth_token_file))
+        self._check_access()
         if self.same_host not in tuple(SameHost):
             raise ValueError(f"same_host must be shm or network, not {self.same_host!r}")
         object.__setattr__(self, "same_host", SameHost(self.same_host))  # flags and env give text
@@ -157,6 +175,24 @@ class Settings:
                 f"{self.expected_trainers} and {self.expected_generators}"
             )
 
+    def _check_access(self) -> None:
+        if self.insecure_no_auth and self.auth_token is not None:
+            raise ValueError("--insecure-no-auth with a token: give one or the other")
+        if self.auth_token is None and not self.insecure_no_auth and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to serve on {self.host} without a token: anyone who reaches it could "
+                f"trigger refits or register as a generator and be sent the weights. Give "
+                f"--auth-token-file FILE (env {ENV_TOKEN_FILE}) or --auth-token (env {ENV_TOKEN}); "
+                f"or bind loopback (--host 127.0.0.1); or pass --insecure-no-auth to serve open anyway"
+            )
+
+    @property
+    def access(self) -> Access:
+        """Who may call syncd's mutating HTTP routes and member RPCs."""
+        if self.auth_token is not None:
+            return Access.TOKEN
+        return Access.INSECURE_NO_AUTH if self.insecure_no_auth else Access.LOOPBACK
+
     @classmethod
     def load(cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
         environ = os.environ if environ is None else environ
@@ -187,17 +223,6 @@ class Settings:
     @staticmethod
     def env_vars() -> dict[str, str]:
         return {f.name: f.metadata["env"] for f in dataclasses.fields(Settings)}
-
-
-def _read_token(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise ValueError(f"auth_token_file {path!r}: {e.strerror}") from None
-    if not token:
-        raise ValueError(f"auth_token_file {path!r} is empty")
-    return token
 
 
 def _parse(name: str, kind: str, raw: Any) -> Any:

@@ -37,6 +37,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from syncd.auth import resolve_token
 from syncd.member.agent import MemberAgent
 from syncd.member.canonical_names import UserNames
 from syncd.member.dataplane import catalog_views
@@ -160,6 +161,7 @@ def attach(
     optimizer: torch.optim.Optimizer | None = None,
     wait_s: float | None = None,
     auth_token: str | None = None,
+    auth_token_file: str | None = None,
     data_host: str = "127.0.0.1",
     in_flight: int = 2,
     register_timeout_s: float = 60.0,
@@ -169,8 +171,11 @@ def attach(
     `names`: per parameter a canonical name or layout expression, or a function of (name, global
     shape); the built-in rules cover what it leaves out. `exclude`: parameters not to send.
     `optimizer`: send version 1, 2, ... after each of its steps, waiting `wait_s` for each refit.
-    `data_host`: the address peers reach this rank's data plane at. Collective: every rank of the
-    default process group calls it."""
+    `data_host`: the address peers reach this rank's data plane at. `auth_token` or
+    `auth_token_file`: syncd's token; neither: from SYNCD_AUTH_TOKEN_FILE or SYNCD_AUTH_TOKEN
+    (`syncd.auth`). Raises PermissionError when syncd refuses the token (saying whether none was
+    given or it was wrong). Collective: every rank of the default process group calls it."""
+    token = resolve_token(auth_token, auth_token_file)
     layout = _agreed_layout(model, names, exclude)
     rank = dist.get_rank() if dist.is_initialized() else 0
     run_id = [uuid.uuid4().hex]  # this training run, as syncd knows it: rank 0's id on every rank
@@ -189,7 +194,7 @@ def attach(
         catalog=layout.catalog,
         device=device,
         data_host=data_host,
-        auth_token=auth_token,
+        auth_token=token,
         run_id=run_id[0],
         in_flight=in_flight,
     )
@@ -197,6 +202,8 @@ def attach(
     if not client.wait_registered(register_timeout_s):
         agent.close()
         client.close()
+        if client.refusal is not None:
+            raise PermissionError(f"{member_id}: syncd at {syncd} refused it: {client.refusal}")
         raise TimeoutError(
             f"{member_id}: syncd at {syncd} did not register it within {register_timeout_s:.0f} s"
         )

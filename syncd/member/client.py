@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -38,6 +39,7 @@ import grpc
 from syncd.api import MESSAGE_SIZE_OPTIONS, convert
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
+from syncd.auth import refusal
 from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, MemberReport, Phase, Verify
 from syncd.layout import Catalog
 from syncd.net import gpu_identity, host_identity, peer_gpu_identities
@@ -100,6 +102,8 @@ class MemberClient:
         self._commit_versions: dict[str, WeightVersion] = {}  # refit id -> version of its Commit
         self.committed_version: WeightVersion | None = None  # syncd's, as of the last Register or Heartbeat
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        # Why syncd refused this member's token (UNAUTHENTICATED), once it has; it keeps trying.
+        self.refusal: str | None = None
         self._channel = grpc.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
         self._stub = pb_grpc.SyncdStub(self._channel)
         self._closed = threading.Event()
@@ -122,8 +126,13 @@ class MemberClient:
             self._threads.append(t)
 
     def wait_registered(self, timeout: float = 30.0) -> bool:
-        """True once a session is open (after `start`)."""
-        return self._registered.wait(timeout)
+        """True once a session is open (after `start`); False after `timeout`, or as soon as
+        syncd refused this member's token (`refusal` says whether it had none or a wrong one)."""
+        deadline = time.monotonic() + timeout
+        while not self._registered.wait(max(0.0, min(0.1, deadline - time.monotonic()))):
+            if self.refusal is not None or time.monotonic() >= deadline:
+                return False
+        return True
 
     @property
     def session_id(self) -> str:
@@ -223,7 +232,16 @@ class MemberClient:
                 backoff = _BACKOFF_MIN_S
                 self._serve()
             except grpc.RpcError as e:
-                if not self._closed.is_set():
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    self.refusal = refusal(token_given=bool(self._metadata))
+                    log.error(
+                        "%s: syncd at %s refused this member: %s; retrying in %.1fs",
+                        self.member_id,
+                        self.target,
+                        self.refusal,
+                        backoff,
+                    )
+                elif not self._closed.is_set():
                     log.warning(
                         "%s: syncd at %s: %s %s; retrying in %.1fs",
                         self.member_id,
@@ -263,6 +281,7 @@ class MemberClient:
             response = self._stub.Register(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
         self._session_id, self._lease_s = response.session_id, response.lease_seconds
         self._learn_committed(response)
+        self.refusal = None
         self._registered.set()
         log.info("%s registered with syncd (session %s)", self.member_id, self._session_id[:8])
 

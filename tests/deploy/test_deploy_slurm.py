@@ -17,6 +17,7 @@ from deploy_tools import REPO
 from deploy.local.processes import group_members
 from deploy.slurm.launcher import command
 from deploy.slurm.plan import Allocation, Layout, Options, assign, expand_nodelist, launches
+from syncd.auth import ENV_TOKEN_FILE, write_token_file
 from syncd.net import free_port
 
 
@@ -76,10 +77,11 @@ def test_group_members_sees_live_processes_of_a_group():
     assert group_members(child.pid) == []
 
 
-def _multi_node():
+def _multi_node(token_file: str = "/job/auth-token"):
     layout = assign(("g0", "t0", "t1"), 1)
     opts = Options(
         model_dir="/ckpt",
+        auth_token_file=token_file,
         trainer_nproc_per_node=8,
         generator_tp=8,
         trainer_args=("--pp", "2", "--ep", "4", "--tp", "2"),
@@ -87,23 +89,31 @@ def _multi_node():
     return layout, launches(layout, opts, job_id="99")
 
 
-def test_launches_parse_with_each_services_own_settings(monkeypatch):
+def test_launches_parse_with_each_services_own_settings(monkeypatch, tmp_path):
     from torch.distributed.run import get_args_parser
 
     from generator_svc.settings import parse as parse_generator
     from syncd.daemon.settings import Settings
     from trainer_svc.settings import TrainSettings
 
-    _, (syncd, generator, trainer) = _multi_node()
-    s = Settings.load(list(syncd.argv[3:]), environ={})
+    token = write_token_file(tmp_path / "auth-token")
+    _, (syncd, generator, trainer) = _multi_node(str(tmp_path / "auth-token"))
+    s = Settings.load(list(syncd.argv[3:]), environ=syncd.env)
     assert (s.expected_trainers, s.expected_generators, s.grpc_port) == (16, 8, 8471)
+    assert (s.host, s.auth_token) == ("0.0.0.0", token)  # every interface of its node, with the job's token
     monkeypatch.delenv("GENERATOR_SYNCD", raising=False)
+    for launch in (generator, trainer):
+        assert launch.env[ENV_TOKEN_FILE] == str(tmp_path / "auth-token")
+        assert not any(token in arg for arg in launch.argv)
+    monkeypatch.setenv(ENV_TOKEN_FILE, generator.env[ENV_TOKEN_FILE])
     g, gargs = parse_generator([*list(generator.argv[3:]), "--data-host", "g0"])
     assert (g.syncd, g.replica, gargs.port, gargs.tensor_parallel_size) == ("g0:8471", 0, 8000, 8)
+    assert g.auth_token == token
     torchrun = get_args_parser().parse_args(list(trainer.argv[3:]))
     assert (torchrun.nnodes, torchrun.rdzv_endpoint, torchrun.rdzv_id) == ("2", "t0:29400", "99")
     t = TrainSettings.from_argv([*torchrun.training_script_args, "--data-host", "t0"])
     assert t.dims.world_size == 2 * 8 == s.expected_trainers and t.syncd == "g0:8471" and t.sync_refit
+    assert t.auth_token == token
 
 
 def test_commands_run_local_processes_directly_and_remote_ones_through_srun():
@@ -112,6 +122,7 @@ def test_commands_run_local_processes_directly_and_remote_ones_through_srun():
     assert command(generator, "g0")[-2:] == ["--data-host", "g0"]
     remote = command(trainer, "g0")
     assert remote[:2] == ["srun", "--overlap"] and "--nodelist=t0,t1" in remote and "--ntasks=2" in remote
+    assert f"{ENV_TOKEN_FILE}=/job/auth-token" in next(a for a in remote if a.startswith("--export="))
     # every node passes its own name as the data-plane address
     assert remote[remote.index("-c") + 1] == 'exec "$@" --data-host "$SLURMD_NODENAME"'
 
@@ -218,6 +229,7 @@ def test_launcher_runs_a_one_node_allocation_to_a_committed_refit(tmp_path):
     assert summary["committed_version"] == 1
     assert [(r["state"], r["weight_version"]) for r in summary["refits"]] == [("COMMITTED", 1)]
     assert summary["refits"][0]["bytes"] > 0
+    assert (work / "auth-token").stat().st_mode & 0o777 == 0o600  # the job's token: its user's alone
     # Every process group it started (syncd, vLLM and its engine core, torchrun and its ranks) is gone.
     pgids = list(map(int, (work / "pids").read_text().split()))
     assert len(pgids) == 3  # syncd, generator, trainer

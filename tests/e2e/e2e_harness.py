@@ -64,10 +64,12 @@ class Stack:
     def __init__(self, work: Path, where: Placement | None = None) -> None:
         self.work, self.where = work, where or Placement()
         self.cluster = Cluster(work / "logs")
+        self.token = self.cluster.make_token(work)  # every process gets it (a lab's syncd needs one)
         self.http_port, self.grpc_port = free_port(), free_port()
         self.syncd: Proc | None = None
         base_url = f"http://{self.where.address(SYNCD)}:{self.http_port}"
-        self.http = httpx.Client(base_url=base_url, timeout=30)
+        headers = {"Authorization": f"Bearer {self.token}"}
+        self.http = httpx.Client(base_url=base_url, timeout=30, headers=headers)
 
     @property
     def target(self) -> str:

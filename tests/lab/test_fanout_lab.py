@@ -18,6 +18,7 @@ import pytest
 
 from deploy.lab import Lab
 from deploy.local.processes import PYTHON, Cluster, Proc
+from syncd.auth import ENV_TOKEN_FILE
 from syncd.daemon.service import Daemon
 from tests.integration.test_fanout_refit import Fleet
 from tests.lab_support import running_lab
@@ -45,9 +46,11 @@ class LabFleet(Fleet):
 def lab_fleet(tmp_path: Path) -> Iterator[LabFleet]:
     hosts = {"trainer-0": "t0", "generator-0-0": "g0", "generator-1-0": "g1", "generator-2-0": "g2"}
     with running_lab(sorted(set(hosts.values())), "fan", tmp_path / "logs") as lab:
+        token = lab.cluster.make_token(tmp_path)  # syncd serves the lab's network: members need it
         settings = syncd_settings(
             tmp_path,
             host="0.0.0.0",
+            auth_token_file=lab.cluster.env[ENV_TOKEN_FILE],
             prepare_timeout=60,
             transfer_timeout=60,
             bucket_bytes=32 << 10,
@@ -60,7 +63,11 @@ def lab_fleet(tmp_path: Path) -> Iterator[LabFleet]:
         )
         daemon = Daemon(settings)
         daemon.start()
-        http = httpx.Client(base_url=f"http://127.0.0.1:{settings.http_port}", timeout=30)
+        http = httpx.Client(
+            base_url=f"http://127.0.0.1:{settings.http_port}",
+            timeout=30,
+            headers={"Authorization": f"Bearer {token}"},
+        )
         fleet = LabFleet(daemon, Cluster(tmp_path / "unused"), tmp_path, http)
         fleet.lab, fleet.hosts = lab, hosts
         try:

@@ -5,6 +5,9 @@ generator on node0, the trainer (torchrun, one rank per node, ep 2) on node1 and
 
 - Two refits, triggered with `syncctl refit --wait`, commit; then `scancel` leaves no process of
   the job on any node (only each node's slurmd) within slurmd's grace time.
+- The job runs with a token of its own: in a file of mode 0600, given to syncctl by
+  `--token-file`; it shows on no process's command line or environment, nor in SLURM's record
+  of the job, and syncd refuses an HTTP POST without it (401).
 - A trainer node that dies mid-refit (its slurmd and every process on it SIGKILLed) ends the job
   with a message naming the node, and the refit is ABORTED in syncd's history while the generator
   keeps serving the committed version. This test kills a node: it runs last in the module.
@@ -27,6 +30,7 @@ import pytest
 
 from deploy.local.processes import REPO
 from deploy.slurm.lab_cluster import KILL_WAIT_S, SlurmLab, missing_requirements
+from deploy.slurm.launcher import TOKEN_FILE
 from syncd.states import TERMINAL
 from tests.lab_support import lab_name
 from tests.polling import wait_until
@@ -114,8 +118,13 @@ class Job:
 
         wait_until(ready, 900, f"job {self.id}'s services to be ready", interval=2)
 
+    @property
+    def token_file(self) -> Path:
+        return self.work / TOKEN_FILE  # the launcher's --workdir is `work`
+
     def syncctl(self, *argv: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "syncd.cli", "--url", self.syncd, *argv]
+        cmd = [sys.executable, "-m", "syncd.cli", "--url", self.syncd, "--token-file", str(self.token_file)]
+        cmd += argv
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
     def status(self) -> dict:
@@ -142,15 +151,28 @@ class Job:
         )
 
 
-def processes(cluster: SlurmLab, node: str) -> dict[int, str]:
-    """Each process on `node` but its slurmd: pid -> command line."""
+def processes(cluster: SlurmLab, node: str, part: str = "cmdline") -> dict[int, str]:
+    """Each process on `node` but its slurmd: pid -> command line (`part`: or its environ)."""
     found = {}
     for pid in cluster.node_pids(node):
         try:
-            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            found[pid] = Path(f"/proc/{pid}/{part}").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue  # gone while we looked
     return found
+
+
+def assert_the_token_is_nowhere_but_its_file(cluster: SlurmLab, job: Job) -> None:
+    assert job.token_file.stat().st_mode & 0o777 == 0o600
+    token = job.token_file.read_text().strip()
+    assert len(token) >= 22  # at least 128 random bits in URL-safe base64
+    for node in cluster.nodes:
+        for part in ("cmdline", "environ"):
+            seen = processes(cluster, node, part)
+            assert seen and not [pid for pid, text in seen.items() if token in text], (node, part)
+    assert token not in cluster.client("scontrol", "--details", "show", "job", job.id)
+    unauthenticated = httpx.post(f"{job.syncd}/v1/refits", json={}, timeout=10)
+    assert unauthenticated.status_code == 401, unauthenticated.text
 
 
 def test_sbatch_commits_two_refits_across_nodes_and_scancel_leaves_nothing(cluster, model, tmp_path):
@@ -169,6 +191,7 @@ def test_sbatch_commits_two_refits_across_nodes_and_scancel_leaves_nothing(clust
     assert any("-m generator_svc " in c for c in running["node0"].values()), running["node0"]
     for node in ("node1", "node2"):
         assert any("-m trainer_svc " in c for c in running[node].values()), running[node]
+    assert_the_token_is_nowhere_but_its_file(cluster, job)
 
     cluster.client("scancel", job.id)
     assert job.wait_ended(KILL_WAIT_S + 60) == "CANCELLED", job.output()

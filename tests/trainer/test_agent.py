@@ -254,7 +254,7 @@ def test_a_rank_registers_with_a_token_protected_syncd_only_with_the_token(
     start_syncd, tiny_dir, monkeypatch
 ):
     target, http = start_syncd(trainers=1, generators=1, token="s3cret")
-    monkeypatch.setenv("TRAINER_AUTH_TOKEN", "s3cret")
+    monkeypatch.setenv("SYNCD_AUTH_TOKEN", "s3cret")
     settings = TrainSettings.from_argv(["--model-dir", tiny_dir, "--device", "cpu", "--syncd", target])
     assert settings.auth_token == "s3cret"
     trainer = Trainer.create(settings, LaunchEnv(0, 1, 0), torch.device("cpu"))
