@@ -17,7 +17,7 @@ demo: $(STAMP)  ## the main job: train a tiny MoE and refit a live vLLM generato
 FAST := not (processes or vllm or e2e or lab or gpu)
 FAST_WORKERS ?= 4
 TEST_WORKERS ?= 3
-XDIST = $(if $(filter 0,$(1)),,-n $(1) --dist loadgroup)
+XDIST = $(if $(filter 0,$(1)),,-n $(1) --dist loadgroup --no-loadscope-reorder)
 
 test: $(STAMP) tools  ## the whole suite: the fast tier first (stops at its first failure), then the rest
 	$(PY) -m pytest -x -m "$(FAST)" $(call XDIST,$(FAST_WORKERS)) $(PYTEST_ARGS)

@@ -7,6 +7,8 @@ forgotten; `make test-fast` deselects every test that carries one of `SLOW_MARKE
 
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -50,13 +52,11 @@ def _folder(item: pytest.Item) -> str:
     return folder
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for name in FOLDER_MARKERS[_folder(item)]:
             item.add_marker(name)
-    if config.pluginmanager.hasplugin("xdist"):
-        _group_for_workers(items)
+    _slowest_first(items)
     gpus = _gpu_count()
     for item in items:
         marker = item.get_closest_marker("gpu")
@@ -68,30 +68,55 @@ def pytest_collection_modifyitems(config, items):
 
 
 # -- running on several workers (pytest-xdist, `--dist loadgroup`) --------------------------------
-# A module's tests stay together on one worker (its module fixtures start once). The lab's tests
-# share one worker: they create namespaces, a bridge and a SLURM cluster of fixed names. The
-# generator modules that use the session's shared engines share one worker, so the engines start
-# once. The slowest groups go first, so no long group starts last and runs alone.
-LAB_FILES = ("e2e/test_lab_e2e.py",)
+# A worker takes a whole group at a time: a module's tests stay together (its module fixtures start
+# once); the lab's tests share one group (namespaces, a bridge and a SLURM cluster of fixed
+# names); the generator modules that use the session's shared engines share one, so the engines
+# start once. Groups are named from the test's file alone, because the scheduler runs in the
+# controller, which collects nothing. The slowest groups go first, so none starts last alone.
+LAB_FILES = ("tests/e2e/test_lab_e2e.py",)
+SHARED_ENGINES = re.compile(r"\b(_launched|service_a|outputs_a|outputs_fresh_b)\b")
 FIRST = ("lab", "e2e", "generator", "trainer", "integration", "dtensor")
 
 
-def _group_for_workers(items: list[pytest.Item]) -> None:
-    def group(item: pytest.Item) -> str:
-        path = Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
-        if _folder(item) == "lab" or path in LAB_FILES:
-            return "lab"
-        if "_launched" in getattr(item, "fixturenames", ()):
-            return "generator-shared-engines"
-        return path
+@functools.cache
+def _uses_shared_engines(path: str) -> bool:
+    return bool(SHARED_ENGINES.search((TESTS.parent / path).read_text()))
 
+
+def group_of(nodeid: str) -> str:
+    """The group a test runs in on the workers: its file, or one of the shared groups above."""
+    path = nodeid.split("::", 1)[0]  # relative to the repository's root: tests/FOLDER/FILE
+    parts = Path(path).parts
+    folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+    if folder == "lab" or path in LAB_FILES:
+        return "lab"
+    if folder == "generator" and _uses_shared_engines(path):
+        return "generator-shared-engines"
+    return path
+
+
+def _slowest_first(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
-        name = "lab" if group(item) == "lab" else _folder(item)
+        group = group_of(item.nodeid)
+        name = group if group == "lab" else _folder(item)
         return FIRST.index(name) if name in FIRST else len(FIRST)
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
     items.sort(key=rank)  # stable: within a rank, the collection order
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without it, never called
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    # pytest-xdist 3.8's own loadgroup marks a group by editing `item._nodeid`, which pytest 9
+    # no longer reads; a scope scheduler that asks `group_of` does the same job.
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 # -- no vLLM engine without the `vllm` marker ------------------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FOLDER_MARKERS
+from tests.conftest import FOLDER_MARKERS, group_of
 
 pytest_plugins = ("pytester",)
 
@@ -51,3 +51,17 @@ def test_a_test_that_starts_an_engine_without_the_vllm_marker_fails(pytester: py
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*test_unmarked started a vLLM engine*without the `vllm` marker*"])
+
+
+@pytest.mark.parametrize(
+    ("nodeid", "group"),
+    [
+        ("tests/lab/test_lab.py::test_x", "lab"),
+        ("tests/e2e/test_lab_e2e.py::test_x[a]", "lab"),
+        ("tests/generator/test_request_guard.py::test_x", "generator-shared-engines"),
+        ("tests/generator/test_pause_modes.py::test_x", "tests/generator/test_pause_modes.py"),
+        ("tests/e2e/test_refit_e2e.py::test_x", "tests/e2e/test_refit_e2e.py"),
+    ],
+)
+def test_workers_take_whole_groups(nodeid: str, group: str) -> None:
+    assert group_of(nodeid) == group
