@@ -18,6 +18,10 @@ LAYOUTS = [  # (pp, dp, ep, tp); all pp, ep, tp in {1, 2}, plus data parallel wi
     (1, 2, 2, 1),
 ]
 RTOL = 1e-5
+# An update (end weights minus start) is a small difference of large weights, so the 1e-5 of the
+# weights grows in it: measured worst 1.03e-3 relative (layer 1's q_proj, 15 tokens split 8/7 over
+# TP, torch 2.13 on CPU). A wrong layout (a shard lost, a gradient doubled) moves it by O(1).
+UPDATE_RTOL = 3e-3
 # bfloat16 compute (8 significand bits): layouts sum in other orders, so the loss moves in its 4th
 # digit (measured 6e-5 relative) and an exported weight may round one bf16 ulp (2^-8) the other
 # way (measured worst tensor 4.8e-3 relative).
@@ -40,7 +44,7 @@ def _assert_same_training(ranks, export, ref_ranks, ref_export, start_dir) -> No
     for name in want:
         assert _rel(got[name], want[name]) <= RTOL, name
         # the update itself (not just the weights) agrees, so a wrong layout cannot hide in it
-        assert _rel(got[name] - start[name], want[name] - start[name]) <= 1e-3, name
+        assert _rel(got[name] - start[name], want[name] - start[name]) <= UPDATE_RTOL, name
     assert any(not torch.equal(want[n], start[n]) for n in want)
 
 
