@@ -6,11 +6,20 @@ from syncd.member.dataplane.gc_pause import GcPause
 from syncd.member.dataplane.loop_options import LoopCache, LoopOptions
 from syncd.member.dataplane.pack import catalog_views, pack_into, unpack_from
 from syncd.member.dataplane.prepared import ReceiveSink
-from syncd.member.dataplane.transport import GlooTransport, TransferError, TransferTimeout, Transport
+from syncd.member.dataplane.transport import (
+    ConcurrentUse,
+    GlooTransport,
+    GroupSender,
+    TransferError,
+    TransferTimeout,
+    Transport,
+)
 
 __all__ = [
+    "ConcurrentUse",
     "GcPause",
     "GlooTransport",
+    "GroupSender",
     "LoopCache",
     "LoopOptions",
     "ReceiveSink",

@@ -42,7 +42,7 @@ from syncd.member.dataplane.landing_fault import FaultAt, LandingFault, flip_bit
 from syncd.member.dataplane.loop_options import LoopCache, LoopOptions
 from syncd.member.dataplane.prepared import PreparedBucket, PreparedLoop, ReceiveSink, SinkBucket
 from syncd.member.dataplane.shm import SharedRecv, ShmTransport
-from syncd.member.dataplane.transport import Handle, Transport
+from syncd.member.dataplane.transport import GroupSender, Handle, Transport
 from syncd.plan.types import Bucket
 from syncd.vocabulary import Direction
 
@@ -172,6 +172,7 @@ class _Loop:
     graphs: LoopGraphs | None = None
     prepared: PreparedLoop | None = None
     forwarder: Forwarder | None = None  # a relay's receive loop (`syncd.member.dataplane.relay`)
+    slots: int = 0  # staging slots where they differ from `options.in_flight` (0: they don't)
 
     @property
     def checksums(self) -> _SideStream:
@@ -185,7 +186,8 @@ class _Loop:
 
     @property
     def in_flight(self) -> int:
-        return self.options.in_flight
+        """Staging slots: the options' depth, or more for a send loop's rounds (`send`)."""
+        return self.slots or self.options.in_flight
 
     @cached_property
     def sink(self) -> ReceiveSink | None:
@@ -326,27 +328,39 @@ class _Loop:
             self.check_cancel()
             handle.wait(self.timeout_s)
 
-    def send(self, buckets: Sequence[Bucket]) -> None:
-        ordered = sorted(buckets, key=lambda b: (b.dst, b.index))
+    def send(self, rounds: Sequence[Sequence[Bucket]]) -> None:
+        """`rounds`: `send_rounds` of the buckets, with `slots` set for them (`_run`)."""
+        ordered = [b for r in rounds for b in r]
         bufs = self.buffers(ordered)
         programs = self.programs(Direction.SEND, ordered, bufs)
         handles: list[Handle] = []
-        for i, bucket in enumerate(ordered):
-            self.check_cancel()
-            self.throttle(handles, i)
-            slot = i % self.in_flight
-            if i >= self.in_flight:  # the slot is free once its last send and checksum are done
-                handles[i - self.in_flight].fence(self.timeout_s)
+        i = 0
+        for round_ in rounds:
+            packed: list[tuple[int, int, Bucket, torch.Tensor, bool]] = []  # (i, slot, bucket, flat, fused)
+            for bucket in round_:
+                self.check_cancel()
+                self.throttle(handles, i)
+                slot = i % self.in_flight
+                if i >= self.in_flight:  # the slot is free once its last send and checksum are done
+                    handles[i - self.in_flight].fence(self.timeout_s)
+                with self.enqueuing():
+                    if i >= self.in_flight:
+                        self.checksums.before_reuse(slot)
+                    fused = self.fuses(programs[i])
+                    packed.append((i, slot, bucket, self.pack(bucket, bufs[slot], programs[i], fused), fused))
+                i += 1
             with self.enqueuing():
-                if i >= self.in_flight:
-                    self.checksums.before_reuse(slot)
-                fused = self.fuses(programs[i])
-                flat = self.pack(bucket, bufs[slot], programs[i], fused)
                 with _step("weightsync.isend"):
-                    handles.append(self.transport.isend(flat, self.ranks[bucket.dst]))
-                # after isend: the checksum overlaps the transfer
-                self.account(slot, bucket, flat, programs[i], checksum=not fused)
+                    handles += self.post_sends([(flat, self.ranks[b.dst]) for _, _, b, flat, _ in packed])
+                for j, slot, bucket, flat, fused in packed:  # after isend: the checksum overlaps the transfer
+                    self.account(slot, bucket, flat, programs[j], checksum=not fused)
         self.finish(handles)
+
+    def post_sends(self, sends: Sequence[tuple[torch.Tensor, int]]) -> list[Handle]:
+        if len(sends) > 1:
+            assert isinstance(self.transport, GroupSender)  # `send_rounds` groups only for one
+            return list(self.transport.isend_group(sends))
+        return [self.transport.isend(buf, peer) for buf, peer in sends]
 
     def reads_in_place(self, bucket: Bucket) -> bool:
         """Whether `bucket` is unpacked straight from where its sender packed it (a peer on this
@@ -432,6 +446,24 @@ class _Loop:
             self.forwarder.finish()
 
 
+def send_rounds(buckets: Sequence[Bucket], grouped: bool) -> list[list[Bucket]]:
+    """A send loop's buckets in the rounds it posts them: one bucket a round, by (dst, index),
+    or, where the transport posts sends to several peers at once (`GroupSender`: NCCL, whose
+    sends on one stream would otherwise run one after the other), round r holds each
+    destination's r-th bucket, so every link of the group moves at once. Each destination still
+    gets its buckets in index order, which is all a receiver relies on: it takes a peer's
+    messages in the order they were sent, and peers in the plan's order (see the module's
+    ordering rule; a round only lets more sends progress at once)."""
+    ordered = sorted(buckets, key=lambda b: (b.dst, b.index))
+    if not grouped:
+        return [[b] for b in ordered]
+    links: dict[str, list[Bucket]] = {}
+    for b in ordered:
+        links.setdefault(b.dst, []).append(b)
+    depth = max((len(link) for link in links.values()), default=0)
+    return [[link[r] for link in links.values() if r < len(link)] for r in range(depth)]
+
+
 def interleaved(ordered: Sequence[Bucket], position) -> list[Bucket]:
     """The links' buckets merged by where they land (`ReceiveSink.position`), each link's still in
     index order: a transport matches the messages of one peer in the order they were sent, while
@@ -486,10 +518,15 @@ def _run(
     else:
         loop.prepared = program_cache = loop.cache.prepared(direction)
     start = time.perf_counter()
+    rounds: list[list[Bucket]] = []
+    if direction == Direction.SEND:
+        rounds = send_rounds(buckets, grouped=isinstance(transport, GroupSender))
+        # A round's buckets are on the wire together: each destination gets `in_flight` slots.
+        loop.slots = options.in_flight * max(len(r) for r in rounds)
     with options.gc_paused(), _work_stream(loop.device):
-        loop.side = side = _SideStream(loop.device, options.in_flight)
+        loop.side = side = _SideStream(loop.device, loop.in_flight)
         try:
-            loop.send(buckets) if direction == Direction.SEND else loop.recv(buckets)
+            loop.send(rounds) if direction == Direction.SEND else loop.recv(buckets)
             loop.stats.checksums = side.collect(loop.sums)
             side.join()
             if direction == Direction.RECV:

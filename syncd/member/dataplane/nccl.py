@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
-from syncd.member.dataplane.transport import TransferError, TransferTimeout
+from syncd.member.dataplane.transport import OneCaller, TransferError, TransferTimeout
 
+_Op = tuple[Callable[..., None], torch.Tensor, int, str]  # nccl4py's send or recv, buffer, peer, what
 _POLL_S = 50e-6
 _SPIN_S = 5e-3
 
@@ -67,6 +69,7 @@ class NcclTransport:
         # device on every call, tens of microseconds of host time per bucket (py-spy, 2x H200,
         # 64 MiB buckets), and the executor only ever moves bytes.
         self._uint8: int | None = None
+        self._one_caller = OneCaller(f"NCCL communicator of rank {rank}/{world_size}")
 
     @staticmethod
     def create_address() -> str:
@@ -132,32 +135,50 @@ class NcclTransport:
             self._uint8 = int(NcclBuffer(flat).dtype)
         return flat.data_ptr(), flat.numel(), self._uint8
 
-    def _enqueue(self, op, buf: torch.Tensor, peer: int, what: str) -> _EventHandle:
-        """`op` is nccl4py's raw binding (send or recv), called with the resolved buffer."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+    def _enqueue(self, ops: Sequence[_Op]) -> list[_EventHandle]:
+        """`ops`: (nccl4py's raw binding, send or recv; buffer; peer; what), posted as one NCCL
+        group when there are several, so that they progress together instead of one after the
+        other on the transport's stream."""
         _, bindings = _nccl()
-        if self._comm is None:
-            raise TransferError(f"{what} failed: the communicator was aborted")
-        ptr, count, dtype = self._buffer(buf)
-        try:
-            op(ptr, count, dtype, int(peer), self._comm._comm, self.stream.cuda_stream)
-        except bindings.NCCLError as e:
-            raise TransferError(f"{what} failed: {e}") from e
-        # One state query settles the common case (the enqueue completed in the call); only a
-        # call still in progress (connection setup on the first transfers) is polled.
-        if bindings.comm_get_async_error(self._comm._comm) != bindings.Result.Success:
-            self.settle(what, self.op_timeout_s)
-        done = torch.cuda.Event()
-        done.record(self.stream)
+        what = "; ".join(w for _, _, _, w in ops)
+        with self._one_caller():
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            if self._comm is None:
+                raise TransferError(f"{what} failed: the communicator was aborted")
+            args = [(op, *self._buffer(buf), int(peer)) for op, buf, peer, _ in ops]
+            try:
+                if len(args) > 1:
+                    bindings.group_start()
+                try:
+                    for op, ptr, count, dtype, peer in args:
+                        op(ptr, count, dtype, peer, self._comm._comm, self.stream.cuda_stream)
+                finally:
+                    if len(args) > 1:
+                        bindings.group_end()
+            except bindings.NCCLError as e:
+                raise TransferError(f"{what} failed: {e}") from e
+            # One state query settles the common case (the enqueue completed in the call); only a
+            # call still in progress (connection setup on the first transfers) is polled.
+            if bindings.comm_get_async_error(self._comm._comm) != bindings.Result.Success:
+                self.settle(what, self.op_timeout_s)
+            done = torch.cuda.Event()
+            done.record(self.stream)
         # No wait back on the caller's stream: the executor fences on `done` only where it reuses
-        # or reads `buf`, so packing the next bucket overlaps this transfer.
-        return _EventHandle(done, self, what)
+        # or reads `buf`, so packing the next bucket overlaps this transfer. A group's operations
+        # share the event: they end together.
+        return [_EventHandle(done, self, w) for _, _, _, w in ops]
 
     def isend(self, buf: torch.Tensor, peer: int) -> _EventHandle:
-        return self._enqueue(_nccl()[1].send, buf, peer, f"send of {buf.numel()} bytes to rank {peer}")
+        return self._enqueue([(_nccl()[1].send, buf, peer, _sending(buf, peer))])[0]
+
+    def isend_group(self, sends: Sequence[tuple[torch.Tensor, int]]) -> list[_EventHandle]:
+        """Sends to several peers (buffer, peer) in one NCCL group: each link moves at once."""
+        send = _nccl()[1].send
+        return self._enqueue([(send, buf, peer, _sending(buf, peer)) for buf, peer in sends])
 
     def irecv(self, buf: torch.Tensor, peer: int) -> _EventHandle:
-        return self._enqueue(_nccl()[1].recv, buf, peer, f"receive of {buf.numel()} bytes from rank {peer}")
+        what = f"receive of {buf.numel()} bytes from rank {peer}"
+        return self._enqueue([(_nccl()[1].recv, buf, peer, what)])[0]
 
     def abort(self) -> None:
         if self._comm is not None:
@@ -166,3 +187,7 @@ class NcclTransport:
 
     def close(self) -> None:
         self.abort()
+
+
+def _sending(buf: torch.Tensor, peer: int) -> str:
+    return f"send of {buf.numel()} bytes to rank {peer}"

@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from syncd.commands import checksum_key
+from syncd.member.dataplane import checksum_kernel
 from syncd.member.dataplane.checksum import Checksums, reduce_region, region_outputs
 from syncd.member.dataplane.fused import FusedCopies
 from syncd.member.dataplane.pack import Copies, copy_pairs
@@ -55,6 +56,9 @@ class PreparedBucket:
         receiving = direction == Direction.RECV
         units = zip(self._regions, bucket.units) if receiving else ()
         self._landed = [(key, tensors[u.dst_tensor][u.dst_box.slices()]) for (key, _), u in units]
+        # On GPUs, the landed regions as one prepared launch (`checksum_kernel.Batch`), made on
+        # first use; False where some region cannot take the kernel.
+        self._landed_batch: tuple[list[str], checksum_kernel.Batch] | bool | None = None
 
     def _regions_of(self, bucket: Bucket, flat: torch.Tensor, direct: torch.Tensor | None) -> None:
         self.bucket = bucket  # held, so that the id in the cache key stays this bucket's
@@ -114,10 +118,29 @@ class PreparedBucket:
         if self.direct is not None:
             for key, packed in self._regions:
                 sums.add(key, packed)
-        else:
-            for key, region in self._landed:
-                sums.add_region(key, region)
-            sums.flush()
+            return
+        batch = self._prepared_landed()
+        if batch:
+            assert not isinstance(batch, bool)
+            sums.add_batch(*batch)
+            return
+        for key, region in self._landed:
+            sums.add_region(key, region)
+        sums.flush()
+
+    def _prepared_landed(self) -> tuple[list[str], checksum_kernel.Batch] | bool:
+        """The landed regions described and uploaded once (they lie where they lay at the last
+        refit: the prepared bucket is keyed by its tensors): describing a bucket's hundreds of
+        regions on every refit kept the host, not the memory, the check's limit."""
+        if self._landed_batch is None:
+            described = [(key, checksum_kernel.describe(region)) for key, region in self._landed]
+            ready = bool(described) and all(r is not None for _, r in described)
+            self._landed_batch = (
+                ([k for k, _ in described], checksum_kernel.Batch([r for _, r in described if r is not None]))
+                if ready
+                else False
+            )
+        return self._landed_batch
 
 
 def _direct_bytes(direction: Direction, bucket: Bucket, copies: Copies) -> torch.Tensor | None:

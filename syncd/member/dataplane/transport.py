@@ -13,8 +13,8 @@ import contextlib
 import datetime
 import threading
 import weakref
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,41 @@ class TransferError(RuntimeError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """A send or receive did not complete in time."""
+
+
+class ConcurrentUse(RuntimeError):
+    """Two threads entered one communicator at once."""
+
+
+class OneCaller:
+    """Admits one thread at a time into a communicator's calls, and raises for a second instead of
+    making it wait. NCCL communicators are not thread-safe: a call from a second thread while the
+    first is still in progress fails (`InvalidArgument`, with NCCL's "Attempt to use communicator
+    before the previous operation returned ncclSuccess"), and two threads' sends could also
+    interleave out of the order the plan's deadlock freedom rests on. A lock would hide that
+    design error and reorder the sends, so the guard names both threads instead. (`abort` is
+    exempt: it is how another thread ends a blocked transfer.)"""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._lock = threading.Lock()
+        self._holder: str | None = None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        me = threading.current_thread().name
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentUse(
+                f"{self._what} is in use by thread {self._holder!r} and thread {me!r} called it too: "
+                "a communicator takes calls from one thread at a time (post sends to several peers "
+                "in one call, e.g. NcclTransport.isend_group)"
+            )
+        self._holder = me
+        try:
+            yield
+        finally:
+            self._holder = None
+            self._lock.release()
 
 
 class Handle(Protocol):
@@ -50,6 +85,13 @@ class Transport(Protocol):
     def irecv(self, buf: torch.Tensor, peer: int) -> Handle: ...
     def abort(self) -> None: ...
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class GroupSender(Protocol):
+    """A transport that posts sends to several peers as one operation (NCCL's group call)."""
+
+    def isend_group(self, sends: Sequence[tuple[torch.Tensor, int]]) -> Sequence[Handle]: ...
 
 
 class _GlooHandle:
