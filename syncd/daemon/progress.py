@@ -110,6 +110,11 @@ class TransferProgress:
         self._state = RefitState.TRANSFERRING
 
     @property
+    def state(self) -> RefitState:
+        """TRANSFERRING until `conclude` says how it ended."""
+        return self._state
+
+    @property
     def busiest_link_bytes(self) -> int:
         return max(self._total.values(), default=0)
 

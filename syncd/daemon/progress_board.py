@@ -4,7 +4,7 @@ refit from the start of its transfer, the last `KEPT` of them after they ended, 
 
 The refit sequence calls `start` when TRANSFERRING starts and `concluded` once the refit's outcome
 is recorded; the coordinator passes members' progress and TRANSFERRED reports; the HTTP API and
-the metrics read `get` and `in_flight`.
+the metrics read `get` and `latest`.
 """
 
 from __future__ import annotations
@@ -78,10 +78,18 @@ class ProgressBoard:
             return None
         return _preparing(record)
 
-    def in_flight(self) -> TransferProgress | None:
-        """The refit whose transfer started and that has not ended, if any."""
+    def latest(self, current: RefitRecord | None) -> tuple[RefitProgress | None, bool]:
+        """What the metrics show: the refit in flight (its transfer started, it has not ended;
+        `current` is the running refit's record) and True, else the last one as it ended and
+        False (None before any transfer)."""
         with self._lock:
-            return None if self._running is None else self._refits.get(self._running)
+            running = self._running
+            last = next(reversed(self._refits.values()), None)
+        if running is not None and current is not None and current.id == running:
+            return self._refits[running].snapshot(current.state), True
+        if last is None:
+            return None, False
+        return last.snapshot(last.state), False
 
 
 def _preparing(record: RefitRecord) -> RefitProgress:

@@ -64,12 +64,23 @@ def test_progress_shows_in_the_refit_and_its_events_until_it_commits(cluster: Cl
     }
     assert p["slowest"] is not None and p["slowest"]["dst"] == "generator-0-0"
     assert p["eta_source"] == "live" and p["eta_s"] is not None
+    metrics = cluster.http.get("/metrics").text
+    assert "weightsync_syncd_refit_in_flight 1.0" in metrics
+    assert f"weightsync_syncd_refit_total_bytes {float(p['bytes_total'])}" in metrics
+    assert 'weightsync_syncd_link_rate_bytes{dst="generator-0-0",src="trainer-0",stage="0"}' in metrics
 
     go_on.set()
     done = cluster.wait_refit(refit_id)
     assert done["state"] == "COMMITTED", done["error"]
     final = cluster.http.get(f"/v1/refits/{refit_id}").json()["progress"]
     assert final["state"] == "COMMITTED" and final["fraction"] == 1.0
+    metrics = cluster.http.get("/metrics").text
+    assert (
+        "weightsync_syncd_refit_in_flight 0.0" in metrics
+        and "weightsync_syncd_refit_eta_seconds NaN" in metrics
+    )
+    done_total = f"{float(final['bytes_total'])}"
+    assert f"weightsync_syncd_refit_done_bytes {done_total}" in metrics  # the last refit, as it ended
     reader.join(30)
     progress_events = [body for name, body in events if name == "progress"]
     done_bytes = [e["progress"]["bytes_done"] for e in progress_events if e["progress"]]
