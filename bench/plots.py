@@ -78,7 +78,8 @@ def _fanout_rows(results: list[Loaded]) -> Iterator[tuple[Loaded, list[Result]]]
 
 
 def fanout_figure(results: list[Loaded]) -> Figure | None:
-    runs = list(_fanout_rows(results))
+    # a run of one replica count (progress reports on and off) says nothing about growth
+    runs = [(r, rows) for r, rows in _fanout_rows(results) if len({row["replicas"] for row in rows}) > 1]
     if not runs:
         return None
     fig, (time_ax, egress_ax) = plt.subplots(1, 2, figsize=(7.5, 3.0))
@@ -104,7 +105,7 @@ def fanout_figure(results: list[Loaded]) -> Figure | None:
 
 
 def delta_figure(results: list[Loaded]) -> Figure | None:
-    runs = list(_fanout_rows(results))
+    runs = [(r, rows) for r, rows in _fanout_rows(results) if any(row["step"] == "rl-like" for row in rows)]
     if not runs:
         return None
     _, rows = runs[-1]  # the newest file by name (dated names)
