@@ -10,7 +10,8 @@ under bench/results (sub-folders included) and writes PNGs into docs/figures:
   same device (`bench/colocated_bench.py`).
 
 A result file is recognised by the fields it carries, not by its name, so new runs join the
-figures as they are added; a figure with no results is skipped, saying so. The PNGs are small
+figures as they are added; a figure with no results is skipped, saying so. Each figure written is
+printed with what it shows (runs, cards, bucket sizes). The PNGs are small
 (about 100 dpi, few colours) so that the repository stays light.
 """
 
@@ -101,6 +102,9 @@ def fanout_figure(results: list[Loaded]) -> Figure | None:
     for ax in (time_ax, egress_ax):
         _powers_of_two(ax, sorted({row["replicas"] for _, rows in runs for row in rows}))
     fig.suptitle("Fan-out: replicas relay, the trainer sends one copy", fontsize=10)
+    fig.set_label(
+        f"{len(runs)} run(s), replicas {_listed({row['replicas'] for _, rows in runs for row in rows})}"
+    )
     return fig
 
 
@@ -128,7 +132,12 @@ def delta_figure(results: list[Loaded]) -> Figure | None:
     ax.set_ylim(0, 1.3 * max(max(steps.values(), default=0.0) for steps in by_step.values()))
     ax.legend(fontsize=8, ncol=3, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
+    fig.set_label(f"replicas {_listed(replicas)}")
     return fig
+
+
+def _listed(values) -> str:
+    return ", ".join(str(v) for v in sorted(values))
 
 
 def _powers_of_two(ax: Axes, ticks: list[int]) -> None:
@@ -184,6 +193,7 @@ def gpu_figure(results: list[Loaded]) -> Figure | None:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
     cards = sorted({p.card for p in points})
+    shown = []
     for i, card in enumerate(cards):
         color = f"C{i}"
         mine = sorted((p for p in points if p.card == card), key=lambda p: p.bucket_mib)
@@ -194,10 +204,12 @@ def gpu_figure(results: list[Loaded]) -> Figure | None:
         ax.plot(buckets, [max(by_bucket[k]) for k in buckets], "o-", color=color, label=f"{card}: refit")
         raw = statistics.median(p.raw_gbps for p in mine)
         ax.axhline(raw, color=color, linestyle="--", linewidth=1, label=f"{card}: raw NCCL")
+        shown.append(f"{card} at {_listed(buckets)} MiB")
     _powers_of_two(ax, sorted({p.bucket_mib for p in points}))
     ax.set(xlabel="bucket size (MiB)", ylabel="GB/s", title="GPU refit against raw NCCL, two GPUs")
     ax.set_ylim(0, 1.25 * max(max(p.raw_gbps, p.refit_gbps) for p in points))
     ax.legend(fontsize=8, ncol=2, loc="upper left")
+    fig.set_label("; ".join(shown))
     return fig
 
 
@@ -221,6 +233,7 @@ def colocated_figure(results: list[Loaded]) -> Figure | None:
         ax.set(title=f"{device}: refit = {refit / copy:.2f} x copy", ylabel="GB/s")
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("Colocated refit (same host or GPU) against a memory copy", fontsize=10)
+    fig.set_label(", ".join(device for device, _, _ in bars))
     return fig
 
 
@@ -247,7 +260,7 @@ def render(results_dir: Path, out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=DPI, metadata={"Software": None}, pil_kwargs={"optimize": True})
         plt.close(fig)
         written.append(path)
-        print(f"{name}: {path.stat().st_size // 1024} KiB")
+        print(f"{name}: {path.stat().st_size // 1024} KiB: {fig.get_label()}")
     return written
 
 

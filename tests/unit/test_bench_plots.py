@@ -1,6 +1,7 @@
-"""`python -m bench.plots` draws the figures of the docs from the result files: every figure the
-repository's results allow, small; a results folder with fewer kinds of files gives fewer figures,
-and a GPU summary dropped into a sub-folder joins the GPU figure as a card of its own."""
+"""`python -m bench.plots`, run as a user runs it (the tests import no benchmark), draws the
+figures of the docs from the result files: every figure the repository's results allow, small; a
+results folder with fewer kinds of files gives fewer figures, and a GPU summary dropped into a
+sub-folder joins the GPU figure as a card of its own."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.plots import FIGURES_BY_NAME, RESULTS, gpu_points, load_results
-
 REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"
+FIGURES = ["colocated-vs-copy.png", "delta-vs-full.png", "fanout.png", "gpu-refit-vs-nccl.png"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -30,7 +31,7 @@ def _plots(results: Path, out: Path) -> subprocess.CompletedProcess:
 def test_every_figure_from_the_repositorys_results_is_a_small_png(tmp_path: Path) -> None:
     _plots(RESULTS, tmp_path)
     written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == sorted(FIGURES_BY_NAME)
+    assert written == FIGURES
     for png in tmp_path.iterdir():
         assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size < 100 << 10, png.name
 
@@ -55,5 +56,4 @@ def test_fewer_results_fewer_figures_and_new_cards_join(tmp_path: Path) -> None:
         "gpu-refit-vs-nccl.png",
     ]
     assert "colocated-vs-copy.png: no results" in shown
-    points = gpu_points(load_results(results))
-    assert {(p.card, p.bucket_mib) for p in points} == {("H100", 64), ("H100", 256)}
+    assert "gpu-refit-vs-nccl.png" in shown and "H100 at 64, 256 MiB" in shown
