@@ -97,8 +97,9 @@ class MemberAgent:
         fault = armed(self._settings.landing_fault_file)
         if fault is not None:
             log.warning("%s: test fault %s armed for refit %s", self.member_id, fault, cmd.refit_id)
-        interval = self._settings.progress_interval_s
-        with reporting(sender_of(self._client), cmd.refit_id, interval) as arrived:
+        receives = any(b.dst == self.member_id for b in cmd.buckets)  # only receivers report progress
+        send = sender_of(self._client) if receives else None
+        with reporting(send, cmd.refit_id, self._settings.progress_interval_s) as arrived:
             refit = RefitTransfer.of(
                 cmd,
                 self.member_id,

@@ -7,6 +7,11 @@ reads the counters and talks to syncd on its own thread, skips a report when not
 never raises into the transfer (a report syncd does not take only leaves the progress older).
 A member whose client cannot report progress (a test's reporter) or whose interval is 0 reports
 none; its TRANSFERRED report still completes its links in syncd's view.
+
+What counts as arrived: on CPU, a bucket whose receive completed. On GPUs the host only enqueues
+(`syncd.member.dataplane.executor`), so a bucket counts once its receive is ordered on the stream,
+at most a few buckets ahead of the wire (the loop's throttle). Links over CUDA IPC are not
+counted: they complete with TRANSFERRED, in a fraction of a second.
 """
 
 from __future__ import annotations
