@@ -15,6 +15,7 @@ from prometheus_client import (
 )
 
 from syncd.daemon.progress import RefitProgress
+from syncd.states import RefitState
 from syncd.vocabulary import Role
 
 # `*_created` series only double the output; nothing here needs them.
@@ -108,7 +109,7 @@ class Metrics:
         )
         self.refit_since_progress = Gauge(
             "weightsync_syncd_refit_since_progress_seconds",
-            "Seconds since bytes of the refit in flight last arrived (0 when none is in flight)",
+            "Seconds since bytes of the refit in flight last arrived, while it transfers (else 0)",
             registry=r,
         )
         self.stall_timeout = Gauge(
@@ -129,7 +130,9 @@ class Metrics:
         self.refit_in_flight.set(in_flight)
         self.link_rate.clear()
         self.refit_eta.set(float("nan") if p is None or p.eta_s is None or not in_flight else p.eta_s)
-        self.refit_since_progress.set(p.since_progress_s if p is not None and in_flight else 0)
+        # Only a transfer stalls: verify and commit move no bytes, and no stall timeout waits on them.
+        transferring = p is not None and in_flight and p.state == RefitState.TRANSFERRING
+        self.refit_since_progress.set(p.since_progress_s if p is not None and transferring else 0)
         self.refit_done_bytes.set(0 if p is None else p.total.done)
         self.refit_total_bytes.set(0 if p is None else p.total.total)
         for link in p.links if p is not None else ():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from syncd.commands import ProgressReport
+from syncd.daemon.metrics import Metrics
 from syncd.daemon.progress import EtaSource, TransferProgress
 from syncd.daemon.transfer_model import Observation, fit
 from syncd.plan.types import Bucket, Plan, Relay
@@ -77,3 +78,18 @@ def test_the_model_fits_an_overhead_and_a_link_bandwidth() -> None:
     one = fit([Observation(10 * MIB, 2.0, 0.0)])  # one size: no overhead to tell apart
     assert one is not None and one.overhead_s == 0 and one.bandwidth == pytest.approx(5 * MIB)
     assert fit([]) is None
+
+
+def test_the_stall_gauge_counts_only_while_the_refit_transfers() -> None:
+    """Verify and commit move no bytes: the seconds without progress (what the stall alert reads)
+    stay 0 after the transfer, while the refit is still in flight."""
+    clock = Clock()
+    progress = TransferProgress("refit-3", _plan(), estimate_s=None, after_s=0.0, clock=clock)
+    clock.now += 20
+    metrics = Metrics()
+    metrics.show_progress(progress.snapshot(RefitState.TRANSFERRING), in_flight=True)
+    assert "weightsync_syncd_refit_since_progress_seconds 20.0" in metrics.render().decode()
+    metrics.show_progress(progress.snapshot(RefitState.VERIFYING), in_flight=True)
+    shown = metrics.render().decode()
+    assert "weightsync_syncd_refit_since_progress_seconds 0.0" in shown
+    assert "weightsync_syncd_refit_in_flight 1.0" in shown
