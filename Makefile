@@ -38,11 +38,12 @@ lint: $(STAMP)  ## ruff lint, ruff format check, mypy
 # `prometheus` package) for the deploy tests; `ip`, `tc` (iproute2) and `nsenter` (util-linux) for
 # the lab of hosts (tests/lab, tests/e2e/test_lab_e2e.py, which also need root); munged, slurmctld,
 # slurmd, sbatch (munge, slurmctld, slurmd, slurm-client) and unshare (util-linux) for the SLURM
-# cluster on a lab (tests/lab/test_slurm_lab.py, `make slurm-lab`). Installed with apt
+# cluster on a lab (tests/lab/test_slurm_lab.py, `make slurm-lab`); tmux, a real terminal whose
+# screen a test reads (tests/lab/test_progress_lab.py: `syncctl refit --wait` draws bars). Installed with apt
 # when missing and running as root (CI), saying so; a no-op when present. Elsewhere their tests
 # skip and say why; CI sets WEIGHTSYNC_REQUIRE_TOOLS=1 so they fail.
 SYSTEM_TOOLS := promtool:prometheus prometheus:prometheus ip:iproute2 tc:iproute2 nsenter:util-linux \
-	unshare:util-linux munged:munge slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client
+	unshare:util-linux munged:munge slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client tmux:tmux
 tools:
 	@packages=""; for pair in $(SYSTEM_TOOLS); do t=$${pair%%:*}; p=$${pair#*:}; \
 	  command -v $$t >/dev/null || case " $$packages " in *" $$p "*) ;; *) packages="$$packages $$p";; esac; done; \

@@ -2,6 +2,10 @@
 host for R = 1, 2, 4, 8 generator replicas, every host on its own shaped link.
 
     sudo python -m bench.fanout_bench --json bench/results/fanout-lab-DATE.json
+    sudo python -m bench.fanout_bench --replicas 2 --reps 8 --progress-interval 0.25,0,0.25,0
+
+The second compares refits with the members' progress reports on (every 0.25 s) and off (0),
+sessions interleaved: `progress_cost` is the median refit time with them over without.
 
 Hosts: `syncd`, `trainer` (every trainer rank: ep x tp plain-tensor ranks of the synthetic MoE,
 `testkit/plain_member.py`) and `gen0` ... `gen7` (one TP-1 generator replica each, a plain member
@@ -31,15 +35,18 @@ import httpx
 
 from deploy.lab import Lab
 from deploy.local.processes import PYTHON, Proc
+from syncd.member.agent.progress import PROGRESS_INTERVAL_ENV
 from syncd.refit_wait import wait_final
 from testkit.plain_member import RlSteps, loaded_marker, model_shape
 
 HTTP_PORT, GRPC_PORT = 8470, 8471
 
 
-def _members(lab: Lab, args, replicas: int, workdir: Path, steps: Steps) -> list[Proc]:
+def _members(lab: Lab, args, replicas: int, workdir: Path, steps: Steps, progress_s: float) -> list[Proc]:
     """syncd, the trainer ranks and `replicas` generators, each started on its lab host; `steps`:
-    whether syncd runs delta refits, and which versions the trainers make RL-like steps."""
+    whether syncd runs delta refits, and which versions the trainers make RL-like steps;
+    `progress_s`: seconds between the members' progress reports (0: none)."""
+    progress = {PROGRESS_INTERVAL_ENV: str(progress_s)}
     syncd_at = f"{lab.address('syncd')}:{GRPC_PORT}"
     procs = [
         lab.spawn(
@@ -63,6 +70,7 @@ def _members(lab: Lab, args, replicas: int, workdir: Path, steps: Steps) -> list
              "--host", lab.address("trainer"), "--announce-file", str(workdir / "version"),
              "--rl-changed", str(steps.rl.fraction), "--rl-versions", f"{steps.rl.first},{steps.rl.last}"],
             name=f"trainer-{e}-{t}-r{replicas}",
+            env=progress,
         )
         for e, t in ranks
     ]  # fmt: skip
@@ -74,6 +82,7 @@ def _members(lab: Lab, args, replicas: int, workdir: Path, steps: Steps) -> list
                 [PYTHON, "-m", "testkit.plain_member", "--role", "generator", *model, "--replica", str(r),
                  "--host", lab.address(host), "--lean"],
                 name=f"{host}-r{replicas}",
+                env=progress,
             )
         )  # fmt: skip
     return procs
@@ -117,7 +126,7 @@ def sessions(args) -> list[Steps]:
     return [full, Steps(True, rl, ("rl-like",) * args.reps + ("everything",) * args.reps)]
 
 
-def measure(lab: Lab, args, replicas: int, workdir: Path, steps: Steps) -> list[dict]:
+def measure(lab: Lab, args, replicas: int, workdir: Path, steps: Steps, progress_s: float) -> list[dict]:
     """One session: fresh processes, a warm-up refit (version 1), then a refit per `steps.kinds`;
     a row per kind."""
     (workdir / "version").write_text("0")
@@ -126,7 +135,7 @@ def measure(lab: Lab, args, replicas: int, workdir: Path, steps: Steps) -> list[
     for old in workdir.glob(f"syncd-{replicas}.db*"):  # a fresh syncd: no history, no versions
         old.unlink()
     token = lab.cluster.make_token(workdir)  # syncd serves the lab's network: every process gets it
-    procs = _members(lab, args, replicas, workdir, steps)
+    procs = _members(lab, args, replicas, workdir, steps, progress_s)
     headers = {"Authorization": f"Bearer {token}"}
     http = httpx.Client(base_url=f"http://{lab.address('syncd')}:{HTTP_PORT}", timeout=30, headers=headers)
     try:
@@ -137,7 +146,8 @@ def measure(lab: Lab, args, replicas: int, workdir: Path, steps: Steps) -> list[
             seconds, egress_bytes, record = _refit(lab, http, procs, args, workdir, replicas, version)
             if version > 1:  # the first refit negotiates the groups and allocates: a warm-up
                 measured.setdefault(steps.kinds[version - 2], []).append((seconds, egress_bytes, record))
-        return [_row(replicas, kind, steps.delta, runs, plan) for kind, runs in measured.items()]
+        rows = [_row(replicas, kind, steps.delta, runs, plan) for kind, runs in measured.items()]
+        return [{**row, "progress_interval_s": progress_s} for row in rows]
     finally:
         http.close()
         for p in reversed(procs):
@@ -214,6 +224,27 @@ def delta_targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def progress_cost(rows: list[dict]) -> list[dict]:
+    """Per replica count and step, the median refit time with progress reports over without,
+    over every refit of the sessions of each (when both ran)."""
+    out = []
+    for replicas, step in sorted({(r["replicas"], r["step"]) for r in rows}):
+        mine = [r for r in rows if r["replicas"] == replicas and r["step"] == step]
+        on = [t for r in mine if r["progress_interval_s"] > 0 for t in r["refit_s_each"]]
+        off = [t for r in mine if r["progress_interval_s"] == 0 for t in r["refit_s_each"]]
+        if on and off:
+            ratio = statistics.median(on) / statistics.median(off)
+            out.append(
+                {
+                    "replicas": replicas,
+                    "step": step,
+                    "on_vs_off": round(ratio, 4),
+                    "refits": len(on) + len(off),
+                }
+            )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", default="1,2,4,8")
@@ -232,7 +263,14 @@ def main() -> None:
     )
     p.add_argument("--changed", type=float, default=0.025, help="--delta: elements an RL-like step moves")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/fanout-bench"))
+    p.add_argument(
+        "--progress-interval",
+        default="0.25",
+        help="seconds between members' progress reports (0: none); a comma list runs one session per "
+        "value per replica count, in that order (0.25,0,0.25,0 interleaves on and off)",
+    )
     args = p.parse_args()
+    intervals = [float(s) for s in args.progress_interval.split(",")]
     counts = [int(r) for r in args.replicas.split(",")]
     args.workdir.mkdir(parents=True, exist_ok=True)
     shape = model_shape("moe", args.mib)
@@ -242,8 +280,9 @@ def main() -> None:
         rows = [
             row
             for replicas in counts
+            for progress_s in intervals
             for steps in sessions(args)
-            for row in measure(lab, args, replicas, args.workdir, steps)
+            for row in measure(lab, args, replicas, args.workdir, steps, progress_s)
         ]
     for row in rows:  # against the first replica count's refit of the same kind
         base = next(r for r in rows if r["step"] == row["step"])
@@ -256,6 +295,7 @@ def main() -> None:
         "bucket_bytes": args.bucket_mib << 20,
         "fanout": args.fanout,
         **({"rl_changed": args.changed, "delta_targets": delta_targets(rows)} if args.delta else {}),
+        **({"progress_cost": progress_cost(rows)} if len(set(intervals)) > 1 else {}),
         "trainer": {"ep": args.ep, "tp": args.tp},
         "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -268,7 +308,7 @@ def main() -> None:
             f"{row['time_vs_first']:>6.2f} {row['trainer_egress_bytes'] / 1e6:>11.1f} "
             f"{row['egress_vs_first']:>6.2f}"
         )
-    for target in result.get("delta_targets", []):
+    for target in result.get("delta_targets", []) + result.get("progress_cost", []):
         print(target)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

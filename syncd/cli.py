@@ -3,10 +3,12 @@
     syncctl --url http://syncd:8470 status
     syncctl members | plan [--json] | history | abort refit-3
     syncctl --token-file F refit --wait     # exit 0 only when the refit COMMITTED (or --token T)
+    syncctl watch [refit-3] [--json]        # follow a refit (default: the running one) live
     syncctl verify --generator http://gen-0:8000   # exit 0 only when it holds what was sent
 
-Tables by default, `--json` for scripts. Exit codes: 0 success, 1 syncd refused the request or the
-refit did not commit, 2 usage error, 3 syncd unreachable.
+Tables by default, `--json` for scripts (`watch --json`: one JSON object per update). Exit codes:
+0 success, 1 syncd refused the request or the refit did not commit, 2 usage error, 3 syncd
+unreachable, 130 stopped watching by Ctrl-C (the refit goes on).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -24,9 +26,10 @@ from syncd.auth import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, resolve_token
 from syncd.error_body import error_message
 from syncd.refit_wait import wait_final
 from syncd.states import TERMINAL
+from syncd.watch import Body, follow, view_for
 from syncd.weight_version import WeightVersion, parse_weight_version
 
-EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 3
+EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 3, 130
 
 
 class CliError(Exception):
@@ -54,6 +57,18 @@ class Api:
         if r.status_code >= 400:
             raise CliError(f"{error_message(body)} (HTTP {r.status_code})")
         return body
+
+    def follow(self, refit_id: str, timeout: float) -> Iterator[Body]:
+        """The refit's updates until it ends (`syncd.watch.follow`), failures as CliError."""
+        try:
+            yield from follow(self._http, refit_id, timeout)
+        except httpx.HTTPStatusError as e:
+            raise CliError(f"{error_message(e.response.json())} (HTTP {e.response.status_code})") from None
+        except httpx.TransportError as e:
+            reason = str(e) or type(e).__name__
+            raise CliError(f"cannot reach syncd at {self.url}: {reason}", EXIT_UNREACHABLE) from None
+        except TimeoutError as e:
+            raise CliError(str(e)) from None
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -182,8 +197,10 @@ def cmd_refit(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     if args.full:
         body["full"] = True
     r = api.call("POST", "/v1/refits", json=body)
-    if args.wait:
-        r = _wait(api, r, args.timeout, quiet=args.json)
+    if args.wait and args.json:
+        r = _wait(api, r, args.timeout, quiet=True)
+    elif args.wait:  # the progress on stderr: stdout keeps the outcome
+        r = dict(_watch(api, r["id"], args.timeout, sys.stderr, as_json=False))
     text = f"{r['id']} {r['state']} (weight version {r['weight_version']})"
     if r["state"] in TERMINAL:
         text += f" in {_duration(r)}, {r['mode']}, {human_bytes(r['bytes'])}"
@@ -206,6 +223,40 @@ def _wait(api: Api, refit: dict, timeout: float, quiet: bool) -> dict:
         return dict(wait_final(lambda path: api.call("GET", path), refit["id"], timeout, on_state=show))
     except TimeoutError as e:
         raise CliError(str(e)) from None
+
+
+def _watch(api: Api, refit_id: str, timeout: float, out: Any, as_json: bool) -> Body:
+    """Draw the refit's progress on `out` until it ends; returns its last body. Ctrl-C stops the
+    watching, never the refit."""
+    view = view_for(out, as_json)
+    last: Body | None = None
+    try:
+        for last in api.follow(refit_id, timeout):
+            view.update(last)
+    except KeyboardInterrupt:
+        view.close()
+        raise CliError(
+            f"stopped watching {refit_id}; the refit goes on (syncctl watch {refit_id})", EXIT_INTERRUPTED
+        ) from None
+    view.close()
+    assert last is not None  # `follow` ends only after the final state
+    return last
+
+
+def cmd_watch(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
+    """Follow a refit (default: the running one, else the newest) until it ends; exit 0 only
+    when it COMMITTED. The updates are the output: nothing is printed after them."""
+    refit_id = args.refit_id
+    if refit_id is None:
+        current = api.call("GET", "/v1/status")["current_refit"]
+        newest = current or next(iter(api.call("GET", "/v1/refits", params={"limit": 1})["refits"]), None)
+        if newest is None:
+            raise CliError("no refit to watch: syncd has run none")
+        refit_id = newest["id"]
+    r = _watch(api, refit_id, args.timeout, sys.stdout, args.json)
+    if r["state"] != "COMMITTED":
+        raise CliError(f"{r['id']} {r['state']}: {r['error']}")
+    return None, ""
 
 
 def _generator_digests(url: str) -> list[dict[str, Any]]:
@@ -293,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="wait for the outcome; exit 0 only if COMMITTED")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait with --wait")
     p.set_defaults(run=cmd_refit)
+    p = sub.add_parser("watch", parents=[common], help="follow a refit live: bytes, rate, ETA, the slowest")
+    p.add_argument("refit_id", nargs="?", default=None, help="default: the running refit, else the newest")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to follow it at most")
+    p.set_defaults(run=cmd_watch)
     p = sub.add_parser("verify", parents=[common], help="compare what generators hold with what was sent")
     p.add_argument(
         "--generator", action="append", required=True, help="a generator's HTTP URL (repeat for each)"
@@ -315,7 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as e:
         print(f"syncctl: {e}", file=sys.stderr)
         return e.code
-    print(json.dumps(result, indent=2) if args.json else text)
+    if result is not None or text:  # `watch` showed its output as it went
+        print(json.dumps(result, indent=2) if args.json else text)
     return EXIT_OK
 
 

@@ -150,3 +150,14 @@ def checksum_key(canonical: str, canon: Box) -> str:
     Senders and receivers of the same unit produce the same key (the data plane names its
     checksums with it) and syncd's comparison looks them up by it."""
     return canonical + "[" + ",".join(f"{a}:{b}" for a, b in zip(canon.start, canon.stop)) + "]"
+
+
+@dataclass(frozen=True)
+class ProgressReport:
+    """A receiving member's bytes so far of each link into it, while it transfers (not an answer
+    to a command: it sends one a few times a second at most, `syncd.member.agent.progress`).
+    `links`: (stage, src) -> bytes of that link's buckets that arrived, a running total."""
+
+    member_id: str
+    refit_id: str
+    links: Mapping[tuple[int, str], int]

@@ -331,3 +331,24 @@ def report_from_pb(m: pb.ReportRequest, member_id: str) -> commands.MemberReport
         delta_elements=m.delta_elements,
         changed_elements=m.changed_elements,
     )
+
+
+# ---- progress ----
+
+
+def progress_to_pb(r: commands.ProgressReport) -> pb.ProgressRequest:
+    return pb.ProgressRequest(
+        member_id=r.member_id,
+        refit_id=r.refit_id,
+        links=[pb.LinkProgress(stage=stage, src=src, bytes=n) for (stage, src), n in sorted(r.links.items())],
+    )
+
+
+def progress_from_pb(m: pb.ProgressRequest, member_id: str) -> commands.ProgressReport:
+    """The progress of member `member_id` (its session's, not what the message claims)."""
+    links: dict[tuple[int, str], int] = {}
+    for link in m.links:
+        if link.bytes < 0:
+            raise ValueError(f"progress from {member_id}: link {link.src} -> it has {link.bytes} bytes")
+        links[(link.stage, link.src)] = link.bytes
+    return commands.ProgressReport(member_id, m.refit_id, links)

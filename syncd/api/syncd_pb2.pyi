@@ -391,3 +391,29 @@ class ReportRequest(_message.Message):
 class ReportResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class LinkProgress(_message.Message):
+    __slots__ = ("stage", "src", "bytes")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    src: str
+    bytes: int
+    def __init__(self, stage: _Optional[int] = ..., src: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ProgressRequest(_message.Message):
+    __slots__ = ("member_id", "session_id", "refit_id", "links")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REFIT_ID_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    session_id: str
+    refit_id: str
+    links: _containers.RepeatedCompositeFieldContainer[LinkProgress]
+    def __init__(self, member_id: _Optional[str] = ..., session_id: _Optional[str] = ..., refit_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkProgress, _Mapping]]] = ...) -> None: ...
+
+class ProgressResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -59,6 +59,11 @@ class SyncdStub:
                 request_serializer=weightsync_dot_v1_dot_syncd__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_syncd__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.Progress = channel.unary_unary(
+                '/weightsync.v1.Syncd/Progress',
+                request_serializer=weightsync_dot_v1_dot_syncd__pb2.ProgressRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_syncd__pb2.ProgressResponse.FromString,
+                _registered_method=True)
 
 
 class SyncdServicer:
@@ -98,6 +103,15 @@ class SyncdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Progress(self, request, context):
+        """While it transfers, a receiving member says how many bytes of each link into it arrived so
+        far (a few times a second at most, off its data path); syncd keeps the refit's progress.
+        Best effort: a lost or late one only makes the progress older.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SyncdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +139,11 @@ def add_SyncdServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=weightsync_dot_v1_dot_syncd__pb2.LeaveRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_syncd__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Progress': grpc.unary_unary_rpc_method_handler(
+                    servicer.Progress,
+                    request_deserializer=weightsync_dot_v1_dot_syncd__pb2.ProgressRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_syncd__pb2.ProgressResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +281,33 @@ class Syncd:
             '/weightsync.v1.Syncd/Leave',
             weightsync_dot_v1_dot_syncd__pb2.LeaveRequest.SerializeToString,
             weightsync_dot_v1_dot_syncd__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Progress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.Syncd/Progress',
+            weightsync_dot_v1_dot_syncd__pb2.ProgressRequest.SerializeToString,
+            weightsync_dot_v1_dot_syncd__pb2.ProgressResponse.FromString,
             options,
             channel_credentials,
             insecure,

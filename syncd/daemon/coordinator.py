@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from syncd.commands import MemberReport
+from syncd.commands import MemberReport, ProgressReport
 from syncd.daemon.admission import Admission, RefitSlot
 from syncd.daemon.auto_refit import AutoRefit
 from syncd.daemon.digests import Digests
@@ -25,6 +25,8 @@ from syncd.daemon.errors import FailedPrecondition, Unavailable
 from syncd.daemon.journal import Journal
 from syncd.daemon.metrics import Metrics
 from syncd.daemon.plan_cache import PlanCache
+from syncd.daemon.progress import RefitProgress
+from syncd.daemon.progress_board import ProgressBoard
 from syncd.daemon.readiness import Readiness
 from syncd.daemon.refit_run import Run
 from syncd.daemon.refit_sequence import RefitSequence
@@ -52,6 +54,7 @@ class Coordinator:
         self._journal = Journal(store)
         self._slot = RefitSlot()
         plans = PlanCache(max_buckets=settings.max_plan_buckets, fanout=settings.fanout)
+        self.progress = ProgressBoard(store)
         self._settings, self._registry = settings, registry
         self._admission = Admission(
             settings, registry, store, self._journal, plans, self.versions, self._slot
@@ -67,6 +70,7 @@ class Coordinator:
             self.digests,
             refit_problems=self._admission.refit_problems,
             release=self._slot.release,
+            progress=self.progress,
         )
         self._auto = AutoRefit(settings, registry, self.versions, self.trigger)
         if self.versions.committed is not None:
@@ -139,7 +143,18 @@ class Coordinator:
                 report.refit_id,
             )
             return
+        self.progress.reported(report)
         run.add(report)
+
+    def report_progress(self, report: ProgressReport) -> None:
+        """A member's bytes so far (`syncd.daemon.progress`); one of another refit is ignored."""
+        run = self._slot.running()
+        if run is not None and run.id == report.refit_id:
+            self.progress.add(report)
+
+    def refit_progress(self, record: RefitRecord) -> RefitProgress | None:
+        """The progress of the refit `record` shows (`ProgressBoard.get`)."""
+        return self.progress.get(record)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort the running refit (members get Abort while their sessions still exist), let a

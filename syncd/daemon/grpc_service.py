@@ -160,6 +160,12 @@ class SyncdServicer(pb_grpc.SyncdServicer):
             self.coordinator.report(convert.report_from_pb(request, member.member_id))
         return pb.ReportResponse()
 
+    @_guarded
+    def Progress(self, request: pb.ProgressRequest, context: grpc.ServicerContext) -> pb.ProgressResponse:
+        member = self.registry.member(request.member_id, request.session_id)
+        self.coordinator.report_progress(convert.progress_from_pb(request, member.member_id))
+        return pb.ProgressResponse()
+
 
 def build_grpc_server(
     servicer: SyncdServicer,

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
@@ -37,6 +37,7 @@ from syncd.daemon.http_models import (
     VerifyOut,
 )
 from syncd.daemon.metrics import Metrics
+from syncd.daemon.progress_http import RefitProgressOut, progress_events
 from syncd.daemon.registry import ROLES, Registry
 from syncd.error_body import ErrorBody, error_response
 from syncd.weight_version import parse_weight_version
@@ -89,6 +90,7 @@ def build_app(
         members = registry.members()
         for role in ROLES:
             metrics.members.labels(role=role).set(sum(m.role == role for m in members))
+        metrics.show_progress(*coordinator.progress.latest(coordinator.current()))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/status", response_model=StatusOut, tags=["refits"])
@@ -127,9 +129,30 @@ def build_app(
     def history(limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> RefitsOut:
         return RefitsOut(refits=[RefitOut.of(r) for r in coordinator.history(limit)])
 
-    @app.get("/v1/refits/{refit_id}", response_model=RefitOut, responses=_ERRORS, tags=["refits"])
-    def refit(refit_id: str) -> RefitOut:
-        return RefitOut.of(coordinator.get(refit_id))
+    def refit_with_progress(refit_id: str) -> RefitProgressOut:
+        record = coordinator.get(refit_id)
+        return RefitProgressOut.with_progress(record, coordinator.refit_progress(record))
+
+    @app.get("/v1/refits/{refit_id}", response_model=RefitProgressOut, responses=_ERRORS, tags=["refits"])
+    def refit(refit_id: str) -> RefitProgressOut:
+        """The refit, with its live progress (bytes, rates, ETA, the slowest link)."""
+        return refit_with_progress(refit_id)
+
+    @app.get(
+        "/v1/refits/{refit_id}/events",
+        response_class=StreamingResponse,
+        responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}},
+        tags=["refits"],
+    )
+    def refit_events(refit_id: str) -> StreamingResponse:
+        """Server-sent events: `progress` (the body of GET /v1/refits/{id}) as the refit moves,
+        then `end` once it is COMMITTED or ABORTED."""
+        refit_with_progress(refit_id)  # an unknown refit is a 404, before the stream starts
+        return StreamingResponse(
+            progress_events(lambda: refit_with_progress(refit_id)),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
 
     @app.post("/v1/refits/{refit_id}/abort", response_model=RefitOut, responses=_ERRORS, tags=["refits"])
     def abort(_: Authorized, refit_id: str) -> RefitOut:

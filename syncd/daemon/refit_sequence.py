@@ -37,6 +37,7 @@ from syncd.daemon.digests import Digests, VersionDigest, digest_of
 from syncd.daemon.journal import Journal
 from syncd.daemon.metrics import Metrics
 from syncd.daemon.plan_cache import PlanCache, plan_members
+from syncd.daemon.progress_board import ProgressBoard
 from syncd.daemon.refit_run import RefitAborted, Run, seconds_left
 from syncd.daemon.registry import Registry
 from syncd.daemon.settings import Settings
@@ -66,9 +67,11 @@ class RefitSequence:
         *,
         refit_problems: Callable[..., list[str]],
         release: Callable[[Run], None],
+        progress: ProgressBoard | None = None,
     ) -> None:
         """`refit_problems`: why a refit could not start now (checked again in PREPARING);
-        `release`: frees the one-refit slot once a refit's outcome is recorded."""
+        `release`: frees the one-refit slot once a refit's outcome is recorded; `progress`: where
+        each refit's transfer progress is kept (a board of its own when not given)."""
         self._settings = settings
         self._registry = registry
         self._store = store
@@ -79,6 +82,7 @@ class RefitSequence:
         self._digests = digests
         self._refit_problems = refit_problems
         self._release = release
+        self._progress = progress if progress is not None else ProgressBoard(store)
         self._groups = StageGroups(settings.backend, self._send, settings.same_host)
         self._delta_bases = DeltaBases()
 
@@ -122,6 +126,7 @@ class RefitSequence:
         if delta is not None:
             run.send_deltas_to(tuple(sorted(delta.dsts)))
         deadline = self._enter(run, RefitState.TRANSFERRING, self._settings.transfer_timeout)
+        self._progress.start(run.id, plan)
         ids = plan_members(plan)
         stalls = stall_timeouts(plan, self._settings.stall_timeout)
         ipc = self._ipc_links(plan)
@@ -260,6 +265,7 @@ class RefitSequence:
         record = run.snapshot(error=error, unconfirmed=unconfirmed, finished_at=finished_at)
         self._journal.record(record)
         self._release(run)
+        self._progress.concluded(record)  # after: its model may write to the store
         if state == RefitState.COMMITTED:
             self._metrics.bytes_moved.inc(record.bytes)
             self._metrics.delta_saved_bytes.inc(record.saved_bytes)

@@ -47,6 +47,7 @@ class Daemon:
             max_message_bytes=settings.max_message_bytes,
         )
         self.metrics.insecure_no_auth.set(settings.access is Access.INSECURE_NO_AUTH)
+        self.metrics.stall_timeout.set(settings.stall_timeout)
         app = build_app(self.registry, self.coordinator, self.metrics, settings.auth_token, settings.access)
         self._http = uvicorn.Server(
             uvicorn.Config(

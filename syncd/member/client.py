@@ -32,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import grpc
 
@@ -40,7 +40,17 @@ from syncd.api import MESSAGE_SIZE_OPTIONS, convert
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
 from syncd.auth import refusal
-from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, MemberReport, Phase, Verify
+from syncd.commands import (
+    Abort,
+    Command,
+    Commit,
+    ExecutePlan,
+    JoinGroup,
+    MemberReport,
+    Phase,
+    ProgressReport,
+    Verify,
+)
 from syncd.layout import Catalog
 from syncd.net import gpu_identity, host_identity, peer_gpu_identities
 from syncd.vocabulary import Role
@@ -57,6 +67,8 @@ _PHASE_OF = {
     Commit: Phase.COMMITTED,
 }
 _RPC_TIMEOUT_S = 10.0
+# A progress report is worth little once the next one is due: it never waits long for syncd.
+_PROGRESS_TIMEOUT_S = 1.0
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.1, 5.0
 # A stopping member waits at most this for syncd to take its Leave: past it, the lease ends the session.
 _LEAVE_TIMEOUT_S = 2.0
@@ -175,6 +187,16 @@ class MemberClient:
             version = self._commit_versions.pop(refit_id)
             if ok:  # syncd recorded the decision before it sent Commit: this is the committed version
                 self.weight_version = self.committed_version = version
+
+    def report_progress(self, refit_id: str, links: Mapping[tuple[int, str], int]) -> None:
+        """Tell syncd how many bytes of each link into this member arrived so far in refit
+        `refit_id` (a `ProgressReport`): best effort, with a short timeout. Raises grpc.RpcError
+        when syncd does not take it (a syncd without progress answers UNIMPLEMENTED)."""
+        if not self._registered.is_set():
+            return
+        request = convert.progress_to_pb(ProgressReport(self.member_id, refit_id, links))
+        request.session_id = self._session_id
+        self._stub.Progress(request, timeout=_PROGRESS_TIMEOUT_S, metadata=self._metadata)
 
     @property
     def committing_versions(self) -> set[WeightVersion]:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import threading
+import time
 
 from syncd_harness import PYTHON, REPO, TOKEN, Cluster
 
+from syncd.commands import ExecutePlan
 from syncd.net import free_port
 
 
@@ -39,9 +43,11 @@ def test_operator_session(make_cluster) -> None:
     refit = syncctl(cluster.url, "refit", "--wait", token=TOKEN)
     assert refit.returncode == 0, refit.stderr
     assert "COMMITTED (weight version 5)" in refit.stdout
-    # Progress shown while waiting: each state the polls saw (a loaded machine's first poll may
-    # come after PREPARING, which lasts milliseconds here).
-    assert refit.stderr.startswith("refit-1: ") and refit.stderr.rstrip().endswith("refit-1: COMMITTED")
+    # Progress shown while waiting (not a terminal: plain lines), each state it saw (a loaded
+    # machine's first update may come after PREPARING, which lasts milliseconds here), the last
+    # with every byte moved.
+    shown = refit.stderr.strip().splitlines()
+    assert shown[0].startswith("refit-1: ") and shown[-1].startswith("refit-1: COMMITTED  100.0%")
     refit_id = refit.stdout.split()[0]
 
     history = syncctl(cluster.url, "--json", "history")
@@ -68,3 +74,60 @@ def test_unreachable_syncd_is_one_line_and_nonzero() -> None:
         assert r.returncode == 3
         assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
         assert r.stderr.startswith("syncctl: cannot reach syncd at http://127.0.0.1:")
+
+
+def test_watch_follows_a_refit_as_json_lines_and_ctrl_c_leaves_it_running(make_cluster) -> None:
+    held = threading.Event()
+    go_on = threading.Event()
+
+    def hold(cmd: ExecutePlan) -> None:
+        held.set()
+        go_on.wait(30)
+
+    cluster: Cluster = make_cluster()
+    cluster.start_all(**{"generator-0-0": {"on_execute": hold}})
+    cluster.announce(3)
+    refit_id = cluster.refit()["id"]
+    assert held.wait(30)
+    watcher = subprocess.Popen(
+        [PYTHON, "-m", "syncd.cli", "--url", cluster.url, "watch"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert watcher.stdout is not None
+    assert watcher.stdout.readline().startswith(f"{refit_id}: TRANSFERRING")  # the running refit
+    watcher.send_signal(signal.SIGINT)
+    _, err = watcher.communicate(timeout=30)
+    assert watcher.returncode == 130 and f"stopped watching {refit_id}; the refit goes on" in err
+
+    following = subprocess.Popen(
+        [PYTHON, "-m", "syncd.cli", "--url", cluster.url, "watch", refit_id, "--json"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1)  # a few updates while it is held
+    go_on.set()
+    out, _ = following.communicate(timeout=60)
+    assert following.returncode == 0
+    updates = [json.loads(line) for line in out.splitlines()]
+    assert updates[0]["state"] == "TRANSFERRING" and updates[-1]["state"] == "COMMITTED"
+    assert updates[-1]["progress"]["fraction"] == 1.0
+    assert cluster.wait_refit(refit_id)["state"] == "COMMITTED"  # Ctrl-C stopped the watching only
+
+
+def test_watch_fails_on_an_aborted_refit_and_an_unknown_one(make_cluster) -> None:
+    cluster: Cluster = make_cluster()
+    cluster.start_all(**{"generator-0-0": {"corrupt": frozenset({"model.embed_tokens.weight"})}})
+    cluster.announce(2)
+    refit_id = cluster.refit()["id"]
+    watched = syncctl(cluster.url, "watch", refit_id)
+    assert (
+        watched.returncode == 1
+        and "ABORTED" in watched.stdout
+        and "model.embed_tokens.weight" in watched.stderr
+    )
+    unknown = syncctl(cluster.url, "watch", "refit-99")
+    assert unknown.returncode == 1 and "refit-99" in unknown.stderr and "Traceback" not in unknown.stderr

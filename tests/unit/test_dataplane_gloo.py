@@ -22,6 +22,7 @@ from syncd.layout import (
     local_tensor,
 )
 from syncd.layout.dtypes import torch_dtype
+from syncd.member.agent.progress import ArrivedBytes
 from syncd.member.dataplane import (
     GlooTransport,
     LoopOptions,
@@ -111,7 +112,8 @@ class _Sink:
 def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype, sink):
     """A float32 trainer refits a float32 or a bfloat16 generator: the sender casts while packing,
     so the generator holds exactly torch's cast of the trainer's weights; a receiver that takes
-    whole buckets itself (`ReceiveSink`) gets every bucket once and checksums the same bytes."""
+    whole buckets itself (`ReceiveSink`) gets every bucket once and checksums the same bytes; each
+    receiver counts every byte of each link into it as it arrives (progress reports)."""
     rng = np.random.default_rng(1)
     canonical = {c.name: rng.standard_normal(c.shape).astype(np.float32) for c in ALL}
     sources = [
@@ -132,6 +134,7 @@ def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype, s
         for m in dests
     }
     stats, sinks = {}, {}
+    arrived = {m.member_id: ArrivedBytes() for m in dests}
 
     def member(m, catalog, sending):
         transport = GlooTransport.connect(
@@ -141,7 +144,8 @@ def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype, s
         if sink and not sending:
             views = sinks[m] = _Sink(views)
         run = send_buckets if sending else recv_buckets
-        stats[m] = run(plan.for_member(m), views, transport, ranks, LoopOptions(timeout_s=30))
+        counter = None if sending else arrived[m].add
+        stats[m] = run(plan.for_member(m), views, transport, ranks, LoopOptions(30, on_received=counter))
 
     errors = _run_threads(
         [lambda m=m: member(m.member_id, m.catalog, True) for m in sources]
@@ -158,6 +162,9 @@ def test_gloo_refit_is_bit_exact_and_checksums_agree(bucket_bytes, wire_dtype, s
     assert sum(stats[d.member_id].bytes for d in dests) == sum(m.catalog.nbytes for m in dests)
     if sink:
         assert sum(s.buckets for s in sinks.values()) == len(plan.buckets)
+    for d in dests:
+        links = {(k.stage, k.src): k.bytes for k in plan.links() if k.dst == d.member_id}
+        assert arrived[d.member_id].snapshot() == links
 
 
 @pytest.mark.parametrize("sender_dies", [False, True])

@@ -13,6 +13,7 @@ import torch
 
 from syncd.commands import DeltaLinks, ExecutePlan
 from syncd.member.agent.groups import JoinedGroup
+from syncd.member.agent.progress import ArrivedBytes
 from syncd.member.agent.settings import AgentSettings
 from syncd.member.dataplane import GcPause, LoopCache, LoopOptions, Transport
 from syncd.member.dataplane.delta import Diffs
@@ -44,6 +45,7 @@ class RefitTransfer:
     delta: DeltaLinks | None
     diffs: Diffs | None
     ipc_links: frozenset[tuple[int, str, str]]  # (stage, src, dst) that go through CUDA IPC
+    arrived: ArrivedBytes | None = None  # counts what the receive loops took, for progress reports
 
     @staticmethod
     def of(
@@ -55,6 +57,7 @@ class RefitTransfer:
         gc_pause: GcPause | None,
         landing_fault: LandingFault | None,
         delta_part: tuple[DeltaLinks | None, Diffs | None],
+        arrived: ArrivedBytes | None = None,
     ) -> RefitTransfer:
         stall = cmd.stall_timeout_s
         wait_s = min(cmd.timeout_s, stall) if stall > 0 else cmd.timeout_s
@@ -71,6 +74,7 @@ class RefitTransfer:
             delta,
             diffs,
             cmd.ipc_links,
+            arrived,
         )
 
     def stage(self, stage: int, group: JoinedGroup, buckets: Sequence[Bucket]) -> StageTransfer:
@@ -84,6 +88,7 @@ class RefitTransfer:
             self.in_flight,
             gc_pause=self.gc_pause,
             landing_fault=self.landing_fault,
+            on_received=None if self.arrived is None else self.arrived.add,
         )
         return StageTransfer(self, stage, group, buckets, group.ranks, sending, relaying, options)
 

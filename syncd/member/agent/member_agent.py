@@ -3,7 +3,8 @@ facade over the parts it wires together, one handler per command (`_handlers`):
 
 - JoinGroup: `join.join_group` (into `groups.JoinedGroups`);
 - ExecutePlan: the endpoint's `begin`, this refit's loop arguments (`loop_args.RefitTransfer`),
-  `transfer.transfer`, the endpoint's `end` (a sender with delta refits on: on Verify, `mirror`);
+  `transfer.transfer` (while `progress.reporting` tells syncd what arrived so far), the
+  endpoint's `end` (a sender with delta refits on: on Verify, `mirror`);
 - Verify / Commit: handed to the endpoint, then VERIFIED / COMMITTED;
 - Abort (arrives on its own thread): cancel the transfer, close every group, drop the mirror's
   update, let the endpoint drop what it staged, report ABORTED.
@@ -24,6 +25,7 @@ from syncd.member.agent.groups import JoinedGroups
 from syncd.member.agent.join import join_group
 from syncd.member.agent.loop_args import RefitTransfer
 from syncd.member.agent.mirror import MirrorUpdate, SenderMirror
+from syncd.member.agent.progress import reporting, sender_of
 from syncd.member.agent.settings import AgentSettings
 from syncd.member.agent.transfer import transfer
 from syncd.member.dataplane import GcPause
@@ -95,10 +97,21 @@ class MemberAgent:
         fault = armed(self._settings.landing_fault_file)
         if fault is not None:
             log.warning("%s: test fault %s armed for refit %s", self.member_id, fault, cmd.refit_id)
-        refit = RefitTransfer.of(
-            cmd, self.member_id, tensors, self._cancel, self._settings, self._gc_pause, fault, delta_part
-        )
-        transfer(refit, cmd, self._groups, self._endpoint, self._client)
+        receives = any(b.dst == self.member_id for b in cmd.buckets)  # only receivers report progress
+        send = sender_of(self._client) if receives else None
+        with reporting(send, cmd.refit_id, self._settings.progress_interval_s) as arrived:
+            refit = RefitTransfer.of(
+                cmd,
+                self.member_id,
+                tensors,
+                self._cancel,
+                self._settings,
+                self._gc_pause,
+                fault,
+                delta_part,
+                arrived,
+            )
+            transfer(refit, cmd, self._groups, self._endpoint, self._client)
         if refit.diffs is None:
             return None
         assert isinstance(tensors, Mapping)  # diffs are a sender's, and a sender names its tensors

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from syncd.member.agent.progress import interval_from_env
 from syncd.member.dataplane.landing_fault import fault_file_from_env
 
 
@@ -21,3 +22,6 @@ class AgentSettings:
     # Tests only: the file that arms a fault in this member's receives, from
     # WEIGHTSYNC_TEST_LANDING_FAULT_FILE (`syncd.member.dataplane.landing_fault`); unset: none.
     landing_fault_file: Path | None = field(default_factory=fault_file_from_env)
+    # Seconds between progress reports while it transfers (`syncd.member.agent.progress`), from
+    # WEIGHTSYNC_PROGRESS_INTERVAL_S; 0: none.
+    progress_interval_s: float = field(default_factory=interval_from_env)

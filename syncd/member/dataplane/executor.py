@@ -417,6 +417,8 @@ class _Loop:
             slot = i % self.in_flight
             handle = handles[i]
             handle.fence(self.timeout_s)  # what follows reads the bucket once it arrived
+            if self.options.on_received is not None:
+                self.options.on_received(bucket)
             program: BucketProgram | PreparedBucket
             if isinstance(handle, SharedRecv):
                 flat = handle.view

@@ -13,6 +13,7 @@ from syncd.member.dataplane.gc_pause import GcPause
 from syncd.member.dataplane.graphs import LoopGraphs
 from syncd.member.dataplane.landing_fault import LandingFault
 from syncd.member.dataplane.prepared import PreparedLoop
+from syncd.plan.types import Bucket
 from syncd.vocabulary import Direction
 
 
@@ -32,6 +33,8 @@ class LoopOptions:
         (bench/reports/2026-11-23-data-plane-host-work.md).
     gc_pause: held while the loop runs (`syncd.member.dataplane.gc_pause`); None leaves the
         collector alone. `MemberAgent` passes its own.
+    on_received: called with each bucket a receive loop took off the wire (a member's progress
+        reports count them, `syncd.member.agent.progress`); it must return at once. None: nothing.
     landing_fault: tests only (`syncd.member.dataplane.landing_fault`): a receive loop changes one
         received byte before its unpack. None (always, outside tests): nothing is changed.
     """
@@ -43,6 +46,7 @@ class LoopOptions:
     graphs: bool = False
     gc_pause: GcPause | None = None
     landing_fault: LandingFault | None = None
+    on_received: Callable[[Bucket], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

@@ -102,6 +102,9 @@ def recv_with_deltas(
         try:
             for arrived in taker.arrivals():
                 dense += _apply_group(arrived, tensors, stats, undo)
+                if options.on_received is not None:  # the dense ones count when they arrive
+                    for bucket, _, _ in arrived.sparse:
+                        options.on_received(bucket)
         finally:
             taker.stop()
         _check(cancel)
