@@ -6,7 +6,10 @@
                                                      worker answers and generation is allowed
     GET  /readyz                                     readiness: /healthz, and every worker serves
                                                      syncd's committed version (503 while behind)
-    GET  /v1/weight_version                          committed version and refit state
+    GET  /v1/weight_version[?at_least=V|exact=V&timeout_s=S]
+                                                     version served (label and step) and refit state;
+                                                     with at_least, once it serves V or newer (504
+                                                     after timeout_s); with exact, V itself
     GET  /v1/install                                 refit and pause modes, what the last install did,
                                                      and per refit the serving pause (`history`)
     GET  /v1/workers                                 per worker: member id, tp rank, catalog hash, bytes
@@ -39,19 +42,20 @@ import secrets
 from collections.abc import Awaitable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from generator_svc.server.refit import Refitter
 from generator_svc.server.update_lifecycle import DeadlineExceeded, RefitRefused
+from generator_svc.server.version_wait import MAX_WAIT_S, not_served, wait_served_async, wanted_version
 from generator_svc.server.versions_http import WeightVersionsMiddleware
 from generator_svc.server.worker_status import behind_workers, quiet_workers
 from generator_svc.settings import PauseMode, RefitMode
 from generator_svc.worker_protocol import WorkerDigest
 from syncd.error_body import ErrorBody, error_response
-from syncd.weight_version import WeightVersionJson, version_label
+from syncd.weight_version import Version, WeightVersionJson, version_label
 
 log = logging.getLogger("generator_svc.server.routes")
 
@@ -102,6 +106,7 @@ class WeightVersionOut(BaseModel):
         description="label of the weights served: a trainer version's decimal digits, "
         "or the label they were loaded under"
     )
+    step: int | None = Field(description="the trainer step the label names; null for a label that names none")
     serving: bool
     updating: bool
 
@@ -178,10 +183,42 @@ async def readyz(refitter: RefitterDep) -> JSONResponse:
     return JSONResponse({"status": "ok", "version": refitter.version})
 
 
-@router.get("/v1/weight_version")
-async def weight_version(refitter: RefitterDep) -> WeightVersionOut:
+_NOT_YET: _Responses = {
+    504: {
+        "model": ErrorBody,
+        "description": "timeout_s passed before the engine served the version asked for",
+    }
+}
+AT_LEAST_QUERY = Query(None, description="answer once the engine serves this version or a newer trainer step")
+EXACT_QUERY = Query(None, description="answer once the engine serves this version (a label) itself")
+TIMEOUT_QUERY = Query(0.0, ge=0, le=MAX_WAIT_S, description="seconds to wait for at_least or exact")
+
+
+@router.get("/v1/weight_version", response_model=WeightVersionOut, responses={**_INVALID, **_NOT_YET})
+async def weight_version(
+    refitter: RefitterDep,
+    at_least: str | None = AT_LEAST_QUERY,
+    exact: str | None = EXACT_QUERY,
+    timeout_s: float = TIMEOUT_QUERY,
+) -> JSONResponse:
+    return await weight_version_answer(refitter, at_least, exact, timeout_s)
+
+
+async def weight_version_answer(
+    refitter: Refitter, at_least: str | None, exact: str | None, timeout_s: float
+) -> JSONResponse:
+    """What is served (`WeightVersionOut`), once it is `at_least` or newer or `exact` when one is
+    given (`generator_svc.server.version_wait`); 504 naming both versions after `timeout_s`."""
+    try:
+        wanted = wanted_version(at_least, exact)
+    except ValueError as e:
+        return error_response(str(e), 400)
+    if wanted is not None and await wait_served_async(refitter, *wanted, timeout_s) is None:
+        return error_response(not_served(Version.of_label(refitter.version), *wanted, timeout_s), 504)
     s = refitter.state
-    return WeightVersionOut(version=s.version, serving=s.serving, updating=s.updating)
+    served = Version.of_label(s.version)
+    out = WeightVersionOut(version=served.label, step=served.step, serving=s.serving, updating=s.updating)
+    return JSONResponse(out.model_dump())
 
 
 class InstallStatus(BaseModel):
