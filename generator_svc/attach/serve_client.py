@@ -51,10 +51,11 @@ class AttachedServer:
                 headers=self.headers,
                 timeout=wait_s + 30,
             )
-            if response.status_code != 504:
-                return self._served(response)
+            served = self._served(response)
+            if served.reaches(wanted, exact):
+                return served
             if time.monotonic() >= deadline:
-                raise TimeoutError(not_served(self.version, wanted, exact, timeout_s))
+                raise TimeoutError(not_served(served, wanted, exact, timeout_s))
 
     @staticmethod
     def _served(response: httpx.Response) -> Version:

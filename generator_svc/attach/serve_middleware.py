@@ -14,7 +14,7 @@ takes a few paths for itself:
     GET  /weightsync/status  {attached, version, step, serving, updating, workers}
     GET  /weightsync/weight_version[?at_least=V|exact=V&timeout_s=S]
                              what `python -m generator_svc`'s GET /v1/weight_version answers, the same
-                             way: once it serves V or newer (or V itself), 504 after timeout_s
+                             way: once it serves V or newer (or V itself), or timeout_s passed
     POST /internal/commit|hold|release   the tp-0 worker's relays of syncd's commands
                              (`server.routes.internal_router`, with the worker token): the refit lifecycle
                              of `generator_svc.server.refit`, on vLLM's own engine client

@@ -18,7 +18,7 @@ from typing import Any
 from syncd.weight_version import Version
 
 POLL_S = 0.05  # what the served label is read at; it changes only at an install's end
-MAX_WAIT_S = 300.0  # the most one HTTP request waits (a client that needs longer asks again)
+MAX_WAIT_S = 60.0  # the most one HTTP request waits (a client that needs longer asks again)
 
 
 def wanted_version(at_least: str | None, exact: str | None) -> tuple[Version, bool] | None:
