@@ -34,8 +34,6 @@ _NAMED_MEMBER = re.compile(r"\bmember (\S+?)[:,]? ")  # syncd's causes: "member 
 class VersionStatusSource(Protocol):
     """What the wait needs of a member's client (`MemberClient`)."""
 
-    member_id: str
-
     def version_status(self, version: WeightVersion): ...
 
 
