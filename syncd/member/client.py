@@ -190,7 +190,9 @@ class MemberClient:
         """Trainers: what syncd says became of `version` of this member's run (the newest refit
         that moves it or a newer one, or why none started: `syncd.member.refit_outcomes`). Raises
         grpc.RpcError when syncd cannot be reached or knows no such session (it re-registers),
-        RuntimeError while not registered."""
+        RuntimeError while not registered or once closed."""
+        if self._closed.is_set():
+            raise RuntimeError(f"{self.member_id} has left syncd at {self.target}")
         if not self._registered.wait(_RPC_TIMEOUT_S):
             raise RuntimeError(f"{self.member_id} is not registered with syncd at {self.target}")
         request = pb.VersionStatusRequest(

@@ -105,14 +105,16 @@ def start(tmp_path: Path):
         thing.close() if not isinstance(thing, Daemon) else thing.stop()
 
 
-def run_trainer_snippet(target: str, steps: int, before_each: Callable[[int], None] = lambda s: None) -> dict:
-    """The README's trainer snippet, run as written against `target`; returns its globals."""
+def run_trainer_snippet(
+    target: str, steps: int, before_each: Callable[[int], None] = lambda s: None, scope: dict | None = None
+) -> dict:
+    """The README's trainer snippet, run as written against `target`, in `scope` (its globals,
+    returned; the caller's own to read after a step raised)."""
     model = TinyLM()
-    scope = {
-        "model": model,
-        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
-        "data": batches(steps, before_each),
-    }
+    scope = {} if scope is None else scope
+    scope.update(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data=batches(steps, before_each)
+    )
     try:
         exec(trainer_snippet(target), scope)
     finally:
@@ -154,8 +156,9 @@ def test_the_readme_trainer_hears_that_a_generator_failed_its_install(start) -> 
     """The generator's install fails after syncd decided to commit: the step raises RefitFailed
     naming the refit, its recorded state, the generator and its reason; last_refit says the same."""
     target = start(Generator(install=_fail_install))
+    scope: dict = {}
     with pytest.raises(RefitFailed) as failed:
-        run_trainer_snippet(target, 2)
+        run_trainer_snippet(target, 2, scope=scope)
     e = failed.value
     assert (e.refit_id, e.state, e.member, e.version) == (
         "refit-1",
@@ -165,6 +168,29 @@ def test_the_readme_trainer_hears_that_a_generator_failed_its_install(start) -> 
     )
     assert INSTALL_FAILURE in e.reason and INSTALL_FAILURE in str(e) and "generator-0-0" in str(e)
     assert e.outcome is not None and e.outcome.unconfirmed == ("generator-0-0",)
+    last = scope["handle"].last_refit  # the handle has left syncd: what it heard last
+    assert (last.id, last.state, last.reason, last.unconfirmed) == (
+        e.refit_id,
+        e.state,
+        e.reason,
+        ("generator-0-0",),
+    )
+
+
+class LandsCorrupt(Generator):
+    """A worker whose check of what landed fails: syncd aborts the refit before any commit."""
+
+    def verify(self, refit_id):
+        raise ValueError("what landed differs from what was sent (a test's failure)")
+
+
+def test_an_aborted_refit_raises_refit_failed_naming_the_member_syncd_recorded(start) -> None:
+    target = start(LandsCorrupt())
+    with pytest.raises(RefitFailed, match="version 1 was not refitted: refit-1 ABORTED") as failed:
+        run_trainer_snippet(target, 1)
+    e = failed.value
+    assert (e.refit_id, e.state, e.member) == ("refit-1", RefitState.ABORTED, "generator-0-0")
+    assert "what landed differs from what was sent" in e.reason
 
 
 @pytest.mark.parametrize(
