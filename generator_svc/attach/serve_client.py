@@ -41,13 +41,12 @@ class AttachedServer:
         """The version served once it is `version` or a newer step (`exact`: that version only),
         asked of the server in waits of at most `MAX_WAIT_S`; TimeoutError after `timeout_s`."""
         wanted = Version.of(version)
-        query = {"exact" if exact else "at_least": wanted.label}
         deadline = time.monotonic() + timeout_s
         while True:
             wait_s = min(max(deadline - time.monotonic(), 0.0), MAX_WAIT_S)
             response = httpx.get(
                 f"{self.url}/weightsync/weight_version",
-                params={**query, "timeout_s": wait_s},
+                params={"at_least": wanted.label, "exact": exact, "timeout_s": wait_s},
                 headers=self.headers,
                 timeout=wait_s + 30,
             )

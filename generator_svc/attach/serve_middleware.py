@@ -12,7 +12,7 @@ takes a few paths for itself:
                              check the engine's arguments (409 naming what is missing), set up and
                              register every worker with syncd (`Refitter.setup`); 409 when attached
     GET  /weightsync/status  {attached, version, step, serving, updating, workers}
-    GET  /weightsync/weight_version[?at_least=V|exact=V&timeout_s=S]
+    GET  /weightsync/weight_version[?at_least=V&exact=B&timeout_s=S]
                              what `python -m generator_svc`'s GET /v1/weight_version answers, the same
                              way: once it serves V or newer (or V itself), or timeout_s passed
     POST /internal/commit|hold|release   the tp-0 worker's relays of syncd's commands
@@ -131,7 +131,7 @@ def _control_app() -> FastAPI:
     async def weight_version(
         request: Request,
         at_least: str | None = AT_LEAST_QUERY,
-        exact: str | None = EXACT_QUERY,
+        exact: bool = EXACT_QUERY,
         timeout_s: float = TIMEOUT_QUERY,
     ) -> JSONResponse:
         refitter: Refitter | None = request.app.state.refitter

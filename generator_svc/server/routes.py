@@ -6,10 +6,10 @@
                                                      worker answers and generation is allowed
     GET  /readyz                                     readiness: /healthz, and every worker serves
                                                      syncd's committed version (503 while behind)
-    GET  /v1/weight_version[?at_least=V|exact=V&timeout_s=S]
+    GET  /v1/weight_version[?at_least=V&exact=B&timeout_s=S]
                                                      version served (label and step) and refit state;
-                                                     with at_least, once it serves V or newer, or
-                                                     exact, V itself, or timeout_s passed
+                                                     with at_least, once it serves V or newer (exact:
+                                                     V itself), or timeout_s passed
     GET  /v1/install                                 refit and pause modes, what the last install did,
                                                      and per refit the serving pause (`history`)
     GET  /v1/workers                                 per worker: member id, tp rank, catalog hash, bytes
@@ -49,7 +49,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 
 from generator_svc.server.refit import Refitter
 from generator_svc.server.update_lifecycle import DeadlineExceeded, RefitRefused
-from generator_svc.server.version_wait import MAX_WAIT_S, wait_served_async, wanted_version
+from generator_svc.server.version_wait import MAX_WAIT_S, wait_served_async
 from generator_svc.server.versions_http import WeightVersionsMiddleware
 from generator_svc.server.worker_status import behind_workers, quiet_workers
 from generator_svc.settings import PauseMode, RefitMode
@@ -184,9 +184,9 @@ async def readyz(refitter: RefitterDep) -> JSONResponse:
 
 
 AT_LEAST_QUERY = Query(None, description="answer once the engine serves this version or a newer trainer step")
-EXACT_QUERY = Query(None, description="answer once the engine serves this version (a label) itself")
+EXACT_QUERY = Query(False, description="with at_least: that version itself, not a newer one")
 TIMEOUT_QUERY = Query(
-    0.0, ge=0, le=MAX_WAIT_S, description="seconds to wait for at_least or exact; then what is served"
+    0.0, ge=0, le=MAX_WAIT_S, description="seconds to wait for at_least; then what is served"
 )
 
 
@@ -194,24 +194,20 @@ TIMEOUT_QUERY = Query(
 async def weight_version(
     refitter: RefitterDep,
     at_least: str | None = AT_LEAST_QUERY,
-    exact: str | None = EXACT_QUERY,
+    exact: bool = EXACT_QUERY,
     timeout_s: float = TIMEOUT_QUERY,
 ) -> JSONResponse:
     return await weight_version_answer(refitter, at_least, exact, timeout_s)
 
 
 async def weight_version_answer(
-    refitter: Refitter, at_least: str | None, exact: str | None, timeout_s: float
+    refitter: Refitter, at_least: str | None, exact: bool, timeout_s: float
 ) -> JSONResponse:
-    """What is served (`WeightVersionOut`), once it is `at_least` or newer or `exact` when one is
-    given (`generator_svc.server.version_wait`), or `timeout_s` passed: a long poll, whose caller
-    compares the answer with what it asked for."""
-    try:
-        wanted = wanted_version(at_least, exact)
-    except ValueError as e:
-        return error_response(str(e), 400)
-    if wanted is not None:
-        await wait_served_async(refitter, *wanted, timeout_s)
+    """What is served (`WeightVersionOut`), once it is `at_least` or a newer step (`exact`: that
+    version itself) when one is given (`generator_svc.server.version_wait`), or `timeout_s`
+    passed: a long poll, whose caller compares the answer with what it asked for."""
+    if at_least is not None:
+        await wait_served_async(refitter, Version.of_label(at_least), exact, timeout_s)
     s = refitter.state
     served = Version.of_label(s.version)
     out = WeightVersionOut(version=served.label, step=served.step, serving=s.serving, updating=s.updating)

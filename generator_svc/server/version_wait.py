@@ -21,18 +21,6 @@ POLL_S = 0.05  # what the served label is read at; it changes only at an install
 MAX_WAIT_S = 60.0  # the most one HTTP request waits (a client that needs longer asks again)
 
 
-def wanted_version(at_least: str | None, exact: str | None) -> tuple[Version, bool] | None:
-    """The version an HTTP request waits for, and whether exactly; None when it names none.
-    Raises ValueError when it names both."""
-    if at_least is not None and exact is not None:
-        raise ValueError("give at_least (this version or newer) or exact (this version only), not both")
-    if at_least is None and exact is None:
-        return None
-    label = at_least if at_least is not None else exact
-    assert label is not None
-    return Version.of_label(label), exact is not None
-
-
 def not_served(served: Version, wanted: Version, exact: bool, waited_s: float) -> str:
     """The message of a wait that ended without `wanted`: both versions and how long it waited."""
     newer = "" if exact or wanted.step is None else " or newer"
