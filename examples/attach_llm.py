@@ -132,7 +132,7 @@ def take_refits(
                 if version:
                     if refit is not None:
                         refit(version)
-                    handle.wait_version(version)
+                    handle.wait_version(version, exact=True)  # records are per version
                 seen[version] = rollouts.greedy()
                 log.info("version %d: %s", version, [o["tokens"] for o in seen[version]])
                 _record(record, {"version": version, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,

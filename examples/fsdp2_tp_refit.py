@@ -121,7 +121,7 @@ def rank_job(args) -> None:
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         sum_head_norm_grads(model, mesh)
-        optimizer.step()  # attach's hook: version `step`, sent and committed before this returns
+        optimizer.step()  # attach's hook: version `step`, served by the generator when this returns
         optimizer.zero_grad()
         log.info("step %d loss %.4f", step, loss.item())
     gathered = {

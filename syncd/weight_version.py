@@ -13,11 +13,16 @@ edges convert here and nowhere else:
   operator may load a checkpoint under any label ("base", "sft-2") by hand; syncd's versions reach
   it as their decimal label, and `version_of_label` reads a label back (None for a label that is no
   trainer version).
+
+`Version` is what users see on both attach handles and in the generator's HTTP answers: the label
+with the trainer step it came from (`step`, None for a label that is no trainer version), so a
+trainer's `handle.version` and a receiver's compare field by field.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Annotated, NewType
 
 WeightVersion = NewType("WeightVersion", int)
@@ -58,3 +63,41 @@ def version_of_label(label: str) -> WeightVersion | None:
         return parse_weight_version(label)
     except ValueError:
         return None
+
+
+@dataclass(frozen=True)
+class Version:
+    """A weight version as the attach handles and the generator's HTTP API show it: syncd's label
+    (`version_label`; an operator's label for weights loaded by hand) and the trainer step it came
+    from (None for a label that names no step)."""
+
+    label: str
+    step: WeightVersion | None
+
+    @classmethod
+    def of_step(cls, step: int) -> Version:
+        v = parse_weight_version(step)
+        return cls(version_label(v), v)
+
+    @classmethod
+    def of_label(cls, label: str) -> Version:
+        return cls(label, version_of_label(label))
+
+    @classmethod
+    def of(cls, value: int | str | Version) -> Version:
+        """A step (int), a label (str) or a Version, as a Version."""
+        if isinstance(value, Version):
+            return value
+        return cls.of_step(value) if isinstance(value, int) else cls.of_label(value)
+
+    def reaches(self, wanted: Version, exact: bool = False) -> bool:
+        """This version is `wanted`, or (unless `exact`) a newer trainer step: a label that names
+        no step reaches only itself."""
+        if self.label == wanted.label:
+            return True
+        if exact or self.step is None or wanted.step is None:
+            return False
+        return self.step >= wanted.step
+
+    def __str__(self) -> str:
+        return self.label

@@ -9,7 +9,8 @@ The data plane reads the parameters in place (`LocalShards`, no copy) through th
 `SenderEndpoint` (`syncd.member.sender`), which holds the trainer's lock from the start to the end
 of this rank's transfer, so no optimizer step changes them mid-transfer, and refuses a refit of
 another version than the rank holds. With `sync_refit`, a rank waits after announcing each step
-until a refit of it commits or aborts.
+until every generator serves it, or its refit failed (`syncd.member.refit_outcomes`; training goes
+on either way, and the log names the refit, its state, the member and the reason).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from syncd.layout import Catalog
 from syncd.member import Membership, join
 from syncd.member.client import MemberClient
 from syncd.member.dataplane import catalog_views
+from syncd.member.refit_outcomes import RefitFailed, wait_served
 from syncd.member.sender import SenderEndpoint
 from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion
@@ -129,9 +131,12 @@ class RankAgent:
                 e,
             )
         if self.sync_refit_s is not None:
-            outcome = self.endpoint.wait_refit(version, self.sync_refit_s)
-            if outcome != "committed":
-                log.warning("refit of version %d: %s; training goes on", version, outcome)
+            try:
+                log.info(
+                    "%s; every generator serves it", wait_served(self.client, version, self.sync_refit_s)
+                )
+            except RefitFailed as e:
+                log.warning("%s; training goes on", e)
 
     def close(self) -> None:
         self.member.close()

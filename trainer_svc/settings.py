@@ -45,7 +45,7 @@ class TrainSettings:
     )
     syncd: str | None = None
     auth_token: str | None = None  # bearer token when syncd requires one
-    sync_refit: bool = False  # after announcing a step, wait until a refit of it commits or aborts
+    sync_refit: bool = False  # after announcing a step, wait until every generator serves it
     refit_timeout: float = 300.0  # how long sync_refit waits
     in_flight_buckets: int = 2  # staging buffers the data plane sends from
     data_host: str = "127.0.0.1"  # address this rank's data-plane (gloo) groups listen on
@@ -156,7 +156,7 @@ class TrainSettings:
         p.add_argument(
             "--sync-refit",
             action="store_true",
-            help="after each step, wait until syncd committed (or aborted) a refit of it",
+            help="after each step, wait until every generator serves it (or its refit failed: logged)",
         )
         p.add_argument("--refit-timeout", type=float, default=300.0, help="seconds --sync-refit waits")
         p.add_argument(

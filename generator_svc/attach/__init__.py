@@ -24,7 +24,7 @@ from generator_svc.attach.engine_args import (
     refusals,
     refuse_unless_attachable,
 )
-from generator_svc.attach.serve_client import attach_server
+from generator_svc.attach.serve_client import AttachedServer, attach_server
 from generator_svc.attach.serve_middleware import WeightSyncMiddleware
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "SERVE_FLAGS",
     "AttachRefused",
     "AttachedEngine",
+    "AttachedServer",
     "WeightSyncMiddleware",
     "attach",
     "attach_server",

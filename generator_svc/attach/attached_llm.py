@@ -6,7 +6,7 @@ process takes it through `serve_middleware` and `serve_client`.
 
     llm = LLM(model=..., **attach.ENGINE_ARGS)            # the worker extension, the transfer engine
     handle = attach.attach(llm, syncd="syncd-host:8471", replica=0)
-    handle.wait_version(3, timeout_s=600)                 # the trainer's step 3 is served
+    served = handle.wait_version(3, timeout_s=600)        # step 3 or newer is served: a Version
     llm.generate(...)                                      # as before; refits come and go
     handle.close()                                         # leave syncd; the weights stay
 
@@ -41,14 +41,15 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from typing import Any
 
 from generator_svc.attach.engine_args import AttachRefused, make_settings, refuse_unless_attachable
 from generator_svc.server.refit import Refitter
+from generator_svc.server.version_wait import wait_served
 from generator_svc.settings import Settings
 from generator_svc.worker_protocol import WorkerInfo
 from syncd.net import HTTP_KEEP_ALIVE_S
+from syncd.weight_version import Version
 
 
 class AttachedEngine:
@@ -63,10 +64,10 @@ class AttachedEngine:
         return self._control.refitter
 
     @property
-    def version(self) -> str:
-        """The label of the weights served: a trainer version's decimal digits once a refit
-        committed, else the `initial_version` label."""
-        return self.refitter.version
+    def version(self) -> Version:
+        """The weights served: syncd's label (a trainer step's decimal digits once a refit
+        committed, else the `initial_version` label) and the step it names."""
+        return Version.of_label(self.refitter.version)
 
     @property
     def serving(self) -> bool:
@@ -78,17 +79,13 @@ class AttachedEngine:
         """Per worker: member id, tp rank, catalog hash, bytes."""
         return self.refitter.workers
 
-    def wait_version(self, version: int | str, timeout_s: float = 600.0) -> None:
-        """Return once the engine serves `version` (a trainer version or its label); raise
-        TimeoutError naming both versions after `timeout_s`."""
-        label = str(version)
-        deadline = time.monotonic() + timeout_s
-        while self.version != label:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the engine serves version {self.version!r}, not {label!r}, after {timeout_s:g} s"
-                )
-            time.sleep(0.05)
+    def wait_version(
+        self, version: int | str | Version, *, exact: bool = False, timeout_s: float = 600.0
+    ) -> Version:
+        """Return the version served once it is `version` (a trainer step, a label or a `Version`)
+        or a newer step: a trainer ahead of its rollouts commits versions nobody waits for.
+        `exact`: that version only. Raises TimeoutError naming both versions after `timeout_s`."""
+        return wait_served(lambda: self.refitter.version, Version.of(version), exact, timeout_s)
 
     def close(self) -> None:
         """Leave syncd and stop taking refits; the engine keeps the weights it holds."""

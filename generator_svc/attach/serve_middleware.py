@@ -11,7 +11,10 @@ takes a few paths for itself:
     POST /weightsync/attach  {syncd, replica, refit_mode?, pause_mode?, auth_token?, data_host?, ...}
                              check the engine's arguments (409 naming what is missing), set up and
                              register every worker with syncd (`Refitter.setup`); 409 when attached
-    GET  /weightsync/status  {attached, version, serving, updating, workers}
+    GET  /weightsync/status  {attached, version, step, serving, updating, workers}
+    GET  /weightsync/weight_version[?at_least=V&exact=B&timeout_s=S]
+                             what `python -m generator_svc`'s GET /v1/weight_version answers, the same
+                             way: once it serves V or newer (or V itself), or timeout_s passed
     POST /internal/commit|hold|release   the tp-0 worker's relays of syncd's commands
                              (`server.routes.internal_router`, with the worker token): the refit lifecycle
                              of `generator_svc.server.refit`, on vLLM's own engine client
@@ -37,9 +40,17 @@ from pydantic import BaseModel, Field
 
 from generator_svc.attach.engine_args import ATTACH_ROUTE, make_settings, refusals
 from generator_svc.server.refit import Refitter
-from generator_svc.server.routes import internal_router, torn_refusal
+from generator_svc.server.routes import (
+    AT_LEAST_QUERY,
+    EXACT_QUERY,
+    TIMEOUT_QUERY,
+    internal_router,
+    torn_refusal,
+    weight_version_answer,
+)
 from generator_svc.settings import PauseMode, RefitMode
 from syncd.error_body import error_response
+from syncd.weight_version import version_of_label
 
 _OWN_PATHS = ("/weightsync/", "/internal/")
 
@@ -109,11 +120,24 @@ def _control_app() -> FastAPI:
             {
                 "attached": True,
                 "version": s.version,
+                "step": version_of_label(s.version),
                 "serving": s.serving,
                 "updating": s.updating,
                 "workers": [dataclasses.asdict(w) for w in refitter.workers],
             }
         )
+
+    @app.get("/weightsync/weight_version")
+    async def weight_version(
+        request: Request,
+        at_least: str | None = AT_LEAST_QUERY,
+        exact: bool = EXACT_QUERY,
+        timeout_s: float = TIMEOUT_QUERY,
+    ) -> JSONResponse:
+        refitter: Refitter | None = request.app.state.refitter
+        if refitter is None:
+            return error_response(f"weight sync is not attached (POST {ATTACH_ROUTE} first)", 409)
+        return await weight_version_answer(refitter, at_least, exact, timeout_s)
 
     return app
 

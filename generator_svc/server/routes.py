@@ -6,7 +6,10 @@
                                                      worker answers and generation is allowed
     GET  /readyz                                     readiness: /healthz, and every worker serves
                                                      syncd's committed version (503 while behind)
-    GET  /v1/weight_version                          committed version and refit state
+    GET  /v1/weight_version[?at_least=V&exact=B&timeout_s=S]
+                                                     version served (label and step) and refit state;
+                                                     with at_least, once it serves V or newer (exact:
+                                                     V itself), or timeout_s passed
     GET  /v1/install                                 refit and pause modes, what the last install did,
                                                      and per refit the serving pause (`history`)
     GET  /v1/workers                                 per worker: member id, tp rank, catalog hash, bytes
@@ -39,19 +42,20 @@ import secrets
 from collections.abc import Awaitable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from generator_svc.server.refit import Refitter
 from generator_svc.server.update_lifecycle import DeadlineExceeded, RefitRefused
+from generator_svc.server.version_wait import MAX_WAIT_S, wait_served_async
 from generator_svc.server.versions_http import WeightVersionsMiddleware
 from generator_svc.server.worker_status import behind_workers, quiet_workers
 from generator_svc.settings import PauseMode, RefitMode
 from generator_svc.worker_protocol import WorkerDigest
 from syncd.error_body import ErrorBody, error_response
-from syncd.weight_version import WeightVersionJson, version_label
+from syncd.weight_version import Version, WeightVersionJson, version_label
 
 log = logging.getLogger("generator_svc.server.routes")
 
@@ -102,6 +106,7 @@ class WeightVersionOut(BaseModel):
         description="label of the weights served: a trainer version's decimal digits, "
         "or the label they were loaded under"
     )
+    step: int | None = Field(description="the trainer step the label names; null for a label that names none")
     serving: bool
     updating: bool
 
@@ -178,10 +183,35 @@ async def readyz(refitter: RefitterDep) -> JSONResponse:
     return JSONResponse({"status": "ok", "version": refitter.version})
 
 
-@router.get("/v1/weight_version")
-async def weight_version(refitter: RefitterDep) -> WeightVersionOut:
+AT_LEAST_QUERY = Query(None, description="answer once the engine serves this version or a newer trainer step")
+EXACT_QUERY = Query(False, description="with at_least: that version itself, not a newer one")
+TIMEOUT_QUERY = Query(
+    0.0, ge=0, le=MAX_WAIT_S, description="seconds to wait for at_least; then what is served"
+)
+
+
+@router.get("/v1/weight_version", response_model=WeightVersionOut, responses=_INVALID)
+async def weight_version(
+    refitter: RefitterDep,
+    at_least: str | None = AT_LEAST_QUERY,
+    exact: bool = EXACT_QUERY,
+    timeout_s: float = TIMEOUT_QUERY,
+) -> JSONResponse:
+    return await weight_version_answer(refitter, at_least, exact, timeout_s)
+
+
+async def weight_version_answer(
+    refitter: Refitter, at_least: str | None, exact: bool, timeout_s: float
+) -> JSONResponse:
+    """What is served (`WeightVersionOut`), once it is `at_least` or a newer step (`exact`: that
+    version itself) when one is given (`generator_svc.server.version_wait`), or `timeout_s`
+    passed: a long poll, whose caller compares the answer with what it asked for."""
+    if at_least is not None:
+        await wait_served_async(refitter, Version.of_label(at_least), exact, timeout_s)
     s = refitter.state
-    return WeightVersionOut(version=s.version, serving=s.serving, updating=s.updating)
+    served = Version.of_label(s.version)
+    out = WeightVersionOut(version=served.label, step=served.step, serving=s.serving, updating=s.updating)
+    return JSONResponse(out.model_dump())
 
 
 class InstallStatus(BaseModel):

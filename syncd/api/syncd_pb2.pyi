@@ -417,3 +417,35 @@ class ProgressRequest(_message.Message):
 class ProgressResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class VersionStatusRequest(_message.Message):
+    __slots__ = ("member_id", "session_id", "weight_version")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    session_id: str
+    weight_version: int
+    def __init__(self, member_id: _Optional[str] = ..., session_id: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class VersionStatusResponse(_message.Message):
+    __slots__ = ("refit_id", "weight_version", "state", "ended", "error", "unconfirmed", "seconds", "bytes", "waiting_for")
+    REFIT_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    UNCONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    refit_id: str
+    weight_version: int
+    state: str
+    ended: bool
+    error: str
+    unconfirmed: _containers.RepeatedScalarFieldContainer[str]
+    seconds: float
+    bytes: int
+    waiting_for: str
+    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[str] = ..., ended: _Optional[bool] = ..., error: _Optional[str] = ..., unconfirmed: _Optional[_Iterable[str]] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., waiting_for: _Optional[str] = ...) -> None: ...

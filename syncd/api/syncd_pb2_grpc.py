@@ -64,6 +64,11 @@ class SyncdStub:
                 request_serializer=weightsync_dot_v1_dot_syncd__pb2.ProgressRequest.SerializeToString,
                 response_deserializer=weightsync_dot_v1_dot_syncd__pb2.ProgressResponse.FromString,
                 _registered_method=True)
+        self.VersionStatus = channel.unary_unary(
+                '/weightsync.v1.Syncd/VersionStatus',
+                request_serializer=weightsync_dot_v1_dot_syncd__pb2.VersionStatusRequest.SerializeToString,
+                response_deserializer=weightsync_dot_v1_dot_syncd__pb2.VersionStatusResponse.FromString,
+                _registered_method=True)
 
 
 class SyncdServicer:
@@ -112,6 +117,15 @@ class SyncdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VersionStatus(self, request, context):
+        """A trainer asks what became of a weight version it announced: the newest refit of its training
+        run that moves that version or a newer one, or why none has started. A trainer that waits for
+        its generators to serve a version asks this until the refit has ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SyncdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +158,11 @@ def add_SyncdServicer_to_server(servicer, server):
                     servicer.Progress,
                     request_deserializer=weightsync_dot_v1_dot_syncd__pb2.ProgressRequest.FromString,
                     response_serializer=weightsync_dot_v1_dot_syncd__pb2.ProgressResponse.SerializeToString,
+            ),
+            'VersionStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.VersionStatus,
+                    request_deserializer=weightsync_dot_v1_dot_syncd__pb2.VersionStatusRequest.FromString,
+                    response_serializer=weightsync_dot_v1_dot_syncd__pb2.VersionStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +327,33 @@ class Syncd:
             '/weightsync.v1.Syncd/Progress',
             weightsync_dot_v1_dot_syncd__pb2.ProgressRequest.SerializeToString,
             weightsync_dot_v1_dot_syncd__pb2.ProgressResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VersionStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsync.v1.Syncd/VersionStatus',
+            weightsync_dot_v1_dot_syncd__pb2.VersionStatusRequest.SerializeToString,
+            weightsync_dot_v1_dot_syncd__pb2.VersionStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

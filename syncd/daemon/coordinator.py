@@ -35,6 +35,7 @@ from syncd.daemon.settings import Settings
 from syncd.daemon.stage_groups import link_transports
 from syncd.daemon.store import RefitRecord, Store
 from syncd.daemon.survivors import wait_for_lost
+from syncd.daemon.version_status import HISTORY_DEPTH, VersionStatus, refit_of, why_not_started
 from syncd.daemon.versions import Versions
 from syncd.layout import Catalog
 from syncd.plan import Plan
@@ -100,6 +101,14 @@ class Coordinator:
 
     def history(self, limit: int) -> list[RefitRecord]:
         return self._admission.history(limit)
+
+    def version_status(self, member: Member, version: WeightVersion) -> VersionStatus:
+        """What became of `version` of `member`'s training run (`syncd.daemon.version_status`)."""
+        found = refit_of(self.history(HISTORY_DEPTH), member.run_id, version)
+        if found is not None:
+            return VersionStatus(found)
+        problems = self._admission.refit_problems()
+        return VersionStatus(None, why_not_started(self._settings.auto_refit, problems, self.current()))
 
     # ---- commands from operators and members ----
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
@@ -24,7 +25,8 @@ from syncd.api import syncd_pb2_grpc as pb_grpc
 from syncd.daemon.coordinator import Coordinator
 from syncd.daemon.errors import InvalidArgument, SyncdError, Unauthenticated, check_token, grpc_code
 from syncd.daemon.registry import Registry
-from syncd.weight_version import WeightVersion
+from syncd.daemon.version_status import VersionStatus
+from syncd.weight_version import WeightVersion, parse_weight_version
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +167,31 @@ class SyncdServicer(pb_grpc.SyncdServicer):
         member = self.registry.member(request.member_id, request.session_id)
         self.coordinator.report_progress(convert.progress_from_pb(request, member.member_id))
         return pb.ProgressResponse()
+
+    @_guarded
+    def VersionStatus(
+        self, request: pb.VersionStatusRequest, context: grpc.ServicerContext
+    ) -> pb.VersionStatusResponse:
+        member = self.registry.member(request.member_id, request.session_id)
+        status = self.coordinator.version_status(member, parse_weight_version(request.weight_version))
+        return _version_status_to_pb(status)
+
+
+def _version_status_to_pb(status: VersionStatus) -> pb.VersionStatusResponse:
+    r = status.refit
+    if r is None:
+        return pb.VersionStatusResponse(waiting_for=status.waiting_for)
+    end = r.finished_at if r.finished_at is not None else time.time()
+    return pb.VersionStatusResponse(
+        refit_id=r.id,
+        weight_version=r.weight_version,
+        state=r.state,
+        ended=status.ended,
+        error=r.error,
+        unconfirmed=list(r.unconfirmed),
+        seconds=max(end - r.created_at, 0.0),
+        bytes=r.bytes,
+    )
 
 
 def build_grpc_server(

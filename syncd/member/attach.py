@@ -5,7 +5,7 @@
     handle = weightsync.attach(model, syncd="syncd-host:8471", optimizer=optimizer, wait_s=300)
     for batch in data:
         loss = model(batch).loss; loss.backward()
-        optimizer.step()         # the hook announces version 1, 2, ... and waits for its refit
+        optimizer.step()         # announces version 1, 2, ...; returns once the generators serve it
         optimizer.zero_grad()
     handle.close()
 
@@ -20,10 +20,18 @@ data plane reads the live local shards in place, under a lock that the optimizer
 so no step changes a parameter while it is being sent.
 
 Versions: `handle.send(version)` announces that the parameters now hold `version` (syncd's
-`--auto-refit` then starts a refit, or an operator does); with `wait_s` it blocks until a refit of
-it committed or aborted. With `optimizer=`, every `optimizer.step()` is version 1, 2, ... and is
-sent automatically. A refit asks for the version it moves: a rank that holds another one refuses,
-and the refit aborts rather than hand generators a model torn between two versions.
+`--auto-refit` then starts a refit, or an operator does). With `optimizer=`, every
+`optimizer.step()` is version 1, 2, ... and is sent automatically. A refit asks for the version it
+moves: a rank that holds another one refuses, and the refit aborts rather than hand generators a
+model torn between two versions.
+
+Waiting (`wait_s`, `handle.wait_refit`) has one meaning: until every generator serves the version
+(syncd's refit of it committed and every generator confirmed its install), or `RefitFailed`,
+raised from `optimizer.step()` or `send`, naming the refit, its state, the member syncd recorded
+and the reason (an aborted refit, a failed install, or, when no refit started in time, why: no
+`--auto-refit`, a generator missing). `wait_s=None` never waits; `handle.last_refit` reads the
+newest refit's outcome at any time. Versions are `syncd.weight_version.Version`s: syncd's label
+and the step it came from, as a receiver's handle shows them.
 """
 
 from __future__ import annotations
@@ -43,11 +51,12 @@ from syncd.member.canonical_names import UserNames
 from syncd.member.dataplane import catalog_views
 from syncd.member.dtensor import LayoutRefusedError, RankLayout, rank_layout
 from syncd.member.membership import join
+from syncd.member.refit_outcomes import RefitFailed, RefitOutcome, newest_outcome, wait_served
 from syncd.member.sender import SenderEndpoint
 from syncd.vocabulary import Role
-from syncd.weight_version import WeightVersion
+from syncd.weight_version import Version, WeightVersion
 
-__all__ = ["Attachment", "LayoutRefusedError", "attach"]
+__all__ = ["Attachment", "LayoutRefusedError", "RefitFailed", "RefitOutcome", "attach"]
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +89,49 @@ class Attachment:
         self.client, self.agent, self.endpoint, self.wait_s = client, agent, endpoint, wait_s
         self._parameters = parameters
         self._hooks: list = []
+        self._last_refit: RefitOutcome | None = None  # the newest outcome heard, for when syncd is away
 
     @property
     def catalog(self):
         return self._parameters.layout.catalog
 
     @property
-    def version(self) -> WeightVersion:
-        return self._parameters.version
+    def version(self) -> Version:
+        """The version the parameters hold (0 before the first step)."""
+        return Version.of_step(self._parameters.version)
 
-    def send(self, version: int, wait_s: float | None = None) -> str | None:
+    @property
+    def last_refit(self) -> RefitOutcome | None:
+        """The newest refit of this training run as syncd records it (id, version, state, reason,
+        seconds, bytes), ended or still running; None before any. Asks syncd; when syncd does not
+        answer, the newest outcome this handle heard."""
+        try:
+            self._last_refit = newest_outcome(self.client) or self._last_refit
+        except (grpc.RpcError, RuntimeError) as e:
+            log.info("%s: syncd did not answer for the last refit (%s)", self.client.member_id, e)
+        return self._last_refit
+
+    def wait_refit(self, version: int | Version, timeout_s: float = 600.0) -> RefitOutcome:
+        """Block until every generator serves `version` (or a newer version of this run) and
+        return the refit that did it; raise RefitFailed naming what happened instead."""
+        step = version.step if isinstance(version, Version) else version
+        if step is None:
+            raise ValueError(f"version {version} names no trainer step")
+        try:
+            outcome = wait_served(self.client, WeightVersion(step), timeout_s)
+        except RefitFailed as e:
+            self._last_refit = e.outcome or self._last_refit
+            log.warning("%s: %s", self.client.member_id, e)
+            raise
+        self._last_refit = outcome
+        log.info("%s: %s; every generator serves it", self.client.member_id, outcome)
+        return outcome
+
+    def send(self, version: int, wait_s: float | None = None) -> RefitOutcome | None:
         """The parameters now hold `version`: announce it to syncd. Collective: every rank calls
         it, and no rank announces before all of them hold `version` (a refit that one rank's
-        announcement starts must find every rank there). With `wait_s`, block until a refit of it
-        committed ("committed"), aborted ("aborted") or `wait_s` passed ("timeout")."""
+        announcement starts must find every rank there). With `wait_s`, block as `wait_refit`
+        does (raising RefitFailed) and return the refit's outcome."""
         v = WeightVersion(version)
         with self._parameters.lock:
             self._parameters.version = v
@@ -104,7 +142,7 @@ class Attachment:
         except (grpc.RpcError, RuntimeError) as e:  # syncd down must not stop training
             # not lost: the client re-registers with the version it holds, which announces it
             log.warning("%s: could not announce version %d now (%s)", self.client.member_id, v, e)
-        return None if wait_s is None else self.endpoint.wait_refit(v, wait_s)
+        return None if wait_s is None else self.wait_refit(v, wait_s)
 
     def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         parameters = self._parameters
@@ -116,9 +154,7 @@ class Attachment:
             # relabel before anyone can read: a refit of the old version must not send new bytes
             parameters.version = WeightVersion(parameters.version + 1)
             parameters.lock.release()
-            outcome = self.send(parameters.version, self.wait_s)
-            if outcome not in (None, "committed"):
-                log.warning("refit of version %d: %s; training goes on", parameters.version, outcome)
+            self.send(parameters.version, self.wait_s)  # raises RefitFailed out of optimizer.step()
 
         self._hooks += [
             optimizer.register_step_pre_hook(before_step),
@@ -170,7 +206,8 @@ def attach(
 
     `names`: per parameter a canonical name or layout expression, or a function of (name, global
     shape); the built-in rules cover what it leaves out. `exclude`: parameters not to send.
-    `optimizer`: send version 1, 2, ... after each of its steps, waiting `wait_s` for each refit.
+    `optimizer`: send version 1, 2, ... after each of its steps; with `wait_s`, each step returns
+    once every generator serves its version, or raises RefitFailed (`wait_refit`).
     `data_host`: the address peers reach this rank's data plane at. `auth_token` or
     `auth_token_file`: syncd's token; neither: from SYNCD_AUTH_TOKEN_FILE or SYNCD_AUTH_TOKEN
     (`syncd.auth`). Raises PermissionError when syncd refuses the token (saying whether none was

@@ -208,6 +208,20 @@ class MemberClient:
         self.weight_version = version
         self._send_report(pb.ReportRequest(phase=pb.PHASE_ANNOUNCE, ok=True, weight_version=version))
 
+    def version_status(self, version: WeightVersion) -> pb.VersionStatusResponse:
+        """Trainers: what syncd says became of `version` of this member's run (the newest refit
+        that moves it or a newer one, or why none started: `syncd.member.refit_outcomes`). Raises
+        grpc.RpcError when syncd cannot be reached or knows no such session (it re-registers),
+        RuntimeError while not registered or once closed."""
+        if self._closed.is_set():
+            raise RuntimeError(f"{self.member_id} has left syncd at {self.target}")
+        if not self._registered.wait(_RPC_TIMEOUT_S):
+            raise RuntimeError(f"{self.member_id} is not registered with syncd at {self.target}")
+        request = pb.VersionStatusRequest(
+            member_id=self.member_id, session_id=self._session_id, weight_version=version
+        )
+        return self._stub.VersionStatus(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
+
     def close(self, *, leave: bool = True) -> None:
         """Stop: leave syncd, then end the threads. `leave=False` stops as a crash would, silently
         (syncd ends the session when its lease runs out): what the lease-loss tests need."""

@@ -6,7 +6,8 @@ which every optimizer step takes too, and keeps it until `end`, so no step chang
 while it is being sent (with delta refits on, until syncd's Verify, once the agent's mirror took
 what was sent: `syncd.member.agent`). A rank whose parameters hold another version than the
 refit moves refuses: the refit aborts rather than hand generators a model torn between two
-versions. `RefitOutcomes` hears how each refit ended, for a trainer that waits on them.
+versions. A trainer that waits for its refits asks syncd (`syncd.member.refit_outcomes`): this
+rank's Commit comes before the generators installed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Protocol
 
 import torch
 
-from syncd.member.refit_outcomes import RefitOutcomes
 from syncd.plan.types import Bucket
 from syncd.weight_version import WeightVersion
 
@@ -42,12 +42,10 @@ class SenderEndpoint:
     ) -> None:
         self.member_id, self.weights, self._read_views = member_id, weights, read_views
         self._held = False
-        self.outcomes = RefitOutcomes()
 
     def begin(
         self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
     ) -> Mapping[str, torch.Tensor]:
-        self.outcomes.began(weight_version)
         self.weights.lock.acquire()
         self._held = True
         if self.weights.version != weight_version:
@@ -67,11 +65,7 @@ class SenderEndpoint:
         pass  # a sender keeps no staged copy: what it sent is what it holds
 
     def commit(self, refit_id: str, weight_version: WeightVersion, timeout_s: float) -> None:
-        self.outcomes.committed(weight_version)
+        pass  # what it sent is what the generators install; it holds nothing to make live
 
     def abort(self) -> None:
-        self.outcomes.aborted()
-
-    def wait_refit(self, version: WeightVersion, timeout_s: float) -> str:
-        """See `RefitOutcomes.wait`: "committed", "aborted" or "timeout"."""
-        return self.outcomes.wait(version, timeout_s)
+        pass  # `end` released the weights already

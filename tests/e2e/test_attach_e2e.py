@@ -23,6 +23,7 @@ from e2e_harness import GENERATOR_FLAGS, Stack, wait_until
 from deploy.local import openai_client
 from deploy.local.processes import PYTHON, REPO, Proc
 from syncd.net import free_port
+from syncd.weight_version import Version
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -91,8 +92,8 @@ def refitted(stack: Stack, model: Path, tmp_path_factory) -> Refitted:
          "--steps", str(STEPS), "--record", str(record)],
     )  # fmt: skip
     stack.cluster.wait_http(served, f"{served_url}/health", 300)
-    workers = attach_server(served_url, syncd=stack.target, replica=1)["workers"]
-    assert [w["member_id"] for w in workers] == ["generator-1-0"]
+    attached = attach_server(served_url, syncd=stack.target, replica=1)
+    assert [w["member_id"] for w in attached.workers] == ["generator-1-0"]
 
     first = _recorded(record, 0, llm)
     prompts, max_tokens = first["prompts"], first["max_tokens"]
@@ -104,6 +105,7 @@ def refitted(stack: Stack, model: Path, tmp_path_factory) -> Refitted:
         state = stack.refit(version)
         assert state["state"] == "COMMITTED", state
         recorded[version] = _recorded(record, version, llm)
+        assert attached.wait_version(version, exact=True, timeout_s=60) == Version.of(version)
         outputs[version] = _greedy(served_url, prompts, max_tokens)
     assert trainer.popen.wait(180) == 0, trainer.tail()
     assert llm.popen.wait(120) == 0, llm.tail(60)  # it detached (left syncd) and exited
@@ -151,7 +153,8 @@ def test_an_attached_llm_and_vllm_serve_take_two_refits_exactly_as_fresh_engines
         for i, completion in enumerate(outputs):
             assert completion in [refitted.llm[v][i] for v in refitted.llm], (i, completion)
     status = httpx.get(f"{refitted.served_url}/weightsync/status").json()
-    assert (status["version"], status["serving"], status["updating"]) == (str(STEPS), True, False), status
+    served = (status["version"], status["step"], status["serving"], status["updating"])
+    assert served == (str(STEPS), STEPS, True, False), status
 
 
 def test_attaching_is_refused_naming_what_the_engine_lacks(

@@ -95,15 +95,19 @@ def commit(http: TestClient, version: int, timeout_s: float, token: str | None) 
     ).status_code
 
 
+def _served(http: TestClient) -> dict:
+    return http.get("/v1/weight_version").json()
+
+
 def test_commit_without_the_worker_token_is_refused_and_changes_nothing(generator) -> None:
     http, engine, refitter = generator
     engine.release.set()
     assert commit(http, 2, 30, token=None) == 401
     assert commit(http, 2, 30, token="guess") == 401
     assert engine.calls == []
-    assert http.get("/v1/weight_version").json() == {"version": "1", "serving": True, "updating": False}
+    assert _served(http) == {"version": "1", "step": 1, "serving": True, "updating": False}
     assert commit(http, 2, 30, token=refitter.commit_token) == 200
-    assert http.get("/v1/weight_version").json() == {"version": "2", "serving": True, "updating": False}
+    assert _served(http) == {"version": "2", "step": 2, "serving": True, "updating": False}
 
 
 def test_an_install_past_the_deadline_gives_up_and_its_version_never_goes_live(generator) -> None:
@@ -111,7 +115,7 @@ def test_an_install_past_the_deadline_gives_up_and_its_version_never_goes_live(g
     # The install is blocked until released, so this answer can only come from the deadline.
     assert commit(http, 2, 0.5, token=refitter.commit_token) == 504
     assert ("update", "2") in engine.calls and ("finish", "2") not in engine.calls
-    assert http.get("/v1/weight_version").json() == {"version": "1", "serving": False, "updating": True}
+    assert _served(http) == {"version": "1", "step": 1, "serving": False, "updating": True}
     assert http.post("/v1/completions", json={}).status_code == 503
     assert not any(c[0] == "ws_committed" for c in engine.calls), (
         "syncd hears of the failure from the workers"
@@ -122,7 +126,7 @@ def test_an_install_past_the_deadline_gives_up_and_its_version_never_goes_live(g
         lambda: not http.get("/v1/weight_version").json()["updating"], what="the late install to settle"
     )
     assert ("finish", "2") in engine.calls
-    assert http.get("/v1/weight_version").json() == {"version": "1", "serving": False, "updating": False}
+    assert _served(http) == {"version": "1", "step": 1, "serving": False, "updating": False}
     assert ("resume",) not in engine.calls, "generation must not resume on a version reported failed"
     assert http.post("/v1/completions", json={}).status_code == 503
 
@@ -130,7 +134,7 @@ def test_an_install_past_the_deadline_gives_up_and_its_version_never_goes_live(g
     assert (install["mode"], install["last"], install["history"]) == ("staged", None, [])
 
     assert commit(http, 3, 30, token=refitter.commit_token) == 200  # the next complete refit serves again
-    assert http.get("/v1/weight_version").json() == {"version": "3", "serving": True, "updating": False}
+    assert _served(http) == {"version": "3", "step": 3, "serving": True, "updating": False}
     assert ("resume",) in engine.calls and engine.calls[-1] == (
         "ws_committed",
         CommitOutcome("r3", "3", ok=True).to_wire(),
@@ -145,7 +149,7 @@ def test_a_deadline_that_passes_while_requests_finish_leaves_the_engine_untouche
     engine.requests_done.set()
     wait_until(lambda: not http.get("/v1/weight_version").json()["updating"], what="the late pause to settle")
     assert ("start",) not in engine.calls, "the install must not begin after its deadline"
-    assert http.get("/v1/weight_version").json() == {"version": "1", "serving": True, "updating": False}
+    assert _served(http) == {"version": "1", "step": 1, "serving": True, "updating": False}
     assert engine.calls[-1] == ("resume",)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from syncd.weight_version import version_of_label
 from tests.generator.conftest import PROMPTS, Service
 
 pytestmark = pytest.mark.vllm
@@ -134,6 +135,7 @@ def test_failed_refits_leave_a_serving_and_a_good_refit_still_works(
     assert service_a.http.get("/healthz").status_code == 200
     assert service_a.http.get("/v1/weight_version").json() == {
         "version": version,
+        "step": version_of_label(version),
         "serving": True,
         "updating": False,
     }

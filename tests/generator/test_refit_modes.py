@@ -124,13 +124,13 @@ def _served(http: TestClient) -> dict:
 def test_a_hold_lasts_across_requests_until_its_commit(inplace) -> None:
     http, engine, refitter = inplace
     assert _post(http, refitter, "/internal/hold", refit_id="r2", version=2).status_code == 200
-    assert _served(http) == {"version": "1", "serving": True, "updating": True}
+    assert _served(http) == {"version": "1", "step": 1, "serving": True, "updating": True}
     assert _post(http, refitter, "/internal/hold", refit_id="r2", version=2).status_code == 200
     assert engine.count("pause") == 1, "a retried hold for the held refit opens nothing again"
 
     r = _post(http, refitter, "/internal/commit", refit_id="r2", version=2, timeout_s=30)
     assert r.status_code == 200, r.text
-    assert _served(http) == {"version": "2", "serving": True, "updating": False}
+    assert _served(http) == {"version": "2", "step": 2, "serving": True, "updating": False}
     assert engine.calls[-1] == ("ws_committed", CommitOutcome("r2", "2", ok=True).to_wire())
     # The hold ended with its commit: a second commit of it holds nothing.
     r = _post(http, refitter, "/internal/commit", refit_id="r2", version=2, timeout_s=30)
@@ -189,7 +189,7 @@ def test_a_hold_that_fails_to_open_is_a_500_and_serving_goes_on(inplace) -> None
     r = _post(http, refitter, "/internal/hold", refit_id="r2", version=2)
     assert r.status_code == 500 and "ws_hold broke" in r.json()["error"]["message"]
     assert engine.calls[-2:] == [("ws_recover",), ("resume",)]
-    assert _served(http) == {"version": "1", "serving": True, "updating": False}
+    assert _served(http) == {"version": "1", "step": 1, "serving": True, "updating": False}
     engine.failing.clear()
     assert _post(http, refitter, "/internal/hold", refit_id="r2", version=2).status_code == 200
 

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ValidationError
 
 from syncd.weight_version import (
     MAX_WEIGHT_VERSION,
+    Version,
     WeightVersionJson,
     parse_weight_version,
     version_label,
@@ -88,3 +89,24 @@ def test_a_label_names_its_version_again(version: int) -> None:
 @pytest.mark.parametrize("label", ["base", "sft-2", "1.5", "-1", ""])
 def test_other_labels_name_no_trainer_version(label: str) -> None:
     assert version_of_label(label) is None
+
+
+def test_both_handles_name_a_version_alike_by_label_and_step() -> None:
+    assert Version.of(3) == Version.of("3") == Version.of(Version("3", 3)) == Version("3", 3)
+    assert Version.of("base") == Version("base", None) and str(Version.of(3)) == "3"
+
+
+@pytest.mark.parametrize(
+    "served, wanted, exact, reaches",
+    [
+        ("3", "3", False, True),
+        ("5", "3", False, True),  # a newer step serves a wait for an older one
+        ("5", "3", True, False),
+        ("2", "3", False, False),
+        ("base", "3", False, False),  # a label that names no step is older than none, newer than none
+        ("3", "base", False, False),
+        ("base", "base", True, True),
+    ],
+)
+def test_a_served_version_reaches_the_one_asked_for_or_an_older_step(served, wanted, exact, reaches) -> None:
+    assert Version.of(served).reaches(Version.of(wanted), exact) is reaches
