@@ -9,6 +9,6 @@
 """
 
 from trainer_svc.lora.config import LoraConfig, LoraTarget
-from trainer_svc.lora.merge import lora_delta, merge_lora
+from trainer_svc.lora.merge import merge_lora
 
-__all__ = ["LoraConfig", "LoraTarget", "lora_delta", "merge_lora"]
+__all__ = ["LoraConfig", "LoraTarget", "merge_lora"]
