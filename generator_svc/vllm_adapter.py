@@ -109,6 +109,12 @@ SYMBOLS: dict[str, tuple[str, str]] = {
         "VocabParallelEmbedding",
     ),
     "RoutedExperts": ("vllm.model_executor.layers.fused_moe.routed_experts", "RoutedExperts"),
+    # LoRA slots (generator_svc.worker.lora_slots)
+    "LoRAModel": ("vllm.lora.lora_model", "LoRAModel"),
+    "PEFTHelper": ("vllm.lora.peft_helper", "PEFTHelper"),
+    "LoRAModelManager": ("vllm.lora.model_manager", "LoRAModelManager"),
+    "WorkerLoRAManager": ("vllm.lora.worker_manager", "WorkerLoRAManager"),
+    "BaseLinearLayerWithLoRA": ("vllm.lora.layers.base_linear", "BaseLinearLayerWithLoRA"),
     "QuantizeMethodBase": ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase"),
     "FusedMoEConfig": ("vllm.model_executor.layers.fused_moe.config", "FusedMoEConfig"),
     "FusedMoEKernel": ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEKernel"),
@@ -170,6 +176,13 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "LLM.update_weights": ("self", "request"),
     "LLM.finish_weight_update": ("self", "weight_version"),
     "LLM.reset_prefix_cache": ("self", "reset_running_requests"),
+    "PEFTHelper.from_dict": ("config_dict",),
+    "LoRAModel.from_lora_tensors": ("lora_model_id", "tensors", "peft_helper", "device", "dtype"),
+    "LoRAModelManager.add_adapter": ("self", "adapter"),
+    "LoRAModelManager._create_merged_loras_inplace": ("self", "lora_model"),
+    "LoRAModelManager._get_lora_layer_weights": ("self", "lora_model", "module_name"),
+    "BaseLinearLayerWithLoRA.set_lora": ("self", "index", "lora_a", "lora_b"),
+    "BaseLinearLayerWithLoRA.reset_lora": ("self", "index"),
 }
 
 # Attributes read off vLLM's objects: class -> names (methods, class attributes, dataclass fields,
@@ -198,6 +211,17 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "VllmConfig": ("parallel_config", "weight_transfer_config"),
     "ParallelConfig": ("worker_extension_cls",),
     "WeightTransferConfig": ("backend",),
+    # adapter slots (generator_svc.worker.lora_slots)
+    "WorkerLoRAManager": ("_adapter_manager", "lora_config"),
+    "LoRAModelManager": (
+        "modules",
+        "lora_index_to_id",
+        "_registered_adapters",
+        "list_adapters",
+        "pin_adapter",
+    ),
+    "BaseLinearLayerWithLoRA": ("lora_a_stacked", "lora_b_stacked"),
+    "LoRAModel": ("loras",),
     "Worker": (
         "model_runner",
         "weight_transfer_engine",
@@ -312,6 +336,40 @@ def vllm_config_context(vllm_config: Any) -> Iterator[None]:
 
 def worker_model(worker: Any) -> torch.nn.Module:
     return worker.model_runner.get_model()
+
+
+def lora_model_manager(worker: Any) -> Any:
+    """The worker's `LoRAModelManager` (its slots), or None when the engine runs without LoRA."""
+    worker_manager = getattr(worker.model_runner, "lora_manager", None)
+    return None if worker_manager is None else worker_manager._adapter_manager
+
+
+def lora_dtype(worker: Any) -> torch.dtype:
+    """The dtype vLLM holds LoRA factors in (`--lora-dtype`, default the model's)."""
+    return worker.model_runner.lora_manager.lora_config.lora_dtype
+
+
+def lora_model_from_tensors(adapter_id: int, tensors: dict, config: dict, dtype: torch.dtype) -> Any:
+    """A `LoRAModel` of PEFT-named `tensors` and a PEFT `config` (adapter_config.json's fields),
+    as vLLM's loader builds one from a directory, without the directory."""
+    helper = _load("PEFTHelper").from_dict(config)
+    return _load("LoRAModel").from_lora_tensors(adapter_id, tensors, helper, device="cpu", dtype=dtype)
+
+
+def write_lora_slot(manager: Any, adapter_id: int, model: Any) -> int:
+    """Write `model`'s factors into the slot that adapter `adapter_id` holds, in every LoRA layer
+    (`set_lora`: its `lora_a_stacked` / `lora_b_stacked` at the slot), packing q/k/v as vLLM packs
+    them, and keep `model` as the registered copy. Returns the slot's index."""
+    manager._create_merged_loras_inplace(model)
+    manager._registered_adapters[adapter_id] = model
+    index = manager.lora_index_to_id.index(adapter_id)
+    for name, module in manager.modules.items():
+        weights = manager._get_lora_layer_weights(model, name)
+        if weights is None:
+            module.reset_lora(index)
+        else:
+            module.set_lora(index, weights.lora_a, weights.lora_b)
+    return index
 
 
 def tensor_parallel_position() -> tuple[int, int]:

@@ -91,7 +91,13 @@ class RankAgent:
         # The weights the model computes with (bfloat16 copies of the float32 masters, when it
         # trains in bfloat16): what a generator serves.
         catalog = build_catalog(trainer.args, mesh.dims, mesh.coords, trainer.precision.dtype)
-        shards = LocalShards(catalog, trainer.precision.weights, trainer.lock)
+        weights = trainer.precision.weights
+        if trainer.lora is not None:
+            # A LoRA run refits only its target modules, merged in the served dtype (partial).
+            served = str(trainer.lora.dtype).removeprefix("torch.")
+            catalog = trainer.lora.refit_catalog(build_catalog(trainer.args, mesh.dims, mesh.coords, served))
+            weights = trainer.lora.merged
+        shards = LocalShards(catalog, weights, trainer.lock)
         member_id = f"trainer-{env.rank}"
         run_id = [uuid.uuid4().hex]  # this training run, as syncd knows it: rank 0's id on every rank
         if torch.distributed.is_initialized():

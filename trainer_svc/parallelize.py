@@ -56,6 +56,8 @@ def grad_sync_plan(model: Qwen3MoeStage, mesh: Mesh) -> list[GradSync]:
     d = mesh.dims
     plan = []
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue  # frozen (a LoRA run's base): no gradient to sync
         s = sharding_of(name)
         replicated_over = (mesh.dp_ep,) if s.ep_dim is None else (mesh.dp,)
         groups = ((mesh.tp,) if s.tp_partial_grad else ()) + replicated_over

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from syncd.auth import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, resolve_token
 from syncd.plan.fp8_blocks import BLOCK
 from trainer_svc.config import FP8_EXPORT, FP8_UNQUANTIZED_DTYPE
+from trainer_svc.lora.config import LoraConfig, LoraTarget
 from trainer_svc.parallel_dims import ParallelDims
 
 # The environment variables trainer_svc reads: torchrun's (and syncd's token: `syncd.auth`).
@@ -51,6 +52,9 @@ class TrainSettings:
     data_host: str = "127.0.0.1"  # address this rank's data-plane (gloo) groups listen on
     device: str = "auto"  # cpu, cuda, or auto (cuda when available)
     threads: int = 1  # torch intra-op threads per rank (CPU)
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank over a frozen base (`trainer_svc.lora`)
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = tuple(LoraTarget)
 
     def __post_init__(self) -> None:
         if (self.model_dir is None) == (self.init_config is None):
@@ -90,6 +94,26 @@ class TrainSettings:
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
         _ = self.dims  # validates the mesh sizes
+        if self.lora_rank:
+            _ = self.lora  # validates rank, alpha and targets
+            if self.optimizer != "adamw" or self.export_dtype == FP8_EXPORT:
+                raise ValueError(
+                    "--lora-rank trains with --optimizer adamw and merges into float32, bfloat16 or "
+                    f"float16; got --optimizer {self.optimizer} --export-dtype {self.export_dtype}"
+                )
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The adapters to train, or None to train the whole model."""
+        if not self.lora_rank:
+            return None
+        try:
+            targets = tuple(LoraTarget(t) for t in self.lora_targets)
+        except ValueError:
+            raise ValueError(
+                f"--lora-targets must be among {', '.join(LoraTarget)}, got {', '.join(self.lora_targets)}"
+            ) from None
+        return LoraConfig(self.lora_rank, self.lora_alpha, targets)
 
     @property
     def dims(self) -> ParallelDims:
@@ -168,7 +192,23 @@ class TrainSettings:
         p.add_argument("--data-host", default="127.0.0.1", help="this host's address for data-plane groups")
         p.add_argument("--device", default="auto", choices=("cpu", "cuda", "auto"))
         p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
+        p.add_argument(
+            "--lora-rank",
+            type=int,
+            default=0,
+            help="train LoRA adapters of this rank over the frozen base; refits move only the "
+            "target modules' merged weights (0: train every weight)",
+        )
+        p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale = alpha / rank")
+        p.add_argument(
+            "--lora-targets",
+            nargs="+",
+            default=list(LoraTarget),
+            choices=list(LoraTarget),
+            help="attention: q/k/v/o_proj; experts: every expert's gate/up/down_proj",
+        )
         ns = vars(p.parse_args(argv))
+        ns["lora_targets"] = tuple(ns["lora_targets"])
         try:
             ns["auth_token"] = resolve_token(ns["auth_token"], ns.pop("auth_token_file"))
         except TokenError as e:

@@ -69,6 +69,22 @@ PLAN: dict[str, ParamSharding] = {
     # whole experts over ep, the intermediate dim over tp: [E, I, H] and [E, H, I]
     ".experts.gate_up_proj": ParamSharding((Shard(0), Shard(1)), fused=("gate_proj", "up_proj")),
     ".experts.down_proj": ParamSharding((Shard(0), Shard(2)), fused=("down_proj",)),
+    # LoRA factors (`trainer_svc.lora.layers`), placed like the weight they adapt: B shares a
+    # column-parallel weight's rows, A a row-parallel weight's columns; the other factor is
+    # replicated over tp and its gradient is partial there (each tp rank sees its own shard's part).
+    ".q_proj.lora_A": ParamSharding(tp_partial_grad=True),
+    ".q_proj.lora_B": COLWISE,
+    ".k_proj.lora_A": ParamSharding(tp_partial_grad=True),
+    ".k_proj.lora_B": COLWISE,
+    ".v_proj.lora_A": ParamSharding(tp_partial_grad=True),
+    ".v_proj.lora_B": COLWISE,
+    ".o_proj.lora_A": ROWWISE,
+    ".o_proj.lora_B": ParamSharding(tp_partial_grad=True),
+    # [E, 2, r, H], [E, 2, I, r], [E, r, I], [E, H, r]: whole experts over ep, I over tp
+    ".experts.gate_up_proj_lora_A": ParamSharding((Shard(0), Replicate()), tp_partial_grad=True),
+    ".experts.gate_up_proj_lora_B": ParamSharding((Shard(0), Shard(2))),
+    ".experts.down_proj_lora_A": ParamSharding((Shard(0), Shard(2))),
+    ".experts.down_proj_lora_B": ParamSharding((Shard(0), Replicate()), tp_partial_grad=True),
 }
 _FUSED_INTO = {proj: suffix for suffix, s in PLAN.items() for proj in s.fused}
 

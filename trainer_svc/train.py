@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import catalog_views
 from syncd.weight_version import WeightVersion
 from trainer_svc import data
@@ -28,6 +29,7 @@ from trainer_svc.canonical import random_canonical
 from trainer_svc.catalog import build_catalog
 from trainer_svc.config import ModelArgs
 from trainer_svc.hf_checkpoint import CONFIG_FILE, save_hf
+from trainer_svc.lora.adapters import LoraAdapters
 from trainer_svc.optim.optimizer import build_optimizer
 from trainer_svc.parallel_dims import Mesh
 from trainer_svc.parallel_export import export_parallel
@@ -110,7 +112,20 @@ class Trainer:
             read_shards(settings.model_dir, catalog, catalog_views(catalog, params))
         else:
             load_into(self.model, canonical, mesh.dims, mesh.coords)
+        self.lora: LoraAdapters | None = None  # with --lora-rank: the adapters, the base frozen
+        if settings.lora is not None:
+            assert settings.export_dtype is not None  # TrainSettings defaults it to --dtype
+            self.lora = LoraAdapters.attach(
+                self.model,
+                settings.lora,
+                mesh.dims,
+                mesh.coords,
+                settings.seed,
+                torch_dtype(settings.export_dtype),
+            )
         self.model.to(device)
+        if self.lora is not None:
+            self.lora.refresh()  # the merged weights where the parameters now live
         self.precision = Precision(self.model, settings.dtype)
         self.plan = grad_sync_plan(self.model, mesh)
         self.optimizer = build_optimizer(settings, self.model, mesh, args)
@@ -151,6 +166,8 @@ class Trainer:
         with self.lock:
             self.optimizer.step()
             self.precision.refresh()
+            if self.lora is not None:
+                self.lora.refresh()
             self.version = WeightVersion(step)
         global_loss = self._global_loss(loss)
         elapsed = time.perf_counter() - start
@@ -192,17 +209,22 @@ class Trainer:
         rank only once the files exist (anyone told about the step may read them)."""
         dtype = self.settings.export_dtype
         assert dtype is not None  # TrainSettings defaults it to --dtype
+        weights = self.precision.weights if self.lora is None else self.lora.served(self.precision.weights)
         if self.distributed and self._one_host():
-            export_parallel(self.precision.weights, self.mesh, self.args, out_dir, dtype)
+            export_parallel(weights, self.mesh, self.args, out_dir, dtype)
             if self.mesh.rank == 0:
                 log.info("exported HF checkpoint to %s (parallel writers)", out_dir)
-            return
-        canonical = gather_canonical(self.precision.weights, self.mesh, self.args)
-        if self.mesh.rank == 0:
-            save_hf(out_dir, self.args, canonical, dtype)
-            log.info("exported HF checkpoint to %s", out_dir)
-        if self.distributed:
-            dist.barrier()
+        else:
+            canonical = gather_canonical(weights, self.mesh, self.args)
+            if self.mesh.rank == 0:
+                save_hf(out_dir, self.args, canonical, dtype)
+                log.info("exported HF checkpoint to %s", out_dir)
+            if self.distributed:
+                dist.barrier()
+        if self.lora is not None:  # the merged model above; the adapter itself next to it
+            self.lora.save_shards(out_dir, self.mesh.dims, self.mesh.coords, self.mesh.rank)
+            if self.distributed:
+                dist.barrier()
 
     def _one_host(self) -> bool:
         """Collective (first call only): whether every rank runs on this rank's host."""

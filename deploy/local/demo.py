@@ -5,6 +5,7 @@
                                 [--refit-mode staged|inplace] [--delta [--full-every K]]
                                 [--replicas N] [--lab [--link-gbit G]] [--summary-json PATH]
                                 [--pause-mode wait|keep|abort] [--load N [--max-tokens T]]
+                                [--lora-rank R [--lora-alpha A]]
 
 Starts syncd, the vLLM generator (CPU) and a 4-rank gloo trainer (`--layout ep2tp2`: ep 2 x tp 2,
 experts split over TP; `--layout pp2`: pp 2 x ep 2), all on this machine. The trainer waits after
@@ -33,6 +34,11 @@ summary then gives per refit `pause_s` (how long the generator held requests), `
 which the engine was paused for the install) and `spanning_requests` (requests with tokens from
 before and after it), and overall `load_requests`, `failed_requests` and
 `responses_without_versions` (answers whose tokens do not say which weight version produced them).
+`--lora-rank R` trains LoRA adapters (attention and experts) over the frozen base instead of the
+whole model: each refit moves only the target modules' weights, merged in float32 and rounded once
+to the served dtype (`trainer_svc.lora.merge`), and the summary's `lora` gives their bytes against
+the whole model's and the greedy outputs after each refit (`steps[].greedy`), which equal a fresh
+vLLM's on the base merged with that step's adapter (`tests/e2e/test_demo.py`).
 Every process it starts, it stops (and the lab, its namespaces). syncd requires a token this
 driver makes for the run, in a temporary file (mode 0600) every process is handed by its path.
 """
@@ -43,6 +49,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -88,6 +95,7 @@ class StepRow:
     changed_fraction: float | None = None
     replicas_on_version: int = 1  # replicas serving this step's version after its refit
     trainer_egress_bytes: int | None = None  # --lab: what left the trainer's host during the refit
+    greedy: list[tuple[list[int], list[float]]] | None = None  # --lora-rank: replica 0 after the refit
 
     @property
     def mb_per_s(self) -> float:
@@ -112,6 +120,13 @@ class Generator:
             )
             out.append((prompt, tokens, logprobs))
         return out
+
+    def greedy(self, max_tokens: int = 8) -> list[tuple[list[int], list[float]]]:
+        """Greedy completions of every prompt: their tokens and logprobs."""
+        return [
+            openai_client.complete(self.api, "tiny", prompt, max_tokens=max_tokens, temperature=0)
+            for prompt in self.prompts
+        ]
 
     def serves(self, version: WeightVersion) -> bool:
         return self.http.get("/v1/weight_version").json()["version"] == version_label(version)
@@ -269,6 +284,11 @@ def start_services(
                 args.train_dtype,
                 "--export-dtype",
                 args.dtype,
+                *(
+                    ["--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha)]
+                    if args.lora_rank
+                    else []
+                ),
             ],
         ),
         env={"OMP_NUM_THREADS": "1"},
@@ -363,7 +383,7 @@ def run(args) -> dict:
         seen = load.stop()
         history = generators[0].http.get("/v1/install").json()["history"]
         trainer.popen.wait(120)
-    return summarize(rows, time.monotonic() - start, args) | load_summary(rows, history, seen, args)
+    return summarize(rows, time.monotonic() - start, args, work) | load_summary(rows, history, seen, args)
 
 
 def refit_step(
@@ -398,6 +418,7 @@ def refit_step(
         state.get("changed_fraction"),
         sum(g.serves(version) for g in generators),
         egress,
+        generators[0].greedy() if committed and args.lora_rank else None,
     )
     if not committed:
         print(f"     refit failed: {state.get('error')}", flush=True)
@@ -418,7 +439,32 @@ def print_row(row: StepRow, replicas: int, lab: bool) -> None:
     )
 
 
-def summarize(rows: list[StepRow], seconds: float, args) -> dict:
+def lora_summary(rows: list[StepRow], work: Path, args) -> dict:
+    """What a LoRA run's refits moved: the target modules' bytes in the served dtype, against the
+    whole model's (both from the first step's export, the merged model)."""
+    from safetensors import safe_open
+
+    from syncd.layout import hf_names
+    from trainer_svc.lora.checkpoint import load_adapter
+
+    export = work / "export" / "step-1"
+    targets = set(load_adapter(export).targets())
+    with safe_open(str(export / "model.safetensors"), framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    itemsize = 2 if args.dtype == "bfloat16" else 4
+    sizes = {n: math.prod(shape) * itemsize for n, shape in hf_names.canonical_shapes_from_hf(shapes).items()}
+    target_bytes = sum(sizes[n] for n in targets)
+    return {
+        "rank": args.lora_rank,
+        "alpha": args.lora_alpha,
+        "target_tensors": len(targets),
+        "target_bytes": target_bytes,
+        "model_bytes": sum(sizes.values()),
+        "refits_moved_only_targets": all(r.bytes == target_bytes for r in rows) and bool(rows),
+    }
+
+
+def summarize(rows: list[StepRow], seconds: float, args, work: Path) -> dict:
     return {
         "refits": len(rows),
         "refits_committed": sum(r.refit_state == "COMMITTED" for r in rows),
@@ -432,6 +478,7 @@ def summarize(rows: list[StepRow], seconds: float, args) -> dict:
         "replicas": args.replicas,
         "lab": {"link_gbit": args.link_gbit} if args.lab else None,
         "all_replicas_served_each_version": all(r.replicas_on_version == args.replicas for r in rows),
+        "lora": lora_summary(rows, work, args) if args.lora_rank else None,
         "refit_phases": [
             {
                 "step": r.step,
@@ -547,12 +594,24 @@ def main() -> int:
         help="a Qwen3-MoE HF directory (config.json + *.safetensors) "
         "to train and serve instead of the tiny random model",
     )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank (attention and experts) over the frozen base; each "
+        "refit moves only the target modules, merged (0: train and refit the whole model)",
+    )
+    parser.add_argument(
+        "--lora-alpha", type=float, default=16.0, help="with --lora-rank: scale = alpha / rank"
+    )
     parser.add_argument("--summary-json", help="also write the summary here")
     args = parser.parse_args()
     if args.full_every < 0 or (args.full_every and not args.delta):
         parser.error("--full-every takes a positive K, with --delta")
     if args.replicas < 1:
         parser.error(f"--replicas must be >= 1, got {args.replicas}")
+    if args.lora_rank < 0 or (args.lora_rank and args.delta):
+        parser.error("--lora-rank takes a positive rank, without --delta (its refits are partial)")
     if args.load < 0 or args.max_tokens < 1:
         parser.error(f"--load must be >= 0 and --max-tokens >= 1, got {args.load} and {args.max_tokens}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s demo %(message)s")
@@ -575,6 +634,7 @@ def main() -> int:
         and summary["checksums_ok"]
         and summary["all_replicas_served_each_version"]
         and summary["responses_without_versions"] == 0
+        and (summary["lora"] is None or summary["lora"]["refits_moved_only_targets"])
         and (summary["failed_requests"] == 0 or args.pause_mode == "abort")
     )
     return 0 if ok else 1

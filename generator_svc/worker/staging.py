@@ -23,13 +23,13 @@ Peak extra memory is therefore the largest single HF tensor (the embedding or lm
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from syncd.layout import Box, Catalog, LocalTensor, Piece, hf_names
+from syncd.layout import Box, Catalog, LocalTensor, Piece, hf_names, owning_layer
 from syncd.layout.dtypes import conversion, torch_dtype
 from syncd.plan.types import Bucket
 
@@ -69,11 +69,17 @@ class Staging:
     def nbytes(self) -> int:
         return self.catalog.nbytes
 
-    def begin(self, refit_id: str) -> None:
-        """Start receiving a new version; what an earlier, unfinished refit wrote no longer counts."""
+    def begin(self, refit_id: str, planned: frozenset[str] | None = None) -> None:
+        """Start receiving a new version; what an earlier, unfinished refit wrote no longer counts.
+        `planned`: the local tensors this refit writes, when it writes only some (a partial
+        trainer's refit, `Catalog.partial`); every other buffer keeps what the engine serves, and
+        the install copies only the layers of `planned`, each of which it must fill whole."""
         self.refit_id = refit_id
-        self._received = dict.fromkeys(self.buffers, 0)
         self.changed = None
+        if planned is not None and planned < {n for n, t in self.tensors.items() if t.pieces}:
+            require_whole_layers(planned, self.buffers)
+            self.changed = planned
+        self._received = dict.fromkeys(self.buffers if self.changed is None else self.changed, 0)
 
     def write(self, tensor: str, box: Box, data: torch.Tensor) -> None:
         """Data-plane entry: copy `data` (C order, `box.numel` elements) into region `box` of `tensor`."""
@@ -152,9 +158,12 @@ class Staging:
             self.fill_canonical(name, box, data)
 
     def missing(self) -> list[str]:
-        """Local tensors not completely received, as 'name (got/expected elements)'."""
+        """Local tensors not completely received, as 'name (got/expected elements)' (of a partial
+        refit, only those it writes)."""
         out = []
         for name, t in self.tensors.items():
+            if self.changed is not None and name not in self.changed:
+                continue
             got, want = self._received.get(name, 0), covered_elements(t)
             if got != want:
                 out.append(f"{name} ({got}/{want} elements)")
@@ -221,6 +230,27 @@ class Staging:
             dst = tuple(slice(a - r, b - r) for a, b, r in zip(hit.start, hit.stop, region.start))
             out[dst] = local.reshape(hit.shape)
         return out
+
+
+def planned_tensors(buckets: Sequence[Bucket], member_id: str) -> frozenset[str]:
+    """The local tensors that `member_id`'s buckets of a plan write into."""
+    return frozenset(u.dst_tensor for b in buckets if b.dst == member_id for u in b.units)
+
+
+def require_whole_layers(planned: frozenset[str], tensors: Iterable[str]) -> None:
+    """A partial refit installs by layer (`generator_svc.worker.install`): a layer it writes must
+    get every one of its tensors, or the install would copy stale staging into the others."""
+    by_layer: dict[str, set[str]] = defaultdict(set)
+    for name in tensors:
+        by_layer[owning_layer(name)].add(name)
+    for layer, names in by_layer.items():
+        left_out = names - planned
+        if left_out and left_out != names:
+            raise ValueError(
+                f"a partial refit writes only part of layer {layer}: not {sorted(left_out)}; "
+                "its sources must declare every canonical tensor of the layers they change "
+                "(e.g. a LoRA adapter on q_proj needs k_proj and v_proj too, fused as qkv_proj)"
+            )
 
 
 def _open_safetensors(file: Path) -> Any:

@@ -33,7 +33,7 @@ import torch
 
 from generator_svc.worker.digest import ServedRegions
 from generator_svc.worker.inplace import InplaceReceiver
-from generator_svc.worker.staging import Staging
+from generator_svc.worker.staging import Staging, planned_tensors
 from syncd.layout import Catalog
 from syncd.member import join
 from syncd.member.agent import Endpoint, MemberAgent
@@ -125,7 +125,7 @@ class StagedEndpoint(_CommitRelay):
     def begin(
         self, refit_id: str, weight_version: WeightVersion, buckets: Sequence[Bucket]
     ) -> Mapping[str, torch.Tensor]:
-        self.staging.begin(refit_id)
+        self.staging.begin(refit_id, planned_tensors(buckets, self.member_id))
         self.served.receiving(refit_id, buckets, self.member_id)
         self._buckets = tuple(buckets)
         return self.staging.buffers

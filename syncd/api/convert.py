@@ -73,6 +73,7 @@ def catalog_to_pb(catalog: Catalog) -> pb.Catalog:
             )
             for t in catalog.tensors
         ],
+        partial=catalog.partial,
     )
 
 
@@ -88,6 +89,7 @@ def catalog_from_pb(msg: pb.Catalog) -> Catalog:
             )
             for t in msg.tensors
         ),
+        partial=msg.partial,
     )
 
 

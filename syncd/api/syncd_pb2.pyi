@@ -76,12 +76,14 @@ class LocalTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ...) -> None: ...
 
 class Catalog(_message.Message):
-    __slots__ = ("canonical", "tensors")
+    __slots__ = ("canonical", "tensors", "partial")
     CANONICAL_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     canonical: _containers.RepeatedCompositeFieldContainer[CanonicalTensor]
     tensors: _containers.RepeatedCompositeFieldContainer[LocalTensor]
-    def __init__(self, canonical: _Optional[_Iterable[_Union[CanonicalTensor, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[LocalTensor, _Mapping]]] = ...) -> None: ...
+    partial: bool
+    def __init__(self, canonical: _Optional[_Iterable[_Union[CanonicalTensor, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[LocalTensor, _Mapping]]] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class TransferUnit(_message.Message):
     __slots__ = ("canonical", "canon", "dtype", "src_tensor", "src_box", "dst_tensor", "dst_box", "nbytes", "quantized", "block_box", "src_dtype")

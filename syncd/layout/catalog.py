@@ -87,10 +87,16 @@ class LocalTensor:
 
 @dataclass(frozen=True)
 class Catalog:
-    """Everything one member holds. Validate with `validate()` before trusting foreign input."""
+    """Everything one member holds. Validate with `validate()` before trusting foreign input.
+
+    `partial` (trainers only): the member sends only the canonical tensors it declares, and a
+    destination keeps every tensor that no source declares as it serves it (a LoRA trainer's merged
+    target modules over a frozen base). The planner plans those tensors only when every source
+    is partial; otherwise a tensor no source holds is an error, as always."""
 
     canonical: tuple[CanonicalTensor, ...]
     tensors: tuple[LocalTensor, ...]
+    partial: bool = False
 
     @cached_property
     def canonical_by_name(self) -> dict[str, CanonicalTensor]:
@@ -174,7 +180,7 @@ def first_overlap(boxes: list[Box]) -> tuple[Box, Box] | None:
 
 
 def _canonical_json(catalog: Catalog) -> str:
-    doc = {
+    doc: dict[str, object] = {
         "canonical": sorted([c.name, list(c.shape), c.dtype] for c in catalog.canonical),
         "tensors": [
             [
@@ -186,4 +192,6 @@ def _canonical_json(catalog: Catalog) -> str:
             for t in catalog.tensors
         ],
     }
+    if catalog.partial:  # absent otherwise: every full catalog keeps the hash it always had
+        doc["partial"] = True
     return json.dumps(doc, separators=(",", ":"))

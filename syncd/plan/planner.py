@@ -68,7 +68,9 @@ def make_plan(
     tensor's shape, if the members of one side disagree on its dtype, if the sources' dtype cannot
     be converted to the destinations' (`syncd.layout.dtypes.conversion`), if destination boxes
     overlap, or if a destination element has no source. Units carry the destination's dtype (their
-    `nbytes` are wire bytes) and the conversion the sender applies while packing."""
+    `nbytes` are wire bytes) and the conversion the sender applies while packing. When every source
+    is `partial`, only the canonical tensors some source declares are planned (a refit of the
+    changed tensors: the destinations keep the rest)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     ids = [m.member_id for m in sources] + [m.member_id for m in destinations]
@@ -84,7 +86,10 @@ def make_plan(
     # generator's catalog lists its parameters layer by layer, so every link's units, and so its
     # buckets, go through the layers in the same order, which lets an in-place receiver finish a
     # layer before the next one opens (by name, "lm_head" came before every layer).
+    partial = all(m.catalog.partial for m in sources)
     for name in dst_holdings:
+        if partial and name not in meta:
+            continue  # no partial source sends it: the destinations keep what they serve
         holders = src_holdings.get(meta[name].source if name in meta else name)
         if not holders:
             raise ValueError(f"no source holds canonical tensor {name}, which a destination needs")

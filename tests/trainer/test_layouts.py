@@ -112,3 +112,32 @@ def test_bf16_keeps_float32_masters_and_exports_the_bf16_weights_it_computes_wit
     torch.testing.assert_close(
         torch.tensor(ranks[0].losses), torch.tensor(reference[0][0].losses), rtol=BF16_LOSS_RTOL, atol=0
     )
+
+
+LORA = {"lora_rank": 4}
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 2, 2), (1, 2, 1, 2)], ids=lambda l: "pp{}dp{}ep{}tp{}".format(*l))
+def test_lora_adapters_train_alike_on_every_layout_over_a_frozen_base(run_layout, tiny_dir, layout):
+    """LoRA factors sharded like the weights they adapt (tp-partial gradients summed over tp, expert
+    factors over ep): the same losses and, reassembled from every rank's shards, the same adapter
+    as one process trains; the base stays as loaded, the merged targets are what change."""
+    from syncd.layout.hf_names import group_from_hf
+    from trainer_svc.lora.checkpoint import load_adapter
+
+    ranks, export = run_layout(*layout, **LORA)
+    ref_ranks, ref_export = run_layout(1, 1, 1, 1, **LORA)
+    for r in ranks:
+        torch.testing.assert_close(
+            torch.tensor(r.losses), torch.tensor(ref_ranks[0].losses), rtol=RTOL, atol=0
+        )
+    got, want = load_adapter(export), load_adapter(ref_export)
+    assert sorted(got.tensors) == sorted(want.tensors) and want.targets()
+    for name, factor in want.tensors.items():
+        assert _rel(got.tensors[name], factor) <= UPDATE_RTOL, name
+    merged, start = (
+        group_from_hf(load_file(path).items(), torch.stack)
+        for path in (str(export / "model.safetensors"), f"{tiny_dir}/model.safetensors")
+    )
+    changed = {n for n in start if not torch.equal(merged[n], start[n])}
+    assert changed == set(want.targets())

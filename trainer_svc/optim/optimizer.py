@@ -164,5 +164,6 @@ class MuonWithAdamW:
 def build_optimizer(settings: TrainSettings, model: torch.nn.Module, mesh: Mesh, args: ModelArgs):
     """Collective when `settings.optimizer == "muon"` (creates Muon's process groups)."""
     if settings.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # a LoRA run: the adapters
+        return torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
     return MuonWithAdamW(model, mesh, args, settings)
