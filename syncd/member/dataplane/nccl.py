@@ -11,6 +11,7 @@ the caller aborts the communicator instead.
 from __future__ import annotations
 
 import base64
+import threading
 import time
 
 import torch
@@ -58,6 +59,9 @@ class NcclTransport:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.op_timeout_s = op_timeout_s
         self._comm = comm
+        # An abort comes from another thread (syncd's Abort) while the loops poll and enqueue:
+        # no call may use the communicator while, or after, it is freed.
+        self._comm_lock = threading.Lock()
         # Highest priority: the loops enqueue packs, unpacks and checksums ahead, and these become
         # ready the moment a transfer ends, just as the next transfer does. At equal priority the
         # GPU may hand its SMs to the copy kernels first and the link idles until they drain.
@@ -109,9 +113,10 @@ class NcclTransport:
 
     def _state(self) -> str:
         _, bindings = _nccl()
-        if self._comm is None:
-            return "error: communicator aborted"
-        result = self._comm.get_async_error()
+        with self._comm_lock:
+            if self._comm is None:
+                return "error: communicator aborted"
+            result = self._comm.get_async_error()
         if result == bindings.Result.InProgress:
             return "in_progress"
         return "ok" if result == bindings.Result.Success else f"error {result!r}"
@@ -136,16 +141,18 @@ class NcclTransport:
         """`op` is nccl4py's raw binding (send or recv), called with the resolved buffer."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         _, bindings = _nccl()
-        if self._comm is None:
-            raise TransferError(f"{what} failed: the communicator was aborted")
         ptr, count, dtype = self._buffer(buf)
-        try:
-            op(ptr, count, dtype, int(peer), self._comm._comm, self.stream.cuda_stream)
-        except bindings.NCCLError as e:
-            raise TransferError(f"{what} failed: {e}") from e
-        # One state query settles the common case (the enqueue completed in the call); only a
-        # call still in progress (connection setup on the first transfers) is polled.
-        if bindings.comm_get_async_error(self._comm._comm) != bindings.Result.Success:
+        with self._comm_lock:
+            if self._comm is None:
+                raise TransferError(f"{what} failed: the communicator was aborted")
+            try:
+                op(ptr, count, dtype, int(peer), self._comm._comm, self.stream.cuda_stream)
+            except bindings.NCCLError as e:
+                raise TransferError(f"{what} failed: {e}") from e
+            # One state query settles the common case (the enqueue completed in the call); only a
+            # call still in progress (connection setup on the first transfers) is polled.
+            settled = bindings.comm_get_async_error(self._comm._comm) == bindings.Result.Success
+        if not settled:
             self.settle(what, self.op_timeout_s)
         done = torch.cuda.Event()
         done.record(self.stream)
@@ -160,9 +167,12 @@ class NcclTransport:
         return self._enqueue(_nccl()[1].recv, buf, peer, f"receive of {buf.numel()} bytes from rank {peer}")
 
     def abort(self) -> None:
-        if self._comm is not None:
-            self._comm.abort()
-            self._comm = None
+        """End every send and receive in flight: the kernels stop, and the waits polling them
+        (`_EventHandle.wait`, `settle`) see the communicator gone and raise TransferError."""
+        with self._comm_lock:
+            comm, self._comm = self._comm, None
+            if comm is not None:
+                comm.abort()
 
     def close(self) -> None:
         self.abort()
