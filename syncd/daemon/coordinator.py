@@ -88,6 +88,10 @@ class Coordinator:
             plan, self._registry.members(), self._settings.backend, self._settings.same_host
         )
 
+    def missing_generators(self) -> tuple[str, ...]:
+        """Generator workers registered once and not now (`syncd.daemon.fleet`); cheap: no plan."""
+        return self._admission.fleet.saw(self._registry.members()).missing
+
     def current(self) -> RefitRecord | None:
         return self._admission.current()
 
@@ -153,12 +157,7 @@ class Coordinator:
 
     def _run_refit(self, run: Run) -> None:
         self._sequence.execute(run)
-        if (
-            run.state == RefitState.ABORTED
-            and self._settings.refit_retries
-            and not run.excluded
-            and run.planned
-        ):
+        if run.state == RefitState.ABORTED and self._settings.refit_retries and not run.retry and run.planned:
             threading.Thread(
                 target=self._retry_survivors, args=(run,), name=f"{run.id}-retry", daemon=True
             ).start()
@@ -178,14 +177,20 @@ class Coordinator:
             ", ".join(sorted(lost.members)),
             ", ".join(sorted(lost.excluded)),
         )
+        retry = self._start_retry(run, lost.excluded)
+        if retry is None:
+            return
+        self._sequence.execute(retry)
+        self._auto.after_refit()
+
+    def _start_retry(self, run: Run, excluded: frozenset[str]) -> Run | None:
         try:
             # The newest version the trainers hold, not the aborted one: a trainer that went on
             # training during the settle time holds only its newest, and would refuse the old one.
-            retry = self._admission.start(None, False, run.full, lost.excluded)
+            return self._admission.start(None, False, run.full, excluded)
         except (FailedPrecondition, Unavailable) as e:
             log.warning("refit %s: the retry over the survivors did not start: %s", run.id, e)
-            return
-        self._run_refit(retry)
+            return None
 
     def _on_member_lost(self, member: Member, reason: str) -> None:
         run = self._slot.running()
