@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from syncd.commands import MemberReport
 from syncd.daemon.admission import Admission, RefitSlot
@@ -32,7 +33,7 @@ from syncd.daemon.registry import Member, Registry
 from syncd.daemon.settings import Settings
 from syncd.daemon.stage_groups import link_transports
 from syncd.daemon.store import RefitRecord, Store
-from syncd.daemon.survivors import wait_for_lost
+from syncd.daemon.survivors import find_lost, wait_for_lost
 from syncd.daemon.versions import Versions
 from syncd.layout import Catalog
 from syncd.plan import Plan
@@ -181,6 +182,15 @@ class Coordinator:
         if retry is None:
             return
         self._sequence.execute(retry)
+        if retry.state == RefitState.ABORTED and self._trainers_moved_on(retry):
+            # The trainers stepped on while it ran (a trainer's wait for the aborted version ended
+            # with the abort): the version they hold now, once more, over the same survivors.
+            log.warning(
+                "refit %s: the trainers moved on from version %s; retrying theirs", retry.id, retry.version
+            )
+            again = self._start_retry(retry, lost.excluded)
+            if again is not None:
+                self._sequence.execute(again)
         self._auto.after_refit()
 
     def _start_retry(self, run: Run, excluded: frozenset[str]) -> Run | None:
@@ -191,6 +201,23 @@ class Coordinator:
         except (FailedPrecondition, Unavailable) as e:
             log.warning("refit %s: the retry over the survivors did not start: %s", run.id, e)
             return None
+
+    def _trainers_moved_on(self, retry: Run) -> bool:
+        """The retry aborted while the trainers announced (or, within the lease, announce) a newer
+        version of the same run, and it lost no member: they refused the version it moved."""
+        if find_lost(retry.planned, {m.member_id: m for m in self._registry.members()}).members:
+            return False
+        deadline = time.monotonic() + self._settings.lease_seconds
+        while time.monotonic() < deadline:
+            announced = self.versions.announced
+            if (
+                announced is not None
+                and announced.run_id == retry.run_id
+                and announced.version > retry.version
+            ):
+                return True
+            time.sleep(0.1)
+        return False
 
     def _on_member_lost(self, member: Member, reason: str) -> None:
         run = self._slot.running()

@@ -9,7 +9,7 @@ import threading
 
 from syncd_harness import SECOND_REPLICA, Cluster, wait_until
 
-from syncd.commands import ExecutePlan
+from syncd.commands import Abort, ExecutePlan
 
 TWO_REPLICAS = 4  # generator workers: two replicas of TP 2
 
@@ -81,3 +81,49 @@ def test_a_refit_waits_for_a_generator_that_never_registered(make_cluster) -> No
         cluster.start_member(member_id)
     wait_until(lambda: "2 of 4 generators registered" in cluster.http.get("/readyz").text, what="503")
     assert cluster.http.get("/readyz").json()["missing_generators"] == []
+
+
+def test_the_survivors_retry_commits_when_the_trainers_step_on_meanwhile(make_cluster) -> None:
+    """A trainer whose wait for a version ends with that version's abort trains on; syncd's retry
+    over the survivors then moves the trainers' newest version, and commits."""
+    cluster = make_cluster(expected_generators=TWO_REPLICAS)
+    held = [1]  # the version the trainer ranks hold
+
+    def trainer_execute(cmd: ExecutePlan) -> None:
+        if cmd.weight_version != held[0]:
+            raise ValueError(
+                f"refit {cmd.refit_id} moves weight version {cmd.weight_version}, "
+                f"but this rank holds version {held[0]}"
+            )
+
+    def step_on(cmd: Abort) -> None:
+        """The trainer's wait ended with the abort: its next step is done, and announced, only
+        once syncd's retry has begun (the race a real trainer loses)."""
+        if held[0] == 2:
+            held[0] = 3
+            threading.Timer(0.5, cluster.announce, args=(3,)).start()
+
+    trainer = {"on_execute": trainer_execute}
+    start_two_replicas(
+        cluster,
+        **{
+            "trainer-0": {**trainer, "on_abort": step_on},
+            "trainer-1": trainer,
+        },
+    )
+    assert cluster.wait_refit(cluster.refit(weight_version=1)["id"])["state"] == "COMMITTED"
+    cluster.members["generator-1-0"].behaviour.die_on_execute = True  # cut off mid-refit
+    held[0] = 2
+    first = cluster.refit(weight_version=2)["id"]
+    aborted = cluster.wait_refit(first)
+    assert aborted["state"] == "ABORTED" and "generator-1-0" in aborted["error"], aborted
+
+    def committed_retry() -> dict | None:
+        refits = cluster.http.get("/v1/refits").json()["refits"]
+        return next((r for r in refits if r["state"] == "COMMITTED" and r["weight_version"] > 1), None)
+
+    wait_until(lambda: committed_retry() is not None, timeout=60, what="a retry over the survivors to commit")
+    retry = committed_retry()
+    assert retry is not None and retry["weight_version"] == 3, retry
+    assert retry["left_out"] == ["generator-1-0", "generator-1-1"]
+    assert cluster.members["generator-0-0"].committed == [1, 3]
