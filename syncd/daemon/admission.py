@@ -112,27 +112,34 @@ class Admission:
         allow_rollback: bool,
         full: bool,
         excluded: frozenset[str] = frozenset(),
+        *,
+        catch_up: bool = False,
     ) -> Run:
         """Check and record a new refit and give it the slot; the caller runs it. Raises
         FailedPrecondition (changing nothing) if one runs, the version is not held or a refit
         could not start now, Unavailable if the store refuses to record it. `excluded`: a retry
-        over survivors leaves these members out (`syncd.daemon.survivors`)."""
+        over survivors leaves these members out (`syncd.daemon.survivors`); `catch_up`: a refit
+        of the committed version goes to the replicas behind it only (`up_to_date`)."""
 
-        def may_start() -> tuple[WeightSet, tuple[str, ...], frozenset[str]]:
+        def may_start() -> tuple[WeightSet, tuple[str, ...], frozenset[str], frozenset[str]]:
             members = self._registry.members()
             problems = self.refit_problems(members, excluded=excluded)
             if problems:
                 raise FailedPrecondition(f"not ready to refit: {'; '.join(problems)}")
             fleet = self.fleet.saw(members)  # without the missing replicas, if any (`fleet`)
             left_out = excluded or frozenset(fleet.left_out)
-            return self._versions.to_move(weight_version, allow_rollback), fleet.missing, left_out
+            weights = self._versions.to_move(weight_version, allow_rollback)
+            serving = up_to_date(members, weights) if catch_up and weights == self._versions.committed else ()
+            return weights, fleet.missing, left_out, frozenset(serving)
 
-        weights, missing, left_out = self._slot.reserve(may_start)
+        weights, missing, left_out, serving = self._slot.reserve(may_start)
         run: Run | None = None
         try:
             record = self._store.create(RefitState.PREPARING, weights.version, weights.run_id, time.time())
             involved = {m.member_id for m in self._registry.members()}
-            run = Run(record, involved, full, left_out, missing=missing, retry=bool(excluded))
+            run = Run(
+                record, involved, full, left_out, missing=missing, retry=bool(excluded), serving=serving
+            )
         except StoreUnavailable as e:
             raise Unavailable(f"cannot record a new refit: {e}") from None
         finally:
@@ -212,3 +219,18 @@ class Admission:
         if run is None:
             return records
         return [run.snapshot() if r.id == run.id else r for r in records]
+
+
+def up_to_date(members: list[Member], committed: WeightSet) -> list[str]:
+    """The generator workers a catch-up of `committed` need not reach: those of replicas whose every
+    worker serves it (a replica takes a version whole, all its workers at once)."""
+    replicas: dict[int, list[Member]] = {}
+    for m in members:
+        if m.role == Role.GENERATOR:
+            replicas.setdefault(int(m.coords.get("replica", 0)), []).append(m)
+    return [
+        m.member_id
+        for workers in replicas.values()
+        if all(w.weight_version == committed.version for w in workers)
+        for m in workers
+    ]

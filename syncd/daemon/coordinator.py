@@ -111,13 +111,19 @@ class Coordinator:
         self._auto.announce(member, version)
 
     def trigger(
-        self, weight_version: WeightVersion | None = None, allow_rollback: bool = False, full: bool = False
+        self,
+        weight_version: WeightVersion | None = None,
+        allow_rollback: bool = False,
+        full: bool = False,
+        *,
+        catch_up: bool = False,
     ) -> RefitRecord:
         """Start a refit of the trainers' newest announced version (`weight_version`, when given,
-        must be that one; `full`: no delta links even where delta refits are on); raises
+        must be that one; `full`: no delta links even where delta refits are on; `catch_up`: when
+        that is the committed version, only to the replicas behind it); raises
         FailedPrecondition (changing nothing) if one runs, the version is not held or not ready,
         Unavailable if the store refuses to record it."""
-        run = self._admission.start(weight_version, allow_rollback, full)
+        run = self._admission.start(weight_version, allow_rollback, full, catch_up=catch_up)
         threading.Thread(target=self._run_refit, args=(run,), name=run.id, daemon=True).start()
         return run.created
 

@@ -45,14 +45,16 @@ class Run:
         *,
         missing: tuple[str, ...] = (),
         retry: bool = False,
+        serving: frozenset[str] = frozenset(),
     ) -> None:
         """`excluded`: registered members left out (a retry's lost replicas, `survivors`, or the
         other workers of a missing one, `fleet`); `missing`: generators seen once and not
-        registered when it was triggered; `retry`: it retries a refit that lost replicas."""
+        registered when it was triggered; `retry`: it retries a refit that lost replicas;
+        `serving`: a catch-up's generators that serve its version already (not reached either)."""
         self._created = record
         self._involved = frozenset(involved)
         self._full = full  # an operator asked for a full refit (no delta links)
-        self._excluded = excluded
+        self._excluded = excluded | serving
         self._left_out = tuple(sorted(set(missing) | excluded))  # the generators it goes without
         self._retry = retry
         self._planned: dict[str, Member] = {}  # the plan's members as PREPARING found them

@@ -55,6 +55,11 @@ def test_refits_go_on_without_a_missing_replica_which_is_caught_up_when_it_retur
     hold.set()
     wait_until(lambda: cluster.http.get("/readyz").status_code == 200, what="caught up")
     assert back.committed == [2] and cluster.members["generator-1-1"].committed == [1, 2]
+    # The replica that kept serving version 2 is not refitted again: the catch-up reaches only
+    # the replica behind.
+    assert cluster.members["generator-0-0"].committed == [1, 2]
+    catch_up = cluster.http.get("/v1/refits").json()["refits"][0]
+    assert (catch_up["weight_version"], catch_up["state"], catch_up["left_out"]) == (2, "COMMITTED", [])
     ready = cluster.http.get("/readyz").json()
     assert (ready["reason"], ready["missing_generators"]) == ("", [])
     assert missing_metric(cluster) == 0
