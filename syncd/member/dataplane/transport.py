@@ -58,10 +58,20 @@ class Transport(Protocol):
 
 
 class _GlooHandle:
+    """One posted send or receive. Its wait runs gloo's on a thread of its own, so that an abort
+    ends the wait at once (`interrupt`): gloo wakes no wait on a send already in flight when it
+    breaks the group (measured, torch 2.13: across lab hosts, a send to a cut-off host waited out
+    its whole timeout), and its sockets close at the abort, so nothing lands after it."""
+
     def __init__(self, work, what: str, peer: int, aborted: threading.Event):
         self._work, self._what, self._peer = work, what, peer
         self._aborted = aborted  # the transport's: set once its group was aborted
+        self._woken = threading.Event()  # gloo's wait returned, or the group was aborted
         self._done = False
+
+    def interrupt(self) -> None:
+        """The group was aborted: a wait in progress raises now."""
+        self._woken.set()
 
     def release(self) -> None:
         """Drop the gloo work. Each pending work keeps the group's sockets open (it holds gloo's
@@ -75,17 +85,31 @@ class _GlooHandle:
         work = self._work
         if work is None:
             raise TransferError(f"{self._what} failed: the group was closed", self._peer)
-        try:
-            work.wait(datetime.timedelta(seconds=timeout_s))
+        outcome: list[BaseException | None] = []
+
+        def gloo_wait() -> None:
+            try:
+                work.wait(datetime.timedelta(seconds=timeout_s))
+                outcome.append(None)
+            except RuntimeError as e:
+                outcome.append(e)
+            finally:
+                self._woken.set()
+
+        if not self._aborted.is_set():
+            threading.Thread(target=gloo_wait, name="gloo-wait", daemon=True).start()
+            self._woken.wait()
+        if not outcome or self._aborted.is_set():  # `GlooTransport.abort` broke the group
+            raise TransferError(f"{self._what} failed: the group was aborted", self._peer)
+        e = outcome[0]
+        if e is None:
             self._done = True
-        except RuntimeError as e:
-            if self._aborted.is_set():  # the abort broke the group (`GlooTransport.abort`)
-                raise TransferError(f"{self._what} failed: the group was aborted", self._peer) from e
-            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise TransferTimeout(
-                    f"{self._what} did not complete within {timeout_s:.0f} s", self._peer
-                ) from e
-            raise TransferError(f"{self._what} failed: {str(e).splitlines()[0][:200]}", self._peer) from e
+            return
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise TransferTimeout(
+                f"{self._what} did not complete within {timeout_s:.0f} s", self._peer
+            ) from e
+        raise TransferError(f"{self._what} failed: {str(e).splitlines()[0][:200]}", self._peer) from e
 
     fence = wait
 
@@ -225,6 +249,10 @@ class GlooTransport:
         if pg is None:  # closed: nothing left to unblock
             return
         self._aborted.set()
+        with self._handles_lock:
+            pending = list(self._handles)
+        for handle in pending:
+            handle.interrupt()
         with contextlib.suppress(RuntimeError):  # already aborted or torn down
             pg.abort()
         for peer in (r for r in range(self.world_size) if r != self.rank):
