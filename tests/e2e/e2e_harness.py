@@ -84,9 +84,11 @@ class Stack:
         delta: bool = False,
         delta_inplace: bool = False,
         lease_seconds: float = 4,
+        auto_refit: bool = False,
     ) -> None:
         """syncd for `trainers` trainer ranks and `generators` generator workers (a TP-2 generator
-        has two); `delta`: with delta refits on; `delta_inplace`: to inplace generators too."""
+        has two); `delta`: with delta refits on; `delta_inplace`: to inplace generators too;
+        `auto_refit`: it refits each version the trainers announce."""
         self.stop_syncd()
         self.syncd = self.cluster.start(
             "syncd",
@@ -118,6 +120,7 @@ class Stack:
                     "60",
                     *(["--delta-refits"] if delta else []),
                     *(["--delta-inplace"] if delta_inplace else []),
+                    *(["--auto-refit"] if auto_refit else []),
                 ],
             ),
         )
