@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from syncd.daemon.checks import dtype_mismatch, refit_problems
 from syncd.daemon.errors import FailedPrecondition, NotFound, Unavailable
+from syncd.daemon.fleet import Fleet
 from syncd.daemon.journal import Journal
 from syncd.daemon.plan_cache import PlanCache
 from syncd.daemon.readiness import Readiness, behind, behind_reason
@@ -92,6 +93,7 @@ class Admission:
         self._plans = plans
         self._versions = versions
         self._slot = slot
+        self.fleet = Fleet(settings.expected_generators, settings.min_replicas_per_layout)
 
     def admit(self, role: Role, member_id: str, catalog: Catalog) -> None:
         """Refuse, at registration, a generator that could never receive the trainers' weights."""
@@ -110,23 +112,34 @@ class Admission:
         allow_rollback: bool,
         full: bool,
         excluded: frozenset[str] = frozenset(),
+        *,
+        catch_up: bool = False,
     ) -> Run:
         """Check and record a new refit and give it the slot; the caller runs it. Raises
         FailedPrecondition (changing nothing) if one runs, the version is not held or a refit
         could not start now, Unavailable if the store refuses to record it. `excluded`: a retry
-        over survivors leaves these members out (`syncd.daemon.survivors`)."""
+        over survivors leaves these members out (`syncd.daemon.survivors`); `catch_up`: a refit
+        of the committed version goes to the replicas behind it only (`up_to_date`)."""
 
-        def may_start() -> WeightSet:
-            problems = self.refit_problems(excluded=excluded)
+        def may_start() -> tuple[WeightSet, tuple[str, ...], frozenset[str], frozenset[str]]:
+            members = self._registry.members()
+            problems = self.refit_problems(members, excluded=excluded)
             if problems:
                 raise FailedPrecondition(f"not ready to refit: {'; '.join(problems)}")
-            return self._versions.to_move(weight_version, allow_rollback)
+            fleet = self.fleet.saw(members)  # without the missing replicas, if any (`fleet`)
+            left_out = excluded or frozenset(fleet.left_out)
+            weights = self._versions.to_move(weight_version, allow_rollback)
+            serving = up_to_date(members, weights) if catch_up and weights == self._versions.committed else ()
+            return weights, fleet.missing, left_out, frozenset(serving)
 
-        weights = self._slot.reserve(may_start)
+        weights, missing, left_out, serving = self._slot.reserve(may_start)
         run: Run | None = None
         try:
             record = self._store.create(RefitState.PREPARING, weights.version, weights.run_id, time.time())
-            run = Run(record, {m.member_id for m in self._registry.members()}, full, excluded)
+            involved = {m.member_id for m in self._registry.members()}
+            run = Run(
+                record, involved, full, left_out, missing=missing, retry=bool(excluded), serving=serving
+            )
         except StoreUnavailable as e:
             raise Unavailable(f"cannot record a new refit: {e}") from None
         finally:
@@ -142,10 +155,14 @@ class Admission:
         """Why a refit could not start now (empty: it could). A retry over survivors (`excluded`
         members left out) needs the trainers and one generator, not every expected generator."""
         members = self._registry.members() if members is None else members
-        if not excluded:
+        fleet = self.fleet.saw(members)
+        if not excluded and (not fleet.degraded or fleet.problems):
             return refit_problems(
                 members, self._expected(), self._versions.run_id, self._registry.catalog, self.current_plan
-            )
+            ) + list(fleet.problems)
+        # Without some generators: a retry over the survivors, or a refit over the replicas there
+        # while every layout keeps enough of them (`fleet`).
+        excluded = excluded or frozenset(fleet.left_out)
         live = [m for m in members if m.member_id not in excluded]
         expected: dict[Role, int] = {Role.TRAINER: self._settings.expected_trainers, Role.GENERATOR: 1}
         return refit_problems(
@@ -161,7 +178,10 @@ class Admission:
         if committed is not None and lagging:
             problems.append(behind_reason(lagging, committed))
         counts = Counter(m.role for m in members)
-        return Readiness(not problems, self._expected(), {r: counts[r] for r in ROLES}, "; ".join(problems))
+        fleet = self.fleet.saw(members)
+        # Refits go on without missing replicas: ready, and the reason says what is missing.
+        reason = "; ".join(problems) if problems else fleet.reason()
+        return Readiness(not problems, self._expected(), {r: counts[r] for r in ROLES}, reason, fleet.missing)
 
     def _expected(self) -> dict[Role, int]:
         return {
@@ -170,7 +190,9 @@ class Admission:
         }
 
     def current_plan(self) -> Plan:
-        return self.plan_for(self._registry.members())
+        members = self._registry.members()
+        left_out = set(self.fleet.saw(members).left_out)  # workers of a replica missing another
+        return self.plan_for([m for m in members if m.member_id not in left_out])
 
     def plan_for(self, members: list[Member]) -> Plan:
         try:
@@ -197,3 +219,18 @@ class Admission:
         if run is None:
             return records
         return [run.snapshot() if r.id == run.id else r for r in records]
+
+
+def up_to_date(members: list[Member], committed: WeightSet) -> list[str]:
+    """The generator workers a catch-up of `committed` need not reach: those of replicas whose every
+    worker serves it (a replica takes a version whole, all its workers at once)."""
+    replicas: dict[int, list[Member]] = {}
+    for m in members:
+        if m.role == Role.GENERATOR:
+            replicas.setdefault(int(m.coords.get("replica", 0)), []).append(m)
+    return [
+        m.member_id
+        for workers in replicas.values()
+        if all(w.weight_version == committed.version for w in workers)
+        for m in workers
+    ]

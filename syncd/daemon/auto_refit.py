@@ -25,10 +25,11 @@ log = logging.getLogger(__name__)
 
 class AutoRefit:
     def __init__(
-        self, settings: Settings, registry: Registry, versions: Versions, trigger: Callable[[], object]
+        self, settings: Settings, registry: Registry, versions: Versions, trigger: Callable[..., object]
     ) -> None:
-        """`trigger()` starts a refit of the newest announced version, raising FailedPrecondition
-        or Unavailable when it cannot."""
+        """`trigger(catch_up=...)` starts a refit of the newest announced version (`catch_up`: to
+        the generators behind the committed version only), raising FailedPrecondition or
+        Unavailable when it cannot."""
         self._settings = settings
         self._registry = registry
         self._versions = versions
@@ -56,9 +57,11 @@ class AutoRefit:
             self._maybe_refit()
 
     def _maybe_refit(self) -> None:
-        if (self._settings.auto_refit and self._versions.wants_refit()) or self._wants_catch_up():
+        wanted = self._settings.auto_refit and self._versions.wants_refit()
+        if wanted or self._wants_catch_up():
             try:
-                self._trigger()
+                # A catch-up alone moves the committed weights to the replicas behind only.
+                self._trigger(catch_up=not wanted)
             except (FailedPrecondition, Unavailable) as e:
                 log.info("auto-refit deferred: %s", e)
                 self._pending = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from syncd.commands import MemberReport, ProgressReport
 from syncd.daemon.admission import Admission, RefitSlot
@@ -34,7 +35,7 @@ from syncd.daemon.registry import Member, Registry
 from syncd.daemon.settings import Settings
 from syncd.daemon.stage_groups import link_transports
 from syncd.daemon.store import RefitRecord, Store
-from syncd.daemon.survivors import wait_for_lost
+from syncd.daemon.survivors import find_lost, wait_for_lost
 from syncd.daemon.version_status import HISTORY_DEPTH, VersionStatus, refit_of, why_not_started
 from syncd.daemon.versions import Versions
 from syncd.layout import Catalog
@@ -93,6 +94,10 @@ class Coordinator:
             plan, self._registry.members(), self._settings.backend, self._settings.same_host
         )
 
+    def missing_generators(self) -> tuple[str, ...]:
+        """Generator workers registered once and not now (`syncd.daemon.fleet`); cheap: no plan."""
+        return self._admission.fleet.saw(self._registry.members()).missing
+
     def current(self) -> RefitRecord | None:
         return self._admission.current()
 
@@ -119,13 +124,19 @@ class Coordinator:
         self._auto.announce(member, version)
 
     def trigger(
-        self, weight_version: WeightVersion | None = None, allow_rollback: bool = False, full: bool = False
+        self,
+        weight_version: WeightVersion | None = None,
+        allow_rollback: bool = False,
+        full: bool = False,
+        *,
+        catch_up: bool = False,
     ) -> RefitRecord:
         """Start a refit of the trainers' newest announced version (`weight_version`, when given,
-        must be that one; `full`: no delta links even where delta refits are on); raises
+        must be that one; `full`: no delta links even where delta refits are on; `catch_up`: when
+        that is the committed version, only to the replicas behind it); raises
         FailedPrecondition (changing nothing) if one runs, the version is not held or not ready,
         Unavailable if the store refuses to record it."""
-        run = self._admission.start(weight_version, allow_rollback, full)
+        run = self._admission.start(weight_version, allow_rollback, full, catch_up=catch_up)
         threading.Thread(target=self._run_refit, args=(run,), name=run.id, daemon=True).start()
         return run.created
 
@@ -177,12 +188,7 @@ class Coordinator:
 
     def _run_refit(self, run: Run) -> None:
         self._sequence.execute(run)
-        if (
-            run.state == RefitState.ABORTED
-            and self._settings.refit_retries
-            and not run.excluded
-            and run.planned
-        ):
+        if run.state == RefitState.ABORTED and self._settings.refit_retries and not run.retry and run.planned:
             threading.Thread(
                 target=self._retry_survivors, args=(run,), name=f"{run.id}-retry", daemon=True
             ).start()
@@ -202,14 +208,46 @@ class Coordinator:
             ", ".join(sorted(lost.members)),
             ", ".join(sorted(lost.excluded)),
         )
+        retry = self._start_retry(run, lost.excluded)
+        if retry is None:
+            return
+        self._sequence.execute(retry)
+        if retry.state == RefitState.ABORTED and self._trainers_moved_on(retry):
+            # The trainers stepped on while it ran (a trainer's wait for the aborted version ended
+            # with the abort): the version they hold now, once more, over the same survivors.
+            log.warning(
+                "refit %s: the trainers moved on from version %s; retrying theirs", retry.id, retry.version
+            )
+            again = self._start_retry(retry, lost.excluded)
+            if again is not None:
+                self._sequence.execute(again)
+        self._auto.after_refit()
+
+    def _start_retry(self, run: Run, excluded: frozenset[str]) -> Run | None:
         try:
             # The newest version the trainers hold, not the aborted one: a trainer that went on
             # training during the settle time holds only its newest, and would refuse the old one.
-            retry = self._admission.start(None, False, run.full, lost.excluded)
+            return self._admission.start(None, False, run.full, excluded)
         except (FailedPrecondition, Unavailable) as e:
             log.warning("refit %s: the retry over the survivors did not start: %s", run.id, e)
-            return
-        self._run_refit(retry)
+            return None
+
+    def _trainers_moved_on(self, retry: Run) -> bool:
+        """The retry aborted while the trainers announced (or, within the lease, announce) a newer
+        version of the same run, and it lost no member: they refused the version it moved."""
+        if find_lost(retry.planned, {m.member_id: m for m in self._registry.members()}).members:
+            return False
+        deadline = time.monotonic() + self._settings.lease_seconds
+        while time.monotonic() < deadline:
+            announced = self.versions.announced
+            if (
+                announced is not None
+                and announced.run_id == retry.run_id
+                and announced.version > retry.version
+            ):
+                return True
+            time.sleep(0.1)
+        return False
 
     def _on_member_lost(self, member: Member, reason: str) -> None:
         run = self._slot.running()

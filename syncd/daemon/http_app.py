@@ -91,6 +91,7 @@ def build_app(
         for role in ROLES:
             metrics.members.labels(role=role).set(sum(m.role == role for m in members))
         metrics.show_progress(*coordinator.progress.latest(coordinator.current()))
+        metrics.missing_generators.set(len(coordinator.missing_generators()))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/status", response_model=StatusOut, tags=["refits"])

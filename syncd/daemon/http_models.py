@@ -24,7 +24,14 @@ class ReadinessOut(BaseModel):
     ready: bool
     expected: dict[str, int] = Field(description="members needed per role")
     registered: dict[str, int] = Field(description="members with a live lease per role")
-    reason: str = Field(description="why not ready; empty when ready")
+    reason: str = Field(
+        description="why not ready; when ready, the generators missing (refits go on without them), or empty"
+    )
+    missing_generators: list[str] = Field(
+        default_factory=list,
+        description="generator workers registered once and not now; refits go on without them while "
+        "every layout keeps --min-replicas-per-layout whole replicas",
+    )
 
     @classmethod
     def of(cls, r: Readiness) -> ReadinessOut:
@@ -33,6 +40,7 @@ class ReadinessOut(BaseModel):
             expected={str(role): n for role, n in r.expected.items()},
             registered={str(role): n for role, n in r.registered.items()},
             reason=r.reason,
+            missing_generators=list(r.missing),
         )
 
 
@@ -169,6 +177,11 @@ class RefitOut(BaseModel):
         description="of the elements on delta links, the fraction that changed; null for a full refit"
     )
     saved_bytes: int = Field(description="bytes of planned_bytes that delta links did not move")
+    left_out: list[str] = Field(
+        default_factory=list,
+        description="generators the refit went without: missing when it was triggered (refits go "
+        "on over the replicas there), or lost by the refit it retries",
+    )
 
     @classmethod
     def of(cls, r: RefitRecord) -> RefitOut:
@@ -188,6 +201,7 @@ class RefitOut(BaseModel):
             delta_generators=list(r.delta_generators),
             changed_fraction=r.changed_fraction,
             saved_bytes=r.saved_bytes,
+            left_out=list(r.left_out),
         )
 
 

@@ -72,6 +72,12 @@ class Metrics:
             "trigger refits or join as a member), else 0",
             registry=r,
         )
+        self.missing_generators = Gauge(
+            "weightsync_syncd_missing_generators",
+            "Generator workers registered once and not now (refits go on without them while every "
+            "layout keeps --min-replicas-per-layout whole replicas)",
+            registry=r,
+        )
         self.committed_version = Gauge(
             "weightsync_syncd_committed_weight_version", "Weight version generators serve", registry=r
         )

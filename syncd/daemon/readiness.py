@@ -18,7 +18,8 @@ class Readiness:
     ready: bool
     expected: dict[Role, int]
     registered: dict[Role, int]
-    reason: str
+    reason: str  # why not ready; when ready, what is missing (refits go on without it), or empty
+    missing: tuple[str, ...] = ()  # generator workers seen once and not registered now (`fleet`)
 
 
 def behind(members: Sequence[Member], committed: WeightSet | None) -> list[Member]:

@@ -42,11 +42,21 @@ class Run:
         involved: set[str],
         full: bool = False,
         excluded: frozenset[str] = frozenset(),
+        *,
+        missing: tuple[str, ...] = (),
+        retry: bool = False,
+        serving: frozenset[str] = frozenset(),
     ) -> None:
+        """`excluded`: registered members left out (a retry's lost replicas, `survivors`, or the
+        other workers of a missing one, `fleet`); `missing`: generators seen once and not
+        registered when it was triggered; `retry`: it retries a refit that lost replicas;
+        `serving`: a catch-up's generators that serve its version already (not reached either)."""
         self._created = record
         self._involved = frozenset(involved)
         self._full = full  # an operator asked for a full refit (no delta links)
-        self._excluded = excluded  # a retry over survivors: members left out (`survivors`)
+        self._excluded = excluded | serving
+        self._left_out = tuple(sorted(set(missing) | excluded))  # the generators it goes without
+        self._retry = retry
         self._planned: dict[str, Member] = {}  # the plan's members as PREPARING found them
         self._phases: dict[str, float] = {}
         self._bytes = 0  # received by generators, as they reported it
@@ -100,6 +110,10 @@ class Run:
     @property
     def excluded(self) -> frozenset[str]:
         return self._excluded
+
+    @property
+    def retry(self) -> bool:
+        return self._retry
 
     @property
     def planned(self) -> Mapping[str, Member]:
@@ -230,6 +244,7 @@ class Run:
             delta_generators=self._delta_generators,
             delta_elements=self._delta_elements,
             changed_elements=self._changed_elements,
+            left_out=self._left_out,
         )
 
     def _start_phase(self, phase: RefitState, timeout: float) -> float:

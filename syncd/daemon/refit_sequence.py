@@ -263,9 +263,7 @@ class RefitSequence:
             return
         finished_at = time.time()
         record = run.snapshot(error=error, unconfirmed=unconfirmed, finished_at=finished_at)
-        self._journal.record(record)
-        self._release(run)
-        self._progress.concluded(record)  # after: its model may write to the store
+        # The metrics first: whoever sees the outcome recorded then finds it counted too.
         if state == RefitState.COMMITTED:
             self._metrics.bytes_moved.inc(record.bytes)
             self._metrics.delta_saved_bytes.inc(record.saved_bytes)
@@ -276,5 +274,8 @@ class RefitSequence:
         self._metrics.refit_duration.observe(finished_at - record.created_at)
         for phase, seconds in record.phases.items():
             self._metrics.phase_duration.labels(phase=phase).observe(seconds)
+        self._journal.record(record)
+        self._release(run)
+        self._progress.concluded(record)  # after: its model may write to the store
         run.mark_recorded()
         log.info("refit %s %s%s", run.id, state, f": {error}" if error else "")

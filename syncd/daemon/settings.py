@@ -79,6 +79,12 @@ class Settings:
         "1: a refit that lost generator replicas (dead, cut off) is retried once over the survivors "
         "after the lease ran out; 0: never",
     )
+    min_replicas_per_layout: int = _setting(
+        1,
+        "SYNCD_MIN_REPLICAS_PER_LAYOUT",
+        "once every expected generator registered, refits go on without missing replicas while "
+        "each generator layout keeps at least this many whole replicas registered",
+    )
     expected_trainers: int = _setting(1, "SYNCD_EXPECTED_TRAINERS", "trainer ranks needed to be ready")
     expected_generators: int = _setting(
         1, "SYNCD_EXPECTED_GENERATORS", "generator workers needed to be ready"
@@ -169,6 +175,8 @@ class Settings:
             raise ValueError(f"fanout must be 0 (off) or a positive fan-out, not {self.fanout}")
         if not 0 < self.delta_max_fraction <= 1:
             raise ValueError(f"delta_max_fraction must be in (0, 1], not {self.delta_max_fraction}")
+        if self.min_replicas_per_layout < 1:
+            raise ValueError(f"min_replicas_per_layout must be >= 1, not {self.min_replicas_per_layout}")
         if self.expected_trainers < 1 or self.expected_generators < 1:
             raise ValueError(
                 f"expected_trainers and expected_generators must be >= 1, not "

@@ -44,7 +44,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 _COLUMNS = (
     "id, state, weight_version, created_at, finished_at, error, phases, bytes, unconfirmed, run_id, "
-    "planned_bytes, delta_generators, delta_elements, changed_elements"
+    "planned_bytes, delta_generators, delta_elements, changed_elements, left_out"
 )
 # Columns added after the first release, with their definitions (added when a store opens).
 _ADDED_COLUMNS = {
@@ -54,6 +54,7 @@ _ADDED_COLUMNS = {
     "delta_generators": "TEXT NOT NULL DEFAULT '[]'",
     "delta_elements": "INTEGER NOT NULL DEFAULT 0",
     "changed_elements": "INTEGER NOT NULL DEFAULT 0",
+    "left_out": "TEXT NOT NULL DEFAULT '[]'",
 }
 
 T = TypeVar("T")
@@ -81,6 +82,7 @@ class RefitRecord:
     delta_generators: tuple[str, ...] = ()  # generators that received only what changed
     delta_elements: int = 0  # elements of their units,
     changed_elements: int = 0  # and how many of them changed
+    left_out: tuple[str, ...] = ()  # generators it went without: missing, or lost and retried without
 
     @property
     def mode(self) -> str:
@@ -201,7 +203,8 @@ class Store:
     def _update(db: sqlite3.Connection, r: RefitRecord) -> None:
         db.execute(
             "UPDATE refits SET state=?, finished_at=?, error=?, phases=?, bytes=?, unconfirmed=?, "
-            "planned_bytes=?, delta_generators=?, delta_elements=?, changed_elements=? WHERE id=?",
+            "planned_bytes=?, delta_generators=?, delta_elements=?, changed_elements=?, left_out=? "
+            "WHERE id=?",
             (
                 r.state,
                 r.finished_at,
@@ -213,6 +216,7 @@ class Store:
                 json.dumps(list(r.delta_generators)),
                 r.delta_elements,
                 r.changed_elements,
+                json.dumps(list(r.left_out)),
                 r.id,
             ),
         )
@@ -269,6 +273,7 @@ class Store:
                 delta_generators=tuple(json.loads(r[11])),
                 delta_elements=r[12],
                 changed_elements=r[13],
+                left_out=tuple(json.loads(r[14])),
             )
             for r in rows
         ]

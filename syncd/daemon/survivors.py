@@ -13,12 +13,17 @@ operator, since a refit needs every expected member. So the refit thread, after 
    that lost one would otherwise install half a version), with the readiness check asking for
    the trainers and at least one generator instead of all expected.
    Stage groups are negotiated anew over the new membership (the abort dropped them), never reused.
+   A trainer waiting for the aborted version (`--sync-refit`) is released by the abort and trains
+   on: if the retry then aborts because the trainers announced a newer version meanwhile (they
+   refuse the one it moves) and it lost nobody, that newer version is retried once more over the
+   same survivors (`Coordinator._retry_survivors`), so the survivors do move on.
 3. The lost replica catches up when it registers again: it reports an older version, so syncd's
    catch-up refit (`AutoRefit._wants_catch_up`) brings it to the committed one.
 
 A member that is alive but slow is not lost: the refit aborts naming it (`stall_timeout`), and is
-not retried (the same member would stall the retry). Only one retry per refit, so the whole
-sequence is bounded by `settle_s` plus one refit's phase timeouts.
+not retried (the same member would stall the retry). At most one retry per refit, plus the one of
+the trainers' newer version, so the whole sequence is bounded by `settle_s` plus the lease plus two
+refits' phase timeouts.
 """
 
 from __future__ import annotations

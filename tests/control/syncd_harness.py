@@ -135,6 +135,12 @@ MEMBERS = {
     "generator-0-0": ("generator", {"replica": 0, "tp": 0}, lambda: generator_catalog(0)),
     "generator-0-1": ("generator", {"replica": 0, "tp": 1}, lambda: generator_catalog(1)),
 }
+# A second replica of the same layout, for tests of a fleet that loses one (`start_all` leaves it
+# out; a test starts it).
+SECOND_REPLICA = {
+    "generator-1-0": ("generator", {"replica": 1, "tp": 0}, lambda: generator_catalog(0)),
+    "generator-1-1": ("generator", {"replica": 1, "tp": 1}, lambda: generator_catalog(1)),
+}
 
 
 def make_member(
@@ -150,7 +156,7 @@ def make_member(
     gpu_peers: tuple[str, ...] = (),
     **behaviour: object,
 ) -> FakeMember:
-    role, coords, catalog = MEMBERS[member_id]
+    role, coords, catalog = {**MEMBERS, **SECOND_REPLICA}[member_id]
     # Only what a test sets is passed, so the harness also drives an older syncd (to show a
     # regression test fails there).
     optional = {

@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import threading
-import time
 
 from syncd_harness import PYTHON, REPO, TOKEN, Cluster
 
@@ -108,11 +107,12 @@ def test_watch_follows_a_refit_as_json_lines_and_ctrl_c_leaves_it_running(make_c
         stdout=subprocess.PIPE,
         text=True,
     )
-    time.sleep(1)  # a few updates while it is held
+    assert following.stdout is not None
+    first = following.stdout.readline()  # it follows the held refit before the refit goes on
     go_on.set()
     out, _ = following.communicate(timeout=60)
     assert following.returncode == 0
-    updates = [json.loads(line) for line in out.splitlines()]
+    updates = [json.loads(line) for line in [first, *out.splitlines()]]
     assert updates[0]["state"] == "TRANSFERRING" and updates[-1]["state"] == "COMMITTED"
     assert updates[-1]["progress"]["fraction"] == 1.0
     assert cluster.wait_refit(refit_id)["state"] == "COMMITTED"  # Ctrl-C stopped the watching only

@@ -4,8 +4,9 @@ is reached through the lab's gateway.
 
 The chain trainer -> generator-0-0 -> generator-1-0 -> generator-2-0; generator-1-0's cable is
 pulled while it is in the refit of version 2: nobody commits that refit, syncd's retry (once the
-lease ran out) commits version 2 on generator-0-0 and generator-2-0, and generator-1-0, plugged
-back in, registers again and gets the catch-up refit."""
+lease ran out) commits version 2 on generator-0-0 and generator-2-0 (the members blocked on the
+cut-off relay are freed by syncd's Abort), and generator-1-0, plugged back in, registers again and
+gets the catch-up refit."""
 
 from __future__ import annotations
 
@@ -54,10 +55,9 @@ def lab_fleet(tmp_path: Path) -> Iterator[LabFleet]:
             prepare_timeout=60,
             transfer_timeout=60,
             bucket_bytes=32 << 10,
-            # A member blocked on the cut-off relay (no RST: its waits cannot be interrupted) is
-            # free for the retry's groups once its sends give up: 2 x 5 s x 1.x, well within
-            # the retry's PREPARING.
-            stall_timeout=5,
+            # The default stall timeout (30 s; sends 2 x 30 s x 1.x): a member blocked on the
+            # cut-off relay (no RST) is free for the retry's groups at syncd's Abort, which breaks
+            # its groups, not when its waits give up (that would outlast the retry's PREPARING).
             expected_trainers=1,
             expected_generators=3,
         )

@@ -319,3 +319,52 @@ def test_closing_a_group_fails_a_peers_pending_send_while_our_handles_live_on():
     errors = _run_threads([sender, receiver])
     assert not errors, errors
     assert outcome == {"timed_out": False}
+
+
+def test_an_abort_ends_a_blocked_send_and_a_blocked_receive_at_once():
+    """A member whose peer is cut off (alive, silent) blocks in a send that nobody takes and a
+    receive that nothing fills. syncd's Abort closes its groups (`MemberAgent`): both must end
+    within seconds, not at the stall timeout, so the member is free for the next refit's group."""
+    address, store = GlooTransport.create_address("127.0.0.1", 2, 30)
+    joined, released = threading.Barrier(2), threading.Event()
+    ended: dict[str, BaseException] = {}
+
+    def cut_off_peer():
+        transport = GlooTransport.connect(address, 1, 2, "cut", 30)
+        joined.wait(30)
+        released.wait(60)  # never sends nor receives
+        transport.close()
+
+    def member():
+        transport = GlooTransport.connect(address, 0, 2, "cut", 30, store)
+        joined.wait(30)
+        sending = transport.isend(torch.zeros(64 << 20, dtype=torch.uint8), 1)
+        receiving = transport.irecv(torch.zeros(1 << 20, dtype=torch.uint8), 1)
+        waits = [
+            threading.Thread(target=_ended_by, args=(handle, what, ended))
+            for what, handle in (("send", sending), ("receive", receiving))
+        ]
+        for t in waits:
+            t.start()
+        transport.close()  # what the agent does with every group on Abort
+        try:
+            for t in waits:
+                t.join(5)
+                assert not t.is_alive(), "a transfer outlived the abort by 5 s"
+        finally:
+            released.set()
+
+    errors = _run_threads([cut_off_peer, member])
+    assert not errors, errors
+    assert sorted(ended) == ["receive", "send"]
+    for what, error in ended.items():
+        assert isinstance(error, TransferError) and not isinstance(error, TransferTimeout), (what, error)
+        assert "the group was aborted" in str(error), (what, error)
+
+
+def _ended_by(handle, what: str, ended: dict[str, BaseException]) -> None:
+    """Wait for `handle` far longer than the test allows the abort; note what ended it."""
+    try:
+        handle.wait(120)
+    except BaseException as e:  # noqa: BLE001 - the test reads it
+        ended[what] = e

@@ -43,6 +43,9 @@ class JoinedGroups:
     def __init__(self) -> None:
         self._groups: dict[int, JoinedGroup] = {}
         self._lock = threading.Lock()
+        # Aborts so far (`close_all`), and the condition a join in progress waits on (`joining`).
+        self._changed = threading.Condition()
+        self._aborts = 0
 
     def add(self, stage: int, group: JoinedGroup) -> None:
         with self._lock:
@@ -59,8 +62,28 @@ class JoinedGroups:
             group.close()
 
     def close_all(self) -> None:
+        """An Abort (or the member closing): every group closes, and a join in progress gives up."""
+        with self._changed:
+            self._aborts += 1
+            self._changed.notify_all()
         for stage in list(self._groups):
             self.close(stage)
+
+    @property
+    def aborts(self) -> int:
+        with self._changed:
+            return self._aborts
+
+    def joining(self, joined: threading.Event, aborts: int) -> bool:
+        """Block until `joined` is set (True) or an abort came after the first `aborts` (False)."""
+        with self._changed:
+            self._changed.wait_for(lambda: joined.is_set() or self._aborts != aborts)
+            return self._aborts == aborts
+
+    def wake(self) -> None:
+        """A join in progress ended: whoever waits in `joining` looks again."""
+        with self._changed:
+            self._changed.notify_all()
 
     def end_shared_memory(self) -> None:
         """The transfer ended: no segment name of this refit stays in /dev/shm, ours or those of a

@@ -11,6 +11,7 @@ backend has its way to connect (`_CONNECT`):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,7 +88,7 @@ def join_group(cmd: JoinGroup, client: Reporter, settings: AgentSettings, groups
     if connect is None:
         known = " or ".join(repr(str(b)) for b in _CONNECT)
         raise ValueError(f"no way to join a {cmd.backend!r} group; this member joins {known}")
-    connected = connect(cmd, client, settings, t0)
+    connected = _unless_aborted(connect, cmd, client, settings, t0, groups)
     transport = connected.transport
     # Over shared memory the loops' staging is the transport's: sends from it copy nothing.
     allocate = transport.allocate if isinstance(transport, ShmTransport) else None
@@ -106,3 +107,53 @@ def join_group(cmd: JoinGroup, client: Reporter, settings: AgentSettings, groups
         f", shared memory to ranks {shm}" if shm else "",
         f", CUDA IPC to ranks {sorted(ipc.peers)}" if ipc is not None else "",
     )
+
+
+def _unless_aborted(
+    connect: Callable[[JoinGroup, Reporter, AgentSettings, float], _Connected],
+    cmd: JoinGroup,
+    client: Reporter,
+    settings: AgentSettings,
+    t0: float,
+    groups: JoinedGroups,
+) -> _Connected:
+    """`connect` on a thread of its own, given up at an Abort: a group whose member was lost while
+    it formed blocks the others in its rendezvous until `cmd.timeout_s`, and the commands after
+    the Abort (the retry's groups) would wait behind it. A connect given up closes what it made
+    once it ends."""
+    aborts = groups.aborts
+    joined, lock = threading.Event(), threading.Lock()
+    outcome: list[_Connected | BaseException] = []
+    abandoned = False
+
+    def run() -> None:
+        try:
+            connected: _Connected | BaseException = connect(cmd, client, settings, t0)
+        except BaseException as e:  # noqa: BLE001 - handed to the joining thread
+            connected = e
+        with lock:
+            if abandoned and isinstance(connected, _Connected):
+                _close(connected)
+            else:
+                outcome.append(connected)
+        joined.set()
+        groups.wake()
+
+    threading.Thread(target=run, name=f"join-{cmd.group_id}", daemon=True).start()
+    if not groups.joining(joined, aborts):
+        with lock:
+            abandoned = True
+            made = [c for c in outcome if isinstance(c, _Connected)]
+        for connected in made:
+            _close(connected)
+        raise RuntimeError(f"joining {cmd.group_id} was given up: the refit was aborted")
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
+def _close(connected: _Connected) -> None:
+    if connected.transport is not None:
+        connected.transport.close()
+    if connected.ipc is not None:
+        connected.ipc.close()

@@ -11,6 +11,7 @@ the caller aborts the communicator instead.
 from __future__ import annotations
 
 import base64
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -60,6 +61,9 @@ class NcclTransport:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.op_timeout_s = op_timeout_s
         self._comm = comm
+        # An abort comes from another thread (syncd's Abort) while the loops poll and enqueue:
+        # no call may use the communicator while, or after, it is freed.
+        self._comm_lock = threading.Lock()
         # Highest priority: the loops enqueue packs, unpacks and checksums ahead, and these become
         # ready the moment a transfer ends, just as the next transfer does. At equal priority the
         # GPU may hand its SMs to the copy kernels first and the link idles until they drain.
@@ -112,9 +116,10 @@ class NcclTransport:
 
     def _state(self) -> str:
         _, bindings = _nccl()
-        if self._comm is None:
-            return "error: communicator aborted"
-        result = self._comm.get_async_error()
+        with self._comm_lock:
+            if self._comm is None:
+                return "error: communicator aborted"
+            result = self._comm.get_async_error()
         if result == bindings.Result.InProgress:
             return "in_progress"
         return "ok" if result == bindings.Result.Success else f"error {result!r}"
@@ -143,23 +148,25 @@ class NcclTransport:
         what = "; ".join(w for _, _, _, w in ops)
         with self._one_caller():
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            if self._comm is None:
-                raise TransferError(f"{what} failed: the communicator was aborted")
             args = [(op, *self._buffer(buf), int(peer)) for op, buf, peer, _ in ops]
-            try:
-                if len(args) > 1:
-                    bindings.group_start()
+            with self._comm_lock:  # an abort from another thread frees the communicator
+                if self._comm is None:
+                    raise TransferError(f"{what} failed: the communicator was aborted")
                 try:
-                    for op, ptr, count, dtype, peer in args:
-                        op(ptr, count, dtype, peer, self._comm._comm, self.stream.cuda_stream)
-                finally:
                     if len(args) > 1:
-                        bindings.group_end()
-            except bindings.NCCLError as e:
-                raise TransferError(f"{what} failed: {e}") from e
-            # One state query settles the common case (the enqueue completed in the call); only a
-            # call still in progress (connection setup on the first transfers) is polled.
-            if bindings.comm_get_async_error(self._comm._comm) != bindings.Result.Success:
+                        bindings.group_start()
+                    try:
+                        for op, ptr, count, dtype, peer in args:
+                            op(ptr, count, dtype, peer, self._comm._comm, self.stream.cuda_stream)
+                    finally:
+                        if len(args) > 1:
+                            bindings.group_end()
+                except bindings.NCCLError as e:
+                    raise TransferError(f"{what} failed: {e}") from e
+                # One state query settles the common case (the enqueue completed in the call); only
+                # a call still in progress (connection setup on the first transfers) is polled.
+                settled = bindings.comm_get_async_error(self._comm._comm) == bindings.Result.Success
+            if not settled:
                 self.settle(what, self.op_timeout_s)
             done = torch.cuda.Event()
             done.record(self.stream)
@@ -181,9 +188,12 @@ class NcclTransport:
         return self._enqueue([(_nccl()[1].recv, buf, peer, what)])[0]
 
     def abort(self) -> None:
-        if self._comm is not None:
-            self._comm.abort()
-            self._comm = None
+        """End every send and receive in flight: the kernels stop, and the waits polling them
+        (`_EventHandle.wait`, `settle`) see the communicator gone and raise TransferError."""
+        with self._comm_lock:
+            comm, self._comm = self._comm, None
+            if comm is not None:
+                comm.abort()
 
     def close(self) -> None:
         self.abort()

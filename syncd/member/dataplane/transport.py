@@ -19,6 +19,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+# `GlooTransport.abort`: a tag no transfer uses, and how long its receive waits before gloo breaks
+# the group.
+_BREAK_TAG = 0x7FFF_FFFF
+_BREAK_WAIT = datetime.timedelta(milliseconds=1)
+
 
 class TransferError(RuntimeError):
     """A send or receive failed: the peer died, closed the group, or the group was aborted.
@@ -95,9 +100,20 @@ class GroupSender(Protocol):
 
 
 class _GlooHandle:
-    def __init__(self, work, what: str, peer: int):
+    """One posted send or receive. Its wait runs gloo's on a thread of its own, so that an abort
+    ends the wait at once (`interrupt`): gloo wakes no wait on a send already in flight when it
+    breaks the group (measured, torch 2.13: across lab hosts, a send to a cut-off host waited out
+    its whole timeout), and its sockets close at the abort, so nothing lands after it."""
+
+    def __init__(self, work, what: str, peer: int, aborted: threading.Event):
         self._work, self._what, self._peer = work, what, peer
+        self._aborted = aborted  # the transport's: set once its group was aborted
+        self._woken = threading.Event()  # gloo's wait returned, or the group was aborted
         self._done = False
+
+    def interrupt(self) -> None:
+        """The group was aborted: a wait in progress raises now."""
+        self._woken.set()
 
     def release(self) -> None:
         """Drop the gloo work. Each pending work keeps the group's sockets open (it holds gloo's
@@ -111,15 +127,31 @@ class _GlooHandle:
         work = self._work
         if work is None:
             raise TransferError(f"{self._what} failed: the group was closed", self._peer)
-        try:
-            work.wait(datetime.timedelta(seconds=timeout_s))
+        outcome: list[BaseException | None] = []
+
+        def gloo_wait() -> None:
+            try:
+                work.wait(datetime.timedelta(seconds=timeout_s))
+                outcome.append(None)
+            except RuntimeError as e:
+                outcome.append(e)
+            finally:
+                self._woken.set()
+
+        if not self._aborted.is_set():
+            threading.Thread(target=gloo_wait, name="gloo-wait", daemon=True).start()
+            self._woken.wait()
+        if not outcome or self._aborted.is_set():  # `GlooTransport.abort` broke the group
+            raise TransferError(f"{self._what} failed: the group was aborted", self._peer)
+        e = outcome[0]
+        if e is None:
             self._done = True
-        except RuntimeError as e:
-            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise TransferTimeout(
-                    f"{self._what} did not complete within {timeout_s:.0f} s", self._peer
-                ) from e
-            raise TransferError(f"{self._what} failed: {str(e).splitlines()[0][:200]}", self._peer) from e
+            return
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise TransferTimeout(
+                f"{self._what} did not complete within {timeout_s:.0f} s", self._peer
+            ) from e
+        raise TransferError(f"{self._what} failed: {str(e).splitlines()[0][:200]}", self._peer) from e
 
     fence = wait
 
@@ -179,6 +211,7 @@ class GlooTransport:
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, _bound_options(bind_host, timeout))
         self._handles: weakref.WeakSet[_GlooHandle] = weakref.WeakSet()  # released by `close`
         self._handles_lock = threading.Lock()  # `close` comes from an abort, beside the loops
+        self._aborted = threading.Event()
 
     @staticmethod
     def create_address(host: str, world_size: int, timeout_s: float) -> tuple[str, dist.Store]:
@@ -228,14 +261,14 @@ class GlooTransport:
         what = f"send of {buf.numel()} bytes to rank {peer}"
         with _posting(what, peer):
             work = self._group().send([buf], peer, tag)  # type: ignore[attr-defined]  # torch's stub lacks Backend.send
-        return self._track(_GlooHandle(work, what, peer))
+        return self._track(_GlooHandle(work, what, peer, self._aborted))
 
     def irecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Handle:
         _require_host(buf, "receive into")
         what = f"receive of {buf.numel()} bytes from rank {peer}"
         with _posting(what, peer):
             work = self._group().recv([buf], peer, tag)  # type: ignore[attr-defined]  # torch's stub lacks Backend.recv
-        return self._track(_GlooHandle(work, what, peer))
+        return self._track(_GlooHandle(work, what, peer, self._aborted))
 
     def _track(self, handle: _GlooHandle) -> _GlooHandle:
         with self._handles_lock:
@@ -246,10 +279,31 @@ class GlooTransport:
         return handle
 
     def abort(self) -> None:
-        if self._pg is None:  # closed: nothing left to unblock
+        """Break the group now: every send and receive pending on it, ours and our peers', fails
+        at once (a peer cut off from us fails at its own abort or timeout).
+
+        Neither gloo's abort nor dropping the group ends a wait that already blocks: it waits out
+        its whole timeout (measured, torch 2.13), and a refit's abort would leave its transfers
+        hanging for as long. A receive that times out, though, makes gloo close every pair of the
+        group, which wakes every wait on it and closes the sockets. So the abort posts a receive
+        nobody will match and gives it a millisecond."""
+        pg = self._pg
+        if pg is None:  # closed: nothing left to unblock
             return
-        with contextlib.suppress(RuntimeError):  # already aborted or torn down: nothing to unblock
-            self._pg.abort()
+        self._aborted.set()
+        with self._handles_lock:
+            pending = list(self._handles)
+        for handle in pending:
+            handle.interrupt()
+        with contextlib.suppress(RuntimeError):  # already aborted or torn down
+            pg.abort()
+        for peer in (r for r in range(self.world_size) if r != self.rank):
+            try:
+                pg.recv([torch.empty(1, dtype=torch.uint8)], peer, _BREAK_TAG).wait(_BREAK_WAIT)  # type: ignore[attr-defined]  # torch's stub lacks Backend.recv
+            except RuntimeError as e:
+                if "timed out" in str(e).lower():
+                    return  # gloo closed every pair
+                # this peer's pair is gone already: break the others through the next one
 
     def close(self) -> None:
         """Abort and drop the group so its sockets close: peers fail fast instead of timing out.
