@@ -33,7 +33,9 @@ def _blocked_member(transport, device: torch.device) -> str:
     from syncd.member.dataplane import TransferError, TransferTimeout
 
     ended: dict[str, BaseException] = {}
-    sending = transport.isend(torch.zeros(64 << 20, dtype=torch.uint8, device=device), 1)
+    # Large enough to block: NCCL finishes a 64 MiB send with nobody receiving (2x H200, measured),
+    # buffered in the peer's memory; 512 MiB waits for the receiver.
+    sending = transport.isend(torch.zeros(1 << 30, dtype=torch.uint8, device=device), 1)
     receiving = transport.irecv(torch.zeros(1 << 20, dtype=torch.uint8, device=device), 1)
     waits = [
         threading.Thread(target=_ended_by, args=(handle, what, ended))

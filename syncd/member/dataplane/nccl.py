@@ -54,6 +54,8 @@ class _EventHandle:
                 if now > deadline:
                     raise TransferTimeout(f"{self._what} did not complete within {timeout_s:.0f} s")
                 time.sleep(_POLL_S)
+        if self._transport.aborted:  # an abort ends the kernels, and their events fire as if done
+            raise TransferError(f"{self._what} failed: the communicator was aborted")
 
 
 class NcclTransport:
@@ -123,6 +125,10 @@ class NcclTransport:
         if result == bindings.Result.InProgress:
             return "in_progress"
         return "ok" if result == bindings.Result.Success else f"error {result!r}"
+
+    @property
+    def aborted(self) -> bool:
+        return self._comm is None
 
     def raise_async_error(self, what: str) -> None:
         state = self._state()
