@@ -81,9 +81,11 @@ def test_watch_follows_a_refit_as_json_lines_and_ctrl_c_leaves_it_running(make_c
 
     def hold(cmd: ExecutePlan) -> None:
         held.set()
-        go_on.wait(30)
+        go_on.wait(120)
 
-    cluster: Cluster = make_cluster()
+    # Held while two watchers start (each a Python process: seconds on a loaded machine), so
+    # the transfer may take far longer than the harness's usual 20 s.
+    cluster: Cluster = make_cluster(transfer_timeout=120.0)
     cluster.start_all(**{"generator-0-0": {"on_execute": hold}})
     cluster.announce(3)
     refit_id = cluster.refit()["id"]
