@@ -229,6 +229,9 @@ def colocated_figure(results: list[Loaded]) -> Figure | None:
         bars.append((device, copy, b["refit_gbps"]))
     if not bars:
         return None
+    # One panel per device and size: the last result file of each (the files come sorted by name,
+    # which ends in the date where the name has one).
+    bars = list({device: (device, copy, refit) for device, copy, refit in bars}.values())
     fig, axes = plt.subplots(1, len(bars), figsize=(3.2 * len(bars), 3.3), squeeze=False)
     for ax, (device, copy, refit) in zip(axes[0], bars):
         ax.bar(["memory copy", "refit"], [copy, refit], color=["grey", "C0"])
