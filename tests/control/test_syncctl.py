@@ -96,6 +96,9 @@ def test_watch_follows_a_refit_as_json_lines_and_ctrl_c_leaves_it_running(make_c
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C reaches a command in a terminal's foreground; a suite run as a background job
+        # (`make test &`) has SIGINT ignored, and a child would inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert watcher.stdout is not None
     assert watcher.stdout.readline().startswith(f"{refit_id}: TRANSFERRING")  # the running refit
