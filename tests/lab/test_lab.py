@@ -156,6 +156,11 @@ def test_down_removes_everything_and_stops_every_process(tmp_path):
     assert other.wait(10) is not None
 
 
+def _default_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_signal_tears_the_lab_down(tmp_path, sig):
     require_lab()
@@ -170,7 +175,15 @@ def test_a_signal_tears_the_lab_down(tmp_path, sig):
             time.sleep(600)
         """
     )
-    owner = subprocess.Popen([PY, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [PY, "-c", script],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        # As a command in a terminal has them: a suite run as a background job (`make test &`)
+        # has SIGINT ignored, and a child inherits an ignored signal.
+        preexec_fn=_default_signals,
+    )
     assert owner.stdout.readline().strip() == "up"
     assert lab_leftovers(name)
     owner.send_signal(sig)
