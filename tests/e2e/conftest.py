@@ -1,11 +1,12 @@
-"""Fixtures every end-to-end module shares: the tiny model, and one stack of services per module."""
+"""Fixtures every end-to-end module shares: the tiny model, one stack of services per module, and
+the session's reference engines."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from e2e_harness import Stack
+from e2e_harness import References, Stack
 
 
 @pytest.fixture(scope="module")
@@ -20,3 +21,10 @@ def stack(tmp_path_factory):
     stack = Stack(tmp_path_factory.mktemp("e2e"))
     yield stack
     stack.stop()
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory):
+    references = References(tmp_path_factory.mktemp("references"))
+    yield references
+    references.stop()

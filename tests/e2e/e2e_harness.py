@@ -4,6 +4,7 @@ this machine's loopback, or each on its own host of a lab (`Stack(work, Placemen
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from dataclasses import dataclass
@@ -311,3 +312,39 @@ class Stack:
     def stop(self) -> None:
         self.cluster.stop()
         self.http.close()
+
+
+# What varies between checkpoints of one architecture, and so does not pick a reference engine.
+_NOT_ARCHITECTURE = ("torch_dtype", "dtype", "transformers_version")
+
+
+class References:
+    """Engines that say what vLLM generates on a checkpoint, shared by a test session: one per
+    model architecture, started on the first checkpoint asked for and loading each later one
+    through vLLM's own loaders (tests/generator holds such a load to a fresh engine token for
+    token), instead of a fresh engine (~20 s) per checkpoint. TP 1 and bfloat16, as the tests'
+    generators; on this machine's loopback, whatever `Stack` a test uses."""
+
+    def __init__(self, work: Path) -> None:
+        self.stack = Stack(work)
+        self.engines: dict[str, Generator] = {}
+        self.loads = 0
+
+    def serving(self, checkpoint: Path) -> Generator:
+        """The reference engine of `checkpoint`'s architecture, serving `checkpoint`."""
+        config = json.loads((checkpoint / "config.json").read_text())
+        key = json.dumps({k: v for k, v in config.items() if k not in _NOT_ARCHITECTURE}, sort_keys=True)
+        engine = self.engines.get(key)
+        if engine is None:
+            name = f"reference-{len(self.engines)}"
+            engine = self.engines[key] = self.stack.start_generator(checkpoint, syncd=False, name=name)
+        else:
+            self.loads += 1
+            engine.load(checkpoint, WeightVersion(900_000 + self.loads))
+        return engine
+
+    def greedy(self, checkpoint: Path) -> dict[str, tuple[list[int], list[float]]]:
+        return self.serving(checkpoint).greedy()
+
+    def stop(self) -> None:
+        self.stack.stop()

@@ -33,15 +33,7 @@ LR = 1e-6  # an RL-like step: most bfloat16 weights keep their bits (2-3% change
 REPLICAS = 2  # of one layout: the first relays to the second (fan-out), deltas too
 
 
-@pytest.fixture(scope="module")
-def reference(stack, model):
-    """A separate vLLM engine without syncd that loads each export through vLLM's own loaders."""
-    reference = stack.start_generator(model, syncd=False, name="reference-delta")
-    yield reference
-    stack.cluster.discard(reference.proc)
-
-
-def test_delta_refits_generate_as_vllm_on_the_export_after_every_step(stack, model, reference, tmp_path):
+def test_delta_refits_generate_as_vllm_on_the_export_after_every_step(stack, model, references, tmp_path):
     steps = 3
     stack.start_syncd(trainers=4, db="delta.db", delta=True, generators=REPLICAS)
     replicas = [stack.start_generator(model, name=f"generator-delta-{r}", replica=r) for r in range(REPLICAS)]
@@ -72,8 +64,7 @@ def test_delta_refits_generate_as_vllm_on_the_export_after_every_step(stack, mod
 
     export = tmp_path / "export"
     for step in range(1, steps + 1):
-        reference.load(export / f"step-{step}", version=step)
-        expected = reference.greedy()
+        expected = references.greedy(export / f"step-{step}")
         assert all(s == expected for s in served[step - 1]), f"step {step}"
 
 
@@ -177,7 +168,7 @@ def _kill_second_sender_once_the_first_wrote(stack, generator: Generator, traine
 
 
 def test_inplace_deltas_commit_exactly_and_a_failed_one_leaves_the_previous_version(
-    stack, model, reference, tmp_path
+    stack, model, references, tmp_path
 ):
     """One inplace generator, one trainer job (ep 2) of five steps: 1 full; 2 a delta (equal to
     vLLM on export 2); 3 a delta onto a base flipped from outside (one bit of the kept copy of a
@@ -233,11 +224,9 @@ def test_inplace_deltas_commit_exactly_and_a_failed_one_leaves_the_previous_vers
         assert len(_rollbacks(generator)) == 2 and _rollbacks(generator)[1] > 0, generator.proc.tail()
     finally:
         stack.cluster.discard(generator.proc)
-    reference.load(export / "step-2", version=2)
-    expected = reference.greedy()
+    expected = references.greedy(export / "step-2")
     assert served["2"] == expected, "the delta to version 2"
     assert served["3 aborted"] == expected, "version 2 after the delta onto a corrupted base"
-    reference.load(export / "step-4", version=4)
-    expected = reference.greedy()
+    expected = references.greedy(export / "step-4")
     assert served["4"] == expected, "the full refit to version 4"
     assert served["5 aborted"] == expected, "version 4 after the delta with a sender killed"

@@ -1,6 +1,7 @@
 """End to end in the generator's `inplace` refit mode (no staging: generation is held and the bytes
 go into the live layers), with real trainer jobs, syncd and vLLM on CPU:
-- after a refit the generator generates exactly as a fresh engine on the trainer's export; its extra
+- after a refit the generator generates exactly as vLLM on the trainer's export (the session's
+  reference engine, which loads it through vLLM's own loaders); its extra
   memory during the refit (receive buffer plus the checkpoint tensors of the layers being received,
   `GET /v1/install`) is at most two buckets, from four trainer ranks (syncd cuts the buckets into
   an inplace generator at groups of whole layers) as from one;
@@ -11,11 +12,9 @@ go into the live layers), with real trainer jobs, syncd and vLLM on CPU:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
-from e2e_harness import Stack, wait_until
+from e2e_harness import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -23,21 +22,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 @pytest.fixture(scope="module")
 def generator(stack, model):
     stack.start_syncd(trainers=1)
-    # TP 1, so that a fresh TP-1 engine is the exact reference (TP 2 sums in another order); the
+    # TP 1, so that the TP-1 reference engine is exact (TP 2 sums in another order); the
     # in-place install at TP 2 is held to vLLM's loader bit for bit in tests/generator.
     return stack.start_generator(model, refit_mode="inplace")
 
 
-def _fresh_engine_outputs(stack: Stack, checkpoint: Path) -> dict:
-    reference = stack.start_generator(checkpoint, syncd=False, name="fresh-reference")
-    try:
-        return reference.greedy()
-    finally:
-        stack.cluster.discard(reference.proc)
-
-
-def test_an_inplace_refit_from_four_ranks_generates_as_a_fresh_engine_within_two_buckets(
-    stack, generator, model, tmp_path
+def test_an_inplace_refit_from_four_ranks_generates_as_vllm_on_the_export_within_two_buckets(
+    stack, generator, model, references, tmp_path
 ):
     install = generator.http.get("/v1/install").json()
     assert install["mode"] == "inplace"
@@ -47,7 +38,7 @@ def test_an_inplace_refit_from_four_ranks_generates_as_a_fresh_engine_within_two
     # Expert TP (1, 2, 2): the generator assembles each parameter from four trainer ranks.
     states = stack.train_and_refit(model, (1, 2, 2), tmp_path / "export")
     assert [s["state"] for s in states] == ["COMMITTED"], states
-    assert generator.greedy() == _fresh_engine_outputs(stack, tmp_path / "export" / "step-1")
+    assert generator.greedy() == references.greedy(tmp_path / "export" / "step-1")
 
     last = generator.http.get("/v1/install").json()["last"]
     assert last["version"] == "1" and last["hold_seconds"] > 0 and last["fallback_params"] == []
@@ -58,7 +49,9 @@ def test_an_inplace_refit_from_four_ranks_generates_as_a_fresh_engine_within_two
     assert last["extra_bytes"] <= 2 * (1 << 20) < staged_extra, (last, staged_extra)
 
 
-def test_a_trainer_killed_mid_transfer_never_leaves_mixed_weights_served(stack, generator, model, tmp_path):
+def test_a_trainer_killed_mid_transfer_never_leaves_mixed_weights_served(
+    stack, generator, model, references, tmp_path
+):
     committed = generator.greedy()
     # Tiny buckets stretch the transfer over seconds, so the kill lands mid-transfer.
     stack.start_syncd(trainers=2, db="inplace-abort.db", bucket_bytes=2048)
@@ -86,7 +79,7 @@ def test_a_trainer_killed_mid_transfer_never_leaves_mixed_weights_served(stack, 
     states = stack.train_and_refit(model, (1, 1, 1), tmp_path / "export2")
     assert [s["state"] for s in states] == ["COMMITTED"], states
     assert generator.http.get("/v1/weight_version").json()["serving"]
-    assert generator.greedy() == _fresh_engine_outputs(stack, tmp_path / "export2" / "step-1")
+    assert generator.greedy() == references.greedy(tmp_path / "export2" / "step-1")
     # From one trainer rank the layers arrive one after another: the extra memory is the receive
     # buffer plus at most the layers one bucket spans, within two buckets.
     last = generator.http.get("/v1/install").json()["last"]
