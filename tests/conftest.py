@@ -8,6 +8,7 @@ forgotten; `make test-fast` deselects every test that carries one of `SLOW_MARKE
 from __future__ import annotations
 
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -117,6 +118,20 @@ def pytest_xdist_make_scheduler(config, log):
             return group_of(nodeid)
 
     return GroupScheduling(config, log)
+
+
+def pytest_configure(config):
+    _spread_engines_over_cores()
+
+
+def _spread_engines_over_cores() -> None:
+    """vLLM on CPU binds an engine's worker to one core, core 0 unless told
+    (`VLLM_CPU_OMP_THREADS_BIND`): the engines of every pytest-xdist worker would share core 0 while
+    the others idle. Each worker's engines get a core of their own (worker N: core N modulo the
+    cores); a test that sets the binding itself (TP 2, the lab's replicas) keeps its own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...; unset without workers
+    if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(int(worker[2:]) % (os.cpu_count() or 1))
 
 
 # -- no vLLM engine without the `vllm` marker ------------------------------------------------------

@@ -18,17 +18,11 @@ from deploy.local.processes import PYTHON, Cluster, Proc
 from syncd.net import free_port
 from syncd.refit_wait import wait_final
 from syncd.weight_version import WeightVersion, version_label
+from tests.engines import ENGINE_FLAGS
 from tests.polling import wait_until
 
 PROMPTS = {"short": [1, 2, 3, 4, 5], "long": [(i * 37 + 11) % 512 for i in range(200)]}
-GENERATOR_FLAGS = [
-    "--served-model-name",
-    "tiny",
-    "--enforce-eager",
-    "--max-model-len",
-    "256",
-    "--skip-tokenizer-init",
-]
+GENERATOR_FLAGS = ENGINE_FLAGS  # vLLM's flags for the tiny model, as generator_svc passes them on
 
 
 @dataclass
@@ -148,7 +142,7 @@ class Stack:
         binding (VLLM_CPU_OMP_THREADS_BIND; a TP-N engine defaults to one core per worker);
         `inplace_delta_base`: an inplace generator that takes delta refits."""
         port, host = free_port(), generator_host(replica)
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+        env: dict[str, str] = {}
         flags = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         if cpus is not None or tp > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpus or "|".join(str(i) for i in range(tp))

@@ -49,7 +49,7 @@ def _start_vllm_serve(
     """`cpus`: the worker's OpenMP binding (VLLM_CPU_OMP_THREADS_BIND; default: vLLM's, core 0)."""
     port = free_port()
     command = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **({"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus else {})}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus else {}
     proc = stack.cluster.start(name, [*command, "--dtype", "bfloat16", *GENERATOR_FLAGS, *flags], env=env)
     return proc, f"http://127.0.0.1:{port}"
 

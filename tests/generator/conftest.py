@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from syncd.net import free_port
+from tests.engines import ENGINE_FLAGS
 from trainer_svc.tiny import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ MAX_TOKENS = 8
 
 
 def engine_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     env.update(extra)
     return env
 
@@ -46,14 +47,9 @@ class Service:
             str(model),
             "--port",
             str(self.port),
-            "--served-model-name",
-            "tiny",
             "--dtype",
             "float32",
-            "--enforce-eager",
-            "--max-model-len",
-            "256",
-            "--skip-tokenizer-init",
+            *ENGINE_FLAGS,
             *args,
         ]
         with open(log, "w") as out:  # the child keeps its own copy of the descriptor

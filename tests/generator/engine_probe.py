@@ -45,6 +45,7 @@ def main() -> None:
 
     from generator_svc.worker_protocol import WorkerSetup
     from testkit import worker_aids
+    from tests.engines import KV_CACHE_BYTES
 
     llm = LLM(
         model=args.model,
@@ -53,6 +54,7 @@ def main() -> None:
         skip_tokenizer_init=True,
         enforce_eager=True,
         max_model_len=256,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         dtype="float32",
         worker_extension_cls="generator_svc.worker.WeightSyncExtension",
         weight_transfer_config={"backend": "syncd_staging"},
