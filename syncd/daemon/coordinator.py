@@ -119,10 +119,11 @@ class Coordinator:
 
     def version_status(self, member: Member, version: WeightVersion) -> VersionStatus:
         """What became of `version` of `member`'s training run (`syncd.daemon.version_status`)."""
-        found = refit_of(self.history(HISTORY_DEPTH), member.run_id, version)
+        adapter = member.adapter.name if member.adapter is not None else ""
+        found = refit_of(self.history(HISTORY_DEPTH), member.run_id, version, adapter)
         if found is not None:
             return VersionStatus(found)
-        problems = self._admission.refit_problems()
+        problems = self.adapters.problems(adapter) if adapter else self._admission.refit_problems()
         return VersionStatus(None, why_not_started(self._settings.auto_refit, problems, self.current()))
 
     # ---- commands from operators and members ----

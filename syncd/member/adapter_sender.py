@@ -4,8 +4,8 @@ adapter slots through syncd (`syncd.layout.adapters`), versioned as the adapter'
     sender = attach_adapter("syncd:8471", "policy-a", factors, alpha=16.0, target_modules=("q_proj",))
     for step in range(1, steps + 1):
         train(factors)                     # under sender.lock, as the data plane reads them in place
-        sender.publish(step)               # announce version `step` of policy-a
-        syncctl refit --adapter policy-a   # or syncd --auto-refit
+        sender.publish(step, wait_s=60)    # version `step` of policy-a, once every generator serves it
+                                           # (syncd --auto-refit; else: syncctl refit --adapter policy-a)
     sender.close()
 
 `factors` are PEFT's names without the `base_model.model.` prefix
@@ -27,6 +27,7 @@ import torch
 from syncd.layout import Canon, CanonicalTensor, Catalog, local_tensor
 from syncd.layout.adapters import AdapterSpec, adapter_rank
 from syncd.member.membership import Membership, join
+from syncd.member.refit_outcomes import RefitOutcome, wait_served
 from syncd.member.sender import SenderEndpoint
 from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion, parse_weight_version
@@ -47,11 +48,14 @@ class AdapterSender:
     def views(self) -> Mapping[str, torch.Tensor]:
         return {n: t.detach() for n, t in self.factors.items()}
 
-    def publish(self, version: int) -> None:
-        """The factors hold `version` of the adapter now: announce it (a refit may move it)."""
+    def publish(self, version: int, wait_s: float | None = None) -> RefitOutcome | None:
+        """The factors hold `version` of the adapter now: announce it (a refit may move it). With
+        `wait_s`, block until every generator serves it, or raise RefitFailed naming the refit,
+        member and reason syncd recorded (`syncd.member.refit_outcomes`), and return the refit."""
         with self.lock:
             self.version = parse_weight_version(version)
         self.membership.client.announce_version(self.version)
+        return None if wait_s is None else wait_served(self.membership.client, self.version, wait_s)
 
     def close(self) -> None:
         self.membership.close()

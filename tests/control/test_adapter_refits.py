@@ -16,6 +16,7 @@ from syncd.commands import Commit, ExecutePlan
 from syncd.layout import Canon, CanonicalTensor, Catalog, local_tensor
 from syncd.layout.adapters import AdapterSpec, LoraSlots, parse_slot_tensor
 from syncd.member.client import MemberClient
+from syncd.member.refit_outcomes import wait_served
 
 RANK, IN, OUT = 4, 8, 16
 SLOTS = LoraSlots(max_rank=8, max_loras=2, dtype="bfloat16")
@@ -224,3 +225,21 @@ def test_syncctl_refits_an_adapter_and_shows_its_versions_and_bytes(slot_cluster
     adapters = syncctl(cluster.url, "adapters").stdout.splitlines()
     assert adapters[0].split() == ["ADAPTER", "RANK", "TARGETS", "TRAINERS", "ANNOUNCED", "COMMITTED"]
     assert adapters[1].split() == ["a", "4", "q_proj", "adapter-a-0", "run-1:1", "run-1:1"]
+
+
+def test_auto_refit_moves_each_announced_adapter_version_and_its_trainer_hears_it_served(make_cluster):
+    cluster = make_cluster(auto_refit=True)
+    start_generators(cluster)
+    a, b = start_adapter_trainer(cluster, "a"), start_adapter_trainer(cluster, "b")
+    for trainer, version in ((a, 1), (b, 1), (a, 2)):
+        trainer.client.announce_version(version)
+        outcome = wait_served(trainer.client, version, 30)
+        assert outcome.served and outcome.version.step == version, outcome
+    adapters = {x["name"]: x for x in cluster.http.get("/v1/adapters").json()["adapters"]}
+    assert (adapters["a"]["committed_version"], adapters["b"]["committed_version"]) == (2, 1)
+    refits = cluster.http.get("/v1/refits").json()["refits"]
+    assert [(r["adapter"], r["weight_version"], r["state"]) for r in reversed(refits)] == [
+        ("a", 1, "COMMITTED"),
+        ("b", 1, "COMMITTED"),
+        ("a", 2, "COMMITTED"),
+    ]
