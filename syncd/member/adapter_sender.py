@@ -8,6 +8,10 @@ adapter slots through syncd (`syncd.layout.adapters`), versioned as the adapter'
                                            # (syncd --auto-refit; else: syncctl refit --adapter policy-a)
     sender.close()
 
+A model holding LoRA modules gives its factors with `lora_factors(model)` (PEFT's `LoraModel`, or
+modules with `lora_A` / `lora_B` parameters): the live parameters, so the sender reads what the
+optimizer wrote.
+
 `factors` are PEFT's names without the `base_model.model.` prefix
 (`model.layers.0.self_attn.q_proj.lora_A.weight [rank, in]`, `lora_B [out, rank]`), whole, in any
 dtype syncd converts to the slots' (float32 into bfloat16 slots, say). The rank is the factors'.
@@ -59,6 +63,28 @@ class AdapterSender:
 
     def close(self) -> None:
         self.membership.close()
+
+
+_PEFT_PREFIX = "base_model.model."
+# `<module>.lora_A[.<adapter>][.weight]`: PEFT's names (`...q_proj.lora_A.default.weight`), modules
+# holding one adapter's factors as linears (`...q_proj.lora_A.weight`) or as parameters (`...lora_A`).
+_FACTOR = re.compile(
+    r"(?P<module>.+)\.(?P<factor>lora_A|lora_B)(?:\.(?P<adapter>(?!weight$)[^.]+))?(?:\.weight)?"
+)
+
+
+def lora_factors(model: torch.nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The LoRA factors of `model` in syncd's names (`model.layers.0.self_attn.q_proj.lora_A.weight`),
+    as its live parameters' data (no copy). `adapter`: which of PEFT's named adapters; modules that
+    name none hold one. Raises ValueError when the model holds no such factors."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        m = _FACTOR.fullmatch(name.removeprefix(_PEFT_PREFIX))
+        if m is not None and m["adapter"] in (None, adapter):
+            out[f"{m['module']}.{m['factor']}.weight"] = param.data
+    if not out:
+        raise ValueError(f"the model holds no LoRA factors of adapter {adapter!r} (<module>.lora_A / lora_B)")
+    return out
 
 
 def adapter_catalog(factors: Mapping[str, torch.Tensor]) -> Catalog:
