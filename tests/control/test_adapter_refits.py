@@ -243,3 +243,25 @@ def test_auto_refit_moves_each_announced_adapter_version_and_its_trainer_hears_i
         ("b", 1, "COMMITTED"),
         ("a", 2, "COMMITTED"),
     ]
+
+
+def test_a_generator_that_registers_again_gets_every_committed_adapter_again(slot_cluster):
+    cluster = slot_cluster
+    a = start_adapter_trainer(cluster, "a")
+    assert refit_adapter(cluster, a, 1)["state"] == "COMMITTED"
+    old = cluster.members.pop("generator-0-1")
+    old.client.close()  # it leaves; a restarted engine's slots are empty
+    client = MemberClient(
+        cluster.target,
+        role="generator",
+        member_id="generator-0-1",
+        coords={"replica": 0, "tp": 1},
+        catalog=generator_catalog(1),
+        auth_token=cluster.daemon.settings.auth_token,
+        lora_slots=SLOTS,
+    )
+    again = start(cluster, FakeMember(client))
+    commits = wait_until(
+        lambda: [c for c in again.of_type(Commit) if c.adapter == "a"], what="adapter a again"
+    )
+    assert commits[0].weight_version == 1  # type: ignore[index]
