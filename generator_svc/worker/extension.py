@@ -10,8 +10,9 @@ every worker and carries only plain data (no tensors): the messages of
 - worker, via collective_rpc: `ws_setup` (catalog, this worker's refit mode object from
   `generator_svc.worker.worker_modes`, syncd registration), `ws_stage_file`, `ws_status`, `ws_hold` and
   `ws_release` (inplace), `ws_abort`, `ws_recover`, `ws_committed`, `ws_last_install`, which hand
-  whatever depends on the refit mode to that object. (Test aids that run in the worker live in
-  `tests/generator/worker_aids.py`.)
+  whatever depends on the refit mode to that object; with LoRA on, `ws_install_adapter` (at an
+  adapter refit's commit, into its slot) and `ws_adapter_digest` (`adapter_endpoint`). (Test aids
+  that run in the worker live in `tests/generator/worker_aids.py`.)
 - worker, on the syncd member's handler thread: the data plane writing received buckets into
   staging (`generator_svc.worker.syncd_member`), concurrently with serving: staging is separate memory; or, in
   inplace mode, into the live layers while generation is held (`generator_svc.worker.inplace`).

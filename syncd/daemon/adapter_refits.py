@@ -231,7 +231,7 @@ def _slot_problems(g: Member, spec: AdapterSpec, held: set[str]) -> list[str]:
         return [
             (
                 f"generator {g.member_id} takes no adapters into slots (its engine runs without "
-                "LoRA: start it with --enable-lora)"
+                "LoRA, or at a tensor-parallel size above 1: start it with --enable-lora at tp 1)"
             )
         ]
     if spec.rank > slots.max_rank:
