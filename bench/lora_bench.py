@@ -9,8 +9,12 @@ Refit kinds, each measured in the same rounds (`refit_bench.timed_rounds`) on th
   of the targets' merged weights only, plus the trainer's merge of those weights
   (`trainer_svc.lora.merge`: float32, rank-one terms in order, rounded once), which such a refit
   adds before it sends; both timed, and their sum is the refit.
-The adapter's own bytes (A and B of every target, what adapter slots move) are reported too;
-adapter slots are not measured here. The last line is one JSON object.
+- `slots_attention`: an adapter-slot refit's transfer of the attention targets' A and B only,
+  float32 on the trainer into a generator's bfloat16 slot tensors (`syncd.layout.adapters`:
+  the plan syncd makes for a refit of a named adapter); the install into vLLM's slots at the
+  commit (a copy of those bytes) is not timed here.
+The adapter's own bytes (A and B of every target, what adapter slots move) are reported too.
+The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import torch.distributed as dist
 
 from bench.refit_bench import spawn_workers, timed_rounds
 from syncd.layout import Catalog
+from syncd.layout.adapters import slot_catalog
 from syncd.layout.dtypes import torch_dtype
+from syncd.member.adapter_sender import adapter_catalog
 from syncd.member.dataplane import (
     GlooTransport,
     LoopCache,
@@ -72,6 +78,19 @@ def adapter_bytes(shape: MoeShape, rank: int, projections: tuple[str, ...]) -> i
     return total
 
 
+def slot_catalogs(shape: MoeShape, rank: int, projections: tuple[str, ...]) -> tuple[Catalog, Catalog]:
+    """(the adapter trainer's catalog: A [r, in] and B [out, r] of each dense target, float32;
+    a generator's slot catalog of them, bfloat16)."""
+    factors = {}
+    for c in shape.canonical():
+        if c.name.split(".")[-2] in projections and len(c.shape) == 2:
+            stem = c.name.removesuffix(".weight")
+            factors[f"{stem}.lora_A.weight"] = torch.empty(rank, c.shape[1])
+            factors[f"{stem}.lora_B.weight"] = torch.empty(c.shape[0], rank)
+    sender = adapter_catalog(factors)
+    return sender, slot_catalog("bench", sender, "bfloat16")
+
+
 def _merge_targets(views: dict[str, torch.Tensor], names: list[str], factors: dict, scale: float) -> None:
     for name in names:
         a, b = factors[name]
@@ -86,16 +105,24 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     shape = shape_for(args.gib)
     src, dst = trainer_catalog(shape, 1, 0, 1, 0), vllm_catalog(shape, 1, 0)
     sources = {"full": src} | {k: partial_catalog(src, p) for k, p in TARGETS.items()}
+    pairs = {kind: (c, dst) for kind, c in sources.items()}
+    pairs["slots_attention"] = slot_catalogs(shape, args.rank, TARGETS["merged_attention"])
     plans = {
         kind: make_plan(
-            [SourceMember("trainer-0", 0, c)], [DestMember("generator-0-0", dst)], bucket_bytes=64 << 20
+            [SourceMember("trainer-0", 0, s)], [DestMember("generator-0-0", d)], bucket_bytes=64 << 20
         )
-        for kind, c in sources.items()
+        for kind, (s, d) in pairs.items()
     }
-    catalog = src if rank == 0 else dst
     gen = torch.Generator().manual_seed(0)
-    owned = {t.name: torch.randn(t.shape, generator=gen).to(torch_dtype(t.dtype)) for t in catalog.tensors}
-    views = catalog_views(catalog, owned)
+
+    def held(catalog: Catalog) -> dict[str, torch.Tensor]:
+        owned = {
+            t.name: torch.randn(t.shape, generator=gen).to(torch_dtype(t.dtype)) for t in catalog.tensors
+        }
+        return catalog_views(catalog, owned)
+
+    views = held(src if rank == 0 else dst)
+    slot_views = held(pairs["slots_attention"][0 if rank == 0 else 1])
     factors = {  # A [.., r, in], B [.., out, r] per target tensor, in the catalog's view shape
         t.name: (torch.randn((*t.shape[:-2], args.rank, t.shape[-1]), generator=gen) / 64,
                  torch.randn((*t.shape[:-1], args.rank), generator=gen) / 64)
@@ -112,7 +139,8 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
 
     def refit(kind: str) -> None:
         run = send_buckets if rank == 0 else recv_buckets
-        run(plans[kind].for_member(me), views, transport, ranks, LoopOptions(300, 2), cache=cache)
+        tensors = slot_views if kind.startswith("slots") else views
+        run(plans[kind].for_member(me), tensors, transport, ranks, LoopOptions(300, 2), cache=cache)
 
     methods = {f"transfer_{kind}": (lambda k=kind: refit(k)) for kind in plans}
     for kind in TARGETS:
@@ -125,7 +153,8 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     if rank == 0:
         result = {
             "bytes": {kind: p.total_bytes for kind, p in plans.items()},
-            "adapter_bytes": {kind: adapter_bytes(shape, args.rank, p) for kind, p in TARGETS.items()},
+            "adapter_bytes": {kind: adapter_bytes(shape, args.rank, p) for kind, p in TARGETS.items()}
+            | {"slots_attention": adapter_bytes(shape, args.rank, TARGETS["merged_attention"])},
             "seconds": seconds,
         }
         Path(out_path).write_text(json.dumps(result))

@@ -115,6 +115,10 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "LoRAModelManager": ("vllm.lora.model_manager", "LoRAModelManager"),
     "WorkerLoRAManager": ("vllm.lora.worker_manager", "WorkerLoRAManager"),
     "BaseLinearLayerWithLoRA": ("vllm.lora.layers.base_linear", "BaseLinearLayerWithLoRA"),
+    # adapters served by name (generator_svc.server.adapter_routes)
+    "LoRARequest": ("vllm.lora.request", "LoRARequest"),
+    "LoRAConfig": ("vllm.config.lora", "LoRAConfig"),
+    "OpenAIServingModels": ("vllm.entrypoints.openai.models.serving", "OpenAIServingModels"),
     "QuantizeMethodBase": ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase"),
     "FusedMoEConfig": ("vllm.model_executor.layers.fused_moe.config", "FusedMoEConfig"),
     "FusedMoEKernel": ("vllm.model_executor.layers.fused_moe.modular_kernel", "FusedMoEKernel"),
@@ -212,7 +216,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "ParallelConfig": ("worker_extension_cls",),
     "WeightTransferConfig": ("backend",),
     # adapter slots (generator_svc.worker.lora_slots)
-    "WorkerLoRAManager": ("_adapter_manager", "lora_config"),
+    "WorkerLoRAManager": ("_adapter_manager", "lora_config", "max_position_embeddings"),
     "LoRAModelManager": (
         "modules",
         "lora_index_to_id",
@@ -222,6 +226,8 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     ),
     "BaseLinearLayerWithLoRA": ("lora_a_stacked", "lora_b_stacked"),
     "LoRAModel": ("loras",),
+    "LoRAConfig": ("max_lora_rank", "max_loras"),
+    "OpenAIServingModels": ("lora_requests", "lora_id_counter"),
     "Worker": (
         "model_runner",
         "weight_transfer_engine",
@@ -347,6 +353,28 @@ def lora_model_manager(worker: Any) -> Any:
 def lora_dtype(worker: Any) -> torch.dtype:
     """The dtype vLLM holds LoRA factors in (`--lora-dtype`, default the model's)."""
     return worker.model_runner.lora_manager.lora_config.lora_dtype
+
+
+def lora_slot_limits(worker: Any) -> tuple[int, int, int | None]:
+    """(max_lora_rank, max_loras, the model's max_position_embeddings as vLLM's loader passes it
+    to each adapter) of an engine started with LoRA."""
+    manager = worker.model_runner.lora_manager
+    config = manager.lora_config
+    return config.max_lora_rank, config.max_loras, manager.max_position_embeddings
+
+
+def serve_lora(models: Any, name: str, adapter_id: int) -> None:
+    """Make the OpenAI server's `model: name` pick adapter `adapter_id` (registered in the workers'
+    slots already: nothing loads its path, which names no file)."""
+    request = _load("LoRARequest")(
+        lora_name=name, lora_int_id=adapter_id, lora_path=f"weightsync-slot://{name}"
+    )
+    models.lora_requests[name] = request
+
+
+def new_lora_id(models: Any) -> int:
+    """A LoRA id the OpenAI server's own adapters (`load_lora_adapter`) will not take."""
+    return int(models.lora_id_counter.inc(1))
 
 
 def lora_model_from_tensors(adapter_id: int, tensors: dict, config: dict, dtype: torch.dtype) -> Any:

@@ -113,6 +113,28 @@ def _label(run_id: str | None, version: WeightVersion | None) -> str | None:
     return None if version is None else f"{run_id or ''}:{version}"
 
 
+def _refit_label(r: Mapping[str, Any]) -> str | None:
+    """A refit's version, prefixed by its adapter's name for a refit of a named adapter."""
+    label = _label(r["run_id"], r["weight_version"])
+    return f"{r['adapter']}@{label}" if r.get("adapter") else label
+
+
+def cmd_adapters(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
+    body = api.call("GET", "/v1/adapters")
+    rows = [
+        (
+            a["name"],
+            a["rank"] if a["rank"] is not None else "-",
+            ",".join(a["target_modules"]) or "-",
+            " ".join(a["trainers"]) or "-",
+            _label(a["run_id"], a["announced_version"]) or "-",
+            _label(a["committed_run"], a["committed_version"]) or "-",
+        )
+        for a in body["adapters"]
+    ]
+    return body, table(("ADAPTER", "RANK", "TARGETS", "TRAINERS", "ANNOUNCED", "COMMITTED"), rows)
+
+
 def cmd_members(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
     body = api.call("GET", "/v1/members")
     rows = [
@@ -165,7 +187,7 @@ def cmd_history(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
         (
             r["id"],
             r["state"],
-            _label(r["run_id"], r["weight_version"]),
+            _refit_label(r),
             _duration(r),
             r["mode"],
             human_bytes(r["bytes"]),
@@ -196,12 +218,15 @@ def cmd_refit(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
         body["allow_rollback"] = True
     if args.full:
         body["full"] = True
+    if args.adapter:
+        body["adapter"] = args.adapter
     r = api.call("POST", "/v1/refits", json=body)
     if args.wait and args.json:
         r = _wait(api, r, args.timeout, quiet=True)
     elif args.wait:  # the progress on stderr: stdout keeps the outcome
         r = dict(_watch(api, r["id"], args.timeout, sys.stderr, as_json=False))
-    text = f"{r['id']} {r['state']} (weight version {r['weight_version']})"
+    what = f"adapter {r['adapter']} version" if r.get("adapter") else "weight version"
+    text = f"{r['id']} {r['state']} ({what} {r['weight_version']})"
     if r["state"] in TERMINAL:
         text += f" in {_duration(r)}, {r['mode']}, {human_bytes(r['bytes'])}"
         if r["mode"] == "delta":
@@ -341,9 +366,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="move every byte even where delta refits are on (e.g. to rule out a bad base)",
     )
+    p.add_argument(
+        "--adapter",
+        default=None,
+        help="refit this named LoRA adapter into the generators' slots (--version is then the adapter's)",
+    )
     p.add_argument("--wait", action="store_true", help="wait for the outcome; exit 0 only if COMMITTED")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait with --wait")
     p.set_defaults(run=cmd_refit)
+    sub.add_parser("adapters", parents=[common], help="named LoRA adapters and their versions").set_defaults(
+        run=cmd_adapters
+    )
     p = sub.add_parser("watch", parents=[common], help="follow a refit live: bytes, rate, ETA, the slowest")
     p.add_argument("refit_id", nargs="?", default=None, help="default: the running refit, else the newest")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to follow it at most")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from syncd.layout import Box
+from syncd.layout.adapters import AdapterSpec
 from syncd.plan.types import Bucket
 from syncd.vocabulary import Backend, LinkTransport
 from syncd.weight_version import WeightVersion
@@ -112,6 +113,9 @@ class ExecutePlan:
     # (stage, src, dst) of the links whose buckets go through CUDA IPC (`syncd.plan.transports`);
     # every other link goes through its group's backend.
     ipc_links: frozenset[tuple[int, str, str]] = frozenset()
+    # A refit of a named adapter (`syncd.layout.adapters`): receivers take it into the adapter's
+    # slot tensors; None for a refit of the base weights.
+    adapter: AdapterSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,9 @@ class Commit:
     weight_version: WeightVersion
     timeout_s: float
     run_id: str = ""
+    # A refit of this named adapter: `weight_version` is the adapter's, installed into its slot;
+    # the base version the member serves does not change. Empty for the base weights.
+    adapter: str = ""
 
 
 @dataclass(frozen=True)

@@ -175,34 +175,3 @@ def install_buckets(
         finally:
             vllm.finalize_layerwise_reload(model, vllm_config.model_config)
     return receiver
-
-
-def install_adapter(worker: Any, adapter_id: int, tensors: dict[str, Any], spec: dict) -> dict:
-    """Put an adapter's factors into its LoRA slot (`generator_svc.worker.lora_slots.install`),
-    handed over in the call instead of received from syncd."""
-    from dataclasses import asdict
-
-    from generator_svc.worker.lora_slots import AdapterSpec, install
-
-    # collective_rpc hands tensors over as nested lists: float32 values, exact
-    factors = {name: torch.as_tensor(t, dtype=torch.float32) for name, t in tensors.items()}
-    return asdict(install(worker, adapter_id, factors, AdapterSpec(**spec)))
-
-
-def adapter_slot_digest(worker: Any, adapter_id: int) -> str:
-    """SHA-256 over every linear LoRA layer's slot tensors of adapter `adapter_id` (A and B, every slice):
-    what a write into another adapter's slot must leave unchanged."""
-    import hashlib
-
-    from generator_svc import vllm_adapter as vllm
-
-    manager = vllm.lora_model_manager(worker)
-    index = manager.lora_index_to_id.index(adapter_id)
-    digest = hashlib.sha256()
-    for name in sorted(manager.modules):
-        module = manager.modules[name]
-        if not isinstance(module, vllm.BaseLinearLayerWithLoRA):
-            continue  # the adapters target linear layers only (q/k/v/o_proj)
-        for stacked in (*module.lora_a_stacked, *module.lora_b_stacked):
-            digest.update(stacked[index].contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()

@@ -32,7 +32,7 @@ async def serve(settings: Settings, args: Namespace) -> int:
     try:
         async with build_async_engine_client(args) as engine:
             refitter = Refitter(engine, settings)
-            token_versions.track(engine, refitter.history.finished)
+            token_versions.track(engine, refitter.history.finished, refitter.adapters.version)
             workers = await refitter.setup(internal_url=f"http://127.0.0.1:{args.port}/internal")
             log.info("weight sync ready on %d worker(s): %s", len(workers), [w.member_id for w in workers])
             if settings.syncd:  # before `request_guard.install`, whose engine watch must see a shutdown first

@@ -17,6 +17,7 @@ from typing import Any
 from generator_svc.server import metrics
 from generator_svc.server.refit_history import RefitHistory
 from generator_svc.server.refit_strategies import RefitStrategy, strategy_for
+from generator_svc.server.served_adapters import ServedAdapters
 from generator_svc.server.update_lifecycle import (
     LastInstall,
     ServingState,
@@ -39,6 +40,7 @@ class Refitter:
         self.workers: list[WorkerInfo] = []
         # Where the workers publish their status (`worker_protocol.WorkerStatus`), read by the probes.
         self.status_dir = tempfile.mkdtemp(prefix="generator-workers-")
+        self.adapters = ServedAdapters()  # named LoRA adapters served from slots, with their versions
 
     @property
     def version(self) -> str:

@@ -47,6 +47,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware
 
+from generator_svc.server import adapter_routes
 from generator_svc.server.refit import Refitter
 from generator_svc.server.update_lifecycle import DeadlineExceeded, RefitRefused
 from generator_svc.server.version_wait import MAX_WAIT_S, wait_served_async
@@ -382,8 +383,10 @@ def install(app: FastAPI, refitter: Refitter) -> None:
     """Add generator_svc's routes, the weight versions of completions and the torn-weights guard
     to vLLM's app."""
     app.state.refitter = refitter
+    app.state.served_adapters = refitter.adapters
     app.include_router(router)
     app.include_router(internal_router)
+    app.include_router(adapter_routes.router)
 
     async def refuse_when_torn(request: Request, call_next):
         if (refused := torn_refusal(refitter, request.url.path)) is not None:

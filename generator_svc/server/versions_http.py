@@ -8,6 +8,10 @@ On `/v1/completions` and `/v1/chat/completions` (`VERSIONED_PATHS`):
 - a stream (`text/event-stream`): each chunk that ends a choice (its `finish_reason` set) carries
   that choice's `weight_versions` (the whole output's spans, as vLLM's own token-in-token-out
   route gives them); chunks before it carry none;
+- a choice generated with a named adapter (`model: "<adapter>"`, served from a slot) gets
+  `adapter`: `{"name", "version"}` (the adapter's version label, `"3,4"` when a refit of the
+  adapter committed while it ran), and a JSON answer the header `X-Adapter-Version`: per choice
+  `name:version`, choices separated by `;` (a stream: on the chunk that ends the choice);
 - a request that the engine aborted (`finish_reason` "abort", which reaches a caller only when a
   refit with `--pause-mode abort` ended it) is answered 503 with `Retry-After` and a message
   saying to retry; a stream gets an `error` object on the chunk that ends it.
@@ -21,12 +25,13 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from generator_svc.server.token_versions import RESPONSE, ResponseVersions, Span, label
+from generator_svc.server.token_versions import RESPONSE, AdapterUse, ResponseVersions, Span, label
 from generator_svc.settings import PauseMode
 from syncd.error_body import error_body, error_response
 
 VERSIONED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 HEADER = "x-weight-version"
+ADAPTER_HEADER = "x-adapter-version"
 
 
 def aborted_message(pause_mode: PauseMode) -> str:
@@ -86,7 +91,7 @@ class _Writer:
             await self._send(message)
             return
         if self._stream:
-            body = _versioned_events(message.get("body", b""), self._response.spans, self._aborted_message)
+            body = _versioned_events(message.get("body", b""), self._response, self._aborted_message)
             await self._send({**message, "body": body})
             return
         self._body.append(message.get("body", b""))
@@ -104,12 +109,16 @@ class _Writer:
                     self.aborted = self._aborted_message  # the middleware answers 503
                     return
                 choices = _add_spans(answer["choices"], self._response.spans)
+                adapters = _add_adapters(answer["choices"], self._response.adapters)
                 body = json.dumps(answer).encode()
                 headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
                 headers += [
                     (b"content-length", str(len(body)).encode()),
                     (HEADER.encode(), ";".join(label(s) if s is not None else "" for s in choices).encode()),
                 ]
+                if any(adapters):
+                    line = ";".join(f"{a.name}:{a.version}" if a else "" for a in adapters)
+                    headers.append((ADAPTER_HEADER.encode(), line.encode()))
                 start = {**start, "headers": headers}
         await self._send(start)
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
@@ -132,8 +141,20 @@ def _add_spans(choices: list[dict], spans: dict[int, list[Span]]) -> list[list[S
     return out
 
 
-def _versioned_events(body: bytes, spans: dict[int, list[Span]], aborted_message: str) -> bytes:
-    """The SSE events of `body` with `weight_versions` on each chunk that ends a choice."""
+def _add_adapters(choices: list[dict], adapters: dict[int, AdapterUse]) -> list[AdapterUse | None]:
+    """Set `adapter` on each choice made with a named adapter; returns them in choice order."""
+    out = []
+    for position, choice in enumerate(choices):
+        used = adapters.get(choice.get("index", position))
+        if used is not None:
+            choice["adapter"] = asdict(used)
+        out.append(used)
+    return out
+
+
+def _versioned_events(body: bytes, response: ResponseVersions, aborted_message: str) -> bytes:
+    """The SSE events of `body` with `weight_versions` (and `adapter`) on each chunk that ends a choice."""
+    spans = response.spans
     events = []
     for event in body.split(b"\n\n"):
         if not event.startswith(b"data: {"):
@@ -150,6 +171,7 @@ def _versioned_events(body: bytes, spans: dict[int, list[Span]], aborted_message
         for choice in ended:
             found = spans.get(choice.get("index", 0))
             choice["weight_versions"] = None if found is None else [asdict(s) for s in found]
+        _add_adapters(ended, response.adapters)
         if any(c["finish_reason"] == "abort" for c in ended):
             chunk["error"] = error_body(aborted_message, 503)["error"]
         events.append(b"data: " + json.dumps(chunk).encode())

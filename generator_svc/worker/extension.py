@@ -10,8 +10,9 @@ every worker and carries only plain data (no tensors): the messages of
 - worker, via collective_rpc: `ws_setup` (catalog, this worker's refit mode object from
   `generator_svc.worker.worker_modes`, syncd registration), `ws_stage_file`, `ws_status`, `ws_hold` and
   `ws_release` (inplace), `ws_abort`, `ws_recover`, `ws_committed`, `ws_last_install`, which hand
-  whatever depends on the refit mode to that object. (Test aids that run in the worker live in
-  `tests/generator/worker_aids.py`.)
+  whatever depends on the refit mode to that object; with LoRA on, `ws_install_adapter` (at an
+  adapter refit's commit, into its slot) and `ws_adapter_digest` (`adapter_endpoint`). (Test aids
+  that run in the worker live in `tests/generator/worker_aids.py`.)
 - worker, on the syncd member's handler thread: the data plane writing received buckets into
   staging (`generator_svc.worker.syncd_member`), concurrently with serving: staging is separate memory; or, in
   inplace mode, into the live layers while generation is held (`generator_svc.worker.inplace`).
@@ -32,10 +33,14 @@ from generator_svc.settings import TRANSFER_BACKEND
 from generator_svc.vllm_adapter import (
     abandon_weight_update,
     apply_cpu_moe_fix,
+    lora_dtype,
+    lora_model_manager,
+    lora_slot_limits,
     tensor_parallel_position,
     worker_model,
 )
-from generator_svc.worker import transfer_engine
+from generator_svc.worker import lora_slots, transfer_engine
+from generator_svc.worker.adapter_endpoint import SlotsEndpoint
 from generator_svc.worker.catalog import build_catalog, catalog_to_json
 from generator_svc.worker.staging import StagingInputError
 from generator_svc.worker.status_publisher import StatusPublisher
@@ -50,6 +55,7 @@ from generator_svc.worker_protocol import (
     WorkerSetup,
     WorkerStatus,
 )
+from syncd.layout.adapters import LoraSlots
 
 log = logging.getLogger("generator_svc.worker")
 # multiprocessing runs finalizers of higher exit priority first: leaving syncd comes early, while
@@ -117,6 +123,7 @@ class WeightSyncExtension:
         )
         engine.target = self._ws_mode
         self._ws_member = None
+        slots, self._ws_slots = self._ws_adapter_slots(tp_size, setup)
         if setup.syncd:
             from generator_svc.worker.syncd_member import start_member
 
@@ -126,10 +133,11 @@ class WeightSyncExtension:
                 coords={"replica": setup.replica, "tp": tp_rank},
                 catalog=catalog,
                 device=self.device,
-                endpoint=self._ws_mode.endpoint,
+                endpoint=self._ws_slots or self._ws_mode.endpoint,
                 auth_token=setup.auth_token or None,
                 data_host=setup.data_host,
                 in_flight=setup.in_flight,
+                lora_slots=slots,
             )
             # A worker that vLLM stops gracefully (a signal to the whole process group, a drain)
             # leaves syncd on its way out (`generator_svc.server.leave_on_shutdown` covers the rest).
@@ -156,6 +164,50 @@ class WeightSyncExtension:
             nbytes=catalog.nbytes,
             shapes_checked=sum(t.name in shapes for t in catalog.tensors),
         ).to_wire()
+
+    def _ws_adapter_slots(
+        self, tp_size: int, setup: WorkerSetup
+    ) -> tuple[LoraSlots | None, SlotsEndpoint | None]:
+        """With LoRA on, this worker takes named adapters into slots (`adapter_endpoint`): what it
+        registers with syncd, and the endpoint that receives them. Slots hold whole factors, so
+        only at tensor-parallel size 1."""
+        if lora_model_manager(self) is None:
+            return None, None
+        if tp_size != 1:
+            log.warning(
+                "%s: LoRA is on at tp %d; adapter slots need tp 1, so syncd sends none",
+                self._ws_member_id,
+                tp_size,
+            )
+            return None, None
+        max_rank, max_loras, _ = lora_slot_limits(self)
+        dtype = lora_dtype(self)
+        slots = LoraSlots(max_rank, max_loras, str(dtype).removeprefix("torch."))
+        endpoint = SlotsEndpoint(
+            self._ws_mode.endpoint, self._ws_member_id, setup.internal_url, setup.commit_token, dtype
+        )
+        return slots, endpoint
+
+    def ws_install_adapter(self, refit_id: str, adapter_id: int) -> dict[str, Any]:
+        """On the engine's thread: write the verified adapter of refit `refit_id` into its slot,
+        as vLLM's LoRA id `adapter_id` (`lora_slots.install`). Returns its name, slot and whether
+        it was added (first install) or rewritten."""
+        if self._ws_slots is None:
+            raise RuntimeError(f"{self._ws_member_id} takes no adapters into slots")
+        staged = self._ws_slots.take(refit_id)
+        spec = staged.spec
+        _, _, max_positions = lora_slot_limits(self)
+        result = lora_slots.install(
+            self,
+            adapter_id,
+            staged.factors,
+            lora_slots.AdapterSpec(spec.rank, spec.alpha, spec.target_modules, max_positions),
+        )
+        return {"adapter": spec.name, "slot": result.slot, "added": result.added}
+
+    def ws_adapter_digest(self, adapter_id: int) -> str:
+        """What adapter `adapter_id`'s slot holds, as a digest (`lora_slots.slot_digest`)."""
+        return lora_slots.slot_digest(self, adapter_id)
 
     def _ws_worker_status(self) -> WorkerStatus:
         # The member's client knows the version of this worker's last confirmed Commit (None after

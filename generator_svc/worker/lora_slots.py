@@ -15,6 +15,7 @@ Tensors arrive in PEFT's names without its `base_model.model.` prefix
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,3 +75,18 @@ def install(
     manager.add_adapter(model)
     manager.pin_adapter(adapter_id)
     return InstallResult(adapter_id, manager.lora_index_to_id.index(adapter_id), True, sorted(model.loras))
+
+
+def slot_digest(worker: Any, adapter_id: int) -> str:
+    """SHA-256 over adapter `adapter_id`'s slot in every linear LoRA layer (A and B, every
+    slice), as the engine holds it: what a write into another adapter's slot leaves unchanged."""
+    manager = vllm.lora_model_manager(worker)
+    index = manager.lora_index_to_id.index(adapter_id)
+    digest = hashlib.sha256()
+    for name in sorted(manager.modules):
+        module = manager.modules[name]
+        if not isinstance(module, vllm.BaseLinearLayerWithLoRA):
+            continue  # slots of other layer kinds (embeddings, the head) hold nothing of ours
+        for stacked in (*module.lora_a_stacked, *module.lora_b_stacked):
+            digest.update(stacked[index].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

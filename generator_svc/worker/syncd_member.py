@@ -35,6 +35,7 @@ from generator_svc.worker.digest import ServedRegions
 from generator_svc.worker.inplace import InplaceReceiver
 from generator_svc.worker.staging import Staging, planned_tensors
 from syncd.layout import Catalog
+from syncd.layout.adapters import LoraSlots
 from syncd.member import join
 from syncd.member.agent import Endpoint, MemberAgent
 from syncd.member.client import MemberClient
@@ -273,6 +274,7 @@ def start_member(
     auth_token: str | None,
     data_host: str = "127.0.0.1",
     in_flight: int = 2,
+    lora_slots: LoraSlots | None = None,
 ) -> GeneratorMember:
     member = join(
         target,
@@ -289,5 +291,6 @@ def start_member(
         weight_version=None,
         receive_by_layer=endpoint.receive_by_layer,
         in_flight=in_flight,
+        lora_slots=lora_slots,
     )
     return GeneratorMember(member.client, endpoint, member.agent)

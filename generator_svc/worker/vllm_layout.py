@@ -34,6 +34,9 @@ if TYPE_CHECKING:  # for annotations only: this module imports vLLM inside its f
 _REPLICATED_LAYER_NAMES = ("RMSNorm", "LayerNorm", "GemmaRMSNorm")
 
 
+LORA_BASE_LAYER = ".base_layer"  # the linear a LoRA layer of vLLM wraps (`enable_lora`)
+
+
 def _dtype(t: torch.Tensor | torch.dtype) -> str:
     return str(t if isinstance(t, torch.dtype) else t.dtype).removeprefix("torch.")
 
@@ -60,9 +63,12 @@ def _linear_spec(model: torch.nn.Module, path: str, module: Any, dtype: str) -> 
     )
 
     name = f"{path}.weight"
+    # With LoRA on, vLLM wraps each adapted linear: its weight is `<layer>.base_layer.weight`, and
+    # the HF names are the layer's.
+    layer = path.removesuffix(LORA_BASE_LAYER)
     tp = TP(module.tp_size, module.tp_rank)
     if isinstance(module, QKVParallelLinear):
-        q, k, v = _packed_names(model, path)
+        q, k, v = _packed_names(model, layer)
         if getattr(module, "v_head_size", module.head_size) != module.head_size:
             raise ValueError(f"{name}: v head size differs from q/k head size; not supported")
         return QKVParam(
@@ -78,17 +84,18 @@ def _linear_spec(model: torch.nn.Module, path: str, module: Any, dtype: str) -> 
             tp,
         )
     if isinstance(module, MergedColumnParallelLinear):
-        names = _packed_names(model, path)
+        names = _packed_names(model, layer)
         if len(names) != len(module.output_sizes):
             raise ValueError(f"{name}: {len(names)} packed names for {len(module.output_sizes)} outputs")
         parts = tuple((n, (size, module.input_size)) for n, size in zip(names, module.output_sizes))
         return MergedParam(name, dtype, parts, tp)
+    hf_name = f"{layer}.weight"
     if isinstance(module, ColumnParallelLinear):
-        return ShardedParam(name, dtype, name, (module.output_size, module.input_size), 0, tp)
+        return ShardedParam(name, dtype, hf_name, (module.output_size, module.input_size), 0, tp)
     if isinstance(module, RowParallelLinear):
-        return ShardedParam(name, dtype, name, (module.output_size, module.input_size), 1, tp)
+        return ShardedParam(name, dtype, hf_name, (module.output_size, module.input_size), 1, tp)
     if isinstance(module, ReplicatedLinear):
-        return ReplicatedParam(name, dtype, name, (module.output_size, module.input_size))
+        return ReplicatedParam(name, dtype, hf_name, (module.output_size, module.input_size))
     raise ValueError(f"{name}: no layout rule for linear layer {type(module).__name__}")
 
 

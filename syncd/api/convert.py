@@ -11,7 +11,8 @@ from typing import TypeVar
 
 from syncd import commands
 from syncd.api import syncd_pb2 as pb
-from syncd.layout import Box, CanonicalTensor, Catalog, LocalTensor, Piece
+from syncd.layout import Box, CanonicalTensor, Catalog, LocalTensor, Piece, dtype_bytes
+from syncd.layout.adapters import AdapterSpec, LoraSlots
 from syncd.plan.types import Bucket, Relay, TransferUnit
 from syncd.vocabulary import Backend, Fp8Part, LinkTransport, Role
 from syncd.weight_version import WeightVersion
@@ -214,6 +215,7 @@ def command_to_pb(cmd: commands.Command) -> pb.Command:
                     delta=_delta_to_pb(cmd.delta),
                     stall_timeout_s=cmd.stall_timeout_s,
                     ipc_links=[pb.LinkRef(stage=k[0], src=k[1], dst=k[2]) for k in sorted(cmd.ipc_links)],
+                    adapter=adapter_to_pb(cmd.adapter),
                 )
             )
         case commands.Verify():
@@ -229,6 +231,7 @@ def command_to_pb(cmd: commands.Command) -> pb.Command:
                     weight_version=cmd.weight_version,
                     timeout_s=cmd.timeout_s,
                     run_id=cmd.run_id,
+                    adapter=cmd.adapter,
                 )
             )
         case commands.Abort():
@@ -286,16 +289,49 @@ def command_from_pb(msg: pb.Command) -> commands.Command:
             _delta_from_pb(m),
             m.stall_timeout_s,
             frozenset((k.stage, k.src, k.dst) for k in m.ipc_links),
+            adapter_from_pb(m.adapter) if m.HasField("adapter") else None,
         )
     if kind == "verify":
         v = msg.verify
         return commands.Verify(v.refit_id, WeightVersion(v.weight_version), v.timeout_s)
     if kind == "commit":
         m = msg.commit
-        return commands.Commit(m.refit_id, WeightVersion(m.weight_version), m.timeout_s, m.run_id)
+        return commands.Commit(m.refit_id, WeightVersion(m.weight_version), m.timeout_s, m.run_id, m.adapter)
     if kind == "abort":
         return commands.Abort(msg.abort.refit_id, msg.abort.reason)
     raise ValueError(f"command without a kind: {msg!r}")
+
+
+# ---- adapter slots ----
+
+
+def adapter_to_pb(spec: AdapterSpec | None) -> pb.AdapterSpec | None:
+    if spec is None:
+        return None
+    return pb.AdapterSpec(
+        name=spec.name, rank=spec.rank, alpha=spec.alpha, target_modules=list(spec.target_modules)
+    )
+
+
+def adapter_from_pb(m: pb.AdapterSpec) -> AdapterSpec:
+    """Raises ValueError naming what is wrong with a foreign spec."""
+    spec = AdapterSpec(m.name, m.rank, m.alpha, tuple(m.target_modules))
+    spec.validate()
+    return spec
+
+
+def lora_slots_to_pb(slots: LoraSlots | None) -> pb.LoraSlots | None:
+    if slots is None:
+        return None
+    return pb.LoraSlots(max_rank=slots.max_rank, max_loras=slots.max_loras, dtype=slots.dtype)
+
+
+def lora_slots_from_pb(m: pb.LoraSlots) -> LoraSlots:
+    """Raises ValueError naming what is wrong with a foreign description."""
+    if m.max_rank <= 0 or m.max_loras <= 0:
+        raise ValueError(f"lora_slots: max_rank {m.max_rank} and max_loras {m.max_loras} must be positive")
+    dtype_bytes(m.dtype)
+    return LoraSlots(m.max_rank, m.max_loras, m.dtype)
 
 
 # ---- reports ----

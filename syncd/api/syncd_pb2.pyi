@@ -85,6 +85,28 @@ class Catalog(_message.Message):
     partial: bool
     def __init__(self, canonical: _Optional[_Iterable[_Union[CanonicalTensor, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[LocalTensor, _Mapping]]] = ..., partial: _Optional[bool] = ...) -> None: ...
 
+class AdapterSpec(_message.Message):
+    __slots__ = ("name", "rank", "alpha", "target_modules")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoraSlots(_message.Message):
+    __slots__ = ("max_rank", "max_loras", "dtype")
+    MAX_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    max_rank: int
+    max_loras: int
+    dtype: str
+    def __init__(self, max_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
 class TransferUnit(_message.Message):
     __slots__ = ("canonical", "canon", "dtype", "src_tensor", "src_box", "dst_tensor", "dst_box", "nbytes", "quantized", "block_box", "src_dtype")
     CANONICAL_FIELD_NUMBER: _ClassVar[int]
@@ -142,7 +164,7 @@ class Bucket(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., src: _Optional[str] = ..., dst: _Optional[str] = ..., index: _Optional[int] = ..., units: _Optional[_Iterable[_Union[TransferUnit, _Mapping]]] = ..., nbytes: _Optional[int] = ..., relay: _Optional[_Union[Relay, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("role", "member_id", "coords", "device", "data_address", "catalog_hash", "catalog", "run_id", "weight_version", "receive_by_layer", "host_id", "gpu_id", "gpu_peers")
+    __slots__ = ("role", "member_id", "coords", "device", "data_address", "catalog_hash", "catalog", "run_id", "weight_version", "receive_by_layer", "host_id", "gpu_id", "gpu_peers", "adapter", "lora_slots")
     class CoordsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +185,8 @@ class RegisterRequest(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_PEERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     member_id: str
     coords: _containers.ScalarMap[str, int]
@@ -176,7 +200,9 @@ class RegisterRequest(_message.Message):
     host_id: str
     gpu_id: str
     gpu_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., member_id: _Optional[str] = ..., coords: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., data_address: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., catalog: _Optional[_Union[Catalog, _Mapping]] = ..., run_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., receive_by_layer: _Optional[bool] = ..., host_id: _Optional[str] = ..., gpu_id: _Optional[str] = ..., gpu_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    adapter: AdapterSpec
+    lora_slots: LoraSlots
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., member_id: _Optional[str] = ..., coords: _Optional[_Mapping[str, int]] = ..., device: _Optional[str] = ..., data_address: _Optional[str] = ..., catalog_hash: _Optional[str] = ..., catalog: _Optional[_Union[Catalog, _Mapping]] = ..., run_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., receive_by_layer: _Optional[bool] = ..., host_id: _Optional[str] = ..., gpu_id: _Optional[str] = ..., gpu_peers: _Optional[_Iterable[str]] = ..., adapter: _Optional[_Union[AdapterSpec, _Mapping]] = ..., lora_slots: _Optional[_Union[LoraSlots, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("catalog_required", "session_id", "lease_seconds", "committed_version")
@@ -263,7 +289,7 @@ class JoinGroup(_message.Message):
     def __init__(self, refit_id: _Optional[str] = ..., group_id: _Optional[str] = ..., stage: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., address: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., links: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExecutePlan(_message.Message):
-    __slots__ = ("refit_id", "weight_version", "buckets", "groups", "timeout_s", "delta", "stall_timeout_s", "ipc_links")
+    __slots__ = ("refit_id", "weight_version", "buckets", "groups", "timeout_s", "delta", "stall_timeout_s", "ipc_links", "adapter")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +298,7 @@ class ExecutePlan(_message.Message):
     DELTA_FIELD_NUMBER: _ClassVar[int]
     STALL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     IPC_LINKS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     weight_version: int
     buckets: _containers.RepeatedCompositeFieldContainer[Bucket]
@@ -280,7 +307,8 @@ class ExecutePlan(_message.Message):
     delta: DeltaLinks
     stall_timeout_s: float
     ipc_links: _containers.RepeatedCompositeFieldContainer[LinkRef]
-    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[StageGroup, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., delta: _Optional[_Union[DeltaLinks, _Mapping]] = ..., stall_timeout_s: _Optional[float] = ..., ipc_links: _Optional[_Iterable[_Union[LinkRef, _Mapping]]] = ...) -> None: ...
+    adapter: AdapterSpec
+    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[Bucket, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[StageGroup, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., delta: _Optional[_Union[DeltaLinks, _Mapping]] = ..., stall_timeout_s: _Optional[float] = ..., ipc_links: _Optional[_Iterable[_Union[LinkRef, _Mapping]]] = ..., adapter: _Optional[_Union[AdapterSpec, _Mapping]] = ...) -> None: ...
 
 class LinkRef(_message.Message):
     __slots__ = ("stage", "src", "dst")
@@ -313,16 +341,18 @@ class Verify(_message.Message):
     def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("refit_id", "weight_version", "timeout_s", "run_id")
+    __slots__ = ("refit_id", "weight_version", "timeout_s", "run_id", "adapter")
     REFIT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     refit_id: str
     weight_version: int
     timeout_s: float
     run_id: str
-    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., run_id: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, refit_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., timeout_s: _Optional[float] = ..., run_id: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("refit_id", "reason")

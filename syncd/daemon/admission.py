@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
 
+from syncd.daemon.adapter_refits import AdapterRefits, check_sender
 from syncd.daemon.checks import dtype_mismatch, refit_problems
 from syncd.daemon.errors import FailedPrecondition, NotFound, Unavailable
 from syncd.daemon.fleet import Fleet
@@ -27,6 +28,7 @@ from syncd.daemon.settings import Settings
 from syncd.daemon.store import RefitRecord, Store, StoreUnavailable
 from syncd.daemon.versions import Versions, WeightSet
 from syncd.layout import Catalog
+from syncd.layout.adapters import AdapterSpec
 from syncd.plan import Plan
 from syncd.states import RefitState
 from syncd.vocabulary import Role
@@ -85,8 +87,10 @@ class Admission:
         plans: PlanCache,
         versions: Versions,
         slot: RefitSlot,
+        adapters: AdapterRefits | None = None,
     ) -> None:
         self._settings = settings
+        self._adapters = adapters
         self._registry = registry
         self._store = store
         self._journal = journal
@@ -95,8 +99,12 @@ class Admission:
         self._slot = slot
         self.fleet = Fleet(settings.expected_generators, settings.min_replicas_per_layout)
 
-    def admit(self, role: Role, member_id: str, catalog: Catalog) -> None:
-        """Refuse, at registration, a generator that could never receive the trainers' weights."""
+    def admit(self, role: Role, member_id: str, catalog: Catalog, adapter: AdapterSpec | None = None) -> None:
+        """Refuse, at registration, a generator that could never receive the trainers' weights, and
+        an adapter's trainer whose catalog is not that adapter's factors."""
+        if adapter is not None:
+            check_sender(member_id, adapter, catalog)
+            return
         if role != Role.GENERATOR:
             return
         trainers = [
@@ -145,6 +153,35 @@ class Admission:
         finally:
             self._slot.fill(run)
         log.info("refit %s: moving weight version %s", run.id, weights.label)
+        return run
+
+    def start_adapter(self, name: str, weight_version: WeightVersion | None) -> Run:
+        """Check and record a refit of adapter `name` (`syncd.daemon.adapter_refits`) and give it
+        the slot, as `start` does for the base weights; raises FailedPrecondition naming why not."""
+        adapters = self._adapters
+        if adapters is None:
+            raise FailedPrecondition("this syncd runs without adapter refits")
+
+        def may_start() -> tuple[WeightSet, AdapterSpec, set[str]]:
+            spec = adapters.spec(name)
+            problems = adapters.problems(name)
+            if problems:
+                raise FailedPrecondition(f"cannot refit adapter {name!r}: {'; '.join(problems)}")
+            weights = adapters.versions.to_move(name, weight_version)
+            return weights, spec, {m.member_id for m in adapters.members(name)}
+
+        weights, spec, involved = self._slot.reserve(may_start)
+        run: Run | None = None
+        try:
+            record = self._store.create(
+                RefitState.PREPARING, weights.version, weights.run_id, time.time(), adapter=name
+            )
+            run = Run(record, involved, full=True, adapter=spec)
+        except StoreUnavailable as e:
+            raise Unavailable(f"cannot record a new refit: {e}") from None
+        finally:
+            self._slot.fill(run)
+        log.info("refit %s: moving version %s of adapter %r", run.id, weights.label, name)
         return run
 
     # ---- queries ----

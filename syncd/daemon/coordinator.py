@@ -19,6 +19,7 @@ import threading
 import time
 
 from syncd.commands import MemberReport, ProgressReport
+from syncd.daemon.adapter_refits import AdapterRefits, AdapterVersions
 from syncd.daemon.admission import Admission, RefitSlot
 from syncd.daemon.auto_refit import AutoRefit
 from syncd.daemon.digests import Digests
@@ -31,7 +32,7 @@ from syncd.daemon.progress_board import ProgressBoard
 from syncd.daemon.readiness import Readiness
 from syncd.daemon.refit_run import Run
 from syncd.daemon.refit_sequence import RefitSequence
-from syncd.daemon.registry import Member, Registry
+from syncd.daemon.registry import Member, Registry, check_weight_version
 from syncd.daemon.settings import Settings
 from syncd.daemon.stage_groups import link_transports
 from syncd.daemon.store import RefitRecord, Store
@@ -39,6 +40,7 @@ from syncd.daemon.survivors import find_lost, wait_for_lost
 from syncd.daemon.version_status import HISTORY_DEPTH, VersionStatus, refit_of, why_not_started
 from syncd.daemon.versions import Versions
 from syncd.layout import Catalog
+from syncd.layout.adapters import AdapterSpec
 from syncd.plan import Plan
 from syncd.states import RefitState
 from syncd.vocabulary import LinkTransport, Role
@@ -58,8 +60,12 @@ class Coordinator:
         plans = PlanCache(max_buckets=settings.max_plan_buckets, fanout=settings.fanout)
         self.progress = ProgressBoard(store)
         self._settings, self._registry = settings, registry
+        # Adapter refits plan without fan-out: an adapter is small, and every generator takes it whole.
+        adapter_plans = PlanCache(max_buckets=settings.max_plan_buckets)
+        self.adapters = AdapterRefits(registry, adapter_plans, settings.bucket_bytes, AdapterVersions(store))
+        self._pending_adapters: set[str] = set()  # auto-refits of adapters deferred
         self._admission = Admission(
-            settings, registry, store, self._journal, plans, self.versions, self._slot
+            settings, registry, store, self._journal, plans, self.versions, self._slot, self.adapters
         )
         self._sequence = RefitSequence(
             settings,
@@ -73,12 +79,16 @@ class Coordinator:
             refit_problems=self._admission.refit_problems,
             release=self._slot.release,
             progress=self.progress,
+            adapters=self.adapters,
         )
         self._auto = AutoRefit(settings, registry, self.versions, self.trigger)
         if self.versions.committed is not None:
             metrics.committed_version.set(self.versions.committed.version)
+        for name, state in self.adapters.versions.all().items():
+            if state.committed is not None:
+                metrics.adapter_version.labels(adapter=name).set(state.committed.version)
         registry.on_lost(self._on_member_lost)
-        registry.on_registered(self._auto.on_registered)
+        registry.on_registered(self._on_registered)
 
     # ---- queries (`admission`) ----
 
@@ -109,19 +119,60 @@ class Coordinator:
 
     def version_status(self, member: Member, version: WeightVersion) -> VersionStatus:
         """What became of `version` of `member`'s training run (`syncd.daemon.version_status`)."""
-        found = refit_of(self.history(HISTORY_DEPTH), member.run_id, version)
+        adapter = member.adapter.name if member.adapter is not None else ""
+        found = refit_of(self.history(HISTORY_DEPTH), member.run_id, version, adapter)
         if found is not None:
             return VersionStatus(found)
-        problems = self._admission.refit_problems()
+        problems = self.adapters.problems(adapter) if adapter else self._admission.refit_problems()
         return VersionStatus(None, why_not_started(self._settings.auto_refit, problems, self.current()))
 
     # ---- commands from operators and members ----
 
-    def admit(self, role: Role, member_id: str, catalog: Catalog) -> None:
-        self._admission.admit(role, member_id, catalog)
+    def admit(self, role: Role, member_id: str, catalog: Catalog, adapter: AdapterSpec | None = None) -> None:
+        self._admission.admit(role, member_id, catalog, adapter)
 
     def announce(self, member: Member, version: int) -> None:
-        self._auto.announce(member, version)
+        if member.adapter is None:
+            self._auto.announce(member, version)
+            return
+        if self.adapters.versions.announce(member, check_weight_version(member.member_id, version)):
+            self._maybe_refit_adapter(member.adapter.name)
+
+    def trigger_adapter(self, name: str, weight_version: WeightVersion | None = None) -> RefitRecord:
+        """Start a refit of adapter `name`'s newest announced version into the generators' slots
+        (`syncd.daemon.adapter_refits`); raises FailedPrecondition naming why it cannot start (a
+        refit runs, no such adapter, a generator without slots or with too small ones)."""
+        run = self._admission.start_adapter(name, weight_version)
+        threading.Thread(target=self._run_refit, args=(run,), name=run.id, daemon=True).start()
+        return run.created
+
+    def _on_registered(self, member: Member) -> None:
+        if member.adapter is not None:
+            self.adapters.versions.registered(member)
+            self._maybe_refit_adapter(member.adapter.name)
+            return
+        self._auto.on_registered(member)
+        if member.lora_slots is not None:
+            # A generator starts with empty slots: the committed adapters again (to every generator).
+            for name, state in self.adapters.versions.all().items():
+                if state.committed is not None:
+                    self._maybe_refit_adapter(name, catch_up=True)
+
+    def _maybe_refit_adapter(self, name: str, *, catch_up: bool = False) -> None:
+        """Under auto-refit, a refit of the adapter's newest version when it is not the committed
+        one; a catch-up always. One that cannot start now is retried when a refit ends."""
+        if not (catch_up or (self._settings.auto_refit and self.adapters.versions.wants_refit(name))):
+            return
+        try:
+            self.trigger_adapter(name)
+        except (FailedPrecondition, Unavailable) as e:
+            log.info("refit of adapter %r deferred: %s", name, e)
+            self._pending_adapters.add(name)
+
+    def _retry_adapters(self) -> None:
+        pending, self._pending_adapters = self._pending_adapters, set()
+        for name in sorted(pending):
+            self._maybe_refit_adapter(name, catch_up=True)
 
     def trigger(
         self,
@@ -188,11 +239,16 @@ class Coordinator:
 
     def _run_refit(self, run: Run) -> None:
         self._sequence.execute(run)
+        if run.adapter is not None:
+            self._auto.after_refit()
+            self._retry_adapters()
+            return
         if run.state == RefitState.ABORTED and self._settings.refit_retries and not run.retry and run.planned:
             threading.Thread(
                 target=self._retry_survivors, args=(run,), name=f"{run.id}-retry", daemon=True
             ).start()
         self._auto.after_refit()
+        self._retry_adapters()
 
     def _retry_survivors(self, run: Run) -> None:
         """After an abort: once the lost members' leases ended, the same version once more over the

@@ -96,8 +96,10 @@ class SyncdServicer(pb_grpc.SyncdServicer):
             raise InvalidArgument(f"member {request.member_id}: role is unspecified")
         catalog = convert.catalog_from_pb(request.catalog) if request.HasField("catalog") else None
         known = catalog or self.registry.known_catalog(request.catalog_hash)
+        adapter = convert.adapter_from_pb(request.adapter) if request.HasField("adapter") else None
+        slots = convert.lora_slots_from_pb(request.lora_slots) if request.HasField("lora_slots") else None
         if known is not None:
-            self.coordinator.admit(role, request.member_id, known)
+            self.coordinator.admit(role, request.member_id, known, adapter)
         result = self.registry.register(
             role=role,
             member_id=request.member_id,
@@ -112,6 +114,8 @@ class SyncdServicer(pb_grpc.SyncdServicer):
             host_id=request.host_id,
             gpu_id=request.gpu_id,
             gpu_peers=tuple(request.gpu_peers),
+            adapter=adapter,
+            lora_slots=slots,
         )
         if result.catalog_required:
             return pb.RegisterResponse(catalog_required=True)

@@ -18,10 +18,13 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from syncd.auth import Access
+from syncd.daemon.adapter_refits import AdapterState
 from syncd.daemon.coordinator import Coordinator
 from syncd.daemon.digests import compare
-from syncd.daemon.errors import SyncdError, check_token, http_headers, http_status
+from syncd.daemon.errors import InvalidArgument, SyncdError, check_token, http_headers, http_status
 from syncd.daemon.http_models import (
+    AdapterOut,
+    AdaptersOut,
     DifferenceOut,
     DigestOut,
     HealthOut,
@@ -112,7 +115,24 @@ def build_app(
 
     @app.get("/v1/members", response_model=MembersOut, tags=["members"])
     def members() -> MembersOut:
-        return MembersOut(members=[MemberOut.of(m) for m in registry.members()])
+        return MembersOut(members=[MemberOut.of(m) for m in registry.all_members()])
+
+    @app.get("/v1/adapters", response_model=AdaptersOut, tags=["adapters"])
+    def adapters() -> AdaptersOut:
+        """Every named LoRA adapter a trainer registered: its spec, trainers and versions."""
+        states = coordinator.adapters.versions.all()
+        senders = registry.adapter_senders()
+        names = sorted(set(states) | {m.adapter.name for m in senders if m.adapter is not None})
+        return AdaptersOut(
+            adapters=[
+                AdapterOut.of(
+                    n,
+                    [m for m in senders if m.adapter and m.adapter.name == n],
+                    states.get(n, AdapterState()),
+                )
+                for n in names
+            ]
+        )
 
     @app.get("/v1/plan", response_model=PlanOut, responses=_ERRORS, tags=["plan"])
     def plan() -> PlanOut:
@@ -124,6 +144,10 @@ def build_app(
     )
     def trigger(_: Authorized, body: RefitIn | None = None) -> RefitOut:
         body = body or RefitIn()
+        if body.adapter is not None:
+            if body.allow_rollback or body.full:
+                raise InvalidArgument("allow_rollback and full are for the base weights, not an adapter")
+            return RefitOut.of(coordinator.trigger_adapter(body.adapter, body.weight_version))
         return RefitOut.of(coordinator.trigger(body.weight_version, body.allow_rollback, body.full))
 
     @app.get("/v1/refits", response_model=RefitsOut, tags=["refits"])

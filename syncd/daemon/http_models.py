@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from syncd.auth import Access
+from syncd.daemon.adapter_refits import AdapterState
 from syncd.daemon.digests import Difference, VersionDigest
 from syncd.daemon.plan_cache import plan_members
 from syncd.daemon.readiness import Readiness
@@ -53,10 +54,14 @@ class MemberOut(BaseModel):
     data_address: str
     catalog_hash: str
     registered_at: float
+    adapter: str = Field(default="", description="trainers of a named LoRA adapter: its name")
+    lora_slots: bool = Field(default=False, description="generators: it takes adapters into slots")
 
     @classmethod
     def of(cls, m: Member) -> MemberOut:
         return cls(
+            adapter=m.adapter.name if m.adapter is not None else "",
+            lora_slots=m.lora_slots is not None,
             member_id=m.member_id,
             role=m.role,
             coords=dict(m.coords),
@@ -152,6 +157,11 @@ class RefitIn(BaseModel):
     full: StrictBool = Field(
         default=False, description="move every byte even where delta refits are on (no delta links)"
     )
+    adapter: StrictStr | None = Field(
+        default=None,
+        description="refit this named LoRA adapter into the generators' slots, not the base weights "
+        "(weight_version is then the adapter's)",
+    )
 
 
 class RefitOut(BaseModel):
@@ -182,6 +192,11 @@ class RefitOut(BaseModel):
         description="generators the refit went without: missing when it was triggered (refits go "
         "on over the replicas there), or lost by the refit it retries",
     )
+    adapter: str = Field(
+        default="",
+        description="a refit of this named adapter into the generators' slots (weight_version and "
+        "bytes are the adapter's); empty for the base weights",
+    )
 
     @classmethod
     def of(cls, r: RefitRecord) -> RefitOut:
@@ -202,6 +217,7 @@ class RefitOut(BaseModel):
             changed_fraction=r.changed_fraction,
             saved_bytes=r.saved_bytes,
             left_out=list(r.left_out),
+            adapter=r.adapter,
         )
 
 
@@ -275,3 +291,35 @@ class VerifyOut(BaseModel):
     regions_compared: int
     tensors: list[str] = Field(description="the canonical tensors that differ, sorted")
     differences: list[DifferenceOut]
+
+
+class AdapterOut(BaseModel):
+    name: str = Field(description="what requests name as their model")
+    rank: int | None = Field(description="its spec, as its live trainers registered it; null: none is live")
+    alpha: float | None
+    target_modules: list[str]
+    trainers: list[str] = Field(description="the live trainers that send it")
+    run_id: str = Field(description="its trainers' current run")
+    announced_version: WeightVersion | None = Field(description="newest version its run announced")
+    committed_version: WeightVersion | None = Field(description="the version the generators' slots hold")
+    committed_run: str | None = Field(description="the run of committed_version")
+
+    @classmethod
+    def of(cls, name: str, trainers: list[Member], state: AdapterState) -> AdapterOut:
+        spec = trainers[0].adapter if trainers else None
+        committed = state.committed
+        return cls(
+            name=name,
+            rank=spec.rank if spec else None,
+            alpha=spec.alpha if spec else None,
+            target_modules=list(spec.target_modules) if spec else [],
+            trainers=[m.member_id for m in trainers],
+            run_id=state.run_id,
+            announced_version=state.announced,
+            committed_version=committed.version if committed else None,
+            committed_run=committed.run_id if committed else None,
+        )
+
+
+class AdaptersOut(BaseModel):
+    adapters: list[AdapterOut] = Field(description="by name: every adapter a trainer registered")

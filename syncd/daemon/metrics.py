@@ -81,6 +81,19 @@ class Metrics:
         self.committed_version = Gauge(
             "weightsync_syncd_committed_weight_version", "Weight version generators serve", registry=r
         )
+        self.adapter_bytes = Counter(
+            "weightsync_syncd_adapter_moved_bytes",
+            "Bytes received into generators' adapter slots in committed refits of each named adapter "
+            "(counted in weightsync_syncd_moved_bytes too)",
+            ["adapter"],
+            registry=r,
+        )
+        self.adapter_version = Gauge(
+            "weightsync_syncd_adapter_committed_version",
+            "Version of each named adapter the generators' slots hold",
+            ["adapter"],
+            registry=r,
+        )
         self._progress_gauges()
         for role in Role:
             self.members.labels(role=role)

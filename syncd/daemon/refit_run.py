@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from syncd.commands import MemberReport, Phase
 from syncd.daemon.registry import Member
 from syncd.daemon.store import RefitRecord
+from syncd.layout.adapters import AdapterSpec
 from syncd.states import RefitState
 from syncd.weight_version import WeightVersion
 
@@ -46,12 +47,14 @@ class Run:
         missing: tuple[str, ...] = (),
         retry: bool = False,
         serving: frozenset[str] = frozenset(),
+        adapter: AdapterSpec | None = None,
     ) -> None:
         """`excluded`: registered members left out (a retry's lost replicas, `survivors`, or the
         other workers of a missing one, `fleet`); `missing`: generators seen once and not
         registered when it was triggered; `retry`: it retries a refit that lost replicas;
         `serving`: a catch-up's generators that serve its version already (not reached either)."""
         self._created = record
+        self._adapter = adapter  # a refit of this named adapter (`syncd.daemon.adapter_refits`)
         self._involved = frozenset(involved)
         self._full = full  # an operator asked for a full refit (no delta links)
         self._excluded = excluded | serving
@@ -92,6 +95,11 @@ class Run:
     def run_id(self) -> str:
         """The training run of the weights it moves."""
         return self._created.run_id
+
+    @property
+    def adapter(self) -> AdapterSpec | None:
+        """The named adapter it moves into the generators' slots; None: the base weights."""
+        return self._adapter
 
     @property
     def state(self) -> RefitState:
@@ -245,6 +253,7 @@ class Run:
             delta_elements=self._delta_elements,
             changed_elements=self._changed_elements,
             left_out=self._left_out,
+            adapter=self._created.adapter,
         )
 
     def _start_phase(self, phase: RefitState, timeout: float) -> float:

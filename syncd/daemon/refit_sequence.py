@@ -31,6 +31,7 @@ from syncd.commands import (
     StageGroup,
     Verify,
 )
+from syncd.daemon.adapter_refits import AdapterRefits
 from syncd.daemon.checks import checksum_mismatch, plan_problem, transfer_report_problem
 from syncd.daemon.delta_bases import DeltaBases
 from syncd.daemon.digests import Digests, VersionDigest, digest_of
@@ -39,7 +40,7 @@ from syncd.daemon.metrics import Metrics
 from syncd.daemon.plan_cache import PlanCache, plan_members
 from syncd.daemon.progress_board import ProgressBoard
 from syncd.daemon.refit_run import RefitAborted, Run, seconds_left
-from syncd.daemon.registry import Registry
+from syncd.daemon.registry import Member, Registry
 from syncd.daemon.settings import Settings
 from syncd.daemon.stage_groups import StageGroups, link_transports
 from syncd.daemon.store import Store, StoreUnavailable
@@ -68,10 +69,12 @@ class RefitSequence:
         refit_problems: Callable[..., list[str]],
         release: Callable[[Run], None],
         progress: ProgressBoard | None = None,
+        adapters: AdapterRefits | None = None,
     ) -> None:
         """`refit_problems`: why a refit could not start now (checked again in PREPARING);
         `release`: frees the one-refit slot once a refit's outcome is recorded; `progress`: where
-        each refit's transfer progress is kept (a board of its own when not given)."""
+        each refit's transfer progress is kept (a board of its own when not given); `adapters`:
+        what refits of named adapters plan from (`syncd.daemon.adapter_refits`)."""
         self._settings = settings
         self._registry = registry
         self._store = store
@@ -81,6 +84,7 @@ class RefitSequence:
         self._versions = versions
         self._digests = digests
         self._refit_problems = refit_problems
+        self._adapters = adapters
         self._release = release
         self._progress = progress if progress is not None else ProgressBoard(store)
         self._groups = StageGroups(settings.backend, self._send, settings.same_host)
@@ -104,6 +108,14 @@ class RefitSequence:
 
     def _prepare(self, run: Run) -> tuple[Plan, dict[int, StageGroup]]:
         deadline = run.enter(RefitState.PREPARING, self._settings.prepare_timeout)
+        members, plan = self._adapter_plan(run) if run.adapter is not None else self._base_plan(run)
+        problem = plan_problem(plan)
+        if problem is not None:
+            raise RefitAborted(problem)
+        run.narrow_to(plan_members(plan), members)
+        return plan, self._groups.for_plan(run, plan, members, deadline)
+
+    def _base_plan(self, run: Run) -> tuple[dict[str, Member], Plan]:
         problems = self._refit_problems(excluded=run.excluded)
         if problems:
             raise RefitAborted(f"not ready to refit: {'; '.join(problems)}")
@@ -114,15 +126,24 @@ class RefitSequence:
             )
         except ValueError as e:
             raise RefitAborted(f"cannot plan: {e}") from None
-        problem = plan_problem(plan)
-        if problem is not None:
-            raise RefitAborted(problem)
-        run.narrow_to(plan_members(plan), members)
-        return plan, self._groups.for_plan(run, plan, members, deadline)
+        return members, plan
+
+    def _adapter_plan(self, run: Run) -> tuple[dict[str, Member], Plan]:
+        """A named adapter's trainers to the generators' slots (`syncd.daemon.adapter_refits`)."""
+        assert run.adapter is not None and self._adapters is not None
+        name = run.adapter.name
+        problems = self._adapters.problems(name, run.excluded)
+        if problems:
+            raise RefitAborted(f"cannot refit adapter {name!r}: {'; '.join(problems)}")
+        members = {m.member_id: m for m in self._adapters.members(name, run.excluded)}
+        try:
+            return members, self._adapters.plan(name, run.excluded)
+        except ValueError as e:
+            raise RefitAborted(f"cannot plan adapter {name!r}: {e}") from None
 
     def _transfer(self, run: Run, plan: Plan, groups: dict[int, StageGroup]) -> dict[str, MemberReport]:
         run.start_transfer(plan.total_bytes)
-        delta = self._delta_links(run, plan, groups)
+        delta = None if run.adapter is not None else self._delta_links(run, plan, groups)
         if delta is not None:
             run.send_deltas_to(tuple(sorted(delta.dsts)))
         deadline = self._enter(run, RefitState.TRANSFERRING, self._settings.transfer_timeout)
@@ -144,6 +165,7 @@ class RefitSequence:
                     delta,
                     stalls[m],
                     frozenset(k for k in ipc if m in k[1:]),
+                    adapter=run.adapter,
                 ),
             )
         reports = run.wait_for(Phase.TRANSFERRED, ids, deadline)
@@ -161,7 +183,7 @@ class RefitSequence:
     def _ipc_links(self, plan: Plan) -> frozenset[tuple[int, str, str]]:
         """The links of `plan` that go through CUDA IPC (`syncd.plan.transports`)."""
         transports = link_transports(
-            plan, self._registry.members(), self._settings.backend, self._settings.same_host
+            plan, self._registry.all_members(), self._settings.backend, self._settings.same_host
         )
         return frozenset(k for k, t in transports.items() if t == LinkTransport.CUDA_IPC)
 
@@ -207,10 +229,21 @@ class RefitSequence:
         passed; the time is kept as the COMMITTING phase."""
         deadline = run.decide(self._settings.commit_timeout)
         decision = run.snapshot(RefitState.COMMITTED, unconfirmed=plan_members(plan))
+        weights = WeightSet(run.run_id, run.version)
+        adapter = run.adapter.name if run.adapter is not None else None
+        meta = None
+        if adapter is not None:
+            assert self._adapters is not None
+            meta = self._adapters.versions.committed_meta(adapter, weights)
         try:
-            self._store.decide_commit(decision)
+            self._store.decide_commit(decision, meta)
         except StoreUnavailable as e:
             raise RefitAborted(f"could not record the commit decision, so nobody committed: {e}") from None
+        if adapter is not None:  # the adapter's version only: the base and other adapters stay
+            assert self._adapters is not None
+            self._adapters.versions.set_committed(adapter, weights)
+            self._metrics.adapter_version.labels(adapter=adapter).set(run.version)
+            return deadline
         self._versions.set_committed(WeightSet(run.run_id, run.version))
         self._digests.committed(VersionDigest(run.run_id, run.version, digest))
         self._metrics.committed_version.set(run.version)
@@ -218,10 +251,15 @@ class RefitSequence:
 
     def _commit(self, run: Run, plan: Plan, deadline: float) -> None:
         ids = plan_members(plan)
+        adapter = run.adapter.name if run.adapter is not None else ""
         for m in ids:
-            if not self._registry.send(m, Commit(run.id, run.version, seconds_left(deadline), run.run_id)):
+            commit = Commit(run.id, run.version, seconds_left(deadline), run.run_id, adapter)
+            if not self._registry.send(m, commit):
                 run.note_unconfirmed(m, f"member {m} is gone")
         unconfirmed = run.wait_confirmations(ids, deadline)
+        if adapter:  # members' weight versions are the base's; the adapter's is syncd's record
+            self._conclude(run, RefitState.COMMITTED, "; ".join(unconfirmed.values()), tuple(unconfirmed))
+            return
         for m in ids:
             if m not in unconfirmed:
                 self._registry.set_weight_version(m, run.version)
@@ -252,7 +290,7 @@ class RefitSequence:
         self._groups.clear()
         self._delta_bases.forget(run.involved)
         log.warning("refit %s aborted: %s", run.id, reason)
-        for m in self._registry.members():
+        for m in self._registry.all_members():  # an adapter's trainers too
             self._registry.send(m.member_id, Abort(run.id, reason))
         self._conclude(run, RefitState.ABORTED, reason)
 
@@ -268,6 +306,8 @@ class RefitSequence:
             self._metrics.bytes_moved.inc(record.bytes)
             self._metrics.delta_saved_bytes.inc(record.saved_bytes)
             self._metrics.refit_mode.labels(mode=record.mode).inc()
+            if record.adapter:
+                self._metrics.adapter_bytes.labels(adapter=record.adapter).inc(record.bytes)
             if record.changed_fraction is not None:
                 self._metrics.changed_fraction.set(record.changed_fraction)
         self._metrics.refits.labels(outcome=state.lower()).inc()

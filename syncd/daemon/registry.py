@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from syncd.commands import Command
 from syncd.daemon.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from syncd.layout import CanonicalTensor, Catalog, LocalTensor
+from syncd.layout.adapters import AdapterSpec, LoraSlots
 from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion, parse_weight_version
 
@@ -58,6 +59,9 @@ class Member:
     host_id: str = ""  # where it runs (`syncd.net.host_identity`); empty: unknown
     gpu_id: str = ""  # the UUID of its GPU (`syncd.net.gpu_identity`); empty: none or unknown
     gpu_peers: tuple[str, ...] = ()  # the GPUs its GPU reads directly (`syncd.net.peer_gpu_identities`)
+    # Trainers of one named LoRA adapter (`syncd.layout.adapters`): kept out of base refits.
+    adapter: AdapterSpec | None = None
+    lora_slots: LoraSlots | None = None  # generators that take adapters into slots
 
     @property
     def stage(self) -> int:
@@ -126,6 +130,8 @@ class Registry:
         host_id: str = "",
         gpu_id: str = "",
         gpu_peers: tuple[str, ...] = (),
+        adapter: AdapterSpec | None = None,
+        lora_slots: LoraSlots | None = None,
     ) -> Registration:
         """Validate and open a session; raises InvalidArgument / AlreadyExists and changes nothing."""
         check_member_id(member_id)
@@ -145,6 +151,10 @@ class Registry:
             raise InvalidArgument(
                 f"trainer {member_id}: receive_by_layer is for generators (trainers only send)"
             )
+        if adapter is not None and role != Role.TRAINER:
+            raise InvalidArgument(f"{role} {member_id}: only trainers send an adapter")
+        if lora_slots is not None and role != Role.GENERATOR:
+            raise InvalidArgument(f"{role} {member_id}: only generators take adapters into slots")
         if role == Role.TRAINER and "pp" not in coords:
             raise InvalidArgument(f"trainer {member_id}: coords {dict(coords)} lack the 'pp' dim")
         if catalog is not None:
@@ -153,7 +163,7 @@ class Registry:
             if catalog is None and catalog_hash not in self._catalogs:
                 return Registration(catalog_required=True)
             self._check_live(member_id)
-            self._check_coords(role, member_id, coords)
+            self._check_coords(role, member_id, coords, adapter)
             if catalog is not None:
                 self._catalogs.setdefault(catalog_hash, catalog)
             member = Member(
@@ -171,6 +181,8 @@ class Registry:
                 host_id,
                 gpu_id,
                 tuple(gpu_peers),
+                adapter,
+                lora_slots,
             )
             old = self._sessions.get(member_id)
             self._sessions[member_id] = _Session(member, time.monotonic() + self.lease_seconds)
@@ -199,10 +211,15 @@ class Registry:
                     "renewed); a restarted member registers again once that lease ran out"
                 )
 
-    def _check_coords(self, role: Role, member_id: str, coords: Mapping[str, int]) -> None:
+    def _check_coords(
+        self, role: Role, member_id: str, coords: Mapping[str, int], adapter: AdapterSpec | None
+    ) -> None:
+        """Coordinates are unique per role, and for an adapter's trainers per adapter."""
+        name = adapter.name if adapter is not None else None
         for s in self._sessions.values():
             m = s.member
-            if m.role == role and m.member_id != member_id and dict(m.coords) == dict(coords):
+            same_kind = m.role == role and (m.adapter.name if m.adapter is not None else None) == name
+            if same_kind and m.member_id != member_id and dict(m.coords) == dict(coords):
                 raise AlreadyExists(
                     f"{role} coordinates {dict(coords)} are already held by live member {m.member_id}; "
                     f"{member_id} cannot claim them"
@@ -258,6 +275,14 @@ class Registry:
         return True
 
     def members(self) -> list[Member]:
+        """The members of base refits: every live member but the trainers of named adapters."""
+        return [m for m in self.all_members() if m.adapter is None]
+
+    def adapter_senders(self, name: str | None = None) -> list[Member]:
+        """The live trainers of adapter `name` (of every adapter when None)."""
+        return [m for m in self.all_members() if m.adapter is not None and name in (None, m.adapter.name)]
+
+    def all_members(self) -> list[Member]:
         with self._lock:
             return sorted((s.member for s in self._sessions.values()), key=lambda m: (m.role, m.member_id))
 

@@ -44,7 +44,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 _COLUMNS = (
     "id, state, weight_version, created_at, finished_at, error, phases, bytes, unconfirmed, run_id, "
-    "planned_bytes, delta_generators, delta_elements, changed_elements, left_out"
+    "planned_bytes, delta_generators, delta_elements, changed_elements, left_out, adapter"
 )
 # Columns added after the first release, with their definitions (added when a store opens).
 _ADDED_COLUMNS = {
@@ -55,6 +55,7 @@ _ADDED_COLUMNS = {
     "delta_elements": "INTEGER NOT NULL DEFAULT 0",
     "changed_elements": "INTEGER NOT NULL DEFAULT 0",
     "left_out": "TEXT NOT NULL DEFAULT '[]'",
+    "adapter": "TEXT NOT NULL DEFAULT ''",
 }
 
 T = TypeVar("T")
@@ -83,6 +84,7 @@ class RefitRecord:
     delta_elements: int = 0  # elements of their units,
     changed_elements: int = 0  # and how many of them changed
     left_out: tuple[str, ...] = ()  # generators it went without: missing, or lost and retried without
+    adapter: str = ""  # a refit of this named LoRA adapter into the generators' slots; "": the base
 
     @property
     def mode(self) -> str:
@@ -149,17 +151,23 @@ class Store:
     # ---- writes ----
 
     def create(
-        self, state: RefitState, weight_version: WeightVersion, run_id: str, created_at: float
+        self,
+        state: RefitState,
+        weight_version: WeightVersion,
+        run_id: str,
+        created_at: float,
+        adapter: str = "",
     ) -> RefitRecord:
-        """Insert a new refit; its id is `refit-<n>`, n counting refits without gaps."""
+        """Insert a new refit; its id is `refit-<n>`, n counting refits without gaps. `adapter`:
+        a refit of that named adapter (its versions are the adapter's)."""
 
         def insert() -> str:
             with self._transaction() as db:
                 (n,) = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM refits").fetchone()
                 db.execute(
-                    "INSERT INTO refits (seq, id, state, weight_version, created_at, run_id) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (n, f"refit-{n}", state, weight_version, created_at, run_id),
+                    "INSERT INTO refits (seq, id, state, weight_version, created_at, run_id, adapter) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (n, f"refit-{n}", state, weight_version, created_at, run_id, adapter),
                 )
             return f"refit-{n}"
 
@@ -169,20 +177,24 @@ class Store:
             weight_version=weight_version,
             created_at=created_at,
             run_id=run_id,
+            adapter=adapter,
         )
 
     def update(self, r: RefitRecord) -> None:
         self._retry(lambda: self._update(self._db(), r))
 
-    def decide_commit(self, r: RefitRecord) -> None:
+    def decide_commit(self, r: RefitRecord, meta: dict[str, str] | None = None) -> None:
         """The commit decision: the refit COMMITTED (members still unconfirmed) and the committed
-        version, in one transaction, before any member is told to commit."""
+        version, in one transaction, before any member is told to commit. `meta`: the keys that
+        record the committed version when they are not the base weights' (an adapter's)."""
+        if meta is None:
+            meta = {"committed_version": str(r.weight_version), "committed_run": r.run_id}
 
         def write() -> None:
             with self._transaction() as db:
                 self._update(db, r)
-                self._set(db, "committed_version", str(r.weight_version))
-                self._set(db, "committed_run", r.run_id)
+                for key, value in meta.items():
+                    self._set(db, key, value)
 
         self._retry(write)
 
@@ -274,6 +286,7 @@ class Store:
                 delta_elements=r[12],
                 changed_elements=r[13],
                 left_out=tuple(json.loads(r[14])),
+                adapter=r[15],
             )
             for r in rows
         ]

@@ -36,9 +36,15 @@ class VersionStatus:
         return r is not None and r.state in TERMINAL and r.finished_at is not None
 
 
-def refit_of(records: Iterable[RefitRecord], run_id: str, version: WeightVersion) -> RefitRecord | None:
-    """The newest of `records` (newest first) of run `run_id` that moves `version` or a newer one."""
-    return next((r for r in records if r.run_id == run_id and r.weight_version >= version), None)
+def refit_of(
+    records: Iterable[RefitRecord], run_id: str, version: WeightVersion, adapter: str = ""
+) -> RefitRecord | None:
+    """The newest of `records` (newest first) of run `run_id` that moves `version` or a newer one
+    (of the named `adapter`'s versions; "": the base weights')."""
+    return next(
+        (r for r in records if (r.run_id, r.adapter) == (run_id, adapter) and r.weight_version >= version),
+        None,
+    )
 
 
 def why_not_started(auto_refit: bool, problems: list[str], running: RefitRecord | None) -> str:

@@ -52,6 +52,7 @@ from syncd.commands import (
     Verify,
 )
 from syncd.layout import Catalog
+from syncd.layout.adapters import AdapterSpec, LoraSlots
 from syncd.net import gpu_identity, host_identity, peer_gpu_identities
 from syncd.vocabulary import Role
 from syncd.weight_version import WeightVersion
@@ -94,6 +95,8 @@ class MemberClient:
         host_id: str | None = None,
         gpu_id: str | None = None,
         gpu_peers: tuple[str, ...] | None = None,
+        adapter: AdapterSpec | None = None,
+        lora_slots: LoraSlots | None = None,
     ) -> None:
         convert.role_to_pb(role)  # fail here, not in a background thread
         self.target = target
@@ -106,6 +109,8 @@ class MemberClient:
         self.run_id = run_id
         self.weight_version = weight_version
         self.receive_by_layer = receive_by_layer
+        self.adapter = adapter  # a trainer of one named LoRA adapter (`syncd.layout.adapters`)
+        self.lora_slots = lora_slots  # a generator that takes adapters into slots
         # Where this member runs; members of one host exchange bytes through shared memory.
         self.host_id = host_identity() if host_id is None else host_id
         # Which GPU it runs on, if any; members on the same one exchange bytes through CUDA IPC.
@@ -308,6 +313,8 @@ class MemberClient:
             host_id=self.host_id,
             gpu_id=self.gpu_id,
             gpu_peers=list(self.gpu_peers),
+            adapter=convert.adapter_to_pb(self.adapter),
+            lora_slots=convert.lora_slots_to_pb(self.lora_slots),
         )
         response = self._stub.Register(request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata)
         if response.catalog_required:
@@ -352,7 +359,7 @@ class MemberClient:
                 log.warning("%s: Watch ended: %s %s", self.member_id, e.code().name, e.details())
 
     def _dispatch(self, command: Command) -> None:
-        if isinstance(command, Commit):
+        if isinstance(command, Commit) and not command.adapter:  # an adapter's version is not the base's
             self._commit_versions[command.refit_id] = command.weight_version
         if isinstance(command, Abort):
             aborting = threading.Thread(

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from syncd.layout import Catalog
+from syncd.layout.adapters import AdapterSpec, LoraSlots
 from syncd.member.agent import AgentSettings, Endpoint, MemberAgent
 from syncd.member.client import MemberClient
 from syncd.vocabulary import Role
@@ -59,6 +60,8 @@ def join(
     weight_version: WeightVersion | None = None,
     receive_by_layer: bool = False,
     in_flight: int = 2,
+    adapter: AdapterSpec | None = None,
+    lora_slots: LoraSlots | None = None,
 ) -> Membership:
     """Register with syncd at `target` (host:port of its gRPC server) as `member_id` and serve its
     commands through `endpoint`; returns at once (registration goes on in the background:
@@ -73,6 +76,8 @@ def join(
     weight_version: the version it holds or serves now (None: none of a trainer's).
     receive_by_layer: generators that install layer by layer ask for buckets cut at layers.
     in_flight: staging buffers per stage and direction (`syncd.member.dataplane.LoopOptions`).
+    adapter: trainers of one named LoRA adapter: its spec (the catalog holds its factors only).
+    lora_slots: generators whose engine takes adapters into slots (`syncd.layout.adapters`).
     """
     client = MemberClient(
         target,
@@ -86,6 +91,8 @@ def join(
         run_id=run_id,
         weight_version=weight_version,
         receive_by_layer=receive_by_layer,
+        adapter=adapter,
+        lora_slots=lora_slots,
     )
     agent = MemberAgent(client, endpoint, AgentSettings(host=data_host, device=device, in_flight=in_flight))
     client.start(agent)

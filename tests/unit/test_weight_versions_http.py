@@ -30,11 +30,16 @@ SPANS = {
 class Engine:
     """vLLM's `generate` as the routes see it: final outputs with `weight_versions`."""
 
-    def __init__(self, finish_reason: str = "length") -> None:
+    def __init__(self, finish_reason: str = "length", on_generate: Any = None) -> None:
         self.finish_reason = finish_reason
         self.finished: list[list[Span]] = []
+        self.on_generate = on_generate  # runs while a request generates (a refit committing meanwhile)
 
-    async def generate(self, prompt: int, sampling_params: Any, request_id: str) -> Any:
+    async def generate(
+        self, prompt: int, sampling_params: Any, request_id: str, lora_request: Any = None
+    ) -> Any:
+        if self.on_generate is not None:
+            self.on_generate()
         outputs = [
             SimpleNamespace(index=i, weight_versions=spans, finish_reason=self.finish_reason)
             for i, spans in enumerate(SPANS[prompt])
@@ -42,12 +47,15 @@ class Engine:
         yield SimpleNamespace(outputs=outputs)
 
 
-def _app(engine: Engine) -> Starlette:
-    token_versions.track(engine, engine.finished.append)
+def _app(engine: Engine, adapters: dict[str, str] | None = None) -> Starlette:
+    """`adapters`: the named adapters served from slots, by name: their version labels."""
+    token_versions.track(engine, engine.finished.append, (adapters or {}).get)
 
-    async def run(prompts: list[int]) -> list[dict]:
-        # As vLLM's completion route: one engine request per prompt, n choices each, made in order.
-        generators = [engine.generate(p, SimpleNamespace(n=2), f"r-{p}") for p in prompts]
+    async def run(prompts: list[int], model: str) -> list[dict]:
+        # As vLLM's completion route: one engine request per prompt, n choices each, made in order;
+        # a model other than the base names an adapter (its LoRARequest).
+        lora = SimpleNamespace(lora_name=model) if model != "base" else None
+        generators = [engine.generate(p, SimpleNamespace(n=2), f"r-{p}", lora_request=lora) for p in prompts]
         choices = []
         for p, outputs in enumerate(generators):
             async for out in outputs:
@@ -56,7 +64,7 @@ def _app(engine: Engine) -> Starlette:
 
     async def completions(request: Request) -> Any:
         body = await request.json()
-        choices = await run(body["prompt"])
+        choices = await run(body["prompt"], body.get("model", "base"))
         if not body.get("stream"):
             return JSONResponse({"choices": choices})
 
@@ -113,3 +121,21 @@ def test_the_label_is_one_version_or_each_with_its_first_token() -> None:
     assert label([Span("7", 0, 5)]) == "7"
     assert label([Span("7", 0, 5), Span("8", 5, 9)]) == "7@0,8@5"
     assert label([]) == ""
+
+
+def test_choices_of_a_named_adapter_say_its_version_and_both_when_a_refit_committed_meanwhile() -> None:
+    served = {"a": "3"}
+    with TestClient(_app(Engine(), served)) as http:
+        r = http.post("/v1/completions", json={"prompt": [7], "model": "a"})
+        base = http.post("/v1/completions", json={"prompt": [7]})
+    assert [c["adapter"] for c in r.json()["choices"]] == [{"name": "a", "version": "3"}] * 2
+    assert r.headers["x-adapter-version"] == "a:3;a:3"
+    assert "adapter" not in base.json()["choices"][0] and "x-adapter-version" not in base.headers
+
+    versions = {"a": "3"}  # a refit of adapter a commits version 4 while the request runs
+    with TestClient(_app(Engine(on_generate=lambda: versions.update(a="4")), versions)) as http:
+        r = http.post("/v1/completions", json={"prompt": [8], "model": "a", "stream": True})
+    ended = [json.loads(e.removeprefix("data: ")) for e in r.text.split("\n\n") if e.startswith("data: {")][
+        -1
+    ]
+    assert ended["choices"][0]["adapter"] == {"name": "a", "version": "3,4"}

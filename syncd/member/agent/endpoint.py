@@ -40,6 +40,10 @@ class Endpoint(Protocol):
 
     # Optional: `received_delta(refit_id, changed)` hears, after a delta transfer, which of its
     # tensors changed (the rest hold the base version), so a generator installs only those.
+    # Optional: `begin_adapter(refit_id, weight_version, buckets, spec)`, on generators that take
+    # named LoRA adapters into slots: like `begin`, for a refit of adapter `spec` (its buffers are
+    # named by `syncd.layout.adapters.slot_tensor`); Verify, Commit and Abort of that refit then
+    # concern the adapter, not the base weights.
 
 
 class Reporter(Protocol):

@@ -75,7 +75,7 @@ class MemberAgent:
     def _execute(self, cmd: ExecutePlan) -> None:
         self._mirror.drop()  # an earlier refit's update that got no Verify (it failed elsewhere)
         self._cancel.clear()
-        tensors = self._endpoint.begin(cmd.refit_id, cmd.weight_version, cmd.buckets)
+        tensors = self._begin(cmd)
         update: MirrorUpdate | None = None
         ok = False
         try:
@@ -87,6 +87,22 @@ class MemberAgent:
                 self._endpoint.end(cmd.refit_id, ok)
         if update is not None:  # the weights stay held until the mirror took them, on Verify
             self._mirror.hold(update, self._cancel)
+
+    def _begin(self, cmd: ExecutePlan) -> Mapping[str, torch.Tensor] | ReceiveSink:
+        """The endpoint's tensors for this refit; a receiver of a named adapter's refit gets them
+        from its `begin_adapter` (the adapter's slot tensors, `syncd.layout.adapters`)."""
+        if cmd.adapter is None or not any(b.dst == self.member_id for b in cmd.buckets):
+            return self._endpoint.begin(cmd.refit_id, cmd.weight_version, cmd.buckets)
+        begin_adapter = getattr(self._endpoint, "begin_adapter", None)
+        if begin_adapter is None:
+            raise RuntimeError(
+                f"{self.member_id} takes no adapters into slots, but refit {cmd.refit_id} sends it "
+                f"adapter {cmd.adapter.name!r}"
+            )
+        tensors: Mapping[str, torch.Tensor] = begin_adapter(
+            cmd.refit_id, cmd.weight_version, cmd.buckets, cmd.adapter
+        )
+        return tensors
 
     def _transfer(
         self, cmd: ExecutePlan, tensors: Mapping[str, torch.Tensor] | ReceiveSink
