@@ -19,6 +19,12 @@ import torch
 from syncd.member.dataplane.fp8 import AMAX_FLOOR, E4M3_MAX
 from syncd.plan.fp8_blocks import BLOCK
 
+# Warps per 128 x 128 block (32 values a thread). On an H200 (2026-11-28), quantizing 400 MB of
+# bf16 experts ran at 0.83 of a device-to-device copy of the input with 16 warps, 0.75 with 8 and
+# 0.73 with 4; programs of two or more blocks, the next block's loads issued before this one's
+# divisions, were slower (0.65-0.69 at 16 warps, below 0.2 at 4).
+NUM_WARPS = 16
+
 try:
     import triton
     import triton.language as tl
@@ -51,19 +57,21 @@ if triton is not None:
         FLOOR: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        matrix = pid // blocks_per_matrix
+        matrix = (pid // blocks_per_matrix).to(tl.int64)  # offsets past 2**31 elements
         block = pid % blocks_per_matrix
         r0 = (block // cols) * BN
         c0 = (block % cols) * BK
         rows = r0 + tl.arange(0, BN)[:, None]
         cs = c0 + tl.arange(0, BK)[None, :]
         mask = (rows < n) & (cs < k)
-        x = tl.load(x_ptr + matrix * sx_l + rows * sx_n + cs * sx_k, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x)), FLOOR)
+        # The block stays in its own dtype in registers (half the registers of float32 for 16-bit
+        # weights); |x|'s maximum is exact in any float dtype.
+        x = tl.load(x_ptr + matrix * sx_l + rows * sx_n + cs * sx_k, mask=mask, other=0.0)
+        amax = tl.maximum(tl.max(tl.abs(x)).to(tl.float32), FLOOR)
         scale = tl.math.div_rn(amax, tl.full((), QMAX, tl.float32))
         tl.store(s_ptr + pid, scale)
         if WRITE_VALUES:
-            q = tl.math.div_rn(x, scale)
+            q = tl.math.div_rn(x.to(tl.float32), scale)
             q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
             tl.store(q_ptr + matrix * n * k + rows * k + cs, q.to(tl.float8e4nv), mask=mask)
 
@@ -92,4 +100,5 @@ def quantize_into(x: torch.Tensor, values: torch.Tensor | None, scales: torch.Te
         BK=BLOCK[1],
         QMAX=E4M3_MAX,
         FLOOR=AMAX_FLOOR,
+        num_warps=NUM_WARPS,
     )
