@@ -144,6 +144,9 @@ class _SideStream:
                 future.result()  # re-raises a failed checksum here
             self._untied = []
             return sums.result()
+        assert self.stream is not None
+        # Behind the work stream too: a fused copy (`PreparedBucket.copy_and_checksum`) sums there.
+        self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             return sums.result()
 
@@ -231,9 +234,10 @@ class _Loop:
         return ENQUEUE_LOCK if self.graphs is not None else contextlib.nullcontext()
 
     def fuses(self, program: BucketProgram | PreparedBucket) -> bool:
-        """Whether `program`'s copy also takes its checksums, chunk by chunk from cache
-        (`fused`): on CPU, with checksums on, a bucket copied through staging (a receive only
-        with the landed check, whose checksums are of the destinations)."""
+        """Whether `program`'s copy also takes its checksums (`PreparedBucket.fusable`: on CPU
+        chunk by chunk from cache, on GPUs in the copy kernel itself), with checksums on: a
+        bucket copied through staging (a receive only with the landed check, whose checksums
+        are of the destinations)."""
         return isinstance(program, PreparedBucket) and program.fusable and self.options.verify
 
     def pack(
