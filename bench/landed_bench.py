@@ -19,7 +19,7 @@ compared with `copy_` of one buffer of the same bytes into another (read + write
 verifying pass that reads once is held to); and, to show where the check's time goes, the torch
 form of the same checksum (each region copied contiguous, then column and row sums: what the check
 did before `checksum_kernel`) over the same units, and over each tensor whole (contiguous: no copy
-first). Medians over `--rounds`, after a warm-up. The goal: the check at least half as fast as the
+first). Medians over `--rounds`, after a warm-up. The bound: the check at least as fast as the
 copy.
 
 `--out PATH` (or `--json PATH`) writes the result as JSON.

@@ -17,10 +17,12 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+from dataclasses import replace
 
 import torch
 
 from syncd.member.dataplane import GcPause, LoopCache
+from syncd.member.dataplane.landing_fault import LandingFault
 from syncd.member.dataplane.transport import TransferTimeout
 from syncd.vocabulary import Direction
 
@@ -123,20 +125,24 @@ class LoopbackWire:
         receiver: tuple[str, dict],
         verify: bool = True,
         graphs: bool = False,
+        landing_fault: LandingFault | None = None,
     ):
         """The executor's send and receive loops of `plan` at once, each in its own thread, over
         this wire; `sender`/`receiver` are (member id, catalog views); `verify` and `graphs` go to
-        both loops' `LoopOptions`. Returns (sender stats, receiver stats); a failed side raises."""
+        both loops' `LoopOptions`, `landing_fault` to the receiver's. Returns (sender stats,
+        receiver stats); a failed side raises."""
         from syncd.member.dataplane import LoopOptions, recv_buckets, send_buckets
 
         ranks = {sender[0]: 0, receiver[0]: 1}
         options = LoopOptions(120, verify=verify, graphs=graphs, gc_pause=self.gc_pause)
+        receiving = replace(options, landing_fault=landing_fault)
         out: dict = {}
 
         def run(name, fn, member, views, endpoint):
             try:
                 cache = self.caches[Direction(name)]
-                out[name] = fn(plan.for_member(member), views, endpoint, ranks, options, cache=cache)
+                side = receiving if name == "recv" else options
+                out[name] = fn(plan.for_member(member), views, endpoint, ranks, side, cache=cache)
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller after join: a failed side fails the run
                 out[name] = e
 

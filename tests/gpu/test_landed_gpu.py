@@ -121,3 +121,47 @@ def test_a_copy_in_the_checksum_pass_writes_the_bytes_and_sums_them(shape, box, 
     assert torch.equal(_bits(out_of_wide), _bits(from_wide))
     expected[..., 4 : 4 + n] = src
     assert torch.equal(_bits(wide), _bits(expected))
+
+
+def test_a_bit_flipped_before_the_fused_unpack_changes_its_units_landed_checksum_only():
+    """A bf16 trainer refits vLLM's bf16 layout on one GPU over the loop-back wire. Every unit is a
+    plain copy, so each loop copies and checksums a bucket in one kernel pass (the sender its
+    packed bytes, the receiver where they land). A good refit lands bit-exact with the sender's
+    checksums; with a bit of an arrived bucket flipped before its unpack (`landing_fault`), the
+    flip lands and the landed checksum of its unit, and of no other, differs from the sent one."""
+    from syncd.member.dataplane import catalog_views
+    from syncd.member.dataplane.landing_fault import LandingFault
+    from syncd.plan import DestMember, SourceMember, make_plan
+    from testkit.loopback_transport import LoopbackWire
+    from testkit.synthetic_moe import MoeShape, trainer_catalog, vllm_catalog
+
+    shape = MoeShape(
+        layers=2, hidden=256, experts=4, moe_inter=128, heads=4, kv_heads=2, head_dim=64, vocab=512
+    )
+    src_cat, dst_cat = trainer_catalog(shape, 1, 0, 1, 0), vllm_catalog(shape, 1, 0)
+    plan = make_plan(
+        [SourceMember("trainer-0", 0, src_cat)],
+        [DestMember("generator-0-0", dst_cat)],
+        bucket_bytes=256 << 10,
+    )
+    received = sorted(plan.for_member("generator-0-0"), key=lambda b: (b.src, b.index))
+    assert len(received[len(received) // 2].units) > 1  # the struck bucket goes through staging
+    src = {t.name: torch.randn(t.shape, device="cuda").to(torch.bfloat16) for t in src_cat.tensors}
+    wire = LoopbackWire(torch.device("cuda"))
+    for fault in (None, LandingFault.AFTER_CHECKSUM, None):
+        dst = {t.name: torch.zeros(t.shape, device="cuda", dtype=torch.bfloat16) for t in dst_cat.tensors}
+        src_v, dst_v = catalog_views(src_cat, src), catalog_views(dst_cat, dst)
+        sent, got = wire.refit(plan, ("trainer-0", src_v), ("generator-0-0", dst_v), landing_fault=fault)
+        assert sent.checksums.keys() == got.checksums.keys() and len(sent.checksums) == plan.num_units
+        differ = [k for k, v in sent.checksums.items() if got.checksums[k] != v]
+        assert len(differ) == (0 if fault is None else 1), fault
+        wrong = [
+            u.canonical
+            for b in plan.buckets
+            for u in b.units
+            if not torch.equal(
+                dst_v[u.dst_tensor][u.dst_box.slices()].reshape(-1).view(torch.int16),
+                src_v[u.src_tensor][u.src_box.slices()].reshape(-1).view(torch.int16),
+            )
+        ]
+        assert len(wrong) == (0 if fault is None else 1), wrong

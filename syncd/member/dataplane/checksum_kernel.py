@@ -24,8 +24,11 @@ regions do not move.
 Where an item lies takes divisions by the region's dimensions. 64-bit integer divisions (about
 a hundred instructions each) once per program only; per row and, for runs shorter than a row, per
 item, the quotients are small, so float32 estimates corrected by one step serve; for runs of a
-row or more, an item's place is one choice between two starts; and where every run is whole
-rows (contiguous regions, most expert slices), one start per row: 2.6-2.7 TB/s over 4 GB of
+row or more, an item's place is one choice between two starts; for short runs of one outer
+index (a TP half of a vLLM MoE's `w2_weight`: 768-byte runs), one float32 quotient per item
+with no correction step (on an H200 such regions went from 0.70 to 1.6 x a device-to-device
+copy's speed, 2026-11-28); and where every run is whole rows (contiguous regions, most expert
+slices), one start per row: 2.6-2.7 TB/s over 4 GB of
 contiguous regions on an H100, 1.7-1.8 x a device-to-device copy's speed, against 2.4-2.6 with two
 starts (bench/checksum_kernel_probe.py, 2026-11-26, in git history). (Per-row 64-bit divisions, done by
 every thread that holds part of the row, made a first version compute-bound at a quarter of the
@@ -56,11 +59,20 @@ _ELEMENTS_PER_TILE = 8192  # a program's tile is [rows, row elements] of this ma
 # 4 GB of the colocated probe's units: 1,272-1,289 GB/s against 1,093 at 8192, 0.87-0.88 of a
 # device-to-device copy; `bench/checksum_kernel_probe.py --copy-sweep`, 2026-11-26, in git history).
 _COPY_ELEMENTS_PER_TILE = 2048
-_ROWS_PER_PROGRAM = 64  # 256 KiB a program: few column-sum atomics, and blocks enough to fill SMs
-_NUM_WARPS = 8
+# Rows a program reads: as many as leave a launch about `_PROGRAMS` programs (several per SM of
+# an H100 or H200, so that a bucket's few MiB still fill the GPU), up to 1 MiB (256 rows): each
+# program pays its 64-bit divisions and 1,024 column-sum atomics once. On an H200, 1 GiB of
+# contiguous bf16 checked at 1.68 x a device-to-device copy's speed with 256 rows and 4 warps, 1.41
+# with 64 rows (the rows of this file's first version), 1.32 with 64 rows and 8 warps; 16 warps or
+# larger tiles were slower (2026-11-28). A copy's programs stay at 64 rows (what was measured).
+_PROGRAMS = 1024
+_MAX_ROWS_PER_PROGRAM = 256
+_COPY_ROWS_PER_PROGRAM = 64
+_NUM_WARPS = 4
 _VEC_BYTES = 16  # the widest load
 _MAX_DIM = 1 << 30  # int32 arithmetic in the kernel: a dimension plus a row stays below 2**31
 _FIELDS = 15  # the table's int64 fields per region, in the order `_reduce_regions` reads them
+_SHORT_MAX = 1 << 19  # short runs (`_offsets`' FLAT): a row's span in items, and its float32 quotients
 
 
 @dataclass(frozen=True)
@@ -85,9 +97,10 @@ class Region:
         return self.numel // ROW_BYTES
 
     @property
-    def variant(self) -> tuple[int, bool, bool, bool, int]:
+    def variant(self) -> tuple[int, bool, bool, bool, bool, int]:
         """The kernel's compile-time choices: item size, runs of a row or more, runs of whole
-        rows (every row lies in one run), a copy, vector width."""
+        rows (every row lies in one run), short runs of one outer index whose place within a
+        row's span fits int32 (`_offsets`' FLAT), a copy, vector width."""
         items_per_row = ROW_BYTES // self.esize
         vec = _VEC_BYTES // self.esize
         steps = (*self.steps, *self.dst_steps, self.dims[2])
@@ -95,7 +108,9 @@ class Region:
         aligned = aligned and all(x % vec == 0 for x in steps)
         long_runs = self.dims[2] >= items_per_row
         whole_rows = long_runs and self.dims[2] % items_per_row == 0
-        return self.esize, long_runs, whole_rows, self.dst is not None, vec if aligned else 1
+        span = (items_per_row // self.dims[2] + 2) * max(self.steps[1], self.dst_steps[1])
+        flat = not long_runs and self.dims[0] == 1 and span < _SHORT_MAX
+        return self.esize, long_runs, whole_rows, flat, self.dst is not None, vec if aligned else 1
 
 
 @dataclass(frozen=True)
@@ -228,10 +243,12 @@ if triton is not None:
         EPR: tl.constexpr,
         LONG_RUNS: tl.constexpr,
         WHOLE_ROWS: tl.constexpr,
+        FLAT: tl.constexpr,
         VEC: tl.constexpr,
     ):
         """Where item j of row k lies, in items from the region's start; rows count from the
-        program's first, whose first item is item `lane` of the run at (`outer`, `mid`)."""
+        program's first, whose first item is item `lane` of the run at (`outer`, `mid`).
+        `FLAT`: short runs of one outer index (`dims[0]` 1; `Region.variant` says when)."""
         # Each row's first item, split by the region's dimensions once per row; the quotients
         # are small (at most a program's items over a run), so float32 serves ...
         q, l0 = _divmod_small(lane + k * EPR, d2, 1.0 / d2.to(tl.float32))
@@ -249,6 +266,15 @@ if triton is not None:
             start = a0 * s0 + b0.to(tl.int64) * s1 + l0
             next_start = na * s0 + nb.to(tl.int64) * s1 - left
             offset = tl.where(j < left, start, next_start) + j
+        elif FLAT:  # short runs, one after another at steps s1: one small quotient per item
+            # Item j is (l0 + j) // d2 runs after the row's first: `s1 - d2` items further than
+            # its place in the row for each. The reciprocal, rounded up a little, makes the
+            # float32 quotient exact for l0 + j < 2**19 (`_SHORT_MAX`), so no correction step:
+            # the items' address arithmetic was the check's limit on these regions (a third
+            # of a vLLM MoE's expert bytes: the TP halves of `w2_weight`).
+            t = l0 + j
+            q = (t.to(tl.float32) * ((1.0 / d2.to(tl.float32)) * 1.000001)).to(tl.int32)
+            offset = (b0.to(tl.int64) * s1 + l0) + (j + q * (s1 - d2).to(tl.int32))
         else:
             q, lane = _divmod_small(l0 + j, d2, 1.0 / d2.to(tl.float32))
             qa, b = _divmod_small(b0 + q, d1, 1.0 / d1.to(tl.float32))
@@ -266,6 +292,7 @@ if triton is not None:
         BR: tl.constexpr,
         LONG_RUNS: tl.constexpr,
         WHOLE_ROWS: tl.constexpr,
+        FLAT: tl.constexpr,
         COPY: tl.constexpr,
         VEC: tl.constexpr,
         FIELDS: tl.constexpr,
@@ -306,14 +333,14 @@ if triton is not None:
             rows = first + k
             in_rows = rows < full_rows  # one value per row: the loads stay vectors
             ptrs = x_ptr + _offsets(
-                k.to(tl.int32), j, lane, outer, mid, d1, d2, s0, s1, EPR, LONG_RUNS, WHOLE_ROWS, VEC
+                k.to(tl.int32), j, lane, outer, mid, d1, d2, s0, s1, EPR, LONG_RUNS, WHOLE_ROWS, FLAT, VEC
             )
             if VEC > 1:  # the base came from the table: say its alignment (bytes) too
                 ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, VEC])
             x = tl.load(ptrs, mask=in_rows, other=0)
             if COPY:  # the same items, at the same places of the destination's steps
                 dptrs = y_ptr + _offsets(
-                    k.to(tl.int32), j, lane, outer, mid, d1, d2, t0, t1, EPR, LONG_RUNS, WHOLE_ROWS, VEC
+                    k.to(tl.int32), j, lane, outer, mid, d1, d2, t0, t1, EPR, LONG_RUNS, WHOLE_ROWS, FLAT, VEC
                 )
                 if VEC > 1:
                     dptrs = tl.max_contiguous(tl.multiple_of(dptrs, [1, 16]), [1, VEC])
@@ -331,11 +358,11 @@ if triton is not None:
         if (rest_n > 0) & (first <= full_rows) & (full_rows < first + per_program):
             # The bytes after the last full row (this program's block holds that row): as they are.
             k = (full_rows - first).to(tl.int32) + tl.zeros((1, 1), dtype=tl.int32)
-            offset = _offsets(k, j, lane, outer, mid, d1, d2, s0, s1, EPR, LONG_RUNS, WHOLE_ROWS, 1)
+            offset = _offsets(k, j, lane, outer, mid, d1, d2, s0, s1, EPR, LONG_RUNS, WHOLE_ROWS, FLAT, 1)
             x = tl.load(x_ptr + offset, mask=j < rest_n, other=0)
             tl.store(rest_ptr + j, x, mask=j < rest_n)
             if COPY:
-                offset = _offsets(k, j, lane, outer, mid, d1, d2, t0, t1, EPR, LONG_RUNS, WHOLE_ROWS, 1)
+                offset = _offsets(k, j, lane, outer, mid, d1, d2, t0, t1, EPR, LONG_RUNS, WHOLE_ROWS, FLAT, 1)
                 tl.store(y_ptr + offset, x, mask=j < rest_n)
 
 
@@ -377,7 +404,7 @@ class Batch:
             self._weighted.data_ptr() + 8 * index,
             self.out.rest.data_ptr() + rest_starts[:-1],
         )
-        by_variant: dict[tuple[int, bool, bool, bool, int], list[int]] = {}
+        by_variant: dict[tuple[int, bool, bool, bool, bool, int], list[int]] = {}
         for k, region in enumerate(regions):
             if region.numel:
                 by_variant.setdefault(region.variant, []).append(k)
@@ -388,10 +415,11 @@ class Batch:
                 esize,
                 long_runs,
                 whole and whole_rows,
+                flat,
                 copy,
                 vec,
             )
-            for (esize, long_runs, whole, copy, vec), members in by_variant.items()
+            for (esize, long_runs, whole, flat, copy, vec), members in by_variant.items()
         ]
         self._fresh = True  # the sums are zero
 
@@ -416,13 +444,16 @@ class _Launch:
         esize: int,
         long_runs: bool,
         whole_rows: bool,
+        flat: bool,
         copy: bool,
         vec: int,
     ) -> None:
         br = max(1, (_COPY_ELEMENTS_PER_TILE if copy else _ELEMENTS_PER_TILE) * esize // ROW_BYTES)
-        per_program = br * triton.cdiv(_ROWS_PER_PROGRAM, br)
         full_rows = np.array([r.full_rows for r in regions], dtype=np.int64)
         rest_n = np.array([r.numel for r in regions], dtype=np.int64) % ROW_BYTES // esize
+        wanted = -(-int(full_rows.sum() + (rest_n > 0).sum()) // _PROGRAMS)
+        most = _COPY_ROWS_PER_PROGRAM if copy else _MAX_ROWS_PER_PROGRAM
+        per_program = br * triton.cdiv(min(max(wanted, br), most), br)
         programs = -(-(full_rows + (rest_n > 0)) // per_program)  # the rest is a last, partial row
         first_program = np.concatenate([[0], np.cumsum(programs)[:-1]])
         table = np.stack(
@@ -458,6 +489,7 @@ class _Launch:
             "BR": br,
             "LONG_RUNS": long_runs,
             "WHOLE_ROWS": whole_rows,
+            "FLAT": flat,
             "COPY": copy,
             "VEC": vec,
             "FIELDS": _FIELDS,

@@ -11,13 +11,14 @@ kept between refits in the caller's `LoopCache` with the rest of what the loops 
 State: none of the module's own. How a loop runs is the caller's `LoopOptions`; what it keeps from
 one refit to the next is the caller's `LoopCache`; cancelling is the caller's event.
 
-On GPUs the host only enqueues: packs/unpacks run on a stream of the loop's own, checksums on a
-second one, transfers on the transport's, and every hand-over between them (bucket packed ->
-send; arrived -> unpack and checksum; unpacked and checksummed -> the slot is received into
-again) is a stream wait. So the per-bucket host cost (Python, kernel launches) overlaps the wire
-instead of adding to it; the host waits only to stay a few buckets ahead (`_RUN_AHEAD`) and at
-the end. On CPU (gloo) the same code waits on the host at those points, and checksums run on a
-worker thread.
+On GPUs the host only enqueues: packs/unpacks run on a stream of the loop's own (with their
+checksums in the same kernel where a bucket's units are plain copies,
+`PreparedBucket.copy_and_checksum`), other checksums on a second one, transfers on the
+transport's, and every hand-over between them (bucket packed -> send; arrived -> unpack and
+checksum; unpacked and checksummed -> the slot is received into again) is a stream wait. So the
+per-bucket host cost (Python, kernel launches) overlaps the wire instead of adding to it; the host
+waits only to stay a few buckets ahead (`_RUN_AHEAD`) and at the end. On CPU (gloo) the same code
+waits on the host at those points, and checksums run on a worker thread.
 """
 
 from __future__ import annotations
@@ -144,6 +145,9 @@ class _SideStream:
                 future.result()  # re-raises a failed checksum here
             self._untied = []
             return sums.result()
+        assert self.stream is not None
+        # Behind the work stream too: a fused copy (`PreparedBucket.copy_and_checksum`) sums there.
+        self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             return sums.result()
 
@@ -231,9 +235,10 @@ class _Loop:
         return ENQUEUE_LOCK if self.graphs is not None else contextlib.nullcontext()
 
     def fuses(self, program: BucketProgram | PreparedBucket) -> bool:
-        """Whether `program`'s copy also takes its checksums, chunk by chunk from cache
-        (`fused`): on CPU, with checksums on, a bucket copied through staging (a receive only
-        with the landed check, whose checksums are of the destinations)."""
+        """Whether `program`'s copy also takes its checksums (`PreparedBucket.fusable`: on CPU
+        chunk by chunk from cache, on GPUs in the copy kernel itself), with checksums on: a
+        bucket copied through staging (a receive only with the landed check, whose checksums
+        are of the destinations)."""
         return isinstance(program, PreparedBucket) and program.fusable and self.options.verify
 
     def pack(

@@ -17,7 +17,7 @@ belong to; the sender computes them while packing, every refit, from its current
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +52,9 @@ def catalog_views(catalog: Catalog, tensors: Mapping[str, torch.Tensor]) -> dict
 @dataclass
 class Copies:
     """A bucket's copies, as views (no data moved yet): `dsts[i]` from `srcs[i]`, and `computed`:
-    functions that fill their part of the bucket from the sender's current tensors (FP8 units)."""
+    functions that fill their part of the bucket from the sender's current tensors, one per FP8
+    unit in the bucket's order (a scales unit whose values unit's kernel writes it too has one
+    that does nothing: read the bucket only after `run`)."""
 
     dsts: list[torch.Tensor] = field(default_factory=list)
     srcs: list[torch.Tensor] = field(default_factory=list)
@@ -74,14 +76,20 @@ def copy_pairs(
     `flat` (each unit's slice viewed in the unit's dtype, so the copy casts; FP8 units quantized),
     for RECV from `flat` into the destination regions. Views only, no copies."""
     copies = Copies()
+    packed_of: list[torch.Tensor] = []
     offset = 0
     for u in bucket.units:
-        packed = flat[offset : offset + u.nbytes]
+        packed_of.append(flat[offset : offset + u.nbytes])
         offset += u.nbytes
+    scales_of = _scales_beside_values(bucket.units, tensors) if direction == Direction.SEND else {}
+    for i, (u, packed) in enumerate(zip(bucket.units, packed_of)):
         if direction == Direction.SEND and u.quantized:
-            copies.computed.append(
-                _quantized(u, tensors, packed.view(torch_dtype(u.dtype)).view(u.canon.shape))
-            )
+            partner = scales_of.get(i)
+            if partner is not None and u.quantized == Fp8Part.SCALES:  # its values' kernel writes it
+                copies.computed.append(_nothing)
+                continue
+            scales = None if partner is None else _typed(bucket.units[partner], packed_of[partner])
+            copies.computed.append(_quantized(u, tensors, _typed(u, packed), scales))
         elif direction == Direction.SEND:
             src = tensors[u.src_tensor][u.src_box.slices()]
             copies.dsts.append(packed.view(torch_dtype(u.dtype)).view(src.shape))
@@ -93,11 +101,47 @@ def copy_pairs(
     return copies
 
 
-def _quantized(u: TransferUnit, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> Callable[[], None]:
+def _typed(u: TransferUnit, packed: torch.Tensor) -> torch.Tensor:
+    return packed.view(torch_dtype(u.dtype)).view(u.canon.shape)
+
+
+def _nothing() -> None:
+    """A scales unit's fill where its values unit's kernel writes them (`_scales_beside_values`)."""
+
+
+def _scales_beside_values(
+    units: Sequence[TransferUnit], tensors: Mapping[str, torch.Tensor]
+) -> dict[int, int]:
+    """Pairs of one bucket's units, both ways (index to index): an FP8 values unit and the scales
+    unit of the same whole blocks of the same source region, where the fused kernel takes them.
+    One kernel then reads the blocks once and writes both; apart, the scales unit read all of the
+    blocks' bf16 again (a third more memory traffic than the values' own pass)."""
+    values: dict[tuple, int] = {}
+    pairs: dict[int, int] = {}
+    for i, u in enumerate(units):
+        if u.quantized == Fp8Part.VALUES and u.block_box == u.canon:
+            values[(u.src_tensor, u.src_box, u.block_box)] = i
+    for i, u in enumerate(units):
+        if u.quantized != Fp8Part.SCALES or u.block_box is None or u.canon != to_grid(u.block_box):
+            continue
+        j = values.get((u.src_tensor, u.src_box, u.block_box))
+        if j is not None and j not in pairs and fp8_kernel.available(tensors[u.src_tensor]):
+            pairs[i], pairs[j] = j, i
+    return pairs
+
+
+def _quantized(
+    u: TransferUnit,
+    tensors: Mapping[str, torch.Tensor],
+    out: torch.Tensor,
+    scales: torch.Tensor | None = None,
+) -> Callable[[], None]:
     """A function writing the FP8 values or scales of unit `u` into `out` (its slice of the
     bucket), quantized from its whole blocks (`u.block_box`, canonical) as they are when called.
     On NVIDIA GPUs one fused kernel (`fp8_kernel`) writes straight into the bucket when the unit is
-    whole blocks; otherwise the reference quantizer computes them and they are copied in."""
+    whole blocks, and a values unit's kernel writes its blocks' scales into `scales` (the slice of
+    the scales unit of the same blocks, when the bucket carries it); otherwise the reference
+    quantizer computes them and they are copied in."""
     assert u.block_box is not None
     region = tensors[u.src_tensor][u.src_box.slices()]
     shape = u.block_box.shape
@@ -110,17 +154,19 @@ def _quantized(u: TransferUnit, tensors: Mapping[str, torch.Tensor], out: torch.
     # `reshape` at each call, not once: where it must copy, the copy is of the current weights.
     if whole and fp8_kernel.available(region):
         if u.quantized == Fp8Part.VALUES:
-            scratch = torch.empty(scale_shape(shape), dtype=torch.float32, device=region.device)
-            return lambda: fp8_kernel.quantize_into(region.reshape(shape), out, scratch)
+            into = scales
+            if into is None:
+                into = torch.empty(scale_shape(shape), dtype=torch.float32, device=region.device)
+            return lambda: fp8_kernel.quantize_into(region.reshape(shape), out, into)
         return lambda: fp8_kernel.quantize_into(region.reshape(shape), None, out)
 
     def values() -> None:
         out.copy_(quantized_view(region.reshape(shape))[0][take])
 
-    def scales() -> None:  # only the amax pass: scales units do not pay for the values
+    def scales_only() -> None:  # only the amax pass: scales units do not pay for the values
         out.copy_(block_scales(region.reshape(shape))[take])
 
-    return values if u.quantized == Fp8Part.VALUES else scales
+    return values if u.quantized == Fp8Part.VALUES else scales_only
 
 
 def pack_into(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:

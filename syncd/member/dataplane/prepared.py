@@ -57,6 +57,8 @@ class PreparedBucket:
         units = zip(self._regions, bucket.units) if receiving else ()
         self._landed = [(key, tensors[u.dst_tensor][u.dst_box.slices()]) for (key, _), u in units]
         self._landed_launch = _PreparedLaunch(self._landed)
+        self._copy_made = False  # `_copy_launch`, made on first use
+        self._copy_prepared: tuple[list[str], checksum_kernel.Batch] | None = None
 
     def _regions_of(self, bucket: Bucket, flat: torch.Tensor, direct: torch.Tensor | None) -> None:
         self.bucket = bucket  # held, so that the id in the cache key stays this bucket's
@@ -96,13 +98,44 @@ class PreparedBucket:
 
     @property
     def fusable(self) -> bool:
-        """On CPU, a bucket packed into (or unpacked from) staging can copy and hash in one pass
-        (`copy_and_checksum`); one sent from or received into its tensor as it is cannot."""
-        return self.flat.device.type == "cpu" and self.direct is None and type(self) is PreparedBucket
+        """Whether the copy can take the checksums of what it writes in the same pass
+        (`copy_and_checksum`): on CPU, a bucket packed into (or unpacked from) staging; on NVIDIA
+        GPUs, one whose every unit is a plain copy that `checksum_kernel` takes (no cast, no
+        FP8). One sent from or received into its tensor as it is cannot."""
+        if self.direct is not None or type(self) is not PreparedBucket:
+            return False
+        if self.flat.device.type == "cpu":
+            return True
+        return self._copy_launch() is not None
+
+    def _copy_launch(self) -> tuple[list[str], checksum_kernel.Batch] | None:
+        """On GPUs: the bucket's copies with their checksums as one prepared launch, made on
+        first use; None where a unit is not a plain copy the kernel takes."""
+        if self._copy_made:
+            return self._copy_prepared
+        self._copy_made = True
+        if self._copies.computed or len(self._copies.dsts) != len(self._regions):
+            return None
+        keys = [key for key, _ in (self._landed if self._direction == Direction.RECV else self._regions)]
+        described = [
+            checksum_kernel.describe_copy(d, s) for d, s in zip(self._copies.dsts, self._copies.srcs)
+        ]
+        regions = [d for d in described if d is not None]
+        if regions and len(regions) == len(described):
+            self._copy_prepared = (keys, checksum_kernel.Batch(regions))
+        return self._copy_prepared
 
     def copy_and_checksum(self, sums: Checksums) -> None:
-        """`copy` with the checksums of what it wrote, chunk by chunk from cache (`fused`): a
-        send's packed bytes, or a receive's units where they landed (the landed check)."""
+        """`copy` with the checksums of what it wrote: a send's packed bytes, or a receive's
+        units where they landed (the landed check). On CPU chunk by chunk from cache (`fused`);
+        on GPUs one kernel per variant reads each unit once, writes it and sums the items it
+        wrote (`checksum_kernel.describe_copy`), where a copy and then a checksum pass read the
+        bucket twice (and three launches per bucket cost the host more than one)."""
+        if self.flat.device.type != "cpu":
+            prepared = self._copy_launch()
+            assert prepared is not None  # `fusable` said so
+            sums.add_batch(*prepared)
+            return
         if self._fused is None:
             if self._direction == Direction.SEND:
                 self._fused = FusedCopies.pack(self.bucket, self._tensors, self.flat)
