@@ -78,7 +78,8 @@ def post_refit(cluster: Cluster, **body: object) -> tuple[int, dict]:
     return r.status_code, r.json()
 
 
-def refit_adapter(cluster: Cluster, trainer: FakeMember, version: int) -> dict:
+def announce(cluster: Cluster, trainer: FakeMember, version: int) -> str:
+    """`trainer` announces `version` of its adapter; once syncd lists it, the adapter's name."""
     trainer.client.announce_version(version)
     name = trainer.member_id.split("-")[1]
     wait_until(
@@ -88,6 +89,11 @@ def refit_adapter(cluster: Cluster, trainer: FakeMember, version: int) -> dict:
         ),
         what=f"version {version} of adapter {name} announced",
     )
+    return name
+
+
+def refit_adapter(cluster: Cluster, trainer: FakeMember, version: int) -> dict:
+    name = announce(cluster, trainer, version)
     status, started = post_refit(cluster, adapter=name)
     assert status == 202, started
     return cluster.wait_refit(started["id"])
@@ -163,11 +169,7 @@ def test_generators_without_lora_refuse_adapter_refits_by_name(make_cluster):
     cluster = make_cluster()
     start_generators(cluster, slots=None)
     trainer = start_adapter_trainer(cluster, "a")
-    trainer.client.announce_version(1)
-    wait_until(
-        lambda: cluster.http.get("/v1/adapters").json()["adapters"][0]["announced_version"] == 1,
-        what="version 1 announced",
-    )
+    announce(cluster, trainer, 1)
     status, body = post_refit(cluster, adapter="a")
     assert status == 409
     message = body["error"]["message"]
@@ -178,11 +180,7 @@ def test_an_adapter_of_a_larger_rank_than_the_slots_is_refused(make_cluster):
     cluster = make_cluster()
     start_generators(cluster, slots=LoraSlots(max_rank=2, max_loras=2, dtype="bfloat16"))
     trainer = start_adapter_trainer(cluster, "a", rank=RANK)
-    trainer.client.announce_version(1)
-    wait_until(
-        lambda: cluster.http.get("/v1/adapters").json()["adapters"][0]["announced_version"] == 1,
-        what="version 1 announced",
-    )
+    announce(cluster, trainer, 1)
     status, body = post_refit(cluster, adapter="a")
     assert status == 409
     assert f"adapter 'a' has rank {RANK}" in body["error"]["message"]
@@ -210,11 +208,7 @@ def test_an_adapter_trainer_whose_factors_disagree_with_its_rank_is_refused_at_r
 def test_syncctl_refits_an_adapter_and_shows_its_versions_and_bytes(slot_cluster):
     cluster = slot_cluster
     trainer = start_adapter_trainer(cluster, "a")
-    trainer.client.announce_version(1)
-    wait_until(
-        lambda: cluster.http.get("/v1/adapters").json()["adapters"][0]["announced_version"] == 1,
-        what="version 1 announced",
-    )
+    announce(cluster, trainer, 1)
     token = cluster.daemon.settings.auth_token
     done = syncctl(cluster.url, "refit", "--adapter", "a", "--wait", token=token)
     assert done.returncode == 0, done.stderr
