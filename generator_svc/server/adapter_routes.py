@@ -15,13 +15,13 @@ Responses say the adapter's version: the `adapter` field of each choice and the
 from __future__ import annotations
 
 import logging
-import secrets
 from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from generator_svc.server.route_responses import FAILED, INVALID, LATE, UNAUTHORIZED, not_a_worker
 from generator_svc.server.served_adapters import AdapterCommit, ServedAdapters
 from syncd.error_body import error_response
 
@@ -43,13 +43,11 @@ async def adapters(served: AdaptersDep, request: Request) -> JSONResponse:
     return JSONResponse({"adapters": [{**asdict(a), "digest": digests.get(a.name)} for a in served.all()]})
 
 
-@router.post("/internal/adapters/commit")
+@router.post("/internal/adapters/commit", responses={**INVALID, **FAILED, **UNAUTHORIZED, **LATE})
 async def commit_adapter(body: AdapterCommit, served: AdaptersDep, request: Request) -> JSONResponse:
     refitter = request.app.state.refitter
-    if not secrets.compare_digest(
-        request.headers.get("authorization", ""), f"Bearer {refitter.commit_token}"
-    ):
-        return error_response(f"{request.url.path} needs this generator's worker token", 401)
+    if (refused := not_a_worker(refitter, request)) is not None:
+        return refused
     what = f"adapter {body.adapter!r} version {body.version}"
     try:
         installed = await served.install(refitter.engine, request.app.state.openai_serving_models, body)

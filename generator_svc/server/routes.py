@@ -38,9 +38,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import secrets
 from collections.abc import Awaitable
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
@@ -49,6 +48,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 
 from generator_svc.server import adapter_routes
 from generator_svc.server.refit import Refitter
+from generator_svc.server.route_responses import FAILED, INVALID, LATE, REFUSED, UNAUTHORIZED, not_a_worker
 from generator_svc.server.update_lifecycle import DeadlineExceeded, RefitRefused
 from generator_svc.server.version_wait import MAX_WAIT_S, wait_served_async
 from generator_svc.server.versions_http import WeightVersionsMiddleware
@@ -123,27 +123,6 @@ router = APIRouter()
 internal_router = APIRouter()
 
 
-# The statuses these routes answer, declared so the OpenAPI document tells clients (and
-# schemathesis) the truth: vLLM's app turns request validation errors into 400, not 422.
-# FastAPI's type for `responses=`: status code -> OpenAPI response object.
-_Responses = dict[int | str, dict[str, Any]]
-_INVALID: _Responses = {400: {"description": "invalid request (vLLM's error format)"}}
-_REFUSED: _Responses = {409: {"model": ErrorBody, "description": "refused; the served weights are unchanged"}}
-_FAILED: _Responses = {
-    500: {"model": ErrorBody, "description": "failed inside vLLM, or a bug (logged with its traceback)"}
-}
-_UNAUTHORIZED: _Responses = {
-    401: {"model": ErrorBody, "description": "not the worker token of this generator"}
-}
-_LATE: _Responses = {
-    504: {
-        "model": ErrorBody,
-        "description": "the install did not finish within the commit deadline; "
-        "the served weights are unchanged",
-    }
-}
-
-
 _NOT_HEALTHY = "engine dead, a worker not answering, or refusing generation after a failed update"
 
 
@@ -191,7 +170,7 @@ TIMEOUT_QUERY = Query(
 )
 
 
-@router.get("/v1/weight_version", response_model=WeightVersionOut, responses=_INVALID)
+@router.get("/v1/weight_version", response_model=WeightVersionOut, responses=INVALID)
 async def weight_version(
     refitter: RefitterDep,
     at_least: str | None = AT_LEAST_QUERY,
@@ -248,7 +227,7 @@ async def workers(refitter: RefitterDep) -> list[dict]:
     return [dataclasses.asdict(w) for w in refitter.workers]
 
 
-@router.get("/v1/workers/{tp_rank}/catalog", responses={**_INVALID, 404: {"model": ErrorBody}})
+@router.get("/v1/workers/{tp_rank}/catalog", responses={**INVALID, 404: {"model": ErrorBody}})
 async def worker_catalog(tp_rank: int, refitter: RefitterDep) -> JSONResponse:
     catalogs = await refitter.engine.collective_rpc("ws_catalog")
     if not 0 <= tp_rank < len(catalogs):
@@ -264,7 +243,7 @@ async def digest(refitter: RefitterDep) -> list[dict]:
     return [dataclasses.asdict(d) for d in digests]
 
 
-@router.post("/v1/weights/stage", responses={**_INVALID, **_REFUSED, **_FAILED})
+@router.post("/v1/weights/stage", responses={**INVALID, **REFUSED, **FAILED})
 async def stage(body: StageRequest, refitter: RefitterDep) -> JSONResponse:
     async def staged() -> JSONResponse:
         staged_files = await refitter.stage_file(body.path, body.refit_id)
@@ -273,12 +252,12 @@ async def stage(body: StageRequest, refitter: RefitterDep) -> JSONResponse:
     return await _answer(f"staging {body.path}", staged())
 
 
-@router.post("/v1/weights/apply", responses={**_INVALID, **_REFUSED, **_FAILED})
+@router.post("/v1/weights/apply", responses={**INVALID, **REFUSED, **FAILED})
 async def apply(body: ApplyRequest, refitter: RefitterDep) -> JSONResponse:
     return await _answer(f"apply of version {body.version}", _applied(refitter, body.version, body.refit_id))
 
 
-@router.post("/v1/weights/load", responses={**_INVALID, **_REFUSED, **_FAILED})
+@router.post("/v1/weights/load", responses={**INVALID, **REFUSED, **FAILED})
 async def load(body: LoadRequest, refitter: RefitterDep) -> JSONResponse:
     async def loaded() -> JSONResponse:
         await refitter.stage_file(body.path, f"load-{body.version}")
@@ -287,7 +266,7 @@ async def load(body: LoadRequest, refitter: RefitterDep) -> JSONResponse:
     return await _answer(f"load of {body.path} as version {body.version}", loaded())
 
 
-@router.post("/v1/weights/abort", responses={**_INVALID, **_FAILED})
+@router.post("/v1/weights/abort", responses={**INVALID, **FAILED})
 async def abort(body: AbortRequest, refitter: RefitterDep) -> JSONResponse:
     async def aborted() -> JSONResponse:
         await refitter.abort(body.refit_id)
@@ -296,20 +275,9 @@ async def abort(body: AbortRequest, refitter: RefitterDep) -> JSONResponse:
     return await _answer("abort", aborted())
 
 
-def _not_a_worker(refitter: Refitter, request: Request) -> JSONResponse | None:
-    """The 401 for a caller without this generator's worker token, None for a worker."""
-    if secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {refitter.commit_token}"):
-        return None
-    return error_response(
-        f"{request.url.path} needs this generator's worker token", 401, headers={"WWW-Authenticate": "Bearer"}
-    )
-
-
-@internal_router.post(
-    "/internal/commit", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED, **_LATE}
-)
+@internal_router.post("/internal/commit", responses={**INVALID, **REFUSED, **FAILED, **UNAUTHORIZED, **LATE})
 async def commit(body: CommitRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
-    if (refused := _not_a_worker(refitter, request)) is not None:
+    if (refused := not_a_worker(refitter, request)) is not None:
         return refused
     version = version_label(body.version)
     return await _answer(
@@ -317,9 +285,9 @@ async def commit(body: CommitRequest, refitter: RefitterDep, request: Request) -
     )
 
 
-@internal_router.post("/internal/hold", responses={**_INVALID, **_REFUSED, **_FAILED, **_UNAUTHORIZED})
+@internal_router.post("/internal/hold", responses={**INVALID, **REFUSED, **FAILED, **UNAUTHORIZED})
 async def hold(body: HoldRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
-    if (refused := _not_a_worker(refitter, request)) is not None:
+    if (refused := not_a_worker(refitter, request)) is not None:
         return refused
 
     async def held() -> JSONResponse:
@@ -329,9 +297,9 @@ async def hold(body: HoldRequest, refitter: RefitterDep, request: Request) -> JS
     return await _answer(f"hold for refit {body.refit_id}", held())
 
 
-@internal_router.post("/internal/release", responses={**_INVALID, **_FAILED, **_UNAUTHORIZED})
+@internal_router.post("/internal/release", responses={**INVALID, **FAILED, **UNAUTHORIZED})
 async def release(body: ReleaseRequest, refitter: RefitterDep, request: Request) -> JSONResponse:
-    if (refused := _not_a_worker(refitter, request)) is not None:
+    if (refused := not_a_worker(refitter, request)) is not None:
         return refused
 
     async def released() -> JSONResponse:
