@@ -85,14 +85,15 @@ def test_the_demo_serves_a_model_dir_whose_vocabulary_is_smaller_than_its_old_fi
     assert all(p["install_s"] > 0 and p["pause_s"] > 0 for p in summary["refit_pauses"]), summary
 
 
-def test_the_lora_demo_refits_only_target_modules_bit_exact_with_vllm_on_the_merge(references, tmp_path):
+def test_the_lora_demo_refits_only_target_modules_bit_exact_with_a_fresh_engine_on_the_merge(tmp_path):
     """`--lora-rank 8`: every refit moves the target modules' merged weights and nothing else, and
-    after each one the generator's greedy tokens and logprobs equal, bit for bit, vLLM's on the
-    base checkpoint merged with that step's adapter (reassembled from the trainer's shards and
-    merged whole, as `trainer_svc.lora.merge` defines it; the session's reference engine loads
-    each merge through vLLM's own loaders)."""
+    after each one the generator's greedy tokens and logprobs equal, bit for bit, a fresh vLLM's on
+    the base checkpoint merged with that step's adapter (reassembled from the trainer's shards and
+    merged whole, as `trainer_svc.lora.merge` defines it)."""
     import torch
 
+    from deploy.local.processes import Cluster
+    from syncd.net import free_port
     from trainer_svc.hf_checkpoint import load_hf, save_hf
     from trainer_svc.lora.checkpoint import load_adapter, merge_checkpoint
 
@@ -105,14 +106,29 @@ def test_the_lora_demo_refits_only_target_modules_bit_exact_with_vllm_on_the_mer
     assert lora["target_bytes"] < lora["model_bytes"], lora
 
     args, base = load_hf(work / "model")
-    for row in summary["steps"]:
-        step = row["step"]
-        adapter = load_adapter(work / "export" / f"step-{step}")
-        merged = save_hf(
-            tmp_path / f"reference-{step}", args, merge_checkpoint(base, adapter, torch.bfloat16), "bfloat16"
-        )
-        expected = _greedy(str(references.serving(merged).http.base_url), _prompts(work / "model"))
-        assert [(t, lp) for t, lp in row["greedy"]] == expected, f"step {step}"
+    with Cluster(tmp_path / "fresh-logs") as cluster:
+        for row in summary["steps"]:
+            step = row["step"]
+            adapter = load_adapter(work / "export" / f"step-{step}")
+            reference = save_hf(
+                tmp_path / f"reference-{step}",
+                args,
+                merge_checkpoint(base, adapter, torch.bfloat16),
+                "bfloat16",
+            )
+            port = free_port()
+            fresh = cluster.start(
+                f"fresh-{step}",
+                [PYTHON, "-m", "generator_svc", "--model", str(reference), "--port", str(port),
+                 "--served-model-name", "tiny", "--dtype", "bfloat16", "--enforce-eager",
+                 "--max-model-len", "256", "--skip-tokenizer-init"],
+                env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            )  # fmt: skip
+            url = f"http://127.0.0.1:{port}"
+            cluster.wait_http(fresh, f"{url}/healthz", 300)
+            expected = _greedy(url, _prompts(work / "model"))
+            assert [(t, lp) for t, lp in row["greedy"]] == expected, f"step {step}"
+            fresh.stop()
 
 
 def _prompts(model: Path) -> list[list[int]]:
