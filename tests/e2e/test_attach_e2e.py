@@ -82,14 +82,16 @@ def refitted(stack: Stack, model: Path, tmp_path_factory) -> Refitted:
 
     work = tmp_path_factory.mktemp("attach")
     stack.start_syncd(trainers=1, generators=2)
-    # The example's LLM keeps generating on a thread, and its worker (on core 0, vLLM's default)
-    # busy-waits for a second after each step: the served engine's worker gets core 1.
+    # The example's LLM keeps generating on a thread, and its worker busy-waits for a second after
+    # each step: it gets core 0 and the served engine's worker core 1, whichever core the xdist
+    # worker's engines get (tests/conftest.py).
     served, served_url = _start_vllm_serve(stack, "served", model, SERVE_FLAGS, cpus="1")
     record = work / "llm.jsonl"
     llm = stack.cluster.start(
         "attached-llm",
         [PYTHON, str(EXAMPLE), "--syncd", stack.target, "--model", str(model), "--replica", "0",
          "--steps", str(STEPS), "--record", str(record)],
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
     )  # fmt: skip
     stack.cluster.wait_http(served, f"{served_url}/health", 300)
     attached = attach_server(served_url, syncd=stack.target, replica=1)
