@@ -46,7 +46,8 @@ class Refitted:
 def _start_vllm_serve(
     stack: Stack, name: str, model: Path, flags: list[str], cpus: str | None = None
 ) -> tuple[Proc, str]:
-    """`cpus`: the worker's OpenMP binding (VLLM_CPU_OMP_THREADS_BIND; default: vLLM's, core 0)."""
+    """`cpus`: the worker's OpenMP binding (VLLM_CPU_OMP_THREADS_BIND; default: the core of this
+    xdist worker's engines, tests/conftest.py)."""
     port = free_port()
     command = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
     env = {"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus else {}
