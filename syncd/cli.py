@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from syncd import http_client
 from syncd.auth import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, resolve_token
 from syncd.error_body import error_message
 from syncd.refit_wait import wait_final
@@ -287,7 +288,7 @@ def cmd_watch(api: Api, args: argparse.Namespace) -> tuple[Any, str]:
 def _generator_digests(url: str) -> list[dict[str, Any]]:
     """A generator's digest of what each of its workers holds (`GET /v1/weights/digest`)."""
     try:
-        r = httpx.get(f"{url.rstrip('/')}/v1/weights/digest", timeout=120)
+        r = http_client.get(f"{url.rstrip('/')}/v1/weights/digest", timeout=120)
     except httpx.HTTPError as e:
         raise CliError(
             f"cannot reach generator at {url}: {str(e) or type(e).__name__}", EXIT_UNREACHABLE

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import openai
 
+from syncd.http_client import tls_context
+
 
 def client(url: str, timeout_s: float = 120) -> openai.OpenAI:
     """A client of the generator at `url` (no /v1). It needs no key; no retries, so a failing
-    request fails the caller instead of being repeated."""
-    return openai.OpenAI(base_url=f"{url.rstrip('/')}/v1", api_key="unused", timeout=timeout_s, max_retries=0)
+    request fails the caller instead of being repeated. Its HTTP client takes the process's TLS
+    context (`syncd.http_client`): clients are made per check, and a context costs ~40 ms each."""
+    return openai.OpenAI(
+        base_url=f"{url.rstrip('/')}/v1",
+        api_key="unused",
+        timeout=timeout_s,
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(verify=tls_context()),
+    )
 
 
 def complete(api: openai.OpenAI, model: str, prompt: list[int], **sampling) -> tuple[list[int], list[float]]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from syncd import http_client
 from syncd.auth import ENV_TOKEN_FILE, write_token_file
 
 PYTHON = sys.executable
@@ -129,7 +130,7 @@ class Cluster:
                     return
                 raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
             try:
-                if ok(httpx.get(url, timeout=5)):
+                if ok(http_client.get(url, timeout=5)):
                     return
             except httpx.TransportError:
                 pass

@@ -30,10 +30,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
-
 from deploy.local.processes import PYTHON, Cluster, Proc
 from deploy.slurm.plan import Allocation, Launch, Options, assign, launches
+from syncd import http_client
 from syncd.auth import write_token_file
 
 log = logging.getLogger("slurm-launcher")
@@ -198,8 +197,8 @@ def _report_lost_nodes(nodes: tuple[str, ...]) -> None:
 
 
 def _write_summary(path: Path, syncd_url: str, trainer_rc: int) -> None:
-    refits = httpx.get(f"{syncd_url}/v1/refits", timeout=30).json()["refits"]
-    status = httpx.get(f"{syncd_url}/v1/status", timeout=30).json()
+    refits = http_client.get(f"{syncd_url}/v1/refits", timeout=30).json()["refits"]
+    status = http_client.get(f"{syncd_url}/v1/status", timeout=30).json()
     fields = ("id", "state", "weight_version", "bytes", "error")
     summary = {
         "trainer_exit_code": trainer_rc,

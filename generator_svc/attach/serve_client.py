@@ -19,6 +19,7 @@ from generator_svc.attach.engine_args import (
     make_settings,
 )
 from generator_svc.server.version_wait import MAX_WAIT_S, not_served
+from syncd import http_client
 from syncd.weight_version import Version
 
 
@@ -33,7 +34,7 @@ class AttachedServer:
 
     @property
     def version(self) -> Version:
-        return self._served(httpx.get(f"{self.url}/weightsync/weight_version", headers=self.headers))
+        return self._served(http_client.get(f"{self.url}/weightsync/weight_version", headers=self.headers))
 
     def wait_version(
         self, version: int | str | Version, *, exact: bool = False, timeout_s: float = 600.0
@@ -44,7 +45,7 @@ class AttachedServer:
         deadline = time.monotonic() + timeout_s
         while True:
             wait_s = min(max(deadline - time.monotonic(), 0.0), MAX_WAIT_S)
-            response = httpx.get(
+            response = http_client.get(
                 f"{self.url}/weightsync/weight_version",
                 params={"at_least": wanted.label, "exact": exact, "timeout_s": wait_s},
                 headers=self.headers,
@@ -78,7 +79,9 @@ def attach_server(
     make_settings(syncd, replica, **options)  # bad values fail here, before the server is asked
     body = {"syncd": syncd, "replica": replica, **options}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    response = httpx.post(f"{url.rstrip('/')}{ATTACH_ROUTE}", json=body, headers=headers, timeout=timeout_s)
+    response = http_client.post(
+        f"{url.rstrip('/')}{ATTACH_ROUTE}", json=body, headers=headers, timeout=timeout_s
+    )
     if response.status_code == 404:
         raise AttachRefused(
             f"{url} has no {ATTACH_ROUTE}: start it with --middleware {MIDDLEWARE} "

@@ -23,10 +23,10 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import httpx
 import torch
 
 from generator_svc.worker.syncd_member import GeneratorEndpoint
+from syncd import http_client
 from syncd.layout.adapters import AdapterSpec, parse_slot_tensor
 from syncd.member.dataplane.prepared import ReceiveSink
 from syncd.plan.types import Bucket
@@ -129,7 +129,7 @@ class SlotsEndpoint:
             return
         if not self.internal_url:
             raise RuntimeError("adapter slots are installed through generator_svc's API server; none is set")
-        response = httpx.post(
+        response = http_client.post(
             f"{self.internal_url}/adapters/commit",
             timeout=timeout_s,
             json={

@@ -34,6 +34,7 @@ import torch
 from generator_svc.worker.digest import ServedRegions
 from generator_svc.worker.inplace import InplaceReceiver
 from generator_svc.worker.staging import Staging, planned_tensors
+from syncd import http_client
 from syncd.layout import Catalog
 from syncd.layout.adapters import LoraSlots
 from syncd.member import join
@@ -61,7 +62,7 @@ class _CommitRelay:
         self._applied = threading.Condition()
 
     def _post(self, route: str, body: dict, timeout_s: float) -> httpx.Response:
-        return httpx.post(
+        return http_client.post(
             f"{self.internal_url}/{route}",
             timeout=timeout_s,
             json=body,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from syncd import http_client
 from syncd.commands import Abort, Command, Commit, ExecutePlan, JoinGroup, Phase, Verify, checksum_key
 from syncd.daemon.service import Daemon
 from syncd.daemon.settings import Settings
@@ -311,7 +312,7 @@ class SyncdProcess:
             assert self.proc is not None
             assert self.proc.poll() is None, self.proc.stderr.read()  # type: ignore[union-attr]
             try:
-                return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+                return http_client.get(f"{self.url}/healthz", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return False
 

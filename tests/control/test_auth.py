@@ -8,11 +8,11 @@ import subprocess
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from syncd_harness import PYTHON, REPO, TOKEN, SyncdProcess, generator_catalog, make_member, wait_until
 
+from syncd import http_client
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
 from syncd.auth import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, is_loopback, resolve_token, write_token_file
@@ -116,10 +116,12 @@ def test_insecure_no_auth_serves_open_and_says_so_everywhere(tmp_path) -> None:
     syncd.args[syncd.args.index("--host") + 1] = "0.0.0.0"
     syncd.start()
     try:
-        status = httpx.get(f"{syncd.url}/v1/status").json()
+        status = http_client.get(f"{syncd.url}/v1/status").json()
         assert status["insecure_no_auth"] is True and status["access"] == "insecure-no-auth"
-        assert "weightsync_syncd_insecure_no_auth 1.0" in httpx.get(f"{syncd.url}/metrics").text
-        assert httpx.post(f"{syncd.url}/v1/refits", json={}).status_code == 409  # open: refused on merit
+        assert "weightsync_syncd_insecure_no_auth 1.0" in http_client.get(f"{syncd.url}/metrics").text
+        assert (
+            http_client.post(f"{syncd.url}/v1/refits", json={}).status_code == 409
+        )  # open: refused on merit
     finally:
         syncd.stop()
     assert syncd.proc is not None and syncd.proc.stderr is not None

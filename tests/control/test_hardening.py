@@ -9,7 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 from syncd_harness import (
     PYTHON,
@@ -23,6 +22,7 @@ from syncd_harness import (
     wait_until,
 )
 
+from syncd import http_client
 from syncd.api import convert
 from syncd.api import syncd_pb2 as pb
 from syncd.api import syncd_pb2_grpc as pb_grpc
@@ -170,8 +170,8 @@ def test_the_token_can_come_from_a_file(tmp_path: Path) -> None:
     ).start()
     try:
         assert TOKEN not in Path(f"/proc/{syncd.proc.pid}/cmdline").read_text()  # type: ignore[union-attr]
-        assert httpx.post(f"{syncd.url}/v1/refits", json={}).status_code == 401
-        ok = httpx.post(f"{syncd.url}/v1/refits", json={}, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert http_client.post(f"{syncd.url}/v1/refits", json={}).status_code == 401
+        ok = http_client.post(f"{syncd.url}/v1/refits", json={}, headers={"Authorization": f"Bearer {TOKEN}"})
         assert ok.status_code == 409  # past the token, refused on merit (nobody registered)
     finally:
         syncd.stop()

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
+from syncd import http_client
 
 MAX_EXAMPLES = 10  # per operation and phase: keeps a run at seconds to a minute
 SEED = 20  # reproducible runs: a failure names a case that `st replay` can repeat
@@ -24,7 +24,7 @@ def run_schemathesis(url: str, work: Path, config: str, *options: str) -> dict[t
     report = work / "report.json"
     # Fetched here: vLLM builds its large document on the first request, slower than st's timeout.
     schema = work / "openapi.json"
-    schema.write_bytes(httpx.get(f"{url}/openapi.json", timeout=120).raise_for_status().content)
+    schema.write_bytes(http_client.get(f"{url}/openapi.json", timeout=120).raise_for_status().content)
     st = Path(sys.executable).parent / "st"
     result = subprocess.run(
         [

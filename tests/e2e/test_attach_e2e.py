@@ -16,12 +16,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from e2e_harness import GENERATOR_FLAGS, Stack, wait_until
 
 from deploy.local import openai_client
 from deploy.local.processes import PYTHON, REPO, Proc
+from syncd import http_client
 from syncd.net import free_port
 from syncd.weight_version import Version
 
@@ -155,7 +155,7 @@ def test_an_attached_llm_and_vllm_serve_take_two_refits_exactly_as_fresh_engines
     for outputs in refitted.background:
         for i, completion in enumerate(outputs):
             assert completion in [refitted.llm[v][i] for v in refitted.llm], (i, completion)
-    status = httpx.get(f"{refitted.served_url}/weightsync/status").json()
+    status = http_client.get(f"{refitted.served_url}/weightsync/status").json()
     served = (status["version"], status["step"], status["serving"], status["updating"])
     assert served == (str(STEPS), STEPS, True, False), status
 

@@ -12,9 +12,10 @@ go into the live layers), with real trainer jobs, syncd and vLLM on CPU:
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from e2e_harness import wait_until
+
+from syncd import http_client
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
@@ -68,7 +69,7 @@ def test_a_trainer_killed_mid_transfer_never_leaves_mixed_weights_served(
 
     outcome = wait_until(settled, 60, "the released hold to settle")
     if outcome == "refused":
-        api = httpx.post(
+        api = http_client.post(
             f"{generator.http.base_url}v1/completions",
             timeout=30,
             json={"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2},

@@ -5,10 +5,10 @@ run does not reach (unannounced versions are refused with 409 before the number 
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from openapi_fuzz import run_schemathesis
 
+from syncd import http_client
 from syncd.net import free_port
 from tests.control.syncd_harness import MEMBERS, TOKEN, SyncdProcess, make_member
 from tests.polling import wait_until
@@ -53,7 +53,7 @@ def findings(tmp_path_factory):
     try:
         for m in members:
             m.client.start(m.handle)
-        wait_until(lambda: httpx.get(f"{syncd.url}/readyz").status_code == 200, 30, "syncd ready")
+        wait_until(lambda: http_client.get(f"{syncd.url}/readyz").status_code == 200, 30, "syncd ready")
         members[0].client.announce_version(1)
         yield syncd.url, run_schemathesis(syncd.url, work, CONFIG)
     finally:
@@ -70,7 +70,7 @@ def test_schemathesis_finds_nothing(findings):
 @pytest.mark.parametrize("weight_version", [2**63, True, "7", 7.0], ids=["2**63", "true", "string", "float"])
 def test_a_weight_version_that_is_no_int64_is_a_422(findings, weight_version):
     url, _ = findings
-    r = httpx.post(
+    r = http_client.post(
         f"{url}/v1/refits",
         json={"weight_version": weight_version},
         headers={"Authorization": f"Bearer {TOKEN}"},
@@ -80,7 +80,7 @@ def test_a_weight_version_that_is_no_int64_is_a_422(findings, weight_version):
 
 def test_a_401_says_how_to_authenticate(findings):
     url, _ = findings
-    r = httpx.post(f"{url}/v1/refits", json={})
+    r = http_client.post(f"{url}/v1/refits", json={})
     assert r.status_code == 401 and r.headers.get("www-authenticate", "").startswith("Bearer"), dict(
         r.headers
     )

@@ -10,11 +10,11 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from deploy.lab import Lab
 from deploy.local.processes import Proc
+from syncd import http_client
 from syncd.auth import ENV_TOKEN_FILE, write_token_file
 from syncd.net import free_port
 from tests.lab_support import running_lab
@@ -57,7 +57,9 @@ class Secured:
         return self.lab.spawn("member", argv, env=env, name=name)
 
     def members(self) -> list[str]:
-        return [m["member_id"] for m in httpx.get(f"{self.url}/v1/members", timeout=10).json()["members"]]
+        return [
+            m["member_id"] for m in http_client.get(f"{self.url}/v1/members", timeout=10).json()["members"]
+        ]
 
 
 @pytest.fixture
@@ -96,7 +98,7 @@ def test_an_http_post_from_another_host_without_the_token_gets_401(secured):
     asked = secured.lab.spawn("member", [PY, "-c", post], name="post")
     assert _finished(asked).strip().endswith("401")
     with_token = {"Authorization": f"Bearer {secured.token}"}
-    ok = httpx.post(f"{secured.url}/v1/refits", json={}, headers=with_token, timeout=10)
+    ok = http_client.post(f"{secured.url}/v1/refits", json={}, headers=with_token, timeout=10)
     assert ok.status_code == 409, ok.text  # past the token, refused on merit (nobody registered)
 
 

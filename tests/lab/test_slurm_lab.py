@@ -31,6 +31,7 @@ import pytest
 from deploy.local.processes import REPO
 from deploy.slurm.lab_cluster import KILL_WAIT_S, SlurmLab, missing_requirements
 from deploy.slurm.launcher import TOKEN_FILE
+from syncd import http_client
 from syncd.states import TERMINAL
 from tests.lab_support import lab_name
 from tests.polling import wait_until
@@ -112,7 +113,7 @@ class Job:
             if not self.running():
                 return False
             try:
-                return httpx.get(f"{self.syncd}/readyz", timeout=5).status_code == 200
+                return http_client.get(f"{self.syncd}/readyz", timeout=5).status_code == 200
             except httpx.TransportError:
                 return False
 
@@ -171,7 +172,7 @@ def assert_the_token_is_nowhere_but_its_file(cluster: SlurmLab, job: Job) -> Non
             seen = processes(cluster, node, part)
             assert seen and not [pid for pid, text in seen.items() if token in text], (node, part)
     assert token not in cluster.client("scontrol", "--details", "show", "job", job.id)
-    unauthenticated = httpx.post(f"{job.syncd}/v1/refits", json={}, timeout=10)
+    unauthenticated = http_client.post(f"{job.syncd}/v1/refits", json={}, timeout=10)
     assert unauthenticated.status_code == 401, unauthenticated.text
 
 
@@ -220,19 +221,22 @@ def test_a_trainer_node_killed_mid_refit_ends_the_job_and_aborts_the_refit(clust
     refit_id = json.loads(started.stdout)["id"]
     refit_url = f"{job.syncd}/v1/refits/{refit_id}"  # polled over HTTP: faster than a syncctl process
     wait_until(
-        lambda: httpx.get(refit_url, timeout=10).json()["state"] == "TRANSFERRING",
+        lambda: http_client.get(refit_url, timeout=10).json()["state"] == "TRANSFERRING",
         120,
         "the transfer to start",
         interval=0.2,
     )
     cluster.kill_node("node2")
     wait_until(
-        lambda: httpx.get(refit_url, timeout=10).json()["state"] in TERMINAL, 120, "the refit to end", 0.5
+        lambda: http_client.get(refit_url, timeout=10).json()["state"] in TERMINAL,
+        120,
+        "the refit to end",
+        0.5,
     )
     refit = next(r for r in job.history() if r["id"] == refit_id)  # as syncctl shows it
     assert refit["state"] == "ABORTED" and refit["error"], refit
     generator = f"http://{cluster.lab.address('node0')}:{GENERATOR_PORT}"
-    served = httpx.get(f"{generator}/v1/weight_version", timeout=10).json()["version"]
+    served = http_client.get(f"{generator}/v1/weight_version", timeout=10).json()["version"]
     assert (job.status()["committed_version"], served) == (1, "1")
 
     # slurmctld finds node2 not responding (SlurmdTimeout) and ends the job (the script asks for
