@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+pytest_plugins = ["tests.cpu_accounting"]  # TEST_CPU_REPORT=DIR: the CPU each test file took
 
 # The markers of each folder's tests; the fast tier's folders have none (pure functions,
 # one-process components, a real syncd in-process with simulated members). A test in a folder
