@@ -99,7 +99,7 @@ def time_install(worker) -> dict:
     worker.update_weights({"version": "bench"})
     worker.finish_weight_update()
     total = time.perf_counter() - start
-    report = worker.weight_transfer_engine.last_install.as_dict()
+    report = worker.weight_transfer_engine.last_install.to_wire()
     return {
         "total_s": total,
         **{
@@ -132,7 +132,7 @@ def time_inplace(worker, checkpoint: str, bucket_bytes: int) -> dict:
         worker._ws_model(), worker._ws_catalog, worker.device, worker.vllm_config, packed
     )
     total = time.perf_counter() - start
-    report = receiver.report.as_dict()
+    report = receiver.report.to_wire()
     return {
         "total_s": total,
         "buckets": len(packed),

@@ -40,7 +40,8 @@ PUBLISH_INTERVAL_S = 0.5
 
 
 class WireMessage:
-    """A frozen dataclass that crosses `collective_rpc` as a dict of plain values."""
+    """A dataclass (frozen, but for `WorkerInstall`) that crosses `collective_rpc` as a dict of
+    plain values."""
 
     def to_wire(self) -> dict[str, Any]:
         declared = fields(self)  # type: ignore[arg-type]  # every subclass is a dataclass
@@ -167,26 +168,25 @@ class WorkerDigest(WireMessage):
     checksums: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass
 class WorkerInstall(WireMessage):
-    """`ws_last_install`'s reply: what the last install did on this worker and how long each part
-    took (seconds, summed over layers). The memory fields are the in-place install's: its receive
-    buffers, the largest bucket, and the peak of the checkpoint tensors of layers being received."""
+    """What one install did on a worker and how long each part took (seconds, summed over layers):
+    filled in by the install as it runs (`generator_svc.worker.install`, `.inplace`), kept as the
+    worker's last, and `ws_last_install`'s reply. Not frozen, as the only message that is built up
+    field by field. The memory fields are the in-place install's: its receive buffers, the largest
+    bucket, and the peak of the checkpoint tensors of layers being received."""
 
     params_copied: int = 0
     bytes_copied: int = 0
     layers_processed: int = 0
     layers_kept: int = 0  # a delta refit changed nothing in them: their kernel tensors stay
-    fallback_params: tuple[str, ...] = ()  # installed through vLLM's loaders
+    fallback_params: list[str] = field(default_factory=list)  # installed through vLLM's loaders
     copy_s: float = 0.0
     process_s: float = 0.0
     total_s: float = 0.0
     receive_buffer_bytes: int = 0
     bucket_bytes: int = 0
     peak_open_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "fallback_params", tuple(self.fallback_params))
 
 
 @dataclass(frozen=True)

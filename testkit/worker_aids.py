@@ -70,7 +70,7 @@ def dump_inplace(worker: Any, checkpoint: str, out_dir: str, bucket_bytes: int =
         receiver = install_buckets(
             worker._ws_model(), worker._ws_catalog, worker.device, worker.vllm_config, packed
         )
-        out.update(receiver.report.as_dict())
+        out.update(receiver.report.to_wire())
 
     _dump(worker, install, f"{out_dir}/inplace-tp{worker._ws_tp()[0]}.safetensors")
     return out

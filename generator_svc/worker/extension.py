@@ -51,7 +51,6 @@ from generator_svc.worker_protocol import (
     CommitReadiness,
     StagedFile,
     WorkerInfo,
-    WorkerInstall,
     WorkerSetup,
     WorkerStatus,
 )
@@ -293,4 +292,4 @@ class WeightSyncExtension:
         """What the last install did on this worker (a `WorkerInstall`'s wire form), None before
         the first."""
         report = self.weight_transfer_engine.last_install
-        return WorkerInstall(**report.as_dict()).to_wire() if report is not None else None
+        return report.to_wire() if report is not None else None

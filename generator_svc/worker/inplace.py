@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 import torch
 
 from generator_svc.worker.install import (
-    InstallReport,
     close_plain,
     close_processed,
     is_plain,
@@ -58,6 +57,7 @@ from generator_svc.worker.install import (
 )
 from generator_svc.worker.staging import covered_elements
 from generator_svc.worker.undo_log import UndoLog
+from generator_svc.worker_protocol import WorkerInstall
 from syncd.commands import checksum_key
 from syncd.layout import Catalog
 from syncd.member.dataplane.checksum import Checksums
@@ -107,7 +107,7 @@ class InplaceReceiver:
 
         # Where the weights live (the model's own parameters are on the meta device by now).
         self.device = torch.device(device)
-        self.report = InstallReport()
+        self.report = WorkerInstall()
         self.open_bytes = 0
         self.peak_open_bytes = 0
         self._vllm_config = vllm_config
@@ -274,7 +274,7 @@ class InplaceReceiver:
         """The tensors the delta changed (the rest still hold the committed version)."""
         self._touched = changed
 
-    def install_delta(self) -> InstallReport:
+    def install_delta(self) -> WorkerInstall:
         """At the commit: post-process once each processed layer the delta changed, from its
         copy; every other layer gets its kernel tensors back as they are (plain layers took the
         delta in them already). The undo log is dropped: the new version is live."""

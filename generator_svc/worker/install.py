@@ -29,35 +29,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 
+from generator_svc.worker_protocol import WorkerInstall
 from syncd.layout import owning_layer
 
 log = logging.getLogger("generator_svc.worker.install")
-
-
-@dataclass
-class InstallReport:
-    """What one install did and how long each part took (seconds, summed over layers). The memory
-    fields are the in-place install's (`generator_svc.worker.inplace`): its receive buffers, the largest
-    bucket, and the peak of the checkpoint tensors of layers being received."""
-
-    params_copied: int = 0
-    bytes_copied: int = 0
-    layers_processed: int = 0
-    layers_kept: int = 0  # a delta refit changed nothing in them: their kernel tensors stay as they are
-    fallback_params: list[str] = field(default_factory=list)
-    copy_s: float = 0.0
-    process_s: float = 0.0
-    total_s: float = 0.0
-    receive_buffer_bytes: int = 0
-    bucket_bytes: int = 0
-    peak_open_bytes: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 def copy_into(param: torch.Tensor, staged: torch.Tensor) -> None:
@@ -97,7 +75,7 @@ def params_by_layer(names: list[str]) -> dict[str, list[str]]:
 
 def install_into_model(
     model: torch.nn.Module, buffers: dict[str, torch.Tensor], changed: frozenset[str] | None = None
-) -> InstallReport:
+) -> WorkerInstall:
     """Install `buffers` (parameter name -> staged checkpoint-format tensor) into `model`, which must
     be inside the layerwise-reload lifecycle. `changed` (after a delta refit): the only parameters
     that differ from what the model runs; a layer holding none of them keeps its kernel tensors, so
@@ -107,7 +85,7 @@ def install_into_model(
     from generator_svc import vllm_adapter as vllm
 
     start = time.perf_counter()
-    report = InstallReport()
+    report = WorkerInstall()
     modules = dict(model.named_modules())
     for path, names in params_by_layer(list(buffers)).items():
         layer = modules[path]
@@ -143,7 +121,7 @@ def uncovered_tensors(layer, info, path: str, names) -> list[str]:
     return [n for n in loadable if f"{path}.{n}" not in names]
 
 
-def _install_plain(layer, info, path: str, buffers, report: InstallReport) -> None:
+def _install_plain(layer, info, path: str, buffers, report: WorkerInstall) -> None:
     kernel_params = plain_targets(info)
     t0 = time.perf_counter()
     report.bytes_copied += copy_parameters(kernel_params, {n: buffers[f"{path}.{n}"] for n in kernel_params})
@@ -152,7 +130,7 @@ def _install_plain(layer, info, path: str, buffers, report: InstallReport) -> No
     close_plain(layer, info)
 
 
-def _install_processed(layer, info, path: str, buffers, report: InstallReport) -> None:
+def _install_processed(layer, info, path: str, buffers, report: WorkerInstall) -> None:
     from generator_svc.vllm_adapter import checkpoint_tensors
 
     open_processed(layer, info)
@@ -196,7 +174,7 @@ def open_processed(layer, info) -> None:
     materialize_checkpoint_tensors(layer, info)
 
 
-def close_processed(layer, info, report: InstallReport) -> None:
+def close_processed(layer, info, report: WorkerInstall) -> None:
     """vLLM's post-processing of the filled checkpoint tensors, whose results go into the kept
     kernel tensors (vLLM's own steps of `_layerwise_process`, without the loader calls)."""
     from generator_svc.vllm_adapter import process_weights, store_processed_tensors
@@ -208,7 +186,7 @@ def close_processed(layer, info, report: InstallReport) -> None:
     report.layers_processed += 1
 
 
-def _copy(param: torch.Tensor, staged: torch.Tensor, report: InstallReport) -> None:
+def _copy(param: torch.Tensor, staged: torch.Tensor, report: WorkerInstall) -> None:
     copy_into(param, staged)
     report.params_copied += 1
     report.bytes_copied += staged.numel() * staged.element_size()

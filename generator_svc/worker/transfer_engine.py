@@ -38,7 +38,7 @@ from generator_svc.vllm_adapter import (
     initialize_layerwise_reload,
     register_weight_transfer_engine,
 )
-from generator_svc.worker.install import InstallReport
+from generator_svc.worker_protocol import WorkerInstall
 
 
 @dataclass
@@ -58,7 +58,7 @@ class UpdateTarget(Protocol):
 
     def after_reload(self, model: torch.nn.Module, device: torch.device, vllm_config: Any) -> None: ...
 
-    def install(self, model: torch.nn.Module, version: str) -> InstallReport: ...
+    def install(self, model: torch.nn.Module, version: str) -> WorkerInstall: ...
 
     def finish(self) -> None: ...
 
@@ -70,7 +70,7 @@ class StagingTransferEngine(WeightTransferEngine[StagingInitInfo, StagingUpdateI
 
     # Set by the worker extension's ws_setup: the worker's refit mode.
     target: UpdateTarget | None = None
-    last_install: InstallReport | None = None
+    last_install: WorkerInstall | None = None
 
     def init_transfer_engine(self, init_info: StagingInitInfo) -> None:
         """Nothing to connect: the data plane is owned by the worker's syncd member."""

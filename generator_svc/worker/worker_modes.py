@@ -23,7 +23,7 @@ from generator_svc.worker import install
 from generator_svc.worker.inplace import InplaceReceiver
 from generator_svc.worker.staging import Staging, StagingInputError
 from generator_svc.worker.syncd_member import GeneratorEndpoint, InplaceEndpoint, StagedEndpoint
-from generator_svc.worker_protocol import WorkerDigest
+from generator_svc.worker_protocol import WorkerDigest, WorkerInstall
 from syncd.layout import Catalog
 
 
@@ -67,7 +67,7 @@ class WorkerMode(Protocol):
 
     def after_reload(self, model: torch.nn.Module, device: torch.device, vllm_config: Any) -> None: ...
 
-    def install(self, model: torch.nn.Module, version: str) -> install.InstallReport: ...
+    def install(self, model: torch.nn.Module, version: str) -> WorkerInstall: ...
 
     def finish(self) -> None: ...
 
@@ -117,7 +117,7 @@ class StagedWorker:
     def after_reload(self, model: torch.nn.Module, device: torch.device, vllm_config: Any) -> None:
         """Everything to install is in staging already."""
 
-    def install(self, model: torch.nn.Module, version: str) -> install.InstallReport:
+    def install(self, model: torch.nn.Module, version: str) -> WorkerInstall:
         """Install staging into the parameters by copies (`generator_svc.worker.install`); only layers the
         catalog cannot cover completely go through vLLM's loaders (logged, reported)."""
         report = install.install_into_model(model, self.staging.buffers, self.staging.changed)
@@ -203,7 +203,7 @@ class InplaceWorker:
     def after_reload(self, model: torch.nn.Module, device: torch.device, vllm_config: Any) -> None:
         self.receiver = InplaceReceiver(model, self.catalog, device, vllm_config, self.bases)
 
-    def install(self, model: torch.nn.Module, version: str) -> install.InstallReport:
+    def install(self, model: torch.nn.Module, version: str) -> WorkerInstall:
         """The receiver installed every layer as it arrived (a full refit: only its completeness
         is checked), or applied a delta that the layers it changed are post-processed from now."""
         if self.receiver is None:
