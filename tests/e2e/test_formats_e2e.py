@@ -3,7 +3,8 @@ vLLM generator at once (two engines shared by the module):
 - a bfloat16 trainer (float32 masters) refits both after every step, and after each refit each
   generates exactly as vLLM's own loader makes it on the trainer's bfloat16 export of that step
   (the generator itself after `/v1/weights/load` of the export: tests/generator shows that such a
-  load generates exactly as a fresh engine); for the trainer layouts (1,2,2) and (2,2,1);
+  load generates exactly as a fresh engine); for the trainer layouts (1,2,2) and (2,2,1) (the
+  TP-2 generator's workers each take their own shards, w13 halves included, from ep-2 ranks);
 - a float32 trainer refits them with the sender rounding to bfloat16 (to nearest even, as the
   export does): exactly its bfloat16 export, with 2 bytes per weight on the wire, half of float32
   (the refit's bytes equal the generators' bfloat16 parameter bytes, and the TP-1 generator's are
