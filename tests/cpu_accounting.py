@@ -3,11 +3,12 @@ per pytest process (each xdist worker) into DIR, and `python -m tests.cpu_accoun
 them into a table.
 
 On a 2-core machine the slow tier keeps both cores busy, so its wall time follows its CPU time,
-not its waits; this is what says which files to make cheaper. A test's CPU is the pytest
-process's own plus that of the processes it started and reaped (engines, trainer jobs, syncd),
-counted when each test ends, with its module's fixtures' teardown in its last test. A process
-killed without being reaped by its parent (an engine's worker when the engine is killed) is
-not counted: the figures are a floor.
+not its waits; this is what says which files to make cheaper. A test's CPU is what the pytest
+process and every process under it used between the end of the test before and its own end: the
+pytest process's own, the processes it reaped (`RUSAGE_CHILDREN`), and each live descendant's
+with what it reaped itself; a module's fixtures' teardown counts in its last test. A process whose
+parent died before it (re-parented away from the tree) is not counted once it ends: the figures
+are a floor.
 """
 
 from __future__ import annotations
@@ -27,7 +28,22 @@ ENV = "TEST_CPU_REPORT"
 def _cpu_s() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime + _live_descendants_s()
+
+
+def _live_descendants_s() -> float:
+    """The CPU of every live process under this one, each with the children it reaped: when one
+    ends, its parent's reaped share (or ours) takes it over, so the total does not jump."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:  # ended meanwhile: its parent's reaped share has it, or soon will
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 class CpuAccounting:
@@ -63,7 +79,10 @@ def main(folder: str) -> None:
     whole = sum(total.values())
     print(f"{'CPU s':>8} {'share':>6}  test file (total {whole:.0f} s)")
     for file, seconds in sorted(total.items(), key=lambda kv: -kv[1]):
-        print(f"{seconds:8.0f} {seconds / whole:6.1%}  {file}")
+        try:
+            print(f"{seconds:8.0f} {seconds / whole:6.1%}  {file}")
+        except BrokenPipeError:  # | head
+            return
 
 
 if __name__ == "__main__":
