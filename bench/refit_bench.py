@@ -105,7 +105,7 @@ def _extra_memory_mib(fn, device, cache: LoopCache) -> float:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
-def _profile(fn, device, path: Path) -> None:
+def profile_run(fn, device, path: Path) -> None:
     """One run of `fn` under the torch profiler: a chrome trace (gzip) and a table of host time per
     labelled step (the executor labels pack, isend, waits, checksums, unpack)."""
     from torch.profiler import ProfilerActivity, profile
@@ -218,15 +218,19 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     }
     raw = torch.empty(total, dtype=torch.uint8, device=device)
     last = {}
-    # What a member keeps with its transport, and the collector pause its agent holds.
-    cache, gc_pause = LoopCache(), GcPause()
+    # What a member keeps with its transport, one per plan: a member refits with one plan until
+    # its group changes, and a cache keeps one plan's prepared work (`retain_used`), so rounds
+    # that take the plans in turn through one cache would time refits after a plan change.
+    caches, gc_pause = {mib: LoopCache() for mib in plans}, GcPause()
 
     def refit(mib: int, verify: bool = True, graphs: bool = False):
         run = send_buckets if rank == 0 else recv_buckets
         options = LoopOptions(300, args.in_flight, verify=verify, graphs=graphs, gc_pause=gc_pause)
-        last[mib] = run(plans[mib].for_member(me), views, transport, ranks, options, cache=cache)
+        last[mib] = run(plans[mib].for_member(me), views, transport, ranks, options, cache=caches[mib])
 
-    result["extra_gpu_mib"] = {mib: _extra_memory_mib(partial(refit, mib), device, cache) for mib in plans}
+    result["extra_gpu_mib"] = {
+        mib: _extra_memory_mib(partial(refit, mib), device, caches[mib]) for mib in plans
+    }
     hf = hf_regions(shape, catalog, views)
     methods: dict[str, Callable[[], object]] = {"raw": partial(_raw_transfer, transport, raw, rank)}
     for mib in plans:
@@ -245,24 +249,26 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
         dist.all_gather_object(gathered, last[mib].checksums)
         ok[mib] = gathered[0] == gathered[1] and len(gathered[0]) == plans[mib].num_units
     result["checksums_ok"] = all(ok.values())
-    if device.type == "cuda":  # where the link waits, from one more refit per size with timed transfers
+    if device.type == "cuda":  # where the link waits, from two more refits per size with timed transfers
         timed, result["link"] = _LinkTimer(transport), {}
-        timed_cache, options = LoopCache(), LoopOptions(300, args.in_flight, gc_pause=gc_pause)
+        options = LoopOptions(300, args.in_flight, gc_pause=gc_pause)
         for mib in plans:
-            timed.marks.clear()
             run = send_buckets if rank == 0 else recv_buckets
-            run(plans[mib].for_member(me), views, timed, ranks, options, cache=timed_cache)
+            timed_cache = LoopCache()
+            for _ in range(2):  # the first prepares the buckets' work: the second is timed
+                timed.marks.clear()
+                run(plans[mib].for_member(me), views, timed, ranks, options, cache=timed_cache)
             _sync(device)
             both = [None, None]
             dist.all_gather_object(both, timed.summary())
             result["link"][mib] = {"sender": both[0], "receiver": both[1]}
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-        _profile(
+        profile_run(
             lambda: refit(args.bucket_mib[0]), device, Path(args.profile) / f"warmup-rank{rank}"
         )  # profiler start-up
         for mib in plans:
-            _profile(lambda m=mib: refit(m), device, Path(args.profile) / f"refit-{mib}mib-rank{rank}")
+            profile_run(lambda m=mib: refit(m), device, Path(args.profile) / f"refit-{mib}mib-rank{rank}")
     transport.close()
     if rank == 0:
         Path(out_path).write_text(json.dumps(result))
