@@ -21,7 +21,13 @@ from syncd.member.dataplane.transport import OneCaller, TransferError, TransferT
 
 _Op = tuple[Callable[..., None], torch.Tensor, int, str]  # nccl4py's send or recv, buffer, peer, what
 _POLL_S = 50e-6
-_SPIN_S = 5e-3
+# How long a wait spins before it sleep-polls. `torch.cuda.Event.query` holds the GIL, so a
+# spinning waiter keeps every other Python thread of the process out (a receiver runs one loop
+# per trainer stage, each in its own thread): one that gives the GIL up for a launch gets it back
+# only when the spinner is forced to switch, after `sys.getswitchinterval()` (5 ms). A spin no
+# longer than about a 64 MiB bucket's time on NVLink keeps the wake-up quick for short waits and
+# bounds what another thread can lose to it.
+_SPIN_S = 100e-6
 
 
 def _nccl():
@@ -43,8 +49,8 @@ class _EventHandle:
         torch.cuda.current_stream(self._transport.device).wait_event(self._event)
 
     def wait(self, timeout_s: float) -> None:
-        # Spin first: a bucket takes well under a millisecond on NVLink, and a sleep costs more
-        # than that in wake-up latency. Sleep-poll only once the wait is clearly long.
+        # Spin first (a short wait ends sooner than a sleep would wake up), then sleep-poll,
+        # which lets the process's other threads run (see `_SPIN_S`).
         start = time.monotonic()
         deadline = start + timeout_s
         while not self._event.query():
