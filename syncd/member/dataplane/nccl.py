@@ -28,6 +28,11 @@ _POLL_S = 50e-6
 # longer than about a 64 MiB bucket's time on NVLink keeps the wake-up quick for short waits and
 # bounds what another thread can lose to it.
 _SPIN_S = 100e-6
+# How long `settle` spins before it sleep-polls. A non-blocking communicator hands every call's
+# host-side work to a thread of NCCL's own (NCCL 2.28 starts one per call: its send or receive
+# settles some 50 us later, measured on 2x H200); a sleep would add its wake-up latency to every
+# bucket's post, which at 64 MiB buckets is as long as the transfer itself.
+_SETTLE_SPIN_S = 5e-3
 
 
 def _nccl():
@@ -116,7 +121,7 @@ class NcclTransport:
             if now - start > timeout_s:
                 self.abort()
                 raise TransferTimeout(f"{what} did not complete within {timeout_s:.0f} s")
-            if now - start > _SPIN_S:  # spin first: an enqueue settles in microseconds
+            if now - start > _SETTLE_SPIN_S:
                 time.sleep(_POLL_S)
         if state != "ok":
             self.abort()
@@ -127,7 +132,7 @@ class NcclTransport:
         with self._comm_lock:
             if self._comm is None:
                 return "error: communicator aborted"
-            result = self._comm.get_async_error()
+            result = bindings.comm_get_async_error(self._comm._comm)  # the binding, as `_enqueue` polls
         if result == bindings.Result.InProgress:
             return "in_progress"
         return "ok" if result == bindings.Result.Success else f"error {result!r}"
