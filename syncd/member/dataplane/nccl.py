@@ -11,6 +11,7 @@ the caller aborts the communicator instead.
 from __future__ import annotations
 
 import base64
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,8 +36,10 @@ _SPIN_S = 100e-6
 _SETTLE_SPIN_S = 5e-3
 
 
+@functools.cache
 def _nccl():
-    """(nccl.core, nccl.bindings.nccl), imported on use (Python keeps them once imported): the
+    """(nccl.core, nccl.bindings.nccl), imported on first use and kept (an import statement costs
+    microseconds even when the module is loaded, and the waits call this in their poll loops): the
     GPU extra is optional."""
     try:
         import nccl.core as nccl_core
