@@ -25,8 +25,8 @@ _POLL_S = 50e-6
 # How long a wait spins before it sleep-polls. `torch.cuda.Event.query` holds the GIL, so a
 # spinning waiter keeps every other Python thread of the process out (a receiver runs one loop
 # per trainer stage, each in its own thread): one that gives the GIL up for a launch gets it back
-# only when the spinner is forced to switch, after `sys.getswitchinterval()` (5 ms). A spin no
-# longer than about a 64 MiB bucket's time on NVLink keeps the wake-up quick for short waits and
+# only when the spinner is forced to switch, after `sys.getswitchinterval()` (5 ms). A spin of
+# about half a 64 MiB bucket's time on NVLink (0.2 ms) keeps the wake-up quick for short waits and
 # bounds what another thread can lose to it.
 _SPIN_S = 100e-6
 # How long `settle` spins before it sleep-polls. A non-blocking communicator hands every call's
