@@ -11,9 +11,9 @@
 #   - four GPUs or more: trainer pp=2 on GPUs 0-1 into a TP=2 receiver on GPUs 2-3, one
 #     communicator per stage, stages concurrent and serialized (stages).
 # Environment: BUCKET_MIBS (the refit's bucket sizes, first is the headline; default 512,256,64),
-# REPS (default 7), PROFILE=1 (profiler traces of the refit and their summary), LOOPBACK=1 (also
-# the one-GPU loop-back pipeline, bench/loopback_bench.py, with BEFORE_TREE=DIR an earlier tree
-# in the same call), GPU_TESTS (more tests to run), SKIP_TESTS=1.
+# REPS (default 7), PROFILE=1 (profiler traces of the refit and of the stages, and their summary),
+# LOOPBACK=1 (also the one-GPU loop-back pipeline, bench/loopback_bench.py, with BEFORE_TREE=DIR an
+# earlier tree in the same call), GPU_TESTS (more tests to run), SKIP_TESTS=1.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 gib=${1:-8}
@@ -75,7 +75,13 @@ fi
 # Trainer pp=2 on GPUs 0-1, a TP=2 receiver on GPUs 2-3, one communicator per stage, stages
 # concurrent vs serialized.
 if (( gpus >= 4 )); then
+  profile=()
+  [[ -n "${PROFILE:-}" ]] && profile=(--profile "$out/prof-stages")
   python3 bench/stage_bench.py --backend nccl --gib "$gib" --pp 2 --tp 2 \
-    --bucket-mib "$(echo "${BUCKET_MIBS:-512}" | cut -d, -f1)" --reps "$reps" --json "$(result stages)" 2>&1 \
-    | quiet
+    --bucket-mib "$(echo "${BUCKET_MIBS:-512}" | cut -d, -f1)" --reps "$reps" --json "$(result stages)" \
+    "${profile[@]}" 2>&1 | quiet
+  if [[ -n "${PROFILE:-}" ]]; then
+    python3 bench/trace_summary.py "$out/prof-stages"/stages-*.json.gz | tee -a "$out/bench.log"
+    tar -cf "$out/prof-stages.tar" -C "$out" "prof-stages" && rm -r "${out:?}/prof-stages"
+  fi
 fi

@@ -105,7 +105,7 @@ def _extra_memory_mib(fn, device, cache: LoopCache) -> float:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
-def _profile(fn, device, path: Path) -> None:
+def profile_run(fn, device, path: Path) -> None:
     """One run of `fn` under the torch profiler: a chrome trace (gzip) and a table of host time per
     labelled step (the executor labels pack, isend, waits, checksums, unpack)."""
     from torch.profiler import ProfilerActivity, profile
@@ -126,24 +126,49 @@ def _profile(fn, device, path: Path) -> None:
     Path(str(path) + ".txt").write_text(table)
 
 
+class _TimedHandle:
+    """A transfer's handle whose host waits add to their `_LinkTimer`'s."""
+
+    def __init__(self, inner: Handle, timer: _LinkTimer) -> None:
+        self.inner, self.timer = inner, timer
+
+    def fence(self, timeout_s: float) -> None:
+        self.inner.fence(timeout_s)
+
+    def wait(self, timeout_s: float) -> None:
+        start = time.perf_counter()
+        self.inner.wait(timeout_s)
+        self.timer.waited_s += time.perf_counter() - start
+
+
 class _LinkTimer:
     """Wraps the NCCL transport to time each transfer with CUDA events (no profiler, so the host
-    runs at its real speed): how busy the link was, and where it waited."""
+    runs at its real speed): how busy the link was, and where it waited; and on the host, from
+    the first transfer posted to the last, how long the loop waited for transfers (a loop that
+    waits little there is what the link waits for)."""
 
     def __init__(self, inner: NcclTransport) -> None:
         self.inner = inner
         self.rank, self.world_size = inner.rank, inner.world_size
         self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, end) per transfer
+        self.posted: list[float] = []  # host clock at each post
+        self.waited_s = 0.0
+
+    def clear(self) -> None:
+        self.marks.clear()
+        self.posted.clear()
+        self.waited_s = 0.0
 
     def _timed(self, op: Callable[[torch.Tensor, int], Handle], buf: torch.Tensor, peer: int) -> Handle:
         stream = self.inner.stream
         stream.wait_stream(torch.cuda.current_stream())
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)  # reached once the stream's waits (the packed bucket) are met
+        self.posted.append(time.perf_counter())
         handle = op(buf, peer)
         end.record(stream)
         self.marks.append((start, end))
-        return handle
+        return _TimedHandle(handle, self)
 
     def isend(self, buf: torch.Tensor, peer: int) -> Handle:
         return self._timed(self.inner.isend, buf, peer)
@@ -169,6 +194,8 @@ class _LinkTimer:
             "gaps_ms": round(sum(gaps), 3),
             "largest_gap_ms": round(max(gaps, default=0.0), 3),
             "longest_transfer_ms": round(max(b - a for a, b in spans), 3),
+            "host_posting_ms": round((self.posted[-1] - self.posted[0]) * 1e3, 3),
+            "host_waits_ms": round(self.waited_s * 1e3, 3),
         }
 
 
@@ -218,15 +245,19 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
     }
     raw = torch.empty(total, dtype=torch.uint8, device=device)
     last = {}
-    # What a member keeps with its transport, and the collector pause its agent holds.
-    cache, gc_pause = LoopCache(), GcPause()
+    # What a member keeps with its transport, one per plan: a member refits with one plan until
+    # its group changes, and a cache keeps one plan's prepared work (`retain_used`), so rounds
+    # that take the plans in turn through one cache would time refits after a plan change.
+    caches, gc_pause = {mib: LoopCache() for mib in plans}, GcPause()
 
     def refit(mib: int, verify: bool = True, graphs: bool = False):
         run = send_buckets if rank == 0 else recv_buckets
         options = LoopOptions(300, args.in_flight, verify=verify, graphs=graphs, gc_pause=gc_pause)
-        last[mib] = run(plans[mib].for_member(me), views, transport, ranks, options, cache=cache)
+        last[mib] = run(plans[mib].for_member(me), views, transport, ranks, options, cache=caches[mib])
 
-    result["extra_gpu_mib"] = {mib: _extra_memory_mib(partial(refit, mib), device, cache) for mib in plans}
+    result["extra_gpu_mib"] = {
+        mib: _extra_memory_mib(partial(refit, mib), device, caches[mib]) for mib in plans
+    }
     hf = hf_regions(shape, catalog, views)
     methods: dict[str, Callable[[], object]] = {"raw": partial(_raw_transfer, transport, raw, rank)}
     for mib in plans:
@@ -245,24 +276,26 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
         dist.all_gather_object(gathered, last[mib].checksums)
         ok[mib] = gathered[0] == gathered[1] and len(gathered[0]) == plans[mib].num_units
     result["checksums_ok"] = all(ok.values())
-    if device.type == "cuda":  # where the link waits, from one more refit per size with timed transfers
+    if device.type == "cuda":  # where the link waits, from two more refits per size with timed transfers
         timed, result["link"] = _LinkTimer(transport), {}
-        timed_cache, options = LoopCache(), LoopOptions(300, args.in_flight, gc_pause=gc_pause)
+        options = LoopOptions(300, args.in_flight, gc_pause=gc_pause)
         for mib in plans:
-            timed.marks.clear()
             run = send_buckets if rank == 0 else recv_buckets
-            run(plans[mib].for_member(me), views, timed, ranks, options, cache=timed_cache)
+            timed_cache = LoopCache()
+            for _ in range(2):  # the first prepares the buckets' work: the second is timed
+                timed.clear()
+                run(plans[mib].for_member(me), views, timed, ranks, options, cache=timed_cache)
             _sync(device)
             both = [None, None]
             dist.all_gather_object(both, timed.summary())
             result["link"][mib] = {"sender": both[0], "receiver": both[1]}
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-        _profile(
+        profile_run(
             lambda: refit(args.bucket_mib[0]), device, Path(args.profile) / f"warmup-rank{rank}"
         )  # profiler start-up
         for mib in plans:
-            _profile(lambda m=mib: refit(m), device, Path(args.profile) / f"refit-{mib}mib-rank{rank}")
+            profile_run(lambda m=mib: refit(m), device, Path(args.profile) / f"refit-{mib}mib-rank{rank}")
     transport.close()
     if rank == 0:
         Path(out_path).write_text(json.dumps(result))
@@ -458,7 +491,8 @@ def report(s: dict) -> str:
                 f"{side} link, {mib} MiB buckets: {link['busy_ms']:.2f} ms transferring in a "
                 f"{link['span_ms']:.2f} ms span ({link['transfers']} transfers), "
                 f"{link['gaps_ms']:.2f} ms idle between them (largest {link['largest_gap_ms']:.2f}), "
-                f"longest transfer {link['longest_transfer_ms']:.2f} ms"
+                f"longest transfer {link['longest_transfer_ms']:.2f} ms; host: "
+                f"{link['host_waits_ms']:.2f} ms of waits in {link['host_posting_ms']:.2f} ms of posting"
             )
     lines.append(
         f"headline ({s['bucket_mib']} MiB): refit = {s['refit_vs_raw']:.2f} x raw, "

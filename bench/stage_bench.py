@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.distributed as dist
 
-from bench.refit_bench import spawn_workers, timed_rounds
+from bench.refit_bench import profile_run, spawn_workers, timed_rounds
 from syncd.daemon.checks import checksum_mismatch
 from syncd.layout.dtypes import torch_dtype
 from syncd.member.dataplane import (
@@ -219,6 +219,10 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
         "serialized": lambda: refit(False),
     }
     times = timed_rounds(methods, device, args.reps)
+    if args.profile:  # one more refit, stages concurrent, under the profiler (after a profiled warm-up)
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        for name in ("warmup", "stages"):
+            profile_run(lambda: refit(True), device, Path(args.profile) / f"{name}-rank{rank}")
 
     bit_exact = True if is_trainer else all(torch.equal(owned[n], expected[n]) for n in owned)
     gathered: list[Any] = [None] * (pp + tp)  # (member id, bit exact, checksums) per rank, once gathered
@@ -262,6 +266,7 @@ def main() -> None:
         "trainer stages may share a GPU (their groups differ), e.g. 0,0,1 for pp=2, tp=1",
     )
     parser.add_argument("--json", help="also write the result here")
+    parser.add_argument("--profile", help="also write torch profiler traces and tables of one refit here")
     args = parser.parse_args()
     if args.pp < 1 or args.tp < 1:
         parser.error("--pp and --tp must be at least 1")

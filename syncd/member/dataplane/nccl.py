@@ -11,6 +11,7 @@ the caller aborts the communicator instead.
 from __future__ import annotations
 
 import base64
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,11 +22,24 @@ from syncd.member.dataplane.transport import OneCaller, TransferError, TransferT
 
 _Op = tuple[Callable[..., None], torch.Tensor, int, str]  # nccl4py's send or recv, buffer, peer, what
 _POLL_S = 50e-6
-_SPIN_S = 5e-3
+# How long a wait spins before it sleep-polls. `torch.cuda.Event.query` holds the GIL, so a
+# spinning waiter keeps every other Python thread of the process out (a receiver runs one loop
+# per trainer stage, each in its own thread): one that gives the GIL up for a launch gets it back
+# only when the spinner is forced to switch, after `sys.getswitchinterval()` (5 ms). A spin of
+# about half a 64 MiB bucket's time on NVLink (0.2 ms) keeps the wake-up quick for short waits and
+# bounds what another thread can lose to it.
+_SPIN_S = 100e-6
+# How long `settle` spins before it sleep-polls. A non-blocking communicator hands every call's
+# host-side work to a thread of NCCL's own (NCCL 2.28 starts one per call: its send or receive
+# settles some 50 us later, measured on 2x H200); a sleep would add its wake-up latency to every
+# bucket's post, which at 64 MiB buckets is as long as the transfer itself.
+_SETTLE_SPIN_S = 5e-3
 
 
+@functools.cache
 def _nccl():
-    """(nccl.core, nccl.bindings.nccl), imported on use (Python keeps them once imported): the
+    """(nccl.core, nccl.bindings.nccl), imported on first use and kept (an import statement costs
+    microseconds even when the module is loaded, and the waits call this in their poll loops): the
     GPU extra is optional."""
     try:
         import nccl.core as nccl_core
@@ -43,8 +57,8 @@ class _EventHandle:
         torch.cuda.current_stream(self._transport.device).wait_event(self._event)
 
     def wait(self, timeout_s: float) -> None:
-        # Spin first: a bucket takes well under a millisecond on NVLink, and a sleep costs more
-        # than that in wake-up latency. Sleep-poll only once the wait is clearly long.
+        # Spin first (a short wait ends sooner than a sleep would wake up), then sleep-poll,
+        # which lets the process's other threads run (see `_SPIN_S`).
         start = time.monotonic()
         deadline = start + timeout_s
         while not self._event.query():
@@ -110,7 +124,7 @@ class NcclTransport:
             if now - start > timeout_s:
                 self.abort()
                 raise TransferTimeout(f"{what} did not complete within {timeout_s:.0f} s")
-            if now - start > _SPIN_S:  # spin first: an enqueue settles in microseconds
+            if now - start > _SETTLE_SPIN_S:
                 time.sleep(_POLL_S)
         if state != "ok":
             self.abort()
@@ -121,7 +135,7 @@ class NcclTransport:
         with self._comm_lock:
             if self._comm is None:
                 return "error: communicator aborted"
-            result = self._comm.get_async_error()
+            result = bindings.comm_get_async_error(self._comm._comm)  # the binding, as `_enqueue` polls
         if result == bindings.Result.InProgress:
             return "in_progress"
         return "ok" if result == bindings.Result.Success else f"error {result!r}"
