@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-pytest_plugins = ["tests.cpu_accounting"]  # TEST_CPU_REPORT=DIR: the CPU each test file took
 
 # The markers of each folder's tests; the fast tier's folders have none (pure functions,
 # one-process components, a real syncd in-process with simulated members). A test in a folder
@@ -123,6 +122,10 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_configure(config):
     _spread_engines_over_cores()
+    if os.environ.get("TEST_CPU_REPORT"):  # the CPU each test file took (tests/cpu_accounting.py)
+        from tests.cpu_accounting import register
+
+        register(config, Path(os.environ["TEST_CPU_REPORT"]))
 
 
 def _spread_engines_over_cores() -> None:

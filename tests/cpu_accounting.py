@@ -1,6 +1,6 @@
-"""Where the suite's CPU goes, by test file: `TEST_CPU_REPORT=DIR make test` writes one JSON file
-per pytest process (each xdist worker) into DIR, and `python -m tests.cpu_accounting DIR` sums
-them into a table.
+"""Where the suite's CPU goes, by test file: `TEST_CPU_REPORT=DIR make test` (tests/conftest.py
+calls `register` then) writes one JSON file per pytest process (each xdist worker) into
+DIR, and `python -m tests.cpu_accounting DIR` sums them into a table.
 
 On a 2-core machine the slow tier keeps both cores busy, so its wall time follows its CPU time,
 not its waits; this is what says which files to make cheaper. A test's CPU is what the pytest
@@ -21,8 +21,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
-ENV = "TEST_CPU_REPORT"
 
 
 def _cpu_s() -> float:
@@ -65,10 +63,11 @@ class CpuAccounting:
         (self.folder / f"cpu-{name}-{os.getpid()}.json").write_text(json.dumps(self.by_file, indent=1))
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    folder = os.environ.get(ENV)
-    if folder:
-        config.pluginmanager.register(CpuAccounting(Path(folder)), "cpu-accounting")
+def register(config: pytest.Config, folder: Path) -> None:
+    """Count this session's CPU into `folder`; not a session run by a test in a directory of its
+    own (`pytester`), whose CPU the test's own count holds already."""
+    if config.rootpath.resolve() == Path(__file__).resolve().parents[1]:
+        config.pluginmanager.register(CpuAccounting(folder), "cpu-accounting")
 
 
 def main(folder: str) -> None:
