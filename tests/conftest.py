@@ -122,10 +122,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_configure(config):
     _spread_engines_over_cores()
-    if os.environ.get("TEST_CPU_REPORT"):  # the CPU each test file took (tests/cpu_accounting.py)
-        from tests.cpu_accounting import register
+    # The CPU each test file took (tests/cpu_accounting.py); not in a session of pytest run by a
+    # test on a copy of this file elsewhere (tests/unit/test_tiers.py), where `tests` is no package.
+    if os.environ.get("TEST_CPU_REPORT") and config.rootpath == TESTS.parent:
+        from tests.cpu_accounting import CpuAccounting
 
-        register(config, Path(os.environ["TEST_CPU_REPORT"]))
+        config.pluginmanager.register(CpuAccounting(Path(os.environ["TEST_CPU_REPORT"])), "cpu-accounting")
 
 
 def _spread_engines_over_cores() -> None:

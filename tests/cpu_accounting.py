@@ -1,5 +1,5 @@
 """Where the suite's CPU goes, by test file: `TEST_CPU_REPORT=DIR make test` (tests/conftest.py
-calls `register` then) writes one JSON file per pytest process (each xdist worker) into
+registers `CpuAccounting` then) writes one JSON file per pytest process (each xdist worker) into
 DIR, and `python -m tests.cpu_accounting DIR` sums them into a table.
 
 On a 2-core machine the slow tier keeps both cores busy, so its wall time follows its CPU time,
@@ -61,13 +61,6 @@ class CpuAccounting:
         self.folder.mkdir(parents=True, exist_ok=True)
         name = os.environ.get("PYTEST_XDIST_WORKER", "main")
         (self.folder / f"cpu-{name}-{os.getpid()}.json").write_text(json.dumps(self.by_file, indent=1))
-
-
-def register(config: pytest.Config, folder: Path) -> None:
-    """Count this session's CPU into `folder`; not a session run by a test in a directory of its
-    own (`pytester`), whose CPU the test's own count holds already."""
-    if config.rootpath.resolve() == Path(__file__).resolve().parents[1]:
-        config.pluginmanager.register(CpuAccounting(folder), "cpu-accounting")
 
 
 def main(folder: str) -> None:
