@@ -122,9 +122,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_configure(config):
     _spread_engines_over_cores()
-    # The CPU each test file took (tests/cpu_accounting.py); not in a session of pytest run by a
-    # test on a copy of this file elsewhere (tests/unit/test_tiers.py), where `tests` is no package.
-    if os.environ.get("TEST_CPU_REPORT") and config.rootpath == TESTS.parent:
+    # The CPU each test file took (tests/cpu_accounting.py), counted where the tests run: not in
+    # pytest-xdist's controller (its processes are the workers, whose CPU they count themselves),
+    # nor in a session of pytest run by a test on a copy of this file elsewhere
+    # (tests/unit/test_tiers.py), where `tests` is no package.
+    controller = bool(config.getoption("numprocesses", None)) and "PYTEST_XDIST_WORKER" not in os.environ
+    if os.environ.get("TEST_CPU_REPORT") and config.rootpath == TESTS.parent and not controller:
         from tests.cpu_accounting import CpuAccounting
 
         config.pluginmanager.register(CpuAccounting(Path(os.environ["TEST_CPU_REPORT"])), "cpu-accounting")
