@@ -28,3 +28,13 @@ def references(tmp_path_factory):
     references = References(tmp_path_factory.mktemp("references"))
     yield references
     references.stop()
+
+
+@pytest.fixture(autouse=True)
+def _stop_trainers(request):
+    """After each test, passed or failed, the trainer jobs it started on its module's stack stop."""
+    yield
+    for name in ("stack", "lab_stack"):
+        if name in request.fixturenames:
+            value = request.getfixturevalue(name)
+            (value[0] if isinstance(value, tuple) else value).stop_trainers()

@@ -62,6 +62,7 @@ class Stack:
         self.token = self.cluster.make_token(work)  # every process gets it (a lab's syncd needs one)
         self.http_port, self.grpc_port = free_port(), free_port()
         self.syncd: Proc | None = None
+        self.trainers: list[Proc] = []  # the jobs `train` started, until `stop_trainers`
         base_url = f"http://{self.where.address(SYNCD)}:{self.http_port}"
         headers = {"Authorization": f"Bearer {self.token}"}
         self.http = httpx.Client(base_url=base_url, timeout=30, headers=headers)
@@ -194,7 +195,7 @@ class Stack:
         """A torchrun trainer job training in `dtype` (bfloat16: float32 masters), exporting every
         step in `export_dtype` (default: `dtype`)."""
         world = pp * ep * tp
-        return self.cluster.start(
+        job = self.cluster.start(
             name,
             self.where.command(
                 TRAINER,
@@ -237,6 +238,15 @@ class Stack:
             ),
             env={"OMP_NUM_THREADS": "1"},
         )
+        self.trainers.append(job)
+        return job
+
+    def stop_trainers(self) -> None:
+        """Stop every trainer job `train` started: one left running would register with the next
+        test's syncd (same ports) and announce its own versions there."""
+        for job in self.trainers:
+            self.cluster.discard(job)
+        self.trainers.clear()
 
     def train_and_refit(
         self, model: Path, layout: tuple[int, int, int], export: Path, steps: int = 1

@@ -71,20 +71,14 @@ def replicas(lab_stack, model) -> dict[int, Generator]:
 
 @pytest.fixture
 def train(lab_stack, model):
-    """Start this test's trainer job (`steps`, exporting to `export`); it is stopped when the test
-    ends, passed or failed: one left running would register with the next test's syncd (same
-    ports) and announce its own versions there (CI once saw a failed test's trainer do so)."""
+    """Start this test's trainer job (`steps`, exporting to `export`); the e2e conftest stops it
+    when the test ends, passed or failed."""
     stack, _ = lab_stack
-    started: list[Proc] = []
 
     def start(steps: int, export: Path) -> Proc:
-        proc = stack.train(model, pp=1, ep=2, tp=2, steps=steps, export=export)
-        started.append(proc)
-        return proc
+        return stack.train(model, pp=1, ep=2, tp=2, steps=steps, export=export)
 
-    yield start
-    for proc in started:
-        stack.cluster.discard(proc)
+    return start
 
 
 def start_replica(stack: Stack, model: Path, replica: int) -> Generator:

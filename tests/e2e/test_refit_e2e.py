@@ -53,6 +53,7 @@ def test_refit_after_a_syncd_restart_keeps_history_and_commits(stack, generator,
     assert first["id"] in str(history)
     assert stack.http.get("/v1/status").json()["committed_version"] == 1
     stack.wait_ready()  # both services re-registered by themselves
+    stack.wait_announced(2)  # the rank re-registered with version 1 if its step 2 had not ended
     second = stack.refit(2)
     assert second["state"] == "COMMITTED", second
     assert trainer.popen.wait(180) == 0, trainer.tail()
