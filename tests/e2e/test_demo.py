@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from e2e_harness import References
 from safetensors import safe_open
 
 from deploy.local.processes import PYTHON, REPO
@@ -52,8 +53,11 @@ def _logged_errors(logs: Path, most: int = 40) -> str:
     return f"\n{shown} error lines the services logged (shutdown's come last):\n" + "\n".join(lines[:most])
 
 
-def test_the_demo_refits_a_bfloat16_generator_after_every_step(tmp_path):
-    summary = _run_demo(tmp_path, "--steps", "2")
+def test_the_demo_refits_a_bfloat16_generator_after_every_step_while_clients_generate(tmp_path):
+    """`make demo` with two clients generating through its refits (`--pause-mode keep`): every
+    refit commits, none of the clients' requests fails, every answer says which weight versions
+    produced its tokens, and each refit's pause is recorded."""
+    summary = _run_demo(tmp_path, "--steps", "2", "--pause-mode", "keep", "--load", "2", "--max-tokens", "64")
     work = tmp_path / "demo"
     assert summary["refits"] == summary["refits_committed"] == 2 and summary["checksums_ok"], summary
     # After a refit the generator (bfloat16 arithmetic) samples as the trainer scores its bfloat16
@@ -63,41 +67,30 @@ def test_the_demo_refits_a_bfloat16_generator_after_every_step(tmp_path):
     with safe_open(str(work / "export" / "step-1" / "model.safetensors"), framework="pt") as f:
         elements = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 - safe_open is not iterable
     assert [p["bytes"] for p in summary["refit_phases"]] == [2 * elements] * 2, summary["refit_phases"]
-
-
-def test_the_demo_serves_a_model_dir_whose_vocabulary_is_smaller_than_its_old_fixed_prompts(tmp_path):
-    """`--model-dir` on a Qwen3-MoE of vocabulary 256: the prompts come from the model's vocabulary
-    (fixed ids up to 400 once killed the generator's engine on the first completion). The same run
-    keeps two clients generating through its refits with `--pause-mode keep`: none fails, every
-    answer says which weight versions produced its tokens, and each refit's pause is recorded."""
-    model = make_tiny_checkpoint(
-        tmp_path / "model", seed=3, args=dataclasses.replace(TINY_ARGS, vocab_size=256)
-    )
-    summary = _run_demo(
-        tmp_path, "--steps", "2", "--model-dir", str(model),
-        "--pause-mode", "keep", "--load", "2", "--max-tokens", "64",
-    )  # fmt: skip
-    assert summary["refits"] == summary["refits_committed"] == 2 and summary["checksums_ok"], summary
-    assert summary["kl_after_max"] < 1e-4, summary
     assert summary["load_requests"] > 0 and summary["failed_requests"] == 0, summary
     assert summary["responses_without_versions"] == 0, summary
     assert [p["step"] for p in summary["refit_pauses"]] == [1, 2], summary["refit_pauses"]
     assert all(p["install_s"] > 0 and p["pause_s"] > 0 for p in summary["refit_pauses"]), summary
 
 
-def test_the_lora_demo_refits_only_target_modules_bit_exact_with_a_fresh_engine_on_the_merge(tmp_path):
-    """`--lora-rank 8`: every refit moves the target modules' merged weights and nothing else, and
-    after each one the generator's greedy tokens and logprobs equal, bit for bit, a fresh vLLM's on
-    the base checkpoint merged with that step's adapter (reassembled from the trainer's shards and
-    merged whole, as `trainer_svc.lora.merge` defines it)."""
+def test_the_lora_demo_refits_only_target_modules_bit_exact_with_vllm_on_the_merge(tmp_path):
+    """`--lora-rank 8` on a `--model-dir` whose vocabulary (256) is smaller than the demo's old
+    fixed prompts (ids up to 400 once killed the generator's engine on the first completion; the
+    prompts now come from the model's vocabulary). Every refit moves the target modules' merged
+    weights and nothing else, and after each one the generator's greedy tokens and logprobs equal,
+    bit for bit, vLLM's on the base checkpoint merged with that step's adapter (reassembled from
+    the trainer's shards and merged whole, as `trainer_svc.lora.merge` defines it). vLLM's: a
+    reference engine started on the first merge and loading the later ones through vLLM's own
+    loaders (tests/generator holds such a load equal to a fresh engine, token for token)."""
     import torch
 
-    from deploy.local.processes import Cluster
-    from syncd.net import free_port
     from trainer_svc.hf_checkpoint import load_hf, save_hf
     from trainer_svc.lora.checkpoint import load_adapter, merge_checkpoint
 
-    summary = _run_demo(tmp_path, "--lora-rank", "8", "--steps", "3")
+    model = make_tiny_checkpoint(
+        tmp_path / "model", seed=3, args=dataclasses.replace(TINY_ARGS, vocab_size=256)
+    )
+    summary = _run_demo(tmp_path, "--lora-rank", "8", "--steps", "3", "--model-dir", str(model))
     work = tmp_path / "demo"
     assert summary["refits"] == summary["refits_committed"] == 3 and summary["checksums_ok"], summary
     lora = summary["lora"]
@@ -105,30 +98,19 @@ def test_the_lora_demo_refits_only_target_modules_bit_exact_with_a_fresh_engine_
     assert [p["bytes"] for p in summary["refit_phases"]] == [lora["target_bytes"]] * 3, summary
     assert lora["target_bytes"] < lora["model_bytes"], lora
 
-    args, base = load_hf(work / "model")
-    with Cluster(tmp_path / "fresh-logs") as cluster:
+    args, base = load_hf(model)
+    references = References(tmp_path / "references")  # this test's own: no other test has its vocabulary
+    try:
         for row in summary["steps"]:
             step = row["step"]
             adapter = load_adapter(work / "export" / f"step-{step}")
-            reference = save_hf(
-                tmp_path / f"reference-{step}",
-                args,
-                merge_checkpoint(base, adapter, torch.bfloat16),
-                "bfloat16",
-            )
-            port = free_port()
-            fresh = cluster.start(
-                f"fresh-{step}",
-                [PYTHON, "-m", "generator_svc", "--model", str(reference), "--port", str(port),
-                 "--served-model-name", "tiny", "--dtype", "bfloat16", "--enforce-eager",
-                 "--max-model-len", "256", "--skip-tokenizer-init"],
-                env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-            )  # fmt: skip
-            url = f"http://127.0.0.1:{port}"
-            cluster.wait_http(fresh, f"{url}/healthz", 300)
-            expected = _greedy(url, _prompts(work / "model"))
+            merge = merge_checkpoint(base, adapter, torch.bfloat16)
+            merged = save_hf(tmp_path / f"reference-{step}", args, merge, "bfloat16")
+            engine = references.serving(merged)
+            expected = _greedy(str(engine.http.base_url), _prompts(model))
             assert [(t, lp) for t, lp in row["greedy"]] == expected, f"step {step}"
-            fresh.stop()
+    finally:
+        references.stop()
 
 
 def _prompts(model: Path) -> list[list[int]]:
