@@ -99,7 +99,8 @@ def test_the_lora_demo_refits_only_target_modules_bit_exact_with_vllm_on_the_mer
     assert lora["target_bytes"] < lora["model_bytes"], lora
 
     args, base = load_hf(model)
-    references = References(tmp_path / "references")  # this test's own: no other test has its vocabulary
+    (tmp_path / "references").mkdir()
+    references = References(tmp_path / "references")  # this test's own: no other test serves its vocabulary
     try:
         for row in summary["steps"]:
             step = row["step"]
