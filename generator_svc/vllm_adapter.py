@@ -156,6 +156,8 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     "set_current_vllm_config": ("vllm.config", "set_current_vllm_config"),
     "parallel_state": ("vllm.distributed", "parallel_state"),
     "current_platform": ("vllm.platforms", "current_platform"),
+    # How engines start on CPU (generator_svc.server.engine_start)
+    "CpuPlatform": ("vllm.platforms.cpu", "CpuPlatform"),
     "Worker": ("vllm.v1.worker.gpu_worker", "Worker"),
 }
 
@@ -187,6 +189,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "LoRAModelManager._get_lora_layer_weights": ("self", "lora_model", "module_name"),
     "BaseLinearLayerWithLoRA.set_lora": ("self", "index", "lora_a", "lora_b"),
     "BaseLinearLayerWithLoRA.reset_lora": ("self", "index"),
+    "CpuPlatform.check_and_update_config": ("vllm_config",),
 }
 
 # Attributes read off vLLM's objects: class -> names (methods, class attributes, dataclass fields,

@@ -7,7 +7,7 @@ import logging
 from argparse import Namespace
 
 from generator_svc.server.refit import Refitter
-from generator_svc.settings import Settings
+from generator_svc.settings import EngineStart, Settings
 from syncd.net import HTTP_KEEP_ALIVE_S
 
 log = logging.getLogger("generator_svc")
@@ -18,6 +18,7 @@ async def serve(settings: Settings, args: Namespace) -> int:
     Returns the exit status: 1 when the engine died (generator_svc.server.engine_health), else 0."""
     from generator_svc.server import request_guard, routes, token_versions
     from generator_svc.server.engine_health import keep_http_up_after_engine_death
+    from generator_svc.server.engine_start import start_engines_by_fork
     from generator_svc.server.leave_on_shutdown import leave_syncd_before_shutdown
     from generator_svc.vllm_adapter import (
         build_app,
@@ -28,6 +29,8 @@ async def serve(settings: Settings, args: Namespace) -> int:
         setup_server,
     )
 
+    if settings.engine_start is EngineStart.FORK:
+        start_engines_by_fork()
     listen_address, sock = setup_server(args, reuse_port=False)
     try:
         async with build_async_engine_client(args) as engine:

@@ -15,6 +15,7 @@ import httpx
 from deploy.lab.placement import SYNCD, TRAINER, Placement, generator_host
 from deploy.local import openai_client
 from deploy.local.processes import PYTHON, Cluster, Proc
+from generator_svc.settings import EngineStart
 from syncd.net import free_port
 from syncd.refit_wait import wait_final
 from syncd.weight_version import WeightVersion, version_label
@@ -138,10 +139,12 @@ class Stack:
         refit_mode: str = "staged",
         cpus: str | None = None,
         inplace_delta_base: bool = False,
+        engine_start: EngineStart = EngineStart.FORK,
     ) -> Generator:
         """Replica `replica` (on host `gen<replica>` of a lab); `cpus`: its workers' OpenMP
         binding (VLLM_CPU_OMP_THREADS_BIND; a TP-N engine defaults to one core per worker);
-        `inplace_delta_base`: an inplace generator that takes delta refits."""
+        `inplace_delta_base`: an inplace generator that takes delta refits; `engine_start`: how
+        its engine's processes start (generator_svc's default, fork, or vLLM's own, spawn)."""
         port, host = free_port(), generator_host(replica)
         env: dict[str, str] = {}
         flags = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
@@ -168,6 +171,8 @@ class Stack:
                     "--refit-mode",
                     refit_mode,
                     *(["--inplace-delta-base"] if inplace_delta_base else []),
+                    "--engine-start",
+                    engine_start.value,
                     *(["--syncd", self.target, "--data-host", self.where.address(host)] if syncd else []),
                 ],
             ),
@@ -327,7 +332,9 @@ class References:
     model architecture, started on the first checkpoint asked for and loading each later one
     through vLLM's own loaders (tests/generator holds such a load to a fresh engine token for
     token), instead of a fresh engine (~20 s) per checkpoint. TP 1 and bfloat16, as the tests'
-    generators; on this machine's loopback, whatever `Stack` a test uses."""
+    generators; on this machine's loopback, whatever `Stack` a test uses. Their engines start as
+    vLLM starts them (spawn), so every comparison with a generator, whose engine forks
+    (generator_svc.server.engine_start), also holds the two ways of starting equal."""
 
     def __init__(self, work: Path) -> None:
         self.stack = Stack(work)
@@ -341,7 +348,9 @@ class References:
         engine = self.engines.get(key)
         if engine is None:
             name = f"reference-{len(self.engines)}"
-            engine = self.engines[key] = self.stack.start_generator(checkpoint, syncd=False, name=name)
+            engine = self.engines[key] = self.stack.start_generator(
+                checkpoint, syncd=False, name=name, engine_start=EngineStart.SPAWN
+            )
         else:
             self.loads += 1
             engine.load(checkpoint, WeightVersion(900_000 + self.loads))

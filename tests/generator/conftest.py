@@ -119,11 +119,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def _launched(checkpoints, tmp_path_factory):
-    """Start the shared A service and the reference B engine together (their inits overlap)."""
+    """Start the shared A service and the reference B engine together (their inits overlap). A
+    starts its engine as generator_svc does (fork), B as vLLM does (spawn): the tests that refit A
+    to B and compare it with B token for token also hold the two ways of starting equal."""
     logs = tmp_path_factory.mktemp("logs")
     services = {
         "A": Service(checkpoints["A"], logs / "A.log"),
-        "B": Service(checkpoints["B"], logs / "B.log"),
+        "B": Service(checkpoints["B"], logs / "B.log", "--engine-start", "spawn"),
     }
     yield services
     for s in services.values():

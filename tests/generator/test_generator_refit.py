@@ -5,9 +5,11 @@ The shared service starts on checkpoint A. Every test leaves it serving A again.
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -36,6 +38,8 @@ def variant(src: Path, dst: Path, edit) -> Path:
 def test_pushing_b_into_an_engine_on_a_matches_a_fresh_engine_on_b(
     service_a: Service, outputs_a: dict, outputs_fresh_b: dict, checkpoints: dict
 ) -> None:
+    """A's engine forked (generator_svc's default), B's was spawned (vLLM's): equal outputs here
+    also say the two ways of starting compute the same."""
     assert outputs_a != outputs_fresh_b, "A and B must generate differently for this test to mean anything"
     assert load(service_a, checkpoints["B"], "1") == {"status": 200, "version": "1", "serving": True}
     try:
@@ -45,6 +49,15 @@ def test_pushing_b_into_an_engine_on_a_matches_a_fresh_engine_on_b(
     finally:
         assert load(service_a, checkpoints["A"], "2")["status"] == 200
     assert service_a.outputs() == outputs_a
+
+
+def test_a_forked_worker_is_bound_to_the_core_a_spawned_one_gets(service_a: Service) -> None:
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if not bind.isdigit():
+        pytest.skip("the engines are bound to one core only on pytest-xdist's workers (tests/conftest.py)")
+    processes = psutil.Process(service_a.proc.pid).children(recursive=True)
+    workers = [p for p in processes if p.name().startswith("VLLM::Worker")]
+    assert [w.cpu_affinity() for w in workers] == [[int(bind)]]
 
 
 def test_requests_during_a_refit_are_held_not_failed(
