@@ -16,8 +16,8 @@ demo: $(STAMP)  ## the main job: train a tiny MoE and refit a live vLLM generato
 # The slow tier runs on TEST_WORKERS workers (whole groups each, slowest first; 0: one process).
 # Three on 2 cores: the tier is CPU-bound (vLLM engines and trainer ranks importing torch), and a
 # third worker fills the cores while the others wait on leases and refits: 94% busy instead of 88%,
-# 28 minutes instead of 35, with 19 GB of memory at the peak (docs/testing.md). Each worker's
-# engines get a core of their own where they can (tests/conftest.py).
+# with 19 GB of memory at the peak (docs/testing.md). Each worker's engines get a core of their own
+# where they can (tests/conftest.py).
 FAST := not (processes or vllm or e2e or lab or gpu)
 FAST_WORKERS ?= 4
 TEST_WORKERS ?= 3
