@@ -4,8 +4,8 @@ vLLM's CPU platform forces spawn: the engine core and every worker are fresh int
 import vLLM and torch again, 15-20 s of CPU each on a small machine, while the API server that
 starts them has both imported already. A forked process starts in well under a second.
 
-vLLM forces spawn because it binds a worker's OpenMP threads through the environment it starts the
-worker in (`OMP_NUM_THREADS`, and `GOMP_CPU_AFFINITY` or `OMP_PLACES`, set around the worker's
+Spawn matters to one thing vLLM does: it binds a worker's OpenMP threads through the environment
+it starts the worker in (`OMP_NUM_THREADS`, and `GOMP_CPU_AFFINITY` or `OMP_PLACES`, set around the worker's
 start). OpenMP reads those once, when it starts, so a forked worker, whose OpenMP started in its
 parent, would ignore them: it computed with every core's threads, so its outputs differed from a
 spawned worker's (by up to 4e-3 in logprobs) and each request cost it twice the CPU. So
@@ -13,6 +13,9 @@ spawned worker's (by up to 4e-3 in logprobs) and each request cost it twice the 
 cores as the process's affinity (which the threads OpenMP starts later inherit). A forked worker
 then computes exactly what a spawned one computes: the tests compare generators started this way
 bit for bit against engines vLLM starts itself (`tests/generator`, `tests/e2e`).
+
+The shared memory vLLM's processes talk through is unlinked, as under spawn, by Python's resource
+tracker, started in the API server before the forks (`tests/generator/test_generator_shutdown.py`).
 
 Fork copies the API server as it is when the engine starts: vLLM imported, the listening socket
 open, no engine or syncd connection yet (generator_svc starts the engine first). That is how vLLM
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from multiprocessing import resource_tracker
 from typing import Any
 
 from generator_svc.settings import EngineStart
@@ -74,6 +78,12 @@ def start_engines_by_fork() -> bool:
         original(cls, vllm_config)  # sets spawn, with the rest of its CPU environment
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = EngineStart.FORK.value
 
+    # vLLM's engine core and worker talk through shared memory (/dev/shm/psm_*) that the creator
+    # unlinks when finalized, and a forked process ends without finalizers (os._exit). Python's
+    # resource tracker unlinks what is left once every process holding it has ended; started here,
+    # before the forks, the API server and every child share it, as spawned children share their
+    # parent's. Without it each stop left two segments behind.
+    resource_tracker.ensure_running()
     setattr(check_and_update_config, _MARK, True)
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     # vLLM's worker replaces torch.set_num_threads with a no-op once bound; keep the real one.
