@@ -37,7 +37,12 @@ async def serve(settings: Settings, args: Namespace) -> int:
             refitter = Refitter(engine, settings)
             token_versions.track(engine, refitter.history.finished, refitter.adapters.version)
             workers = await refitter.setup(internal_url=f"http://127.0.0.1:{args.port}/internal")
-            log.info("weight sync ready on %d worker(s): %s", len(workers), [w.member_id for w in workers])
+            log.info(
+                "weight sync ready on %d worker(s): %s; their status in %s",
+                len(workers),
+                [w.member_id for w in workers],
+                refitter.status_dir,
+            )
             if settings.syncd:  # before `request_guard.install`, whose engine watch must see a shutdown first
                 leave_syncd_before_shutdown(engine, asyncio.get_running_loop())
             tasks = await engine.get_supported_tasks()

@@ -10,8 +10,10 @@ the routes ask, and tells the routes what is served.
 from __future__ import annotations
 
 import secrets
+import shutil
 import tempfile
 import time
+import weakref
 from typing import Any
 
 from generator_svc.server import metrics
@@ -40,6 +42,8 @@ class Refitter:
         self.workers: list[WorkerInfo] = []
         # Where the workers publish their status (`worker_protocol.WorkerStatus`), read by the probes.
         self.status_dir = tempfile.mkdtemp(prefix="generator-workers-")
+        # Removed with the Refitter or at the process's exit: every start left one in /tmp.
+        weakref.finalize(self, shutil.rmtree, self.status_dir, ignore_errors=True)
         self.adapters = ServedAdapters()  # named LoRA adapters served from slots, with their versions
 
     @property

@@ -1,5 +1,5 @@
 """A generator (real vLLM on CPU) told to stop stops cleanly: status 0, no engine death reported,
-no shared memory left behind.
+no shared memory or status folder left behind.
 
 On SIGTERM or SIGINT vLLM's launcher stops the engine, which marks it dead as it goes; that is
 not the death `engine_health` reports (an ERROR line, the deaths counter, status 1), which would
@@ -13,6 +13,7 @@ starts before it forks: without it each stop left two in /dev/shm."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -40,6 +41,8 @@ def test_a_sigterm_stops_the_generator_with_status_0_and_reports_no_engine_death
     assert "a shutdown was asked for" in log, served.log_tail()
     assert "engine died" not in log and "exiting after the engine's death" not in log, served.log_tail()
     assert [path for path in segments if Path(path).exists()] == []
+    status = re.search(r"their status in (\S+)", log)
+    assert status and not Path(status[1]).exists(), "the workers' status folder is left in /tmp"
 
 
 def _shared_memory_of(pid: int) -> set[str]:
