@@ -77,9 +77,6 @@ class RefitMode(StrEnum):
     INPLACE = "inplace"  # into the live layers, generation held for the transfer
 
 
-REFIT_MODES = tuple(RefitMode)
-
-
 class PauseMode(StrEnum):
     """How a refit meets the requests running when it pauses generation: vLLM's own pause modes
     (`AsyncLLM.pause_generation(mode=...)`), named as vLLM names them."""
@@ -95,6 +92,9 @@ class EngineStart(StrEnum):
     FORK = "fork"  # copies of the API server, bound to their cores as vLLM binds spawned ones
     SPAWN = "spawn"  # vLLM's own way on CPU: fresh interpreters that import vLLM again
 
+
+# The fields that hold one of these enums: a plain string naming a member is taken too.
+_ENUM_FIELDS = (("refit_mode", RefitMode), ("pause_mode", PauseMode), ("engine_start", EngineStart))
 
 # inplace trades the overlap of a second receive buffer for memory: its extra memory is the receive
 # buffers plus the layers being received.
@@ -123,22 +123,12 @@ class Settings:
     engine_start: EngineStart = EngineStart.FORK
 
     def __post_init__(self) -> None:
-        if self.refit_mode not in REFIT_MODES:
-            raise ValueError(
-                f"refit_mode must be one of {[m.value for m in RefitMode]}, got {self.refit_mode!r}"
-            )
-        # A plain string naming a mode (tests, callers) becomes the enum member.
-        object.__setattr__(self, "refit_mode", RefitMode(self.refit_mode))
-        if self.pause_mode not in tuple(PauseMode):
-            raise ValueError(
-                f"pause_mode must be one of {[m.value for m in PauseMode]}, got {self.pause_mode!r}"
-            )
-        object.__setattr__(self, "pause_mode", PauseMode(self.pause_mode))
-        if self.engine_start not in tuple(EngineStart):
-            raise ValueError(
-                f"engine_start must be one of {[m.value for m in EngineStart]}, got {self.engine_start!r}"
-            )
-        object.__setattr__(self, "engine_start", EngineStart(self.engine_start))
+        for name, kind in _ENUM_FIELDS:
+            value = getattr(self, name)
+            if value not in tuple(kind):
+                raise ValueError(f"{name} must be one of {[m.value for m in kind]}, got {value!r}")
+            # A plain string naming a member (tests, callers) becomes the enum member.
+            object.__setattr__(self, name, kind(value))
         if self.inplace_delta_base and self.refit_mode is not RefitMode.INPLACE:
             raise ValueError(
                 f"inplace_delta_base is for --refit-mode inplace, not {self.refit_mode.value} "

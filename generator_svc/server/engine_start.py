@@ -5,8 +5,8 @@ import vLLM and torch again, 15-20 s of CPU each on a small machine, while the A
 starts them has both imported already. A forked process starts in well under a second.
 
 Spawn matters to one thing vLLM does: it binds a worker's OpenMP threads through the environment
-it starts the worker in (`OMP_NUM_THREADS`, and `GOMP_CPU_AFFINITY` or `OMP_PLACES`, set around the worker's
-start). OpenMP reads those once, when it starts, so a forked worker, whose OpenMP started in its
+it starts the worker in (`OMP_NUM_THREADS`, and `GOMP_CPU_AFFINITY` or `OMP_PLACES`, set around
+the worker's start). OpenMP reads those once, when it starts, so a forked worker, whose OpenMP started in its
 parent, would ignore them: it computed with every core's threads, so its outputs differed from a
 spawned worker's (by up to 4e-3 in logprobs) and each request cost it twice the CPU. So
 `start_engines_by_fork` also applies that binding in every forked child: the thread count, and the
@@ -24,6 +24,7 @@ starts its engines on GPUs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -87,6 +88,6 @@ def start_engines_by_fork() -> bool:
     setattr(check_and_update_config, _MARK, True)
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     # vLLM's worker replaces torch.set_num_threads with a no-op once bound; keep the real one.
-    os.register_at_fork(after_in_child=lambda set_threads=torch.set_num_threads: bind_like_spawn(set_threads))
+    os.register_at_fork(after_in_child=functools.partial(bind_like_spawn, torch.set_num_threads))
     log.info("vLLM's engine processes start by fork, bound to their cores as spawned ones are")
     return True
