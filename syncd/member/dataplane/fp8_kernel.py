@@ -14,6 +14,9 @@ falls back to the reference otherwise.
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 
 from syncd.member.dataplane.fp8 import AMAX_FLOOR, E4M3_MAX
@@ -25,56 +28,20 @@ from syncd.plan.fp8_blocks import BLOCK
 # divisions, were slower (0.65-0.69 at 16 warps, below 0.2 at 4).
 NUM_WARPS = 16
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference quantizer serves
-    triton = None
-
 
 def available(t: torch.Tensor) -> bool:
-    return triton is not None and t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16, torch.float32) and _kernels() is not None
 
 
-if triton is not None:
-
-    @triton.jit
-    def _quantize_blocks(
-        x_ptr,
-        sx_l,
-        sx_n,
-        sx_k,
-        q_ptr,
-        s_ptr,
-        n,
-        k,
-        cols,
-        blocks_per_matrix,
-        WRITE_VALUES: tl.constexpr,
-        BN: tl.constexpr,
-        BK: tl.constexpr,
-        QMAX: tl.constexpr,
-        FLOOR: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        matrix = (pid // blocks_per_matrix).to(tl.int64)  # offsets past 2**31 elements
-        block = pid % blocks_per_matrix
-        r0 = (block // cols) * BN
-        c0 = (block % cols) * BK
-        rows = r0 + tl.arange(0, BN)[:, None]
-        cs = c0 + tl.arange(0, BK)[None, :]
-        mask = (rows < n) & (cs < k)
-        # The block stays in its own dtype in registers (half the registers of float32 for 16-bit
-        # weights); |x|'s maximum is exact in any float dtype.
-        x = tl.load(x_ptr + matrix * sx_l + rows * sx_n + cs * sx_k, mask=mask, other=0.0)
-        amax = tl.maximum(tl.max(tl.abs(x)).to(tl.float32), FLOOR)
-        scale = tl.math.div_rn(amax, tl.full((), QMAX, tl.float32))
-        tl.store(s_ptr + pid, scale)
-        if WRITE_VALUES:
-            # No clamp before the cast: the conversion saturates (PTX `cvt.rn.satfinite.e4m3x2`,
-            # what Triton emits for float32 to e4m3), which is the reference's clamp to +-448.
-            q = tl.math.div_rn(x.to(tl.float32), scale)
-            tl.store(q_ptr + matrix * n * k + rows * k + cs, q.to(tl.float8e4nv), mask=mask)
+@functools.cache
+def _kernels() -> ModuleType | None:
+    """The Triton kernel (`fp8_triton`), imported the first time a CUDA tensor needs it; None
+    without Triton (CPU-only installs: the reference quantizer serves)."""
+    try:
+        from syncd.member.dataplane import fp8_triton
+    except ImportError:
+        return None
+    return fp8_triton
 
 
 def quantize_into(x: torch.Tensor, values: torch.Tensor | None, scales: torch.Tensor) -> None:
@@ -85,7 +52,9 @@ def quantize_into(x: torch.Tensor, values: torch.Tensor | None, scales: torch.Te
     x3 = x.reshape(-1, n, k)  # a view when the leading dims allow it, else a copy
     rows, cols = -(-n // BLOCK[0]), -(-k // BLOCK[1])
     grid = (x3.shape[0] * rows * cols,)
-    _quantize_blocks[grid](
+    kernels = _kernels()
+    assert kernels is not None, "`available` first"
+    kernels.quantize_blocks[grid](
         x3,
         x3.stride(0),
         x3.stride(1),
