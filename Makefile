@@ -18,6 +18,10 @@ demo: $(STAMP)  ## the main job: train a tiny MoE and refit a live vLLM generato
 # third worker fills the cores while the others wait on leases and refits: 94% busy instead of 88%,
 # with 19 GB of memory at the peak (docs/testing.md). Each worker's engines get a core of their own
 # where they can (tests/conftest.py).
+# Bytecode is cached (__pycache__, pytest's rewritten tests) even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE, set in some images): each pytest worker and each of the suite's
+# processes would compile the same sources again.
+test test-fast: export PYTHONDONTWRITEBYTECODE :=
 FAST := not (processes or vllm or e2e or lab or gpu)
 FAST_WORKERS ?= 4
 TEST_WORKERS ?= 3

@@ -8,6 +8,7 @@ forgotten; `make test-fast` deselects every test that carries one of `SLOW_MARKE
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import re
 from pathlib import Path
@@ -51,6 +52,40 @@ def _folder(item: pytest.Item) -> str:
             f"{item.nodeid}: tests/{folder} has no tier; add it to FOLDER_MARKERS in tests/conftest.py"
         )
     return folder
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Leave a folder uncollected when `-m` selects none of its tests, whatever markers a test
+    adds to its folder's: `make test-fast` then imports no module of the slow folders (they import
+    vLLM, about 7 s of CPU in every pytest-xdist worker)."""
+    markexpr = config.getoption("markexpr", "")
+    if markexpr and collection_path.parent == TESTS and collection_path.name in FOLDER_MARKERS:
+        return _selects_nothing(markexpr, collection_path.name) or None
+    return None
+
+
+@functools.cache
+def _selects_nothing(markexpr: str, folder: str) -> bool:
+    """Whether `markexpr` is false for every set of markers that holds the folder's: every other
+    marker it names is tried present and absent (a handful, so every combination)."""
+    from _pytest.mark.expression import Expression
+
+    if re.search(
+        r"\b(?!(?:and|or|not)\b)\w+\s*\(", markexpr
+    ):  # a marker's arguments (`gpu(count=2)`): any test may match
+        return False
+    expression = Expression.compile(markexpr)
+    fixed = set(FOLDER_MARKERS[folder])
+    free = sorted(expression.idents() - fixed)
+    for present in itertools.product((False, True), repeat=len(free)):
+        markers = fixed | {name for name, on in zip(free, present) if on}
+        if expression.evaluate(functools.partial(_carries, markers)):
+            return False
+    return True
+
+
+def _carries(markers: set[str], name: str, /, **kwargs: object) -> bool:
+    return name in markers
 
 
 def pytest_collection_modifyitems(config, items):

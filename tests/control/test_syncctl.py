@@ -7,6 +7,7 @@ import signal
 import subprocess
 import threading
 
+import pytest
 from syncd_harness import PYTHON, REPO, TOKEN, Cluster
 
 from syncd.commands import ExecutePlan
@@ -100,8 +101,11 @@ def test_watch_follows_a_refit_as_json_lines_and_ctrl_c_leaves_it_running(make_c
         # (`make test &`) has SIGINT ignored, and a child would inherit that.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    assert watcher.stdout is not None
-    assert watcher.stdout.readline().startswith(f"{refit_id}: TRANSFERRING")  # the running refit
+    assert watcher.stdout is not None and watcher.stderr is not None
+    line = watcher.stdout.readline()
+    if not line:  # it ended: say why
+        pytest.fail(f"watch ended ({watcher.wait()}) before a line: {watcher.stderr.read()[-3000:]}")
+    assert line.startswith(f"{refit_id}: TRANSFERRING")  # the running refit
     watcher.send_signal(signal.SIGINT)
     _, err = watcher.communicate(timeout=30)
     assert watcher.returncode == 130 and f"stopped watching {refit_id}; the refit goes on" in err

@@ -1,5 +1,6 @@
-"""The tiers hold: every folder has one, and a test that starts a vLLM engine without the `vllm`
-marker fails (tests/conftest.py), so the fast tier cannot grow an engine unnoticed."""
+"""The tiers hold: every folder has one, a test that starts a vLLM engine without the `vllm`
+marker fails (tests/conftest.py), so the fast tier cannot grow an engine unnoticed, and a run
+by marker leaves the folders it cannot select uncollected."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FOLDER_MARKERS, group_of
+from tests.conftest import FOLDER_MARKERS, _selects_nothing, group_of
 
 pytest_plugins = ("pytester",)
 
@@ -51,6 +52,41 @@ def test_a_test_that_starts_an_engine_without_the_vllm_marker_fails(pytester: py
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*test_unmarked started a vLLM engine*without the `vllm` marker*"])
+
+
+FAST = "not (processes or vllm or e2e or lab or gpu)"  # the Makefile's
+
+
+def test_the_fast_tier_imports_no_module_of_a_slow_folder(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest((TESTS / "conftest.py").read_text())
+    pytester.mkdir("unit").joinpath("test_fast.py").write_text(
+        "import pytest\n\ndef test_fast():\n    pass\n\n@pytest.mark.lab\ndef test_marked_slow():\n    pass\n"
+    )
+    pytester.mkdir("e2e").joinpath("test_slow.py").write_text("raise ImportError('collected')\n")
+    fast = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-m", FAST)
+    fast.assert_outcomes(passed=1, deselected=1)
+    slow = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-m", f"not ({FAST})")
+    slow.assert_outcomes(errors=1)  # the slow tier does import it
+    slow.stdout.fnmatch_lines(["*ImportError: collected*"])
+
+
+@pytest.mark.parametrize(
+    ("markexpr", "folder", "nothing"),
+    [
+        (FAST, "e2e", True),
+        (FAST, "unit", False),
+        (f"not ({FAST})", "unit", False),  # a test there may carry a slow marker itself
+        ("vllm and not e2e", "e2e", True),
+        ("vllm and not e2e", "generator", False),
+        ("gpu", "unit", False),
+        ("not processes or gpu", "trainer", False),  # a trainer test marked gpu
+        ("not gpu(count=2)", "gpu", False),  # a GPU test of one GPU
+    ],
+)
+def test_a_folder_is_left_out_only_when_no_markers_could_select_its_tests(
+    markexpr: str, folder: str, nothing: bool
+) -> None:
+    assert _selects_nothing(markexpr, folder) is nothing
 
 
 @pytest.mark.parametrize(
