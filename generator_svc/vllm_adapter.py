@@ -159,6 +159,7 @@ SYMBOLS: dict[str, tuple[str, str]] = {
     # How engines start on CPU (generator_svc.server.engine_start)
     "CpuPlatform": ("vllm.platforms.cpu", "CpuPlatform"),
     "Worker": ("vllm.v1.worker.gpu_worker", "Worker"),
+    "SpinCondition": ("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition"),
 }
 
 # Parameter names of the functions called, as the adapter calls them.
@@ -190,6 +191,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "BaseLinearLayerWithLoRA.set_lora": ("self", "index", "lora_a", "lora_b"),
     "BaseLinearLayerWithLoRA.reset_lora": ("self", "index"),
     "CpuPlatform.check_and_update_config": ("vllm_config",),
+    "SpinCondition.__init__": ("self", "is_reader", "context", "notify_address", "busy_loop_s"),
 }
 
 # Attributes read off vLLM's objects: class -> names (methods, class attributes, dataclass fields,

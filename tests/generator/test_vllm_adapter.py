@@ -131,3 +131,24 @@ def test_the_pause_modes_are_vllms() -> None:
     from generator_svc.vllm_adapter import PauseMode as VllmPauseMode
 
     assert sorted(m.value for m in PauseMode) == sorted(get_args(VllmPauseMode))
+
+
+def test_readers_of_vllms_queues_spin_as_long_as_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What forked engines get (generator_svc.server.engine_start): a reader of vLLM's shared-memory
+    queues spins `READER_SPIN_S` after a message, not vLLM's second; a writer does not spin."""
+    import zmq
+
+    from generator_svc.server.engine_start import READER_SPIN_S, readers_spin_for
+    from generator_svc.vllm_adapter import SpinCondition
+
+    monkeypatch.setattr(SpinCondition, "__init__", SpinCondition.__init__)  # put back afterwards
+    readers_spin_for(READER_SPIN_S)
+    context = zmq.Context()
+    address = f"inproc://spin-{id(context)}"
+    try:
+        writer = SpinCondition(False, context, address)
+        reader = SpinCondition(True, context, address)
+        assert (reader.busy_loop_s, writer.busy_loop_s) == (READER_SPIN_S, 0)
+        assert SpinCondition(True, context, address, busy_loop_s=3.0).busy_loop_s == 3.0
+    finally:
+        context.destroy(linger=0)
