@@ -29,9 +29,9 @@ async def serve(settings: Settings, args: Namespace) -> int:
         setup_server,
     )
 
-    if settings.engine_start is EngineStart.FORK:
-        start_engines_by_fork()
     listen_address, sock = setup_server(args, reuse_port=False)
+    if settings.engine_start is EngineStart.FORK:
+        start_engines_by_fork(listening=sock)
     try:
         async with build_async_engine_client(args) as engine:
             refitter = Refitter(engine, settings)

@@ -24,9 +24,11 @@ VM a tiny engine's worker used 1.1 s of CPU per request when requests came 3 s a
 of it that spin. A forked engine's readers spin for `READER_SPIN_S`, longer than the gap between
 a step's output and the next step's input, so decoding still never sleeps between steps.
 
-Fork copies the API server as it is when the engine starts: vLLM imported, the listening socket
-open, no engine or syncd connection yet (generator_svc starts the engine first). That is how vLLM
-starts its engines on GPUs.
+Fork copies the API server as it is when the engine starts: vLLM imported, no engine or syncd
+connection yet (generator_svc starts the engine first). That is how vLLM starts its engines on
+GPUs. The API server's listening socket is open by then, and a forked child closes its copy: one
+that kept it would keep the port bound after the API server ended, and it made vLLM's shutdown
+fail when it looked for the port's holder and found a worker that had just exited.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 from collections.abc import Mapping
 from multiprocessing import resource_tracker
 from typing import Any
@@ -69,16 +72,19 @@ def bind_like_spawn(set_num_threads: Any) -> None:
         set_num_threads(threads)
 
 
-def start_engines_by_fork() -> bool:
-    """Make vLLM fork the engine core and its workers on CPU (see the module's docstring). Call
-    before the engine is built; idempotent. Returns whether engines will fork: False off CPU, where
-    vLLM picks its own way (it forks unless CUDA is already initialized)."""
+def start_engines_by_fork(listening: socket.socket | None = None) -> bool:
+    """Make vLLM fork the engine core and its workers on CPU (see the module's docstring), closing
+    `listening` (the API server's socket) in each. Call before the engine is built; idempotent.
+    Returns whether engines will fork: False off CPU, where vLLM picks its own way (it forks unless
+    CUDA is already initialized)."""
     import torch
 
     from generator_svc.vllm_adapter import CpuPlatform, current_platform
 
     if not current_platform.is_cpu():
         return False
+    if listening is not None:
+        os.register_at_fork(after_in_child=listening.close)
     original = CpuPlatform.check_and_update_config.__func__
     if getattr(original, _MARK, False):
         return True

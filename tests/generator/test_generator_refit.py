@@ -60,6 +60,19 @@ def test_a_forked_worker_is_bound_to_the_core_a_spawned_one_gets(service_a: Serv
     assert [w.cpu_affinity() for w in workers] == [[int(bind)]]
 
 
+def test_forked_engine_processes_leave_the_listening_socket_to_the_api_server(service_a: Service) -> None:
+    """A forked child closes its copy of the API server's socket (generator_svc.server.engine_start):
+    only the API server listens on the port."""
+    server = psutil.Process(service_a.proc.pid)
+    listening = {
+        p.pid
+        for p in [server, *server.children(recursive=True)]
+        for c in p.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == service_a.port
+    }
+    assert listening == {server.pid}
+
+
 def test_requests_during_a_refit_are_held_not_failed(
     service_a: Service, outputs_a: dict, checkpoints: dict
 ) -> None:
