@@ -8,7 +8,9 @@ engine to checkpoint B through the staging receive path and back, and writes the
 (`outputs.json`). Writes `catalogs.json` (per tp rank: the registered catalog and vLLM's parameter
 names) and `tp{rank}.safetensors` (every parameter as vLLM's own loaders wrote it, checkpoint
 format) and `installed-tp{rank}.safetensors` (the same, as the install by parameter wrote it). A
-separate process because an `LLM` spawns engine processes that need a `__main__` guard.
+separate process, whose engine processes fork from it as generator_svc's do
+(`generator_svc.server.engine_start`: bound to their cores as spawned ones are), and which the test
+ends with them.
 """
 
 from __future__ import annotations
@@ -43,9 +45,12 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from generator_svc.server.engine_start import start_engines_by_fork
     from generator_svc.worker_protocol import WorkerSetup
     from testkit import worker_aids
     from tests.engines import KV_CACHE_BYTES
+
+    start_engines_by_fork()  # spawned, each would import vLLM again: 10 s of CPU here
 
     llm = LLM(
         model=args.model,
