@@ -1,8 +1,10 @@
-"""Run under torchrun (4 gloo ranks): transformers' Qwen3-MoE parallelized as the example does
-(argv[1]: fsdp2, tp or fsdp2tp), one training step, then every rank's catalog
-(`syncd.member.dtensor.rank_layout`, built-in names) must reassemble the gathered canonical
-checkpoint exactly: each canonical tensor's every element covered, every box holding the
-gathered values. Rank 0 writes a JSON report to argv[3] (argv[2]: the model directory).
+"""Run under torchrun (4 gloo ranks): for each layout of argv[1] (comma-separated: fsdp2, tp,
+fsdp2tp), transformers' Qwen3-MoE parallelized as the example does, one training step, then every
+rank's catalog (`syncd.member.dtensor.rank_layout`, built-in names) must reassemble the gathered
+canonical checkpoint exactly: each canonical tensor's every element covered, every box holding the
+gathered values. Rank 0 writes a JSON report per layout, `LAYOUT.json` in the folder argv[3]
+(argv[2]: the model directory). One job for every layout: its ranks import torch and
+transformers once.
 """
 
 from __future__ import annotations
@@ -23,8 +25,17 @@ from trainer_svc.hf_checkpoint import load_hf
 
 
 def main() -> None:
-    layout_name, model_dir, out = sys.argv[1:4]
+    layouts, model_dir, out_dir = sys.argv[1:4]
     dist.init_process_group("gloo")
+    for layout_name in layouts.split(","):
+        check(layout_name, model_dir, str(__import__("pathlib").Path(out_dir) / f"{layout_name}.json"))
+    # Every rank done before any closes its connections (a rank of _refusal_ranks.py once aborted
+    # in CI, 'terminate called without an active exception', maybe at teardown; not reproduced).
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check(layout_name: str, model_dir: str, out: str) -> None:
     model, mesh = parallelize(
         Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32), layout_name
     )
@@ -68,10 +79,7 @@ def main() -> None:
         }
         with open(out, "w") as f:
             json.dump(report, f, indent=1)
-    # Every rank done before any closes its connections (a rank of _refusal_ranks.py once aborted
-    # in CI, 'terminate called without an active exception', maybe at teardown; not reproduced).
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.barrier()  # the next layout's model after this one's report
 
 
 if __name__ == "__main__":

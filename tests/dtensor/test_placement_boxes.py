@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from dtensor_harness import torchrun
@@ -23,11 +24,20 @@ def test_strided_shard_boxes_reassemble_full_tensor(tmp_path):
     assert checked >= 50 and refused >= 1, (checked, refused)  # both kinds were really drawn
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp", "fsdp2tp"])
-def test_model_catalog_reassembles_the_gathered_checkpoint(layout, kv4_model, tmp_path):
-    report_file = tmp_path / "report.json"
-    torchrun("_model_ranks.py", layout, str(kv4_model), str(report_file))
-    report = json.loads(report_file.read_text())
+LAYOUTS = ["fsdp2", "tp", "fsdp2tp"]
+
+
+@pytest.fixture(scope="module")
+def reports(kv4_model, tmp_path_factory) -> Path:
+    """Every layout's report, from one rank job (its ranks import torch and transformers once)."""
+    out = tmp_path_factory.mktemp("reports")
+    torchrun("_model_ranks.py", ",".join(LAYOUTS), str(kv4_model), str(out))
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_model_catalog_reassembles_the_gathered_checkpoint(layout, reports):
+    report = json.loads((reports / f"{layout}.json").read_text())
     assert report["uncovered"] == [] and report["wrong"] == [], report
     assert len(report["grouped"]) == 12  # 4 layers x gate/up/down, from fused 3-D parameters
     placements = set(report["placements"].values())
