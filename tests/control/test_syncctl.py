@@ -12,6 +12,7 @@ from syncd_harness import PYTHON, REPO, TOKEN, Cluster
 
 from syncd.commands import ExecutePlan
 from syncd.net import free_port
+from tests.terminal_signals import signals_as_in_a_terminal
 
 
 def syncctl(url: str, *args: str, token: str | None = None) -> subprocess.CompletedProcess:
@@ -91,16 +92,14 @@ def test_watch_follows_a_refit_as_json_lines_and_ctrl_c_leaves_it_running(make_c
     cluster.announce(3)
     refit_id = cluster.refit()["id"]
     assert held.wait(30)
-    watcher = subprocess.Popen(
-        [PYTHON, "-m", "syncd.cli", "--url", cluster.url, "watch"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # Ctrl-C reaches a command in a terminal's foreground; a suite run as a background job
-        # (`make test &`) has SIGINT ignored, and a child would inherit that.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    with signals_as_in_a_terminal():  # Ctrl-C must reach it (tests/terminal_signals.py)
+        watcher = subprocess.Popen(
+            [PYTHON, "-m", "syncd.cli", "--url", cluster.url, "watch"],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     assert watcher.stdout is not None and watcher.stderr is not None
     line = watcher.stdout.readline()
     if not line:  # it ended: say why

@@ -18,6 +18,7 @@ from deploy.lab import Lab, LabError, net
 from deploy.lab.lab import STATE_DIR, gateway_ifname
 from tests.lab_support import lab_name, require_lab, running_lab
 from tests.polling import wait_until
+from tests.terminal_signals import signals_as_in_a_terminal
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[2]
@@ -156,11 +157,6 @@ def test_down_removes_everything_and_stops_every_process(tmp_path):
     assert other.wait(10) is not None
 
 
-def _default_signals() -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_signal_tears_the_lab_down(tmp_path, sig):
     require_lab()
@@ -175,15 +171,8 @@ def test_a_signal_tears_the_lab_down(tmp_path, sig):
             time.sleep(600)
         """
     )
-    owner = subprocess.Popen(
-        [PY, "-c", script],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        # As a command in a terminal has them: a suite run as a background job (`make test &`)
-        # has SIGINT ignored, and a child inherits an ignored signal.
-        preexec_fn=_default_signals,
-    )
+    with signals_as_in_a_terminal():  # as a command in a terminal has them (tests/terminal_signals.py)
+        owner = subprocess.Popen([PY, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert owner.stdout.readline().strip() == "up"
     assert lab_leftovers(name)
     owner.send_signal(sig)
