@@ -70,9 +70,8 @@ def _selects_nothing(markexpr: str, folder: str) -> bool:
     marker it names is tried present and absent (a handful, so every combination)."""
     from _pytest.mark.expression import Expression
 
-    if re.search(
-        r"\b(?!(?:and|or|not)\b)\w+\s*\(", markexpr
-    ):  # a marker's arguments (`gpu(count=2)`): any test may match
+    # A marker's arguments (`-m "gpu(count=2)"`) the folders do not decide: any test may match.
+    if re.search(r"\b(?!(?:and|or|not)\b)\w+\s*\(", markexpr):
         return False
     expression = Expression.compile(markexpr)
     fixed = set(FOLDER_MARKERS[folder])

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import Qwen3MoeForCausalLM
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from fsdp2_tp_refit import parallelize, sum_head_norm_grads
 
 from syncd.layout import hf_names
@@ -28,7 +29,7 @@ def main() -> None:
     layouts, model_dir, out_dir = sys.argv[1:4]
     dist.init_process_group("gloo")
     for layout_name in layouts.split(","):
-        check(layout_name, model_dir, str(__import__("pathlib").Path(out_dir) / f"{layout_name}.json"))
+        check(layout_name, model_dir, str(Path(out_dir) / f"{layout_name}.json"))
     # Every rank done before any closes its connections (a rank of _refusal_ranks.py once aborted
     # in CI, 'terminate called without an active exception', maybe at teardown; not reproduced).
     dist.barrier()
@@ -62,8 +63,8 @@ def check(layout_name: str, model_dir: str, out: str) -> None:
     if dist.get_rank() == 0:
         from fsdp2_tp_refit import save_gathered
 
-        save_gathered(model_dir, gathered, __import__("pathlib").Path(out).with_suffix(".ckpt"))
-        _, canonical = load_hf(str(__import__("pathlib").Path(out).with_suffix(".ckpt")))
+        save_gathered(model_dir, gathered, Path(out).with_suffix(".ckpt"))
+        _, canonical = load_hf(str(Path(out).with_suffix(".ckpt")))
         covered = {n: torch.zeros(t.shape, dtype=torch.bool) for n, t in canonical.items()}
         wrong = []
         for rank, pieces in enumerate(everyone):
