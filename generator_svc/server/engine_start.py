@@ -46,7 +46,7 @@ from generator_svc.settings import EngineStart
 log = logging.getLogger("generator_svc.engine_start")
 
 _MARK = "_generator_svc_fork_start"
-READER_SPIN_S = 0.1  # vLLM's `SpinCondition.busy_loop_s` in forked engines (vLLM's default: 1 s)
+READER_SPIN_S = 0.02  # vLLM's `SpinCondition.busy_loop_s` in forked engines (vLLM's default: 1 s)
 
 
 def omp_binding(env: Mapping[str, str]) -> tuple[int | None, set[int] | None]:
