@@ -120,7 +120,8 @@ class _Digesting(GeneratorEndpoint):
         super().commit(refit_id, version, timeout_s)
         if self.digest_file is not None:
             tmp = self.digest_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"version": int(version), "sha256": tensor_digests(self.params)}))
+            body = {"refit": refit_id, "version": int(version), "sha256": tensor_digests(self.params)}
+            tmp.write_text(json.dumps(body))
             os.replace(tmp, self.digest_file)
 
 

@@ -93,6 +93,13 @@ class Fleet:
             digest = hashlib.sha256(np.ascontiguousarray(arr).view(np.uint8)).hexdigest()
             assert body["sha256"][name] == digest, f"{member_id}/{name} differs from version {version}"
 
+    def assert_nothing_torn_by(self, member_id: str, refit_id: str) -> None:
+        """`refit_id` aborted: the member never committed it and holds exactly the version it last
+        committed (syncd's retry may have committed the same version since)."""
+        body = json.loads(self.digest_file(member_id).read_text())
+        assert body["refit"] != refit_id, (member_id, refit_id)
+        self.assert_bit_exact(member_id, body["version"])
+
     def ready(self, timeout_s: float = 90) -> None:
         wait_until(
             lambda: self.http.get("/readyz").status_code == 200, timeout_s, "syncd ready", interval=0.3
@@ -173,8 +180,8 @@ def test_a_replica_killed_mid_relay_leaves_nothing_torn_and_the_survivors_commit
     victim.popen.send_signal(signal.SIGKILL)
     aborted = fleet.final(first)
     assert aborted["state"] == "ABORTED", aborted
-    for member_id in ("generator-0-0", "generator-2-0"):  # nothing torn: still version 1, whole
-        fleet.assert_bit_exact(member_id, 1)
+    for member_id in ("generator-0-0", "generator-2-0"):
+        fleet.assert_nothing_torn_by(member_id, first)
 
     def retried() -> dict | None:
         refits = fleet.http.get("/v1/refits").json()["refits"]
