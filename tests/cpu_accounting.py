@@ -1,6 +1,6 @@
 """Where the suite's CPU goes, by test file: `TEST_CPU_REPORT=DIR make test` (tests/conftest.py
 registers `CpuAccounting` then) writes one JSON file per pytest process (each xdist worker) into
-DIR, and `python -m tests.cpu_accounting DIR` sums them into a table.
+DIR, and `python -m tests.cpu_accounting DIR` sums them into a table by file (`--by-test`: by test).
 
 On a 2-core machine the slow tier keeps both cores busy, so its wall time follows its CPU time,
 not its waits; this is what says which files to make cheaper. A test's CPU is what the pytest
@@ -47,29 +47,29 @@ def _live_descendants_s() -> float:
 class CpuAccounting:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.by_file: dict[str, float] = defaultdict(float)
+        self.by_test: dict[str, float] = defaultdict(float)
         self.last = _cpu_s()
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_logfinish(self, nodeid: str, location) -> None:
         now = _cpu_s()
-        self.by_file[nodeid.split("::", 1)[0]] += now - self.last
+        self.by_test[nodeid] += now - self.last
         self.last = now
 
     def pytest_sessionfinish(self) -> None:
-        self.by_file["(session fixtures' teardown)"] += _cpu_s() - self.last
+        self.by_test["(session fixtures' teardown)"] += _cpu_s() - self.last
         self.folder.mkdir(parents=True, exist_ok=True)
         name = os.environ.get("PYTEST_XDIST_WORKER", "main")
-        (self.folder / f"cpu-{name}-{os.getpid()}.json").write_text(json.dumps(self.by_file, indent=1))
+        (self.folder / f"cpu-{name}-{os.getpid()}.json").write_text(json.dumps(self.by_test, indent=1))
 
 
-def main(folder: str) -> None:
+def main(folder: str, by_test: bool = False) -> None:
     total: dict[str, float] = defaultdict(float)
     for path in Path(folder).glob("cpu-*.json"):
-        for file, seconds in json.loads(path.read_text()).items():
-            total[file] += seconds
+        for nodeid, seconds in json.loads(path.read_text()).items():
+            total[nodeid if by_test else nodeid.split("::", 1)[0]] += seconds
     whole = sum(total.values())
-    print(f"{'CPU s':>8} {'share':>6}  test file (total {whole:.0f} s)")
+    print(f"{'CPU s':>8} {'share':>6}  {'test' if by_test else 'test file'} (total {whole:.0f} s)")
     for file, seconds in sorted(total.items(), key=lambda kv: -kv[1]):
         try:
             print(f"{seconds:8.0f} {seconds / whole:6.1%}  {file}")
@@ -78,4 +78,4 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], by_test="--by-test" in sys.argv[2:])
