@@ -538,3 +538,19 @@ def apply_cpu_moe_fix() -> bool:
     setattr(_setup_kernel, _MOE_FIX_MARK, True)
     UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
     return True
+
+
+def request_cpu_amx_tiles() -> bool:
+    """Work around a vLLM 0.32 CPU bug: its attention kernel uses AMX tiles without asking Linux.
+
+    On a CPU with AMX (Sapphire Rapids and later), `cpu_attention_with_kv_cache` picks its AMX
+    variant, but a process may execute AMX instructions only once it requested them
+    (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); oneDNN asks on its first bfloat16 matmul. An engine
+    that skips warmup (eager with an explicit KV cache size, as ours, or `VLLM_CPU_CI_ENV`) can
+    reach attention first and its worker dies of SIGILL on its first request: measured on a
+    2-core AMX VM, 2026-11-29, with a plain `LLM(..., enforce_eager=True)` too. Asking at worker
+    start costs one system call. Returns whether AMX tiles are usable (False without AMX or on
+    the GPU platform, where nothing is asked)."""
+    if not _load("current_platform").is_cpu():
+        return False
+    return bool(torch.cpu._init_amx())  # private in torch 2.13: the call oneDNN makes

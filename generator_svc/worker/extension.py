@@ -36,6 +36,7 @@ from generator_svc.vllm_adapter import (
     lora_dtype,
     lora_model_manager,
     lora_slot_limits,
+    request_cpu_amx_tiles,
     tensor_parallel_position,
     worker_model,
 )
@@ -64,6 +65,7 @@ _LEAVE_AT_EXIT = 10
 # Runs at import, i.e. in every worker before its model loads.
 transfer_engine.register()
 apply_cpu_moe_fix()
+request_cpu_amx_tiles()
 
 
 class WeightSyncExtension:

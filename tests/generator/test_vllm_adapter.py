@@ -11,6 +11,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
+import platform
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, get_args
 
@@ -106,6 +110,33 @@ def test_the_cpu_moe_fix_patches_once_keeping_the_signature() -> None:
     patched = method._setup_kernel
     assert vllm_adapter.apply_cpu_moe_fix() is True and method._setup_kernel is patched
     assert list(inspect.signature(patched).parameters) == before
+
+
+AMX_PROBE = """
+import ctypes, json, torch
+from generator_svc import vllm_adapter
+
+def permitted():  # arch_prctl(ARCH_GET_XCOMP_PERM): bit 18 is XTILEDATA, AMX's tiles
+    mask = ctypes.c_ulong(0)
+    assert ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(mask)) == 0
+    return bool(mask.value & (1 << 18))
+
+before = permitted()
+granted = vllm_adapter.request_cpu_amx_tiles()
+print(json.dumps([torch.cpu._is_amx_tile_supported(), before, granted, permitted()]))
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="AMX is x86's")
+def test_a_worker_may_use_amx_tiles_where_the_cpu_has_them() -> None:
+    """vLLM's CPU attention uses AMX tiles without asking Linux for them (a worker whose first
+    request reaches attention first dies of SIGILL); the worker extension asks at import. In a
+    fresh process, where nothing asked yet."""
+    out = subprocess.run([sys.executable, "-c", AMX_PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    has_amx, before, granted, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not before
+    assert granted is after is has_amx
 
 
 def test_no_other_generator_svc_module_imports_vllm() -> None:
