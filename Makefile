@@ -22,6 +22,9 @@ demo: $(STAMP)  ## the main job: train a tiny MoE and refit a live vLLM generato
 # (PYTHONDONTWRITEBYTECODE, set in some images): each pytest worker and each of the suite's
 # processes would compile the same sources again.
 test test-fast: export PYTHONDONTWRITEBYTECODE :=
+# A process of the suite that dies of a signal (SIGSEGV, SIGABRT: a vLLM worker, a trainer rank)
+# prints its Python stacks first, so a rare crash in CI says where it happened.
+test test-fast: export PYTHONFAULTHANDLER := 1
 FAST := not (processes or vllm or e2e or lab or gpu)
 FAST_WORKERS ?= 4
 TEST_WORKERS ?= 3
