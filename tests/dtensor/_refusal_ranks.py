@@ -5,6 +5,7 @@ text to argv[1] + f".{r}". No syncd runs: a refused attach must never reach it."
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -58,10 +59,14 @@ def main() -> None:
     with open(f"{sys.argv[1]}.{dist.get_rank()}", "w") as f:
         f.write(text)
     print(f"rank {dist.get_rank()}: refusals written", flush=True)  # in the test's output on a failure
-    # Every rank done before any closes its connections (one rank of this script once aborted
-    # in CI, 'terminate called without an active exception', maybe at teardown; not reproduced).
+    # Every rank done before any leaves; then leave without the interpreter's teardown. A rank
+    # aborted in it now and then in CI ('terminate called without an active exception', after
+    # writing its refusals, with a barrier and destroy_process_group before): a thread of torch's
+    # C++ side still running when the process exits. Nothing of this script runs in its teardown,
+    # and `attach` refuses before it starts anything of its own (no thread, no connection).
     dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)
 
 
 if __name__ == "__main__":
