@@ -4,6 +4,7 @@ the tests, so that none of them imports another for them."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -17,12 +18,41 @@ from pathlib import Path
 HTTP_KEEP_ALIVE_S = 75
 
 
+# The kernel's ephemeral ports (net.ipv4.ip_local_port_range): where it picks the local port of
+# every outgoing connection, and of a bind to port 0.
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+FIRST_UNPRIVILEGED_PORT = 1024
+
+
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 that nothing listens on now (the OS picks it). The caller binds it
-    soon after, as another process may pick the same port meanwhile."""
-    with socket.socket() as s:
+    """A TCP port of 127.0.0.1 that nothing listens on now, for a server the caller starts soon
+    after. Outside the kernel's ephemeral range: a port the OS picked there (a bind to 0) was free,
+    but any outgoing connection could take it before the server bound it, which on a busy test
+    machine happened several times a run ("Address already in use"). Another caller of this
+    function may still pick the same port meanwhile, at odds of one in tens of thousands."""
+    low, high = _ephemeral_range()
+    outside = [(FIRST_UNPRIVILEGED_PORT, low - 1), (high + 1, 65535)]
+    ranges = [(a, b) for a, b in outside if a <= b]
+    for _ in range(100 if ranges else 0):
+        first, last = random.choice(ranges)
+        port = random.randint(first, last)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use (or in TIME_WAIT): another one
+                continue
+            return port
+    with socket.socket() as s:  # the range covers every port: let the OS pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(n) for n in EPHEMERAL_PORTS.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
 
 
 def host_identity() -> str:
