@@ -332,12 +332,15 @@ class References:
     model architecture, started on the first checkpoint asked for and loading each later one
     through vLLM's own loaders (tests/generator holds such a load to a fresh engine token for
     token), instead of a fresh engine (~20 s) per checkpoint. TP 1 and bfloat16, as the tests'
-    generators; on this machine's loopback, whatever `Stack` a test uses. Their engines start as
-    vLLM starts them (spawn), so every comparison with a generator, whose engine forks
-    (generator_svc.server.engine_start), also holds the two ways of starting equal."""
+    generators; on this machine's loopback, whatever `Stack` a test uses. `engine_start`: how
+    their engines start; the session's fork, as generator_svc does (half the CPU of a spawned
+    start, and 20 ms of spinning after each request instead of vLLM's second); the LoRA demo's
+    spawn, as vLLM does, so that its comparisons with a generator, whose engine forks, also hold
+    the two ways of starting equal in bfloat16 (tests/generator does in float32)."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, engine_start: EngineStart = EngineStart.FORK) -> None:
         self.stack = Stack(work)
+        self.engine_start = engine_start
         self.engines: dict[str, Generator] = {}
         self.loads = 0
 
@@ -349,7 +352,7 @@ class References:
         if engine is None:
             name = f"reference-{len(self.engines)}"
             engine = self.engines[key] = self.stack.start_generator(
-                checkpoint, syncd=False, name=name, engine_start=EngineStart.SPAWN
+                checkpoint, syncd=False, name=name, engine_start=self.engine_start
             )
         else:
             self.loads += 1

@@ -14,6 +14,7 @@ from e2e_harness import References
 from safetensors import safe_open
 
 from deploy.local.processes import PYTHON, REPO
+from generator_svc.settings import EngineStart
 from trainer_svc.tiny import TINY_ARGS, make_tiny_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -80,8 +81,9 @@ def test_the_lora_demo_refits_only_target_modules_bit_exact_with_vllm_on_the_mer
     weights and nothing else, and after each one the generator's greedy tokens and logprobs equal,
     bit for bit, vLLM's on the base checkpoint merged with that step's adapter (reassembled from
     the trainer's shards and merged whole, as `trainer_svc.lora.merge` defines it). vLLM's: a
-    reference engine started on the first merge and loading the later ones through vLLM's own
-    loaders (tests/generator holds such a load equal to a fresh engine, token for token)."""
+    reference engine started on the first merge as vLLM starts one (spawn; the generator's forks)
+    and loading the later ones through vLLM's own loaders (tests/generator holds such a load equal
+    to a fresh engine, token for token)."""
     import torch
 
     from trainer_svc.hf_checkpoint import load_hf, save_hf
@@ -100,7 +102,8 @@ def test_the_lora_demo_refits_only_target_modules_bit_exact_with_vllm_on_the_mer
 
     args, base = load_hf(model)
     (tmp_path / "references").mkdir()
-    references = References(tmp_path / "references")  # this test's own: no other test serves its vocabulary
+    # This test's own (no other test serves its vocabulary), started as vLLM starts engines.
+    references = References(tmp_path / "references", EngineStart.SPAWN)
     try:
         for row in summary["steps"]:
             step = row["step"]
