@@ -41,7 +41,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty 
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 99, 3, 250, 7, 81], [(i * 37 + 11) % 512 for i in range(100)]]
 MAX_TOKENS = 8
-ROLLOUT_PAUSE_S = 1.0  # between the background thread's rounds: leave the CPU to the trainer too
+# Between the background thread's rounds: leave the CPU to the trainer too. Longer than the second
+# vLLM's workers busy-wait after each step (on CPU that wait takes a core), or nothing is left.
+ROLLOUT_PAUSE_S = 2.0
 log = logging.getLogger("attach_llm")
 
 
