@@ -36,20 +36,15 @@ class Service:
     """`python -m generator_svc` in its own process group, driven over HTTP."""
 
     def __init__(self, model: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        self.log = log
-        self._command = [sys.executable, "-m", "generator_svc", "--model", str(model)]
-        self._args = ["--dtype", "float32", *ENGINE_FLAGS, *args]
-        self._env = env or engine_env()
-        self._start("w")
-
-    def _start(self, log_mode: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        with open(self.log, log_mode) as out:  # the child keeps its own copy of the descriptor
+        self.log = log
+        command = [sys.executable, "-m", "generator_svc", "--model", str(model), "--port", str(self.port)]
+        with open(log, "w") as out:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
-                [*self._command, "--port", str(self.port), *self._args],
+                [*command, "--dtype", "float32", *ENGINE_FLAGS, *args],
                 cwd=REPO,
-                env=self._env,
+                env=env or engine_env(),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -58,15 +53,8 @@ class Service:
 
     def wait_ready(self, timeout: float = 300) -> Service:
         deadline = time.monotonic() + timeout
-        retried = False
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                # The free port was taken by another process before the generator bound it
-                # (`free_port` says so): once, on another port.
-                if not retried and "Address already in use" in self.log_tail():
-                    retried = True
-                    self._start("a")
-                    continue
                 raise RuntimeError(f"generator exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if self.http.get("/healthz").status_code == 200:
